@@ -1,0 +1,37 @@
+# make demo: the main job on local CPU ranks (no server, no download beyond packages).
+# make test: the whole test suite. Both create .venv in the repo root when it is missing.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+# A CPU build of torch that installs offline on our machines. GPU users: put your own CUDA build of torch
+# into .venv first (or run `make TORCH=torch==2.14.1 test`); an installed torch is never replaced.
+TORCH  ?= torch==2.13.0
+PYTHON ?= python3
+
+.PHONY: test demo bench clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+$(VENV)/.torch: | $(PY)
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet "$(TORCH)"
+	touch $@
+
+$(VENV)/.core: pyproject.toml $(VENV)/.torch
+	$(PY) -m pip install --quiet -e .
+	touch $@
+
+$(VENV)/.dev: pyproject.toml $(VENV)/.core
+	$(PY) -m pip install --quiet -e ".[dev,mpi]"
+	touch $@
+
+demo: $(VENV)/.core
+	$(VENV)/bin/moonep roundtrip --world-size 4 --json out/demo.json
+
+test: $(VENV)/.dev
+	TQDM_DISABLE=1 MPLBACKEND=Agg $(PY) -m pytest -q
+
+bench: $(VENV)/.dev
+	$(VENV)/bin/moonep bench collectives --world-size 4 --json out/bench_collectives.json
+
+clean:
+	rm -rf $(VENV) out .pytest_cache

@@ -1,0 +1,365 @@
+"""The ``Communicator``: one face over torch.distributed, mpi4py and NVSHMEM.
+
+Every public call takes and returns torch tensors, checks its arguments before any data moves, records itself in
+the per-rank trace when tracing is on, and gives up after ``timeout`` seconds with a ``CollectiveError`` instead
+of hanging. Backends implement the underscored primitives only (``_all_to_all_single``, ``_all_gather``, ...),
+which receive arguments that were already checked.
+
+With ``validate=True`` (the default) each collective first all-gathers a small integer header (operation, dtype,
+row size, split sizes, any local problem) so that a bad argument on one rank is reported on *every* rank as a
+``ValueError`` naming the rank and the problem, rather than as a hang or garbage on the others. Hot paths whose
+splits are consistent by construction (the EP layer, whose splits come from one shared plan) pass
+``validate=False`` to skip that header.
+"""
+from __future__ import annotations
+
+import abc
+import time
+from datetime import timedelta
+from typing import Sequence
+
+import torch
+
+from collectives.trace import Tracer, tracer_from_env
+
+REDUCE_OPS = ("sum", "max", "min", "prod")
+
+_OPS = ("all_to_all_single", "all_gather", "all_reduce", "reduce_scatter", "broadcast", "split", "barrier")
+_OP_CODE = {name: i + 1 for i, name in enumerate(_OPS)}
+_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int32, torch.int64,
+           torch.int16, torch.int8, torch.uint8, torch.bool)
+_DTYPE_CODE = {dt: i + 1 for i, dt in enumerate(_DTYPES)}
+_HEADER = 8  # status, op, dtype, row numel, rows in, rows out, src, reduce op; then in/out splits per peer
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed on this rank: it timed out, or a peer died or reported an error."""
+
+    def __init__(self, message: str, *, op: str = "", failed_ranks: Sequence[int] = ()):
+        super().__init__(message)
+        self.op = op
+        self.failed_ranks = tuple(failed_ranks)
+
+
+def _row_numel(t: torch.Tensor) -> int:
+    return int(t[0].numel()) if t.dim() > 0 and t.shape[0] > 0 else int(torch.Size(t.shape[1:]).numel())
+
+
+def _rows(t: torch.Tensor) -> int:
+    return int(t.shape[0]) if t.dim() > 0 else 1
+
+
+def _check_splits(name: str, splits, world: int, rows: int) -> list[int] | str:
+    """Returns the split list, or a message saying what is wrong with it."""
+    splits = [int(s) for s in splits]
+    if len(splits) != world:
+        return f"{name} has {len(splits)} entries, expected world_size={world}"
+    if any(s < 0 for s in splits):
+        return f"{name} has a negative size: {splits}"
+    if sum(splits) != rows:
+        return f"{name} sums to {sum(splits)} but the tensor has {rows} rows along dim 0"
+    return splits
+
+
+def _even_splits(name: str, world: int, rows: int) -> list[int] | str:
+    if rows % world:
+        return f"{name} is None, so dim 0 ({rows} rows) must divide evenly by world_size={world}"
+    return [rows // world] * world
+
+
+class Communicator(abc.ABC):
+    """A group of ranks that exchange torch tensors.
+
+    Attributes:
+        rank: this process's index in the group, ``0 <= rank < world_size``.
+        world_size: number of ranks in the group.
+        group_ranks: global (world) rank of each member, indexed by group rank.
+        timeout: default seconds any call may take before it raises ``CollectiveError``.
+        validate: exchange a small header before each collective so bad input fails on every rank.
+    """
+
+    backend: str = "abstract"
+    split_can_reorder: bool = True
+    """Whether ``split``'s ``key`` may order a sub-group differently from parent rank order."""
+
+    def __init__(self, rank: int, world_size: int, group_ranks: Sequence[int], *, timeout: float = 60.0,
+                 validate: bool = True, tracer: Tracer | None = None, global_rank: int | None = None):
+        if timeout <= 0:
+            raise ValueError(f"timeout must be positive seconds, got {timeout}")
+        self.rank = rank
+        self.world_size = world_size
+        self.group_ranks = tuple(int(r) for r in group_ranks)
+        self.timeout = float(timeout)
+        self.validate = validate
+        self.global_rank = self.group_ranks[rank] if global_rank is None else global_rank
+        self.tracer = tracer if tracer is not None else tracer_from_env(self.global_rank)
+
+    # ---------------------------------------------------------------- backend primitives (checked input)
+    @abc.abstractmethod
+    def _all_to_all_single(self, out, inp, out_splits: list[int], in_splits: list[int], timeout: float): ...
+
+    @abc.abstractmethod
+    def _all_gather(self, out, inp, timeout: float): ...
+
+    @abc.abstractmethod
+    def _all_reduce(self, tensor, op: str, timeout: float): ...
+
+    @abc.abstractmethod
+    def _reduce_scatter(self, out, inp, op: str, timeout: float): ...
+
+    @abc.abstractmethod
+    def _broadcast(self, tensor, src: int, timeout: float): ...
+
+    @abc.abstractmethod
+    def _barrier(self, timeout: float): ...
+
+    @abc.abstractmethod
+    def _send(self, tensor, dst: int, timeout: float): ...
+
+    @abc.abstractmethod
+    def _recv(self, tensor, src: int, timeout: float): ...
+
+    @abc.abstractmethod
+    def _new_group(self, members: list[int], color: int) -> "Communicator":
+        """Sub-communicator over ``members`` (group ranks of self, in new-rank order).
+
+        Called on every rank of ``self``; ranks that are not members get ``members == []`` and return ``None``.
+        """
+
+    def _header_device(self) -> torch.device:
+        """Where the validation header lives (a backend whose group only moves CUDA tensors overrides this)."""
+        return torch.device("cpu")
+
+    def close(self) -> None:
+        """Release backend resources of this communicator (collective over the group where the backend needs it)."""
+        if self.tracer is not None:
+            self.tracer.close()
+
+    def report_failure(self, message: str) -> None:
+        """Tell peers that this rank failed, so their timeouts can name it. Best effort; backends may ignore."""
+
+    # ---------------------------------------------------------------- public API
+    def all_to_all_single(self, out: torch.Tensor, inp: torch.Tensor, out_splits: Sequence[int] | None = None,
+                          in_splits: Sequence[int] | None = None, *, timeout: float | None = None,
+                          validate: bool | None = None) -> torch.Tensor:
+        """Exchange rows: ``inp[rows for peer j]`` goes to peer j, peer i's rows land in ``out`` in rank order.
+
+        ``inp [sum(in_splits), ...]``, ``out [sum(out_splits), ...]``; splits count rows along dim 0 and default
+        to equal parts. ``in_splits[j]`` on rank i must equal ``out_splits[i]`` on rank j. Returns ``out``.
+        ``timeout`` and ``validate`` override the communicator's defaults for this call (every collective).
+        """
+        problem, ins, outs = self._local_a2a_problem(out, inp, out_splits, in_splits)
+        self._agree("all_to_all_single", problem, out, inp, splits=(ins, outs), validate=validate, timeout=timeout)
+        return self._timed("all_to_all_single", inp.numel() * inp.element_size(),
+                           self._all_to_all_single, out, inp, outs, ins, timeout)
+
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, *, timeout: float | None = None,
+                   validate: bool | None = None) -> torch.Tensor:
+        """Concatenate every rank's ``inp [n, ...]`` into ``out [world_size * n, ...]`` in rank order."""
+        problem = self._pair_problem(out, inp) or self._shape_problem(
+            out, (_rows(inp) * self.world_size, *inp.shape[1:]), "out", "world_size * inp rows")
+        self._agree("all_gather", problem, out, inp, validate=validate, timeout=timeout)
+        return self._timed("all_gather", out.numel() * out.element_size(), self._all_gather, out, inp, timeout)
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum", *, timeout: float | None = None,
+                   validate: bool | None = None) -> torch.Tensor:
+        """Reduce ``tensor`` over all ranks in place (``op`` in sum, max, min, prod) and return it."""
+        problem = self._tensor_problem(tensor, "tensor") or self._op_problem(op)
+        self._agree("all_reduce", problem, tensor, tensor, reduce_op=op, validate=validate, timeout=timeout)
+        return self._timed("all_reduce", tensor.numel() * tensor.element_size(), self._all_reduce, tensor, op,
+                           timeout)
+
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op: str = "sum", *,
+                       timeout: float | None = None, validate: bool | None = None) -> torch.Tensor:
+        """Reduce ``inp [world_size * n, ...]`` over ranks; rank r keeps rows ``[r*n, (r+1)*n)`` in ``out [n, ...]``."""
+        problem = (self._pair_problem(out, inp) or self._op_problem(op) or self._shape_problem(
+            inp, (_rows(out) * self.world_size, *out.shape[1:]), "inp", "world_size * out rows"))
+        self._agree("reduce_scatter", problem, out, inp, reduce_op=op, validate=validate, timeout=timeout)
+        return self._timed("reduce_scatter", inp.numel() * inp.element_size(), self._reduce_scatter, out, inp, op,
+                           timeout)
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, *, timeout: float | None = None,
+                  validate: bool | None = None) -> torch.Tensor:
+        """Copy rank ``src``'s ``tensor`` into every rank's ``tensor`` (in place) and return it."""
+        problem = self._tensor_problem(tensor, "tensor")
+        if not 0 <= src < self.world_size:
+            problem = problem or f"src={src} is not a rank of this group (world_size={self.world_size})"
+        self._agree("broadcast", problem, tensor, tensor, src=src, validate=validate, timeout=timeout)
+        return self._timed("broadcast", tensor.numel() * tensor.element_size(), self._broadcast, tensor, src,
+                           timeout)
+
+    def barrier(self, *, timeout: float | None = None) -> None:
+        """Wait until every rank of the group has arrived."""
+        self._timed("barrier", 0, self._barrier, timeout)
+
+    def send(self, tensor: torch.Tensor, dst: int, *, timeout: float | None = None) -> None:
+        """Blocking point-to-point send to group rank ``dst`` (pairs with ``recv`` there)."""
+        self._p2p_check(tensor, dst, "dst")
+        self._timed("send", tensor.numel() * tensor.element_size(), self._send, tensor, dst, timeout)
+
+    def recv(self, tensor: torch.Tensor, src: int, *, timeout: float | None = None) -> torch.Tensor:
+        """Blocking point-to-point receive from group rank ``src`` into ``tensor``; returns it."""
+        self._p2p_check(tensor, src, "src")
+        self._timed("recv", tensor.numel() * tensor.element_size(), self._recv, tensor, src, timeout)
+        return tensor
+
+    def split(self, color: int | None, key: int | None = None) -> "Communicator | None":
+        """Sub-groups by ``color`` (like ``MPI_Comm_split``): ranks with equal color form a group ordered by
+        ``(key, rank)``. Collective over this group; a rank passing ``color=None`` joins none and gets ``None``.
+        """
+        problem = None if color is None or int(color) >= 0 else f"color must be >= 0 or None, got {color}"
+        key = self.rank if key is None else int(key)
+        header = self._agree("split", problem, None, None, src=-1 if color is None else int(color), extra=key)
+        colors, keys = header[:, 6].tolist(), header[:, 7].tolist()
+        groups = {c: [r for _, r in sorted((k, r) for r, (cc, k) in enumerate(zip(colors, keys)) if cc == c)]
+                  for c in set(colors) if c >= 0}
+        if not self.split_can_reorder and any(m != sorted(m) for m in groups.values()):
+            raise ValueError(f"split on rank {self.rank}: the {self.backend} backend orders a sub-group by parent "
+                             f"rank; a key that reorders ranks is not supported (keys: {keys})")
+        return self._new_group(groups.get(-1 if color is None else int(color), []),
+                               -1 if color is None else int(color))
+
+    def __enter__(self) -> "Communicator":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(rank={self.rank}, world_size={self.world_size}, "
+                f"group_ranks={list(self.group_ranks)})")
+
+    # ---------------------------------------------------------------- checks
+    def _tensor_problem(self, t, name: str) -> str | None:
+        if not isinstance(t, torch.Tensor):
+            return f"{name} must be a torch.Tensor, got {type(t).__name__}"
+        if t.dtype not in _DTYPE_CODE:
+            return f"{name} has unsupported dtype {t.dtype}"
+        if not t.is_contiguous():
+            return f"{name} must be contiguous"
+        return None
+
+    def _pair_problem(self, out, inp) -> str | None:
+        problem = self._tensor_problem(inp, "inp") or self._tensor_problem(out, "out")
+        if problem:
+            return problem
+        if out.dtype != inp.dtype:
+            return f"dtype mismatch: out is {out.dtype}, inp is {inp.dtype}"
+        if out.device != inp.device:
+            return f"device mismatch: out is on {out.device}, inp is on {inp.device}"
+        if out.shape[1:] != inp.shape[1:]:
+            return f"row shape mismatch: out rows are {tuple(out.shape[1:])}, inp rows are {tuple(inp.shape[1:])}"
+        return None
+
+    @staticmethod
+    def _shape_problem(t, expected: tuple, name: str, rule: str) -> str | None:
+        if tuple(t.shape) != tuple(expected):
+            return f"{name} has shape {tuple(t.shape)}, expected {tuple(expected)} ({rule})"
+        return None
+
+    @staticmethod
+    def _op_problem(op: str) -> str | None:
+        return None if op in REDUCE_OPS else f"op must be one of {REDUCE_OPS}, got {op!r}"
+
+    def _local_a2a_problem(self, out, inp, out_splits, in_splits):
+        problem = self._pair_problem(out, inp)
+        if problem:
+            return problem, [0] * self.world_size, [0] * self.world_size
+        w = self.world_size
+        ins = (_even_splits("in_splits", w, _rows(inp)) if in_splits is None
+               else _check_splits("in_splits", in_splits, w, _rows(inp)))
+        outs = (_even_splits("out_splits", w, _rows(out)) if out_splits is None
+                else _check_splits("out_splits", out_splits, w, _rows(out)))
+        for bad in (ins, outs):
+            if isinstance(bad, str):
+                return bad, [0] * w, [0] * w
+        return None, ins, outs
+
+    def _p2p_check(self, tensor, peer: int, name: str) -> None:
+        # Point-to-point has no partner-wide header: fail locally, before anything is posted.
+        problem = self._tensor_problem(tensor, "tensor")
+        if problem is None and not 0 <= peer < self.world_size:
+            problem = f"{name}={peer} is not a rank of this group (world_size={self.world_size})"
+        if problem is None and peer == self.rank:
+            problem = f"{name}={peer} is this rank itself"
+        if problem:
+            raise ValueError(f"{'send' if name == 'dst' else 'recv'} on rank {self.rank}: {problem}")
+
+    def _agree(self, op: str, problem: str | None, out, inp, *, splits=None, src: int = 0, reduce_op: str = "sum",
+               extra: int = 0, validate: bool | None = None, timeout: float | None = None) -> torch.Tensor | None:
+        """Check the call on every rank; raise the same ``ValueError`` everywhere if any rank's call is bad.
+
+        Returns the gathered header ``[world_size, 8 + 2*world_size]`` (int64) when it was exchanged.
+        """
+        if not (self.validate if validate is None else validate) and op != "split":
+            if problem:
+                raise ValueError(f"{op} on rank {self.rank}: {problem}")
+            return None
+        w = self.world_size
+        mine = torch.zeros(_HEADER + 2 * w, dtype=torch.int64)
+        ok = problem is None
+        if ok and inp is not None:
+            ins, outs = splits if splits is not None else ([0] * w, [0] * w)
+            mine[:_HEADER] = torch.tensor([0, _OP_CODE[op], _DTYPE_CODE[inp.dtype], _row_numel(inp), _rows(inp),
+                                           _rows(out), src, REDUCE_OPS.index(reduce_op)])
+            mine[_HEADER:] = torch.tensor(list(ins) + list(outs), dtype=torch.int64)
+        else:
+            mine[:_HEADER] = torch.tensor([0 if ok else 1, _OP_CODE[op], 0, 0, 0, 0, src, extra])
+        device = self._header_device()
+        header = torch.empty(w, mine.numel(), dtype=torch.int64, device=device)
+        self._timed("validate", header.numel() * 8, self._all_gather, header, mine.view(1, -1).to(device), timeout)
+        header = header.cpu()
+        if problem:
+            raise ValueError(f"{op} on rank {self.rank}: {problem}")
+        disagreement = self._header_problem(op, header)
+        if disagreement:
+            raise ValueError(f"{op} on rank {self.rank}: {disagreement}")
+        return header
+
+    def _header_problem(self, op: str, header: torch.Tensor) -> str | None:
+        w = self.world_size
+        bad = [r for r in range(w) if header[r, 0] != 0]
+        if bad:
+            return f"rank {bad[0]} passed invalid arguments (its own error says which); no data was exchanged"
+        ops = header[:, 1].tolist()
+        if len(set(ops)) > 1:
+            names = {r: _OPS[c - 1] for r, c in enumerate(ops)}
+            return f"ranks called different collectives at the same time: {names}"
+        if op == "split":
+            return None
+        for col, what in ((2, "dtype"), (3, "elements per row"), (7, "reduce op")):
+            if len(set(header[:, col].tolist())) > 1:
+                return f"ranks disagree on {what}: {header[:, col].tolist()}"
+        if op == "all_to_all_single":
+            ins, outs = header[:, _HEADER:_HEADER + w], header[:, _HEADER + w:]
+            if not torch.equal(ins, outs.t()):
+                i, j = next((i, j) for i in range(w) for j in range(w) if ins[i, j] != outs[j, i])
+                return (f"split sizes do not match across ranks: rank {i} sends {int(ins[i, j])} rows to rank {j}, "
+                        f"which expects {int(outs[j, i])}")
+        elif op in ("all_gather", "reduce_scatter") and len(set(header[:, 4].tolist())) > 1:
+            return f"ranks disagree on inp rows: {header[:, 4].tolist()}"
+        elif op in ("all_reduce", "broadcast") and len(set(header[:, 4].tolist())) > 1:
+            return f"ranks disagree on tensor rows: {header[:, 4].tolist()}"
+        if op == "broadcast" and len(set(header[:, 6].tolist())) > 1:
+            return f"ranks disagree on src: {header[:, 6].tolist()}"
+        return None
+
+    # ---------------------------------------------------------------- tracing and timeouts
+    def _timed(self, op: str, nbytes: int, fn, *args):
+        """Run a primitive with this call's timeout (the last arg), recording it when tracing is on."""
+        *head, timeout = args
+        timeout = self.timeout if timeout is None else float(timeout)
+        if self.tracer is None:
+            return fn(*head, timeout)
+        t_enter = time.time()
+        ok = False
+        try:
+            result = fn(*head, timeout)
+            ok = True
+            return result
+        finally:
+            self.tracer.record(op, nbytes, self.group_ranks, t_enter, time.time(), ok)
+
+
+def as_timedelta(seconds: float) -> timedelta:
+    return timedelta(seconds=seconds)

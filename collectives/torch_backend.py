@@ -1,0 +1,188 @@
+"""``torch`` backend: torch.distributed, gloo for CPU tensors and NCCL for CUDA tensors.
+
+Every call is posted with ``async_op=True`` and waited on with this call's timeout, so a dead or stuck peer
+turns into a ``CollectiveError`` after ``timeout`` seconds. When a rank fails under ``collectives.launch`` it
+writes ``moonep/failed/<rank>`` into the rendezvous store; a timed-out peer reads those keys to name it.
+"""
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from collectives.base import Communicator, CollectiveError, _row_numel
+
+_REDUCE = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
+           "prod": dist.ReduceOp.PRODUCT}
+# torch >= 2.13 renamed the tensor collectives; keep one spelling for both.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+FAILED_KEY = "moonep/failed/{}"
+
+
+def _movable(t: torch.Tensor) -> torch.Tensor:
+    """The same memory as a dtype gloo can move: rows of raw bytes ``[rows, row_bytes]`` for dtypes gloo lacks
+    (bf16, fp16, int16, bool); split sizes still count rows."""
+    if t.dtype in _GLOO_NATIVE or t.device.type != "cpu":
+        return t
+    rows = t.shape[0] if t.dim() > 0 else 1
+    return t.reshape(rows, _row_numel(t)).view(torch.uint8)
+
+
+_GLOO_NATIVE = (torch.float32, torch.float64, torch.int32, torch.int64, torch.int8, torch.uint8)
+
+
+class TorchCommunicator(Communicator):
+    """A ``Communicator`` over a ``torch.distributed`` process group (default group unless ``group`` given)."""
+
+    backend = "torch"
+    split_can_reorder = False  # torch.distributed.new_group numbers members in ascending global rank
+
+    def __init__(self, group=None, *, store=None, timeout: float = 60.0, validate: bool = True, tracer=None):
+        if not dist.is_initialized():
+            raise RuntimeError("TorchCommunicator needs torch.distributed.init_process_group() first; "
+                               "use collectives.launch() or collectives.init()")
+        self.group = group
+        self.store = store
+        ranks = dist.get_process_group_ranks(group) if group is not None else range(dist.get_world_size())
+        super().__init__(dist.get_rank(group), dist.get_world_size(group), list(ranks), timeout=timeout,
+                         validate=validate, tracer=tracer, global_rank=dist.get_rank())
+        self._has_gloo = "gloo" in str(dist.get_backend(group))
+
+    # ---------------------------------------------------------------- waiting
+    def _wait(self, work, op: str, timeout: float) -> None:
+        try:
+            work.wait(timeout=timedelta(seconds=timeout))
+        except Exception as exc:  # gloo raises RuntimeError for timeouts and for closed peer connections
+            raise self._failure(op, timeout, exc) from exc
+
+    def _failure(self, op: str, timeout: float, exc: BaseException) -> CollectiveError:
+        failed = self.failed_ranks()
+        if failed:
+            who = "; ".join(f"rank {r} failed: {msg}" for r, msg in failed.items())
+        else:
+            who = "no rank reported an error (a rank may have been killed or be stuck)"
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        if "timed out" in reason.lower():
+            reason = f"no answer within its {timeout:g}s timeout"
+        return CollectiveError(f"{op} on rank {self.global_rank} failed ({reason}); {who}", op=op,
+                               failed_ranks=list(failed))
+
+    def failed_ranks(self) -> dict[int, str]:
+        """``{global rank: last line of its error}`` for ranks that reported a failure into the store."""
+        if self.store is None:
+            return {}
+        found = {}
+        for r in range(dist.get_world_size()):
+            key = FAILED_KEY.format(r)
+            try:
+                if self.store.check([key]):
+                    found[r] = self.store.get(key).decode(errors="replace")
+            except Exception:  # the store may be gone with the failed rank; naming is best effort
+                break
+        return found
+
+    def report_failure(self, message: str) -> None:
+        if self.store is not None:
+            try:
+                self.store.set(FAILED_KEY.format(self.global_rank), message[-2000:])
+            except Exception:
+                pass
+
+    # ---------------------------------------------------------------- primitives
+    def _all_to_all_single(self, out, inp, out_splits, in_splits, timeout):
+        work = dist.all_to_all_single(_movable(out), _movable(inp), out_splits, in_splits, group=self.group,
+                                      async_op=True)
+        self._wait(work, "all_to_all_single", timeout)
+        return out
+
+    def _all_gather(self, out, inp, timeout):
+        work = _all_gather_single(_movable(out), _movable(inp), group=self.group, async_op=True)
+        self._wait(work, "all_gather", timeout)
+        return out
+
+    def _all_reduce(self, tensor, op, timeout):
+        if tensor.dtype == torch.bool:
+            raise ValueError("all_reduce on bool tensors is not supported; reduce them as uint8")
+        on_gloo = tensor.device.type == "cpu"
+        target = tensor.float() if on_gloo and tensor.dtype in (torch.bfloat16, torch.float16) else tensor
+        work = dist.all_reduce(target, op=_REDUCE[op], group=self.group, async_op=True)
+        self._wait(work, "all_reduce", timeout)
+        if target is not tensor:  # gloo has no half-precision reductions: reduce in fp32, round once
+            tensor.copy_(target)
+        return tensor
+
+    def _reduce_scatter(self, out, inp, op, timeout):
+        if inp.device.type == "cpu":  # gloo lacks reduce_scatter: all-reduce a copy and keep this rank's rows
+            full = inp.clone()
+            self._all_reduce(full, op, timeout)
+            n = out.shape[0]
+            out.copy_(full[self.rank * n:(self.rank + 1) * n])
+            return out
+        work = _reduce_scatter_single(out, inp, op=_REDUCE[op], group=self.group, async_op=True)
+        self._wait(work, "reduce_scatter", timeout)
+        return out
+
+    def _broadcast(self, tensor, src, timeout):
+        work = dist.broadcast(_movable(tensor), src=self.group_ranks[src], group=self.group, async_op=True)
+        self._wait(work, "broadcast", timeout)
+        return tensor
+
+    def _barrier(self, timeout):
+        # A tiny all-reduce rather than dist.barrier: NCCL's barrier guesses a device, this never does.
+        flag = torch.zeros(1, device=self._device())
+        self._wait(dist.all_reduce(flag, group=self.group, async_op=True), "barrier", timeout)
+
+    def _send(self, tensor, dst, timeout):
+        self._wait(dist.isend(_movable(tensor), self.group_ranks[dst], group=self.group), "send", timeout)
+
+    def _recv(self, tensor, src, timeout):
+        self._wait(dist.irecv(_movable(tensor), self.group_ranks[src], group=self.group), "recv", timeout)
+        return tensor
+
+    def _header_device(self) -> torch.device:
+        return self._device()
+
+    def _device(self) -> torch.device:
+        if self._has_gloo or not torch.cuda.is_available():
+            return torch.device("cpu")
+        return torch.device("cuda", torch.cuda.current_device())
+
+    def _new_group(self, members, color):
+        if not members:
+            return None
+        ranks = [self.group_ranks[m] for m in members]
+        # Only members create the group (local synchronization), so colors can be built independently.
+        group = dist.new_group(ranks, timeout=timedelta(seconds=self.timeout), use_local_synchronization=True)
+        return TorchCommunicator(group, store=self.store, timeout=self.timeout, validate=self.validate,
+                                 tracer=self.tracer)
+
+    def close(self) -> None:
+        super().close()
+        if self.group is not None:
+            dist.destroy_process_group(self.group)
+            self.group = None
+
+
+def init_torch(rank: int, world_size: int, *, store=None, init_method: str | None = None, timeout: float = 60.0,
+               backend: str | None = None, validate: bool = True, trace_dir=None) -> TorchCommunicator:
+    """Initialise torch.distributed (gloo on CPU; ``cpu:gloo,cuda:nccl`` when CUDA is present) and wrap it."""
+    from collectives.trace import tracer_from_env
+
+    if backend is None:
+        backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+    if _loopback_only():
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group(backend, store=store, init_method=init_method, rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=timeout))
+    if store is None:
+        store = dist.distributed_c10d._get_default_store()
+    return TorchCommunicator(None, store=store, timeout=timeout, validate=validate,
+                             tracer=tracer_from_env(rank, trace_dir))
+
+
+def _loopback_only() -> bool:
+    """True for single-host runs (our launcher), where gloo must bind loopback rather than a resolved hostname."""
+    return os.environ.get("MOONEP_LOOPBACK", "0") == "1"

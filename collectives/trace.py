@@ -1,0 +1,85 @@
+"""Per-rank, per-op tracing to JSON-lines files (read by the straggler tools).
+
+Off by default. Turned on by the environment variable ``MOONEP_TRACE_DIR`` (a folder) or by passing
+``trace_dir=`` to ``collectives.launch`` / ``collectives.init``. Each rank appends to
+``<dir>/rank<global_rank>.jsonl`` one JSON object per operation:
+
+=============  ======  =================================================================================
+field          type    meaning
+=============  ======  =================================================================================
+``op``         str     ``all_to_all_single``, ``all_gather``, ``all_reduce``, ``reduce_scatter``,
+                       ``broadcast``, ``barrier``, ``send``, ``recv``, or ``validate`` (argument header)
+``bytes``      int     payload bytes this rank contributed (input size; output size for ``all_gather``)
+``group``      [int]   global ranks of the group the op ran on, in group-rank order
+``rank``       int     global rank of the writer
+``seq``        int     0, 1, 2, ... per writer, in issue order
+``t_enter``    float   wall-clock seconds (``time.time()``) when the op was entered
+``t_exit``     float   wall-clock seconds when it returned or raised
+``ok``         bool    false when the op raised (timeout, peer failure)
+=============  ======  =================================================================================
+
+Times are each host's wall clock: ranks on one host compare directly; across hosts the reader must allow for
+clock offset. Lines are buffered and flushed every ``flush_every`` records and at close, so tracing costs a
+dict and a list append per op; with tracing off the cost is one ``is None`` test.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Sequence
+
+TRACE_ENV = "MOONEP_TRACE_DIR"
+
+
+class Tracer:
+    """Appends op records for one rank to ``<trace_dir>/rank<rank>.jsonl``."""
+
+    def __init__(self, trace_dir: str | os.PathLike, rank: int, flush_every: int = 256):
+        os.makedirs(trace_dir, exist_ok=True)
+        self.path = os.path.join(os.fspath(trace_dir), f"rank{rank}.jsonl")
+        self.rank = rank
+        self.flush_every = flush_every
+        self._seq = 0
+        self._pending: list[str] = []
+
+    def record(self, op: str, nbytes: int, group: Sequence[int], t_enter: float, t_exit: float,
+               ok: bool = True) -> None:
+        self._pending.append(json.dumps({
+            "op": op, "bytes": int(nbytes), "group": list(group), "rank": self.rank, "seq": self._seq,
+            "t_enter": t_enter, "t_exit": t_exit, "ok": ok}))
+        self._seq += 1
+        if len(self._pending) >= self.flush_every:
+            self.flush()
+
+    def flush(self) -> None:
+        if self._pending:
+            with open(self.path, "a") as f:
+                f.write("\n".join(self._pending) + "\n")
+            self._pending.clear()
+
+    def close(self) -> None:
+        self.flush()
+
+
+_TRACERS: dict[tuple[str, int], Tracer] = {}
+
+
+def tracer_from_env(rank: int, trace_dir: str | os.PathLike | None = None) -> Tracer | None:
+    """A tracer when ``trace_dir`` or ``$MOONEP_TRACE_DIR`` names a folder, else ``None`` (tracing off).
+
+    One tracer per (folder, rank) per process, shared by a communicator and its sub-groups, so ``seq`` is one
+    sequence per file.
+    """
+    trace_dir = trace_dir or os.environ.get(TRACE_ENV)
+    if not trace_dir:
+        return None
+    key = (os.path.abspath(os.fspath(trace_dir)), rank)
+    if key not in _TRACERS:
+        _TRACERS[key] = Tracer(trace_dir, rank)
+    return _TRACERS[key]
+
+
+def read_trace(path: str | os.PathLike) -> list[dict]:
+    """Records of one ``rank<N>.jsonl`` file (plain JSON, never pickle)."""
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]

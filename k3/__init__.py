@@ -1,0 +1,1 @@
+"""k3: see the issue for this package; not built yet."""

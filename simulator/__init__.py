@@ -1,0 +1,1 @@
+"""simulator: see the issue for this package; not built yet."""

@@ -1,0 +1,81 @@
+"""A rank that raises or dies must fail the whole job quickly, naming that rank: never a hang."""
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from collectives import CollectiveError, LaunchError, launch
+from tests.collectives.conftest import needs_mpi
+
+
+def raise_on_rank_1(comm):
+    if comm.rank == 1:
+        raise KeyError("boom from rank one")
+    t = torch.ones(3)
+    comm.all_reduce(t)  # rank 0 waits here for a peer that is gone
+    return "unreachable"
+
+
+def killed_rank_1(comm):
+    comm.barrier()
+    if comm.rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    t = torch.ones(3)
+    comm.all_reduce(t)
+    comm.barrier()
+    return "unreachable"
+
+
+def survivor_names_failed_peer(comm):
+    """Rank 1 reports a failure but stays alive (as under torchrun); rank 0's timeout must name it."""
+    if comm.rank == 1:
+        comm.report_failure("ValueError: bad batch on rank one")
+        time.sleep(4)
+        return None
+    try:
+        comm.all_reduce(torch.ones(2), timeout=1.5)
+    except CollectiveError as exc:
+        return str(exc), list(exc.failed_ranks)
+    return "no error"
+
+
+@pytest.mark.parametrize("backend", ["torch", "mpi"])
+def test_rank_that_raises_is_named(backend):
+    if backend == "mpi":
+        needs_mpi()
+    t0 = time.monotonic()
+    with pytest.raises(LaunchError) as info:
+        launch(raise_on_rank_1, 3, backend=backend, timeout=20, job_timeout=60)
+    assert info.value.rank == 1
+    assert "boom from rank one" in info.value.details and "KeyError" in info.value.details
+    assert time.monotonic() - t0 < 20, "the job should end at the failure, not at the collective timeout"
+
+
+@pytest.mark.parametrize("backend", ["torch", "mpi"])
+def test_killed_rank_is_named(backend):
+    if backend == "mpi":
+        needs_mpi()
+    t0 = time.monotonic()
+    with pytest.raises(LaunchError) as info:
+        launch(killed_rank_1, 2, backend=backend, timeout=20, job_timeout=60)
+    assert info.value.rank == 1, str(info.value)
+    if backend == "torch":
+        assert "SIGKILL" in info.value.details
+    assert time.monotonic() - t0 < 20
+
+
+def test_survivor_timeout_names_failed_rank():
+    message, failed = launch(survivor_names_failed_peer, 2, timeout=20, job_timeout=60)
+    assert failed == [1]
+    assert "rank 1 failed: ValueError: bad batch on rank one" in message
+
+
+def test_launch_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="world_size"):
+        launch(raise_on_rank_1, 0)
+    with pytest.raises(ValueError, match="backend"):
+        launch(raise_on_rank_1, 2, backend="carrier-pigeon")
+    with pytest.raises(ValueError, match="timeout"):
+        launch(raise_on_rank_1, 2, timeout=0)

@@ -1,0 +1,1 @@
+"""tools: see the issue for this package; not built yet."""
