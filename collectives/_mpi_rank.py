@@ -30,8 +30,10 @@ def main(folder: str) -> None:
         opts = job["opts"]
         import torch
 
-        from collectives.mpi_backend import MPICommunicator
+        from collectives.mpi_backend import _WATCHDOG, MPICommunicator
         from collectives.trace import tracer_from_env
+
+        _WATCHDOG.report_path = os.path.join(folder, f"rank{rank}.peer")
 
         torch.set_num_threads(opts.threads_per_rank)
         comm = MPICommunicator(timeout=opts.timeout, validate=opts.validate,

@@ -8,6 +8,10 @@ Reductions of bf16/fp16 run in fp32 (MPI has no half-precision types) and are ro
 """
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
+import threading
 import time
 
 import torch
@@ -57,8 +61,10 @@ class MPICommunicator(Communicator):
 
     backend = "mpi"
 
-    def __init__(self, comm=None, *, timeout: float = 60.0, validate: bool = True, tracer=None):
+    def __init__(self, comm=None, *, timeout: float = 60.0, validate: bool = True, tracer=None,
+                 blocking: bool = True):
         MPI = _mpi()
+        self.blocking = blocking
         self.comm = MPI.COMM_WORLD if comm is None else comm
         world_group = MPI.COMM_WORLD.Get_group()
         group_ranks = MPI.Group.Translate_ranks(self.comm.Get_group(), list(range(self.comm.Get_size())),
@@ -66,10 +72,23 @@ class MPICommunicator(Communicator):
         super().__init__(self.comm.Get_rank(), self.comm.Get_size(), group_ranks, timeout=timeout,
                          validate=validate, tracer=tracer, global_rank=MPI.COMM_WORLD.Get_rank())
 
-    def _wait(self, request, op: str, timeout: float) -> None:
-        # Spin on Test like MPICH's own blocking wait (progress happens inside MPI calls), with a deadline.
+    def _call(self, name: str, op: str, timeout: float, *args, **kwargs) -> None:
+        """Run MPI's ``name`` (blocking spelling, e.g. ``Alltoallv``) within ``timeout`` seconds.
+
+        Blocking mode (default) calls MPI's blocking routine, which MPICH tunes best, while a watchdog thread
+        ends the job with a message naming the op if the deadline passes: an MPI collective cannot be cancelled,
+        so a timed-out communicator is unusable anyway. ``blocking=False`` posts the nonblocking twin and polls
+        it, raising a catchable ``CollectiveError`` instead (slower on oversubscribed cores).
+        """
+        if self.blocking:
+            with _WATCHDOG.guard(f"{op} on rank {self.global_rank} did not complete within its {timeout:g}s "
+                                 f"timeout (a peer is dead, stuck, or called a different collective)", timeout):
+                getattr(self.comm, name)(*args, **kwargs)
+            return
+        request = getattr(self.comm, "I" + name[0].lower() + name[1:])(*args, **kwargs)
         deadline = time.monotonic() + timeout
         while not request.Test():
+            os.sched_yield()  # MPI progresses only inside MPI calls; yielding lets oversubscribed peers run
             if time.monotonic() > deadline:
                 raise CollectiveError(f"{op} on rank {self.global_rank} did not complete within its {timeout:g}s "
                                       f"timeout (a peer is dead, stuck, or called a different collective)", op=op)
@@ -79,18 +98,21 @@ class MPICommunicator(Communicator):
         row = _row_numel(inp) * inp.element_size()
         send = [n * row for n in in_splits]
         recv = [n * row for n in out_splits]
-        MPI = _mpi()
-        req = self.comm.Ialltoallv([_bytes(s.hosts[1]), (send, _displs(send)), MPI.BYTE],
-                                   [_bytes(s.hosts[0]), (recv, _displs(recv)), MPI.BYTE])
-        self._wait(req, "all_to_all_single", timeout)
+        BYTE = _mpi().BYTE
+        if len(set(in_splits)) == 1 and len(set(out_splits)) == 1:  # MPICH's Alltoall beats Alltoallv here
+            self._call("Alltoall", "all_to_all_single", timeout, [_bytes(s.hosts[1]), BYTE],
+                       [_bytes(s.hosts[0]), BYTE])
+            s.write_back(0)
+            return out
+        self._call("Alltoallv", "all_to_all_single", timeout, [_bytes(s.hosts[1]), (send, _displs(send)), BYTE],
+                   [_bytes(s.hosts[0]), (recv, _displs(recv)), BYTE])
         s.write_back(0)
         return out
 
     def _all_gather(self, out, inp, timeout):
         s = _Staged(out, inp)
-        MPI = _mpi()
-        req = self.comm.Iallgather([_bytes(s.hosts[1]), MPI.BYTE], [_bytes(s.hosts[0]), MPI.BYTE])
-        self._wait(req, "all_gather", timeout)
+        BYTE = _mpi().BYTE
+        self._call("Allgather", "all_gather", timeout, [_bytes(s.hosts[1]), BYTE], [_bytes(s.hosts[0]), BYTE])
         s.write_back(0)
         return out
 
@@ -98,35 +120,33 @@ class MPICommunicator(Communicator):
         if tensor.dtype == torch.bool:
             raise ValueError("all_reduce on bool tensors is not supported; reduce them as uint8")
         s = _Staged(tensor, upcast=True)
-        req = self.comm.Iallreduce(_mpi().IN_PLACE, _typed(s.hosts[0]), _mpi_op(op))
-        self._wait(req, "all_reduce", timeout)
+        self._call("Allreduce", "all_reduce", timeout, _mpi().IN_PLACE, _typed(s.hosts[0]), _mpi_op(op))
         s.write_back(0)
         return tensor
 
     def _reduce_scatter(self, out, inp, op, timeout):
         s = _Staged(out, inp, upcast=True)
-        req = self.comm.Ireduce_scatter_block(_typed(s.hosts[1]), _typed(s.hosts[0]), _mpi_op(op))
-        self._wait(req, "reduce_scatter", timeout)
+        self._call("Reduce_scatter_block", "reduce_scatter", timeout, _typed(s.hosts[1]), _typed(s.hosts[0]),
+                   _mpi_op(op))
         s.write_back(0)
         return out
 
     def _broadcast(self, tensor, src, timeout):
         s = _Staged(tensor)
-        req = self.comm.Ibcast([_bytes(s.hosts[0]), _mpi().BYTE], root=src)
-        self._wait(req, "broadcast", timeout)
+        self._call("Bcast", "broadcast", timeout, [_bytes(s.hosts[0]), _mpi().BYTE], root=src)
         s.write_back(0)
         return tensor
 
     def _barrier(self, timeout):
-        self._wait(self.comm.Ibarrier(), "barrier", timeout)
+        self._call("Barrier", "barrier", timeout)
 
     def _send(self, tensor, dst, timeout):
         s = _Staged(tensor)
-        self._wait(self.comm.Isend([_bytes(s.hosts[0]), _mpi().BYTE], dest=dst, tag=7), "send", timeout)
+        self._call("Send", "send", timeout, [_bytes(s.hosts[0]), _mpi().BYTE], dest=dst, tag=7)
 
     def _recv(self, tensor, src, timeout):
         s = _Staged(tensor)
-        self._wait(self.comm.Irecv([_bytes(s.hosts[0]), _mpi().BYTE], source=src, tag=7), "recv", timeout)
+        self._call("Recv", "recv", timeout, [_bytes(s.hosts[0]), _mpi().BYTE], source=src, tag=7)
         s.write_back(0)
         return tensor
 
@@ -136,7 +156,8 @@ class MPICommunicator(Communicator):
             self.comm.Split(MPI.UNDEFINED, 0)
             return None
         sub = self.comm.Split(color, members.index(self.rank))
-        return MPICommunicator(sub, timeout=self.timeout, validate=self.validate, tracer=self.tracer)
+        return MPICommunicator(sub, timeout=self.timeout, validate=self.validate, tracer=self.tracer,
+                               blocking=self.blocking)
 
     def close(self) -> None:
         super().close()
@@ -144,6 +165,50 @@ class MPICommunicator(Communicator):
         if self.comm not in (MPI.COMM_WORLD, MPI.COMM_SELF, MPI.COMM_NULL):
             self.comm.Free()
         self.comm = MPI.COMM_NULL
+
+
+class _Watchdog:
+    """One daemon thread per process that aborts the MPI job when a guarded blocking call overruns.
+
+    Guarding is two attribute writes (no lock, no wake-up): the thread looks at the deadline a few times a second,
+    so a guarded call costs nothing measurable and a timeout fires at most ``POLL_S`` late.
+    """
+
+    POLL_S = 0.2
+
+    def __init__(self):
+        self._deadline: float | None = None
+        self._message = ""
+        self._thread: threading.Thread | None = None
+        self.report_path: str | None = None
+
+    @contextlib.contextmanager
+    def guard(self, message: str, timeout: float):
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._watch, name="moonep-mpi-watchdog", daemon=True)
+            self._thread.start()
+        self._message = message
+        self._deadline = time.monotonic() + timeout
+        try:
+            yield
+        finally:
+            self._deadline = None
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(self.POLL_S)
+            deadline = self._deadline
+            if deadline is not None and time.monotonic() > deadline:
+                message = f"moonep CollectiveError: {self._message}; aborting the MPI job\n"
+                sys.stderr.write(message)
+                sys.stderr.flush()
+                if self.report_path:  # set by collectives.launch's MPI ranks: the launcher names us from it
+                    with open(self.report_path, "w") as f:
+                        f.write(message)
+                _mpi().COMM_WORLD.Abort(3)
+
+
+_WATCHDOG = _Watchdog()
 
 
 def _displs(counts: list[int]) -> list[int]:

@@ -25,7 +25,7 @@ def test_bench_collectives_quick_writes_stable_json(tmp_path):
     assert {op for op, _ in ops} == {"all_to_all", "all_gather"}
     for r in report["results"]:
         assert r["raw_s"] > 0 and r["ours_s"] > 0 and r["ours_validated_s"] > 0
-        assert abs(r["overhead"] - (r["ours_s"] / r["raw_s"] - 1)) < 1e-9
+        assert r["iterations"] >= 3 and r["overhead"] > -1.0 and r["overhead_validated"] > -1.0
     assert set(report["summary"]) == {"goal_overhead_ge_1MiB", "median_overhead_ge_1MiB",
                                       "max_overhead_ge_1MiB", "met"}
 

@@ -79,3 +79,26 @@ def test_launch_rejects_bad_arguments():
         launch(raise_on_rank_1, 2, backend="carrier-pigeon")
     with pytest.raises(ValueError, match="timeout"):
         launch(raise_on_rank_1, 2, timeout=0)
+
+
+def stalled_rank_1(comm):
+    if comm.rank == 1:
+        time.sleep(8)  # alive but never joins the collective
+        return None
+    comm.all_reduce(torch.ones(1), timeout=1.0)
+    return "unreachable"
+
+
+@pytest.mark.parametrize("backend", ["torch", "mpi"])
+def test_stalled_peer_times_out_with_named_op(backend):
+    """A collective whose peer never arrives ends at its timeout (torch: CollectiveError; MPI: the watchdog
+    aborts the job), with a message naming the op: never a hang."""
+    if backend == "mpi":
+        needs_mpi()
+    t0 = time.monotonic()
+    with pytest.raises(LaunchError) as info:
+        launch(stalled_rank_1, 2, backend=backend, timeout=30, job_timeout=60)
+    assert time.monotonic() - t0 < 7.5, "must end at the 1 s timeout, not when the stalled rank wakes up"
+    details = info.value.details
+    assert "all_gather" in details or "all_reduce" in details  # the header exchange or the reduction itself
+    assert ("within its 1s timeout" in details) or ("no answer within its 1s timeout" in details), details
