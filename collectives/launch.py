@@ -133,6 +133,9 @@ def _spawned_rank(rank: int, world_size: int, tmp: str, fn, kwargs: dict, opts: 
     except BaseException as exc:
         _record_failure(tmp, rank, exc, comm)
         os._exit(1)  # skip interpreter teardown: peers may be mid-collective with us
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # the work is done and reported; C++ static teardown has nothing left to add
 
 
 def _rank_communicator(rank: int, world_size: int, tmp: str, opts: LaunchOptions) -> Communicator:

@@ -50,6 +50,7 @@ class TorchCommunicator(Communicator):
         super().__init__(dist.get_rank(group), dist.get_world_size(group), list(ranks), timeout=timeout,
                          validate=validate, tracer=tracer, global_rank=dist.get_rank())
         self._has_gloo = "gloo" in str(dist.get_backend(group))
+        self.owns_world = False  # set by init_torch: closing the world communicator ends torch.distributed
 
     # ---------------------------------------------------------------- waiting
     def _wait(self, work, op: str, timeout: float) -> None:
@@ -160,10 +161,15 @@ class TorchCommunicator(Communicator):
                                  tracer=self.tracer)
 
     def close(self) -> None:
+        """Destroy this communicator's group; the world communicator from ``init_torch`` also ends
+        torch.distributed (so gloo's threads are joined before the interpreter exits)."""
         super().close()
         if self.group is not None:
             dist.destroy_process_group(self.group)
             self.group = None
+        elif self.owns_world and dist.is_initialized():
+            dist.destroy_process_group()
+        self.owns_world = False
 
 
 def init_torch(rank: int, world_size: int, *, store=None, init_method: str | None = None, timeout: float = 60.0,
@@ -179,8 +185,10 @@ def init_torch(rank: int, world_size: int, *, store=None, init_method: str | Non
                             timeout=timedelta(seconds=timeout))
     if store is None:
         store = dist.distributed_c10d._get_default_store()
-    return TorchCommunicator(None, store=store, timeout=timeout, validate=validate,
+    comm = TorchCommunicator(None, store=store, timeout=timeout, validate=validate,
                              tracer=tracer_from_env(rank, trace_dir))
+    comm.owns_world = True
+    return comm
 
 
 def _loopback_only() -> bool:
