@@ -23,7 +23,10 @@ def _cli_module(package: str):
     name = f"{package}.cli"
     if package == "moonep":
         name = "moonep.commands"
-    if importlib.util.find_spec(name) is None:
+    try:
+        if importlib.util.find_spec(name) is None:
+            return None
+    except ModuleNotFoundError:  # the package itself is absent (a partial install): it adds no commands
         return None
     return importlib.import_module(name)
 
