@@ -1,0 +1,11 @@
+"""planner: the perfectly balanced expert-parallel planner (pure integer code, no communication).
+
+``plan`` computes where every routed (token, expert) slot is computed so that each rank gets exactly its
+share; ``verify`` re-derives every guarantee; ``rebalance_experts`` is the DeepSeek EPLB-compatible static
+balancer. See ``planner/README.md`` for the theorem and its proof.
+"""
+from .core import Plan, plan
+from .eplb import rebalance_experts
+from .verify import PlanVerificationError, verify
+
+__all__ = ["Plan", "PlanVerificationError", "plan", "rebalance_experts", "verify"]

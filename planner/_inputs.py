@@ -1,0 +1,85 @@
+"""Input conversion and validation shared by ``plan``, ``verify`` and ``rebalance_experts``.
+
+Accepts numpy arrays, nested lists and torch tensors (CPU or CUDA). torch is never imported here: a tensor is
+recognised by its ``detach``/``cpu``/``numpy`` methods, so numpy callers do not pay for the torch import.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+
+def to_numpy(x: Any) -> np.ndarray:
+    """Array view of ``x``; torch tensors (any device) are detached and copied to host memory."""
+    if isinstance(x, np.ndarray):
+        return x
+    if hasattr(x, "detach") and hasattr(x, "cpu") and hasattr(x, "numpy"):
+        return x.detach().cpu().numpy()
+    return np.asarray(x)
+
+
+def as_counts(x: Any, name: str, ndim: int, check_sign: bool = True) -> np.ndarray:
+    """Validate non-negative integer counts with ``ndim`` dimensions -> C-contiguous int64 array.
+
+    Floating inputs are accepted only when every value is a whole number (e.g. counts summed in float).
+    """
+    a = to_numpy(x)
+    if a.ndim != ndim:
+        shape = "[R, E]" if ndim == 2 else "[R]"
+        raise ValueError(f"{name} must be {ndim}-D {shape}, got shape {tuple(a.shape)}")
+    if a.dtype == np.bool_ or not (np.issubdtype(a.dtype, np.integer) or np.issubdtype(a.dtype, np.floating)):
+        raise ValueError(f"{name} must hold integer counts, got dtype {a.dtype}")
+    if np.issubdtype(a.dtype, np.floating):
+        if a.size and not (np.all(np.isfinite(a)) and np.all(a == np.floor(a))):
+            raise ValueError(f"{name} must hold integer counts, got non-integer values")
+    out = np.ascontiguousarray(a, dtype=np.int64)
+    if check_sign and out.size and out.min() < 0:
+        idx = tuple(int(i) for i in np.unravel_index(int(np.argmin(out)), out.shape))
+        raise ValueError(f"{name} must be non-negative, got {int(out[idx])} at index {idx}")
+    return out
+
+
+def check_shape(T: np.ndarray) -> tuple[int, int, int]:
+    """(R, E, epn) of a counts matrix; E must be a positive multiple of R."""
+    R, E = T.shape
+    if R < 1 or E < 1:
+        raise ValueError(f"tokens_per_expert must have at least one rank and one expert, got shape {(R, E)}")
+    if E % R != 0:
+        raise ValueError(f"number of experts E={E} must be a multiple of the number of ranks R={R} (E % R != 0)")
+    return R, E, E // R
+
+
+def positive_int(value: Any, name: str) -> int:
+    """``value`` as a positive Python int, or ValueError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return int(value)
+
+
+def topology_nodes(topology: Any, R: int) -> tuple[np.ndarray, int]:
+    """(node [R], num_nodes) from a topology object or a plain ``ranks_per_node`` int.
+
+    The object only needs ``num_nodes``, ``ranks_per_node`` and ``node_of(rank)`` (duck-typed, so
+    ``collectives.Topology`` fits without importing it).
+    """
+    if isinstance(topology, (int, np.integer)) and not isinstance(topology, bool):
+        rpn = positive_int(topology, "topology (ranks_per_node)")
+        if R % rpn != 0:
+            raise ValueError(f"topology: ranks_per_node={rpn} does not divide R={R}")
+        node = np.arange(R, dtype=np.int64) // rpn
+        num_nodes = R // rpn
+    else:
+        for attr in ("num_nodes", "ranks_per_node", "node_of"):
+            if not hasattr(topology, attr):
+                raise ValueError(f"topology must be an int (ranks_per_node) or have num_nodes, ranks_per_node "
+                                 f"and node_of(rank); {type(topology).__name__} lacks {attr}")
+        num_nodes = positive_int(topology.num_nodes, "topology.num_nodes")
+        rpn = positive_int(topology.ranks_per_node, "topology.ranks_per_node")
+        if num_nodes * rpn != R:
+            raise ValueError(f"topology has {num_nodes} nodes x {rpn} ranks = {num_nodes * rpn} ranks, "
+                             f"but tokens_per_expert has R={R}")
+        node = np.array([int(topology.node_of(r)) for r in range(R)], dtype=np.int64)
+        if node.min() < 0 or node.max() >= num_nodes:
+            raise ValueError(f"topology.node_of returned a node outside [0, {num_nodes})")
+    return node, int(num_nodes)

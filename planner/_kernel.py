@@ -1,0 +1,364 @@
+"""Fast path of the planner: stages A–D and the send matrix, compiled with numba.
+
+Every function here is written in the subset of Python that numba compiles; without numba (or with
+``MOONEP_PLANNER_NUMBA=0``) the same functions run as plain Python, correct but slow. The plain-Python twin
+that the tests compare against is ``planner.reference`` (a separate, list-based implementation).
+
+Stages (names follow ``planner/README.md``):
+  A. totals: per-expert load ``cnt [E]``, home-group load ``group [R]``, send base ``send [R, R]``;
+  B. pairing: one donor per receiver, ``donor [R]`` and ``gift [R]``;
+  C. split: each donor hands ``gift[u]`` slots of its experts to each receiver u -> ``alloc [E, R]``;
+  D. layout: ``experts_to_copy [R, slots]`` and padded ``cu_seqlens [R, epn + slots]``;
+  E. flows: which source's slots of each split expert go where, ``flows [F, 4]``, ``send_counts [R, R]``.
+Errors are reported through ``err [3]`` = (code, a, b) so that the caller raises a ValueError with context.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+HAS_NUMBA = False
+if os.environ.get("MOONEP_PLANNER_NUMBA", "1") != "0":
+    try:
+        from numba import njit
+
+        HAS_NUMBA = True
+    except ImportError:  # numba is optional: the same code runs as Python
+        pass
+if not HAS_NUMBA:
+    def njit(*args, **kwargs):  # noqa: D103 - identity decorator
+        return lambda f: f
+
+# error codes written into err[0]
+OK = 0
+NEGATIVE = 1        # (r, e): a negative count
+CAPS_SUM = 2        # (sum caps, total)
+INFEASIBLE = 3      # (h, u): donor h cannot fill receiver u alone (caps too uneven)
+TOO_MANY_REPLICAS = 4  # (d, n): rank d needs n replica slots, more than slots_per_rank
+TOO_LARGE = 5      # (r, e): a count or a rank's rows do not fit the int32 plan tables
+INT32_MAX = 2**31 - 1
+
+
+@njit(cache=True)
+def _totals(T, epn, err):
+    """Stage A. T [R, E] -> cnt [E], send base [R, R] (all of rank r's slots to their home ranks), and the
+    plan's own int32 copy of T, written in the same pass (T is the largest input; reading it once matters)."""
+    R, E = T.shape
+    keep = np.empty((R, E), np.int32)
+    cnt = np.zeros(E, np.int64)
+    send = np.zeros((R, R), np.int64)
+    for r in range(R):
+        for h in range(R):
+            s = 0
+            for j in range(epn):
+                v = T[r, h * epn + j]
+                if v < 0 and err[0] == OK:
+                    err[0] = NEGATIVE
+                    err[1] = r
+                    err[2] = h * epn + j
+                if v > INT32_MAX:
+                    if err[0] == OK:
+                        err[0] = TOO_LARGE
+                        err[1] = r
+                        err[2] = h * epn + j
+                    v = 0  # the plan is refused anyway; keep the int32 store in range
+                keep[r, h * epn + j] = v
+                s += v
+                cnt[h * epn + j] += v
+            send[r, h] = s
+    return cnt, send, keep
+
+
+@njit(cache=True)
+def _pair(h, u, bal, caps, donor, gift, err):
+    """Donor h fills receiver u completely; False (and err) when h does not hold enough own rows."""
+    amount = -bal[u]
+    if caps[h] + bal[h] < amount:  # caps[h] + bal[h] = rows h still holds of its own experts
+        err[0] = INFEASIBLE
+        err[1] = h
+        err[2] = u
+        return False
+    donor[u] = h
+    gift[u] = amount
+    bal[h] += bal[u]
+    bal[u] = 0
+    return True
+
+
+@njit(cache=True)
+def _pairing(bal, caps, prev_donor, node, num_nodes, err):
+    """Stage B. bal [R] = group - caps (sums to 0) -> donor [R] (-1 = none), gift [R].
+
+    Three passes share one step rule (the donor fills the receiver completely), so the balance proof holds
+    for each: (1) sticky: last plan's (donor, receiver) pairs while both still qualify; (2) topology: pairs
+    inside each node, largest donor with smallest receiver; (3) global: largest deficit first, filled by the
+    largest donor (topology-aware: the largest donor on the receiver's node, if any). Lowest index on ties.
+    """
+    R = bal.shape[0]
+    donor = np.full(R, -1, np.int64)
+    gift = np.zeros(R, np.int64)
+    if prev_donor.shape[0] == R:
+        while True:
+            best = -1
+            for u in range(R):
+                h = prev_donor[u]
+                if h >= 0 and bal[u] < 0 and bal[h] > 0 and (best < 0 or bal[h] > bal[prev_donor[best]]):
+                    best = u
+            if best < 0:
+                break
+            if not _pair(prev_donor[best], best, bal, caps, donor, gift, err):
+                return donor, gift
+    for n in range(num_nodes + 1):  # n == num_nodes is the global pass, run last
+        while True:
+            h = -1
+            u = -1
+            for r in range(R):
+                if n < num_nodes and node[r] != n:
+                    continue
+                if bal[r] > 0 and (h < 0 or bal[r] > bal[h]):
+                    h = r
+                if bal[r] < 0:
+                    if u < 0:
+                        u = r
+                    elif n == num_nodes and bal[r] < bal[u]:  # global: largest deficit first
+                        u = r
+                    elif n < num_nodes and bal[r] > bal[u]:  # in a node: smallest deficit first, so the
+                        u = r  # node's donors retire many receivers and few are left to feed across nodes
+            if h < 0 or u < 0:
+                break
+            if n == num_nodes and num_nodes > 0:  # a donor that over-gave may have a neighbour that can fill it
+                for r in range(R):
+                    if node[r] == node[u] and bal[r] > 0 and (node[h] != node[u] or bal[r] > bal[h]):
+                        h = r
+            if not _pair(h, u, bal, caps, donor, gift, err):
+                return donor, gift
+    return donor, gift
+
+
+@njit(cache=True)
+def _split(cnt, epn, donor, gift, prev_copy, alloc):
+    """Stage C. Fill alloc [E, R] (diagonal blocks preset to cnt): donor h gives gift[u] slots to each receiver u.
+
+    Sticky plans first refill the slots a receiver already holds; then the largest receiver quota takes the
+    largest remaining expert (lowest index on ties), so most (donor, receiver) pairs are one expert segment.
+    """
+    R = donor.shape[0]
+    q = gift.copy()
+    rem = np.empty(epn, np.int64)
+    recv = np.empty(R, np.int64)
+    for h in range(R):
+        n = 0
+        for u in range(R):
+            if donor[u] == h:
+                recv[n] = u
+                n += 1
+        if n == 0:
+            continue
+        for j in range(epn):
+            rem[j] = cnt[h * epn + j]
+        if prev_copy.shape[0] == R:
+            for i in range(n):
+                u = recv[i]
+                for b in range(prev_copy.shape[1]):
+                    e = prev_copy[u, b]
+                    if e >= h * epn and e < (h + 1) * epn:
+                        t = min(rem[e - h * epn], q[u])
+                        alloc[e, u] += t
+                        alloc[e, h] -= t
+                        rem[e - h * epn] -= t
+                        q[u] -= t
+        while True:
+            u = recv[0]
+            for i in range(1, n):
+                if q[recv[i]] > q[u]:
+                    u = recv[i]
+            if q[u] <= 0:
+                break
+            j = 0
+            for jj in range(1, epn):
+                if rem[jj] > rem[j]:
+                    j = jj
+            t = min(rem[j], q[u])  # rem[j] > 0: a donor never gives more than it holds (proof, step 3)
+            alloc[h * epn + j, u] += t
+            alloc[h * epn + j, h] -= t
+            rem[j] -= t
+            q[u] -= t
+
+
+@njit(cache=True)
+def _layout(alloc, epn, slots, tp, donor, prev_copy, err):
+    """Stage D. -> experts_to_copy [R, slots] (-1 = empty), cu_seqlens [R, epn + slots] (padded segment ends).
+
+    Segments: rank d's epn own experts in id order, then its slots. Fresh plans fill slots in ascending expert
+    id; sticky plans keep a replica in the slot it held last step (its weights are already there).
+    """
+    R = donor.shape[0]
+    copy = np.full((R, slots), -1, np.int64)
+    cu = np.zeros((R, epn + slots), np.int64)
+    sticky = prev_copy.shape[0] == R
+    for d in range(R):
+        h = donor[d]
+        if h >= 0:
+            n = 0
+            if sticky:
+                for b in range(slots):
+                    e = prev_copy[d, b]
+                    if e >= h * epn and e < (h + 1) * epn and alloc[e, d] > 0:
+                        copy[d, b] = e
+                        n += 1
+            b = 0
+            for e in range(h * epn, (h + 1) * epn):
+                if alloc[e, d] <= 0:
+                    continue
+                held = False
+                if sticky:
+                    for bb in range(slots):
+                        if copy[d, bb] == e:
+                            held = True
+                if held:
+                    continue
+                while b < slots and copy[d, b] >= 0:
+                    b += 1
+                n += 1
+                if b >= slots:
+                    err[0] = TOO_MANY_REPLICAS
+                    err[1] = d
+                    err[2] = n
+                    continue
+                copy[d, b] = e
+        off = 0
+        for g in range(epn + slots):
+            c = 0
+            if g < epn:
+                c = alloc[d * epn + g, d]
+            elif copy[d, g - epn] >= 0:
+                c = alloc[copy[d, g - epn], d]
+            off += (c + tp - 1) // tp * tp
+            cu[d, g] = off
+    return copy, cu
+
+
+@njit(cache=True)
+def _match(a, b, node, which, e, flows, n, send):
+    """North-west-corner matching of remaining source rows a [R] with destination rows b [R] of expert e.
+
+    which >= 0 restricts both sides to ranks of that node; -1 matches everything left, in rank order.
+    Every step empties a source or a destination, so it emits at most nnz(a) + nnz(b) flows.
+    """
+    R = a.shape[0]
+    s = 0
+    d = 0
+    while True:
+        while s < R and (a[s] == 0 or (which >= 0 and node[s] != which)):
+            s += 1
+        while d < R and (b[d] == 0 or (which >= 0 and node[d] != which)):
+            d += 1
+        if s >= R or d >= R:
+            return n
+        t = min(a[s], b[d])
+        flows[n, 0] = e
+        flows[n, 1] = s
+        flows[n, 2] = d
+        flows[n, 3] = t
+        n += 1
+        send[s, d] += t
+        a[s] -= t
+        b[d] -= t
+
+
+@njit(cache=True)
+def _flows(T, alloc, cnt, epn, send, node, num_nodes):
+    """Stage E. Split experts' slots: flows [F, 4] = (expert, src, dst, rows), sorted; corrects send in place.
+
+    Unsplit experts (all slots at home) need no entry. A split expert's source rows are matched to its
+    destinations in rank order (the upstream cut); topology-aware plans first match sources and
+    destinations inside each node, so a receiver is fed by its own node's sources where they suffice.
+    """
+    R, E = T.shape
+    split = np.empty(E, np.int64)
+    ns = 0
+    for e in range(E):
+        if alloc[e, e // epn] != cnt[e]:
+            split[ns] = e
+            ns += 1
+    cols = np.empty((ns, R), np.int64)  # split experts' columns of T, gathered row by row (T rows are long)
+    for r in range(R):
+        for k in range(ns):
+            cols[k, r] = T[r, split[k]]
+    F = 0
+    for k in range(ns):
+        for r in range(R):
+            if cols[k, r] > 0:
+                F += 1
+            if alloc[split[k], r] > 0:
+                F += 1
+    flows = np.zeros((F, 4), np.int64)
+    b = np.empty(R, np.int64)
+    n = 0
+    for k in range(ns):
+        e = split[k]
+        h = e // epn
+        a = cols[k]
+        for r in range(R):
+            b[r] = alloc[e, r]
+            send[r, h] -= a[r]
+        for which in range(num_nodes):
+            n = _match(a, b, node, which, e, flows, n, send)
+        n = _match(a, b, node, -1, e, flows, n, send)
+    key = (flows[:n, 0] * R + flows[:n, 1]) * R + flows[:n, 2]  # unique: a (src, dst) pair matches once
+    return flows[:n][np.argsort(key)]
+
+
+@njit(cache=True)
+def plan_arrays(T, caps_in, slots, tp, prev_donor, prev_copy, node, num_nodes):
+    """All stages. T [R, E] int64; caps_in [R] or [0] (default floor/ceil); prev_* [0] when not sticky;
+    node [R] with num_nodes > 0 when topology-aware. Returns (T copy, caps, alloc, donor, experts_to_copy,
+    cu_seqlens, send_counts, flows, err)."""
+    R, E = T.shape
+    epn = E // R
+    err = np.zeros(3, np.int64)
+    cnt, send, T = _totals(T, epn, err)
+    total = 0
+    for e in range(E):
+        total += cnt[e]
+    caps = np.empty(R, np.int64)
+    if caps_in.shape[0] == R:
+        s = 0
+        for r in range(R):
+            caps[r] = caps_in[r]
+            s += caps_in[r]
+        if s != total and err[0] == OK:
+            err[0] = CAPS_SUM
+            err[1] = s
+            err[2] = total
+    else:
+        for r in range(R):
+            caps[r] = total // R + (1 if r < total % R else 0)
+    for r in range(R):
+        if caps[r] > INT32_MAX and err[0] == OK:  # alloc entries are bounded by caps: int32 tables suffice
+            err[0] = TOO_LARGE
+            err[1] = r
+            err[2] = -1
+    alloc = np.zeros((E, R), np.int32)
+    donor = np.full(R, -1, np.int64)
+    copy = np.full((R, slots), -1, np.int64)
+    cu = np.zeros((R, epn + slots), np.int64)
+    flows = np.zeros((0, 4), np.int64)
+    if err[0] != OK:
+        return T, caps, alloc, donor, copy, cu, send, flows, err
+    bal = np.empty(R, np.int64)
+    for h in range(R):
+        g = 0
+        for j in range(epn):
+            g += cnt[h * epn + j]
+        bal[h] = g - caps[h]
+    donor, gift = _pairing(bal, caps, prev_donor, node, num_nodes, err)
+    if err[0] != OK:
+        return T, caps, alloc, donor, copy, cu, send, flows, err
+    for e in range(E):
+        alloc[e, e // epn] = cnt[e]
+    _split(cnt, epn, donor, gift, prev_copy, alloc)
+    copy, cu = _layout(alloc, epn, slots, tp, donor, prev_copy, err)
+    flows = _flows(T, alloc, cnt, epn, send, node, num_nodes)
+    return T, caps, alloc, donor, copy, cu, send, flows, err

@@ -1,0 +1,152 @@
+"""Command line of the planner: ``moonep plan ...`` and ``moonep bench planner ...``.
+
+    moonep plan --ranks 8 --experts 64 --topk 8 --tokens 4096 --synthetic zipf:1.2 --plot plan.png --json plan.json
+    moonep plan --load counts.json --nodes 2
+    moonep bench planner --json out.json [--quick]
+
+Only argparse is imported at module level (``moonep --help`` stays fast); handlers import the rest.
+"""
+from __future__ import annotations
+
+import argparse
+
+
+def register(commands, bench) -> None:
+    """Add ``plan`` to ``commands`` and the ``planner`` target to ``bench`` (argparse sub-parser actions)."""
+    p = commands.add_parser("plan", help="plan one MoE layer's step and show per-rank load before and after")
+    p.add_argument("--ranks", type=int, help="EP ranks R (synthetic load; checked against --load)")
+    p.add_argument("--experts", type=int, help="routed experts E, a multiple of R")
+    p.add_argument("--topk", type=int, default=8, help="experts per token K (synthetic load)")
+    p.add_argument("--tokens", type=int, default=4096, help="tokens per rank S (synthetic load)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--load", help="JSON file: [R, E] counts, or {\"tokens_per_expert\": [R, E]}")
+    src.add_argument("--synthetic", help="zipf:SKEW, e.g. zipf:1.2 (hot experts shared by all ranks)")
+    p.add_argument("--nodes", type=int, help="split the ranks into this many nodes: topology-aware plan")
+    p.add_argument("--token-padding", type=int, default=1, help="pad segments to this many rows")
+    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic load")
+    p.add_argument("--plot", help="write a before/after bar chart (PNG) here")
+    p.add_argument("--json", help="write the result as JSON here")
+    p.set_defaults(func=plan_command)
+
+    b = bench.add_parser("planner", help="plan latency vs EPLB, sticky copies, topology inter-node bytes")
+    b.add_argument("--json", help="write the result as JSON here")
+    b.add_argument("--quick", action="store_true", help="small cases, few repeats (a smoke run for tests)")
+    b.add_argument("--seed", type=int, default=0, help="seed of the synthetic loads")
+    b.set_defaults(func=bench_command)
+
+
+def _write_json(path: str, obj) -> None:
+    """Atomic JSON write (temp file + rename)."""
+    import json
+    import os
+
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=2)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def _load_counts(args):
+    """[R, E] counts from --load or --synthetic; ValueError with the reason otherwise."""
+    import json
+
+    import numpy as np
+
+    from .synthetic import parse_synthetic, zipf_counts
+
+    if args.load:
+        with open(args.load) as f:
+            data = json.load(f)
+        if isinstance(data, dict):
+            data = data.get("tokens_per_expert")
+        T = np.asarray(data)
+        if T.ndim != 2:
+            raise ValueError(f"{args.load}: expected an [R, E] list of lists, got shape {T.shape}")
+        for name, want, got in (("--ranks", args.ranks, T.shape[0]), ("--experts", args.experts, T.shape[1])):
+            if want is not None and want != got:
+                raise ValueError(f"{name}={want} but {args.load} has {got}")
+        return T
+    if args.ranks is None or args.experts is None:
+        raise ValueError("--synthetic needs --ranks and --experts")
+    return zipf_counts(args.ranks, args.experts, args.topk, args.tokens, parse_synthetic(args.synthetic), args.seed)
+
+
+def plan_command(args: argparse.Namespace) -> int:
+    """Plan, print a per-rank table, optionally write JSON and a bar chart. Exit code 0, 2 on bad input."""
+    import sys
+
+    import numpy as np
+
+    from .core import plan
+    from .metrics import balance, home_loads, internode, min_migration, unplanned_internode_rows
+
+    try:
+        T = _load_counts(args)
+        topology = None
+        if args.nodes:
+            if args.nodes < 1 or T.shape[0] % args.nodes:
+                raise ValueError(f"--nodes={args.nodes} must divide R={T.shape[0]}")
+            topology = T.shape[0] // args.nodes
+        p = plan(T, token_padding=args.token_padding, topology=topology)
+    except (ValueError, OSError) as exc:
+        print(f"moonep plan: {exc}", file=sys.stderr)
+        return 2
+    before = home_loads(T)
+    R = p.num_ranks
+    replicas = [[int(e) for e in row if e >= 0] for row in p.experts_to_copy]
+    print(f"{'rank':>5} {'before':>10} {'after':>10} {'donor':>6}  replicas")
+    for r in range(R):
+        print(f"{r:>5} {int(before[r]):>10} {int(p.recv_counts[r]):>10} {int(p.donor[r]):>6}  {replicas[r]}")
+    mean = before.mean() if before.mean() > 0 else 1.0
+    result = {"R": R, "E": p.num_experts, "total_rows": int(T.sum()),
+              "before": before.tolist(), "after": p.recv_counts.tolist(), "donor": p.donor.tolist(),
+              "replicas": replicas, "num_replicas": p.num_replicas, "migrated_rows": p.migrated,
+              "balance_before": float(before.max() / mean), "balance_after": balance(p)}
+    if R <= 256:
+        result["min_migration"] = min_migration(T)
+    if topology:
+        node = np.arange(R) // topology
+        result["internode"] = {"unplanned_routed_rows": unplanned_internode_rows(T, node),
+                               "topology_plan": internode(p, node), "plain_plan": internode(plan(T), node)}
+    print(f"balance max/mean: before {result['balance_before']:.3f}, after {result['balance_after']:.3f}; "
+          f"replicas {p.num_replicas}; migrated rows {p.migrated}"
+          + (f" (flow minimum {result['min_migration']})" if "min_migration" in result else ""))
+    if args.json:
+        _write_json(args.json, result)
+    if args.plot:
+        _plot(args.plot, before, p.recv_counts)
+    return 0
+
+
+def _plot(path: str, before, after) -> None:
+    """Before/after rows per rank as grouped bars (matplotlib object API, no global state)."""
+    import numpy as np
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    R = len(before)
+    fig = Figure(figsize=(max(6.0, 0.25 * R), 3.5))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    x = np.arange(R)
+    ax.bar(x - 0.2, before, 0.4, label="before (home experts)")
+    ax.bar(x + 0.2, after, 0.4, label="after plan")
+    ax.set_xlabel("rank")
+    ax.set_ylabel("routed rows computed")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def bench_command(args: argparse.Namespace) -> int:
+    """Run the planner benchmark, print tables, write JSON."""
+    from .bench import format_report, run
+
+    result = run(quick=args.quick, seed=args.seed)
+    print(format_report(result))
+    if args.json:
+        _write_json(args.json, result)
+    return 0

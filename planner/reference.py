@@ -1,0 +1,198 @@
+"""Plain-Python twins of the planner's fast paths (``planner._kernel`` and ``Plan.route``): lists and loops.
+
+It follows the pseudo-code of ``planner/README.md`` line by line and is the oracle the tests compare the
+compiled path against (the two must give identical plans, tie-breaks included). Slow: use it for R <= ~64.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+
+def _pairs(bal: list[int], caps: list[int], prev_donor, node, num_nodes: int):
+    """Stage B: donor[u] (-1 = none) and gift[u]; a step fills the receiver completely."""
+    R = len(bal)
+    donor, gift = [-1] * R, [0] * R
+
+    def step(h: int, u: int) -> None:
+        if caps[h] + bal[h] < -bal[u]:
+            raise ValueError(f"caps are too uneven for a one-donor plan: rank {u} needs {-bal[u]} rows "
+                             f"but its donor rank {h} holds only {caps[h] + bal[h]}")
+        donor[u], gift[u] = h, -bal[u]
+        bal[h] += bal[u]
+        bal[u] = 0
+
+    if prev_donor is not None:  # sticky pass: keep last step's pairs while both sides still qualify
+        while True:
+            cands = [u for u in range(R) if prev_donor[u] >= 0 and bal[u] < 0 and bal[prev_donor[u]] > 0]
+            if not cands:
+                break
+            best = max(cands, key=lambda u: (bal[prev_donor[u]], -u))
+            step(prev_donor[best], best)
+    passes = [[r for r in range(R) if node[r] == n] for n in range(num_nodes)] + [list(range(R))]
+    for i, members in enumerate(passes):  # node-local passes (topology-aware plans), then the global pass
+        local = i < num_nodes
+        while True:
+            givers = [r for r in members if bal[r] > 0]
+            takers = [r for r in members if bal[r] < 0]
+            if not givers or not takers:
+                break
+            h = max(givers, key=lambda r: (bal[r], -r))
+            if local:  # smallest deficit first: the node's donors retire as many receivers as they can
+                u = min(takers, key=lambda r: (-bal[r], r))
+            else:
+                u = min(takers, key=lambda r: (bal[r], r))
+                near = [r for r in givers if num_nodes and node[r] == node[u]]
+                if near:
+                    h = max(near, key=lambda r: (bal[r], -r))
+            step(h, u)
+    return donor, gift
+
+
+def _split(cnt: list[int], epn: int, donor, gift, prev_copy, alloc: list[list[int]]) -> None:
+    """Stage C: alloc[e][d] for the slots each donor hands to its receivers."""
+    R = len(donor)
+    q = list(gift)
+    for h in range(R):
+        receivers = [u for u in range(R) if donor[u] == h]
+        if not receivers:
+            continue
+        rem = cnt[h * epn:(h + 1) * epn]
+
+        def move(j: int, u: int) -> None:
+            t = min(rem[j], q[u])
+            alloc[h * epn + j][u] += t
+            alloc[h * epn + j][h] -= t
+            rem[j] -= t
+            q[u] -= t
+
+        if prev_copy is not None:
+            for u in receivers:
+                for e in prev_copy[u]:
+                    if h * epn <= e < (h + 1) * epn:
+                        move(e - h * epn, u)
+        while True:
+            u = max(receivers, key=lambda r: (q[r], -r))
+            if q[u] <= 0:
+                break
+            move(max(range(epn), key=lambda j: (rem[j], -j)), u)
+
+
+def _layout(alloc, epn: int, slots: int, tp: int, donor, prev_copy):
+    """Stage D: experts_to_copy rows and padded segment ends per rank."""
+    R = len(donor)
+    copy, cu = [], []
+    for d in range(R):
+        row = [-1] * slots
+        h = donor[d]
+        if h >= 0:
+            remote = [e for e in range(h * epn, (h + 1) * epn) if alloc[e][d] > 0]
+            if prev_copy is not None:
+                row = [e if e in remote else -1 for e in prev_copy[d]]
+            fresh = [e for e in remote if e not in row]
+            free = [b for b in range(slots) if row[b] < 0]
+            if len(fresh) > len(free):
+                raise ValueError(f"rank {d} needs {len(remote)} replica slots but slots_per_rank={slots}")
+            for b, e in zip(free, fresh):
+                row[b] = e
+        sizes = [alloc[d * epn + j][d] for j in range(epn)] + [alloc[e][d] if e >= 0 else 0 for e in row]
+        ends, off = [], 0
+        for c in sizes:
+            off += -(-c // tp) * tp
+            ends.append(off)
+        copy.append(row)
+        cu.append(ends)
+    return copy, cu
+
+
+def _flows(T, alloc, cnt, epn: int, node, num_nodes: int):
+    """Stage E: send[r][d] and the flows (expert, src, dst, rows) of every split expert, sorted."""
+    R, E = len(T), len(cnt)
+    send = [[0] * R for _ in range(R)]
+    flows = []
+    for e in range(E):
+        h = e // epn
+        if alloc[e][h] == cnt[e]:
+            for r in range(R):
+                send[r][h] += T[r][e]
+            continue
+        a = [T[r][e] for r in range(R)]
+        b = [alloc[e][d] for d in range(R)]
+        groups = [[r for r in range(R) if node[r] == n] for n in range(num_nodes)] + [list(range(R))]
+        for ranks in groups:  # same-node matching first (topology), then everything left in rank order
+            sources = [r for r in ranks for _ in range(a[r])]
+            dests = [d for d in ranks for _ in range(b[d])]
+            pairs: dict[tuple[int, int], int] = {}
+            for r, d in zip(sources, dests):
+                pairs[(r, d)] = pairs.get((r, d), 0) + 1
+                a[r] -= 1
+                b[d] -= 1
+            for (r, d), t in pairs.items():
+                send[r][d] += t
+                flows.append((e, r, d, t))
+    return send, sorted(flows)
+
+
+def plan_reference(T, caps=None, slots=None, token_padding=1, prev_donor=None, prev_copy=None, node=None,
+                   num_nodes=0):
+    """Same contract as ``planner._kernel.plan_arrays`` but raises ValueError directly.
+
+    T: [R, E] nested lists or array of ints. Returns numpy arrays (caps, alloc [E, R], donor [R],
+    experts_to_copy [R, slots], cu_seqlens [R, epn + slots], send_counts [R, R], flows [F, 4]).
+    """
+    T = [[int(v) for v in row] for row in np.asarray(T).tolist()]
+    R, E = len(T), len(T[0])
+    epn = E // R
+    slots = epn if slots is None else slots
+    cnt = [sum(T[r][e] for r in range(R)) for e in range(E)]
+    total = sum(cnt)
+    if caps is None:
+        caps = [total // R + (1 if r < total % R else 0) for r in range(R)]
+    caps = [int(c) for c in caps]
+    bal = [sum(cnt[h * epn:(h + 1) * epn]) - caps[h] for h in range(R)]
+    pd = None if prev_donor is None else [int(v) for v in prev_donor]
+    pc = None if prev_copy is None else [[int(v) for v in row] for row in np.asarray(prev_copy).tolist()]
+    nd = None if node is None else [int(v) for v in node]
+    donor, gift = _pairs(bal, caps, pd, nd, num_nodes)
+    alloc = [[0] * R for _ in range(E)]
+    for e in range(E):
+        alloc[e][e // epn] = cnt[e]
+    _split(cnt, epn, donor, gift, pc, alloc)
+    copy, cu = _layout(alloc, epn, slots, token_padding, donor, pc)
+    send, flows = _flows(T, alloc, cnt, epn, nd, num_nodes)
+    arrays = (caps, alloc, donor, copy, cu, send, flows)
+    return tuple(np.asarray(a, dtype=np.int64).reshape(shape) for a, shape in
+                 zip(arrays, [(R,), (E, R), (R,), (R, slots), (R, epn + slots), (R, R), (len(flows), 4)]))
+
+
+def route_reference(plan, rank: int, topk_idx) -> tuple[list[int], list[int]]:
+    """Plain-Python twin of ``Plan.route``: (dest_rank, dest_row) of each entry of flattened topk_idx."""
+    T = plan.tokens_per_expert.tolist()
+    R, E = len(T), len(T[0])
+    epn = E // R
+    flows = [tuple(int(v) for v in f) for f in plan.flows.tolist()]
+    copy = plan.experts_to_copy.tolist()
+    cu = plan.cu_seqlens.tolist()
+
+    def segment_start(d: int, e: int) -> int:
+        g = e - d * epn if e // epn == d else epn + copy[d].index(e)
+        return cu[d][g - 1] if g > 0 else 0
+
+    seen = [0] * E  # occurrences of each expert so far in this rank's list
+    dests, rows = [], []
+    for e in [int(v) for v in list(topk_idx.reshape(-1))]:
+        i = seen[e]
+        seen[e] += 1
+        mine = [f for f in flows if f[0] == e and f[1] == rank]
+        if not any(f[0] == e for f in flows):  # unsplit: everything home, in source order
+            d = e // epn
+            dests.append(d)
+            rows.append(segment_start(d, e) + sum(T[r][e] for r in range(rank)) + i)
+            continue
+        for _, _, d, c in mine:  # this rank's slots of e go to its flows in destination order
+            if i < c:
+                before = sum(f[3] for f in flows if f[0] == e and f[2] == d and f[1] < rank)
+                dests.append(d)
+                rows.append(segment_start(d, e) + before + i)
+                break
+            i -= c
+    return dests, rows

@@ -1,0 +1,66 @@
+"""Synthetic routing for tests, the bench and the CLI: zipf-skewed loads, top-k lists, drifting traces.
+
+Expert popularity is shared by all ranks (hot experts line up across ranks, as with a real router), so home
+groups differ in load and the planner has work to do. All generators are seeded and deterministic.
+"""
+from __future__ import annotations
+
+from typing import Iterator
+
+import numpy as np
+
+
+def zipf_logits(E: int, skew: float, rng: np.random.Generator) -> np.ndarray:
+    """[E] log-popularity: expert of popularity rank i gets -skew * log(i + 1); ranks randomly permuted."""
+    return -skew * np.log1p(rng.permutation(E).astype(np.float64))
+
+
+def _probs(logits: np.ndarray) -> np.ndarray:
+    p = np.exp(logits - logits.max())
+    return p / p.sum()
+
+
+def zipf_counts(R: int, E: int, K: int, S: int, skew: float, seed: int = 0) -> np.ndarray:
+    """[R, E] counts: each rank routes exactly S*K slots, drawn multinomially from a zipf(skew) popularity.
+
+    Counts only (a token may pick one expert twice, which the planner allows); use zipf_topk for real lists.
+    """
+    rng = np.random.default_rng(seed)
+    p = _probs(zipf_logits(E, skew, rng))
+    return rng.multinomial(S * K, p, size=R).astype(np.int64)
+
+
+def zipf_topk(R: int, E: int, K: int, S: int, skew: float, seed: int = 0) -> np.ndarray:
+    """[R, S, K] expert ids: K distinct experts per token (Gumbel top-k over the zipf popularity)."""
+    rng = np.random.default_rng(seed)
+    logits = zipf_logits(E, skew, rng)
+    K = min(K, E)
+    scores = logits + rng.gumbel(size=(R, S, E))
+    return np.argpartition(-scores, K - 1, axis=-1)[..., :K].astype(np.int64)
+
+
+def drifting_trace(R: int, E: int, K: int, S: int, steps: int, skew: float = 1.2, drift: float = 0.05,
+                   seed: int = 0) -> Iterator[np.ndarray]:
+    """Yield ``steps`` count matrices [R, E] whose popularity follows a slow random walk in log space.
+
+    drift: standard deviation of each expert's log-popularity change per step (0.05 = about 5 %).
+    """
+    rng = np.random.default_rng(seed)
+    logits = zipf_logits(E, skew, rng)
+    for _ in range(steps):
+        yield rng.multinomial(S * K, _probs(logits), size=R).astype(np.int64)
+        logits = logits + drift * rng.standard_normal(E)
+
+
+def parse_synthetic(spec: str) -> float:
+    """'zipf:1.2' -> 1.2 (the skew); ValueError otherwise."""
+    kind, _, value = spec.partition(":")
+    if kind != "zipf":
+        raise ValueError(f"--synthetic must look like zipf:1.2, got {spec!r}")
+    try:
+        skew = float(value or "1.0")
+    except ValueError:
+        raise ValueError(f"--synthetic must look like zipf:1.2, got {spec!r}") from None
+    if skew < 0:
+        raise ValueError(f"zipf skew must be >= 0, got {skew}")
+    return skew

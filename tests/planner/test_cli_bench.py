@@ -1,0 +1,65 @@
+"""The ``plan`` command and the ``planner`` bench target: exit codes, JSON schema, exact balance."""
+from __future__ import annotations
+
+import argparse
+import json
+
+import numpy as np
+
+from planner import cli
+
+
+def parser() -> argparse.ArgumentParser:
+    """The same tree moonep.cli builds, with the planner package alone."""
+    root = argparse.ArgumentParser(prog="test")
+    commands = root.add_subparsers(dest="command")
+    bench = commands.add_parser("bench").add_subparsers(dest="target")
+    cli.register(commands, bench)
+    return root
+
+
+def run(argv: list[str]) -> int:
+    args = parser().parse_args(argv)
+    return args.func(args)
+
+
+def test_bench_quick_writes_stable_json(tmp_path, capsys):
+    """Schema of `moonep bench planner --quick --json`; the planner's balance is exactly 1.0."""
+    out = tmp_path / "bench.json"
+    assert run(["bench", "planner", "--quick", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["cases"], "no cases"
+    for case in data["cases"]:
+        assert {"R", "E", "plan_us", "eplb_us", "balance", "eplb_balance"} <= case.keys()
+        assert case["balance"] == 1.0
+        assert case["plan_us"] > 0 and case["eplb_us"] > 0 and case["eplb_balance"] >= 1.0
+    assert data["sticky"]["balance"] == 1.0 and 0 <= data["sticky"]["copies_ratio"]
+    assert all(t["balance"] == 1.0 for t in data["topology"])
+    assert "plan us" in capsys.readouterr().out
+
+
+def test_plan_command_synthetic_with_plot_and_json(tmp_path, capsys):
+    """Before/after loads, replicas and the flow minimum reach the JSON; the chart is written."""
+    js, png = tmp_path / "plan.json", tmp_path / "plan.png"
+    rc = run(["plan", "--ranks", "8", "--experts", "32", "--topk", "4", "--tokens", "64", "--synthetic",
+              "zipf:1.3", "--nodes", "2", "--json", str(js), "--plot", str(png)])
+    assert rc == 0
+    data = json.loads(js.read_text())
+    assert sum(data["before"]) == sum(data["after"]) == data["total_rows"]
+    assert max(data["after"]) - min(data["after"]) <= 1
+    assert data["migrated_rows"] >= data["min_migration"]
+    assert "internode" in data
+    assert png.stat().st_size > 1000
+    assert "balance max/mean" in capsys.readouterr().out
+
+
+def test_plan_command_load_file_and_bad_input(tmp_path, capsys):
+    """--load reads [R, E]; a bad file or shape mismatch exits 2 with a message, not a traceback."""
+    counts = tmp_path / "counts.json"
+    counts.write_text(json.dumps({"tokens_per_expert": np.arange(12).reshape(3, 4).tolist()}))
+    assert run(["plan", "--load", str(counts)]) == 2  # 4 experts on 3 ranks: E % R != 0
+    assert "E % R" in capsys.readouterr().err
+    counts.write_text(json.dumps(np.arange(16).reshape(4, 4).tolist()))
+    assert run(["plan", "--load", str(counts), "--ranks", "4"]) == 0
+    assert run(["plan", "--load", str(counts), "--ranks", "2"]) == 2
+    assert run(["plan", "--synthetic", "zipf:1", "--ranks", "4"]) == 2  # --experts missing

@@ -1,0 +1,81 @@
+"""The compiled fast path and its plain-Python twin (planner.reference) give identical plans."""
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from planner import _kernel, plan
+from planner.reference import plan_reference
+
+from .loads import Case, Topo, cases
+
+FIELDS = ("caps", "alloc", "donor", "experts_to_copy", "cu_seqlens", "send_counts", "flows")
+
+
+def assert_same(p, ref) -> None:
+    for name, want in zip(FIELDS, ref):
+        assert np.array_equal(getattr(p, name), want), name
+
+
+@settings(max_examples=150, deadline=None)
+@given(cases(max_R=10, max_scale=80), st.integers(0, 3), st.data())
+def test_fast_path_equals_twin(case: Case, variant: int, data):
+    """Tie-breaks, pairing order, split, layout and flows agree for plain, sticky and topology plans."""
+    T = case.counts()
+    R, E = T.shape
+    kwargs, ref_kwargs = {}, {}
+    slots = data.draw(st.sampled_from([None, case.epn + 1]))
+    if variant & 1:  # sticky: previous plan from unrelated counts of the same shape
+        prev = plan(np.random.default_rng(case.seed).integers(0, 30, (R, E)), slots_per_rank=slots)
+        kwargs["previous"] = prev
+        ref_kwargs.update(prev_donor=prev.donor, prev_copy=prev.experts_to_copy)
+    if variant & 2:
+        rpn = data.draw(st.sampled_from([d for d in range(1, R + 1) if R % d == 0]))
+        kwargs["topology"] = Topo(R // rpn, rpn)
+        ref_kwargs.update(node=np.arange(R) // rpn, num_nodes=R // rpn)
+    p = plan(T, token_padding=case.token_padding, slots_per_rank=slots, **kwargs)
+    assert_same(p, plan_reference(T, None, slots, case.token_padding, **ref_kwargs))
+
+
+@settings(max_examples=30, deadline=None)
+@given(cases(max_R=8, max_scale=60))
+def test_custom_caps_equal_twin(case: Case):
+    """Caller caps (floor/ceil in another order) plan the same on both paths."""
+    T = case.counts()
+    R = T.shape[0]
+    total = int(T.sum())
+    caps = np.full(R, total // R)
+    caps[R - total % R:] += 1 if total % R else 0  # the +1 goes to the last ranks this time
+    p = plan(T, caps=caps)
+    assert np.array_equal(p.recv_counts, caps)
+    assert_same(p, plan_reference(T, caps))
+
+
+def test_compiled_path_is_active():
+    """The suite exercises numba when it is installed (otherwise both sides would be Python)."""
+    try:
+        import numba  # noqa: F401
+    except ImportError:
+        return
+    assert _kernel.HAS_NUMBA
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 6), st.integers(1, 3), st.integers(1, 3), st.integers(0, 12), st.floats(0, 2.5),
+       st.booleans(), st.integers(0, 10**6))
+def test_route_equals_twin(R, epn, K, S, skew, topo, seed):
+    """The vectorised Plan.route and its loop twin place every (token, k) on the same rank and row."""
+    from planner.reference import route_reference
+    from planner.synthetic import zipf_topk
+
+    K = min(K, R * epn)
+    topk = zipf_topk(R, R * epn, K, S, skew, seed)
+    topk[:, ::2, -1] = topk[:, ::2, 0]  # duplicates inside a token
+    T = np.stack([np.bincount(topk[r].reshape(-1), minlength=R * epn) for r in range(R)])
+    rpn = next((d for d in range(2, R) if R % d == 0), 1)  # a real multi-rank node where R allows
+    p = plan(T, token_padding=3, topology=(rpn if topo else None))
+    for r in range(R):
+        dest, row = p.route(r, topk[r])
+        want_dest, want_row = route_reference(p, r, topk[r])
+        assert dest.reshape(-1).tolist() == want_dest and row.reshape(-1).tolist() == want_row
