@@ -14,6 +14,7 @@ splits are consistent by construction (the EP layer, whose splits come from one 
 from __future__ import annotations
 
 import abc
+import math
 import time
 from datetime import timedelta
 from typing import Sequence
@@ -42,7 +43,8 @@ class CollectiveError(RuntimeError):
 
 
 def _row_numel(t: torch.Tensor) -> int:
-    return int(t[0].numel()) if t.dim() > 0 and t.shape[0] > 0 else int(torch.Size(t.shape[1:]).numel())
+    """Elements per row (dim 0); 1 for a 0-d tensor."""
+    return math.prod(t.shape[1:])
 
 
 def _rows(t: torch.Tensor) -> int:

@@ -8,7 +8,6 @@ Reductions of bf16/fp16 run in fp32 (MPI has no half-precision types) and are ro
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
 import threading
@@ -25,9 +24,12 @@ def _mpi():
     return MPI
 
 
+_NO_NUMPY = {torch.bfloat16: torch.int16, torch.bool: torch.uint8}
+
+
 def _bytes(t: torch.Tensor):
-    """A writable uint8 numpy view of a contiguous CPU tensor's memory."""
-    return t.reshape(-1).view(torch.uint8).numpy()
+    """A writable numpy view of a contiguous CPU tensor's memory (sent as ``MPI.BYTE``: only the bytes count)."""
+    return t.view(_NO_NUMPY[t.dtype]).numpy() if t.dtype in _NO_NUMPY else t.numpy()
 
 
 def _typed(t: torch.Tensor):
@@ -38,22 +40,25 @@ def _typed(t: torch.Tensor):
     return [t.reshape(-1).numpy(), kinds[t.dtype]]
 
 
+_HALF = (torch.bfloat16, torch.float16)
+
+
 class _Staged:
     """Host copies of (possibly CUDA or half-precision) tensors for one MPI call, written back on exit."""
 
     def __init__(self, *tensors: torch.Tensor, upcast: bool = False):
         self.originals = tensors
-        self.hosts = []
-        for t in tensors:
-            h = t.cpu() if t.is_cuda else t
-            if upcast and h.dtype in (torch.bfloat16, torch.float16):
-                h = h.float()
-            self.hosts.append(h)
+        self.hosts = tensors
+        self.staged = any(t.is_cuda or (upcast and t.dtype in _HALF) for t in tensors)
+        if self.staged:  # the common case (CPU, no upcast) passes the tensors' own memory to MPI
+            self.hosts = tuple((t.cpu() if t.is_cuda else t).float() if upcast and t.dtype in _HALF
+                               else (t.cpu() if t.is_cuda else t) for t in tensors)
 
     def write_back(self, *which: int) -> None:
-        for i in which:
-            if self.hosts[i] is not self.originals[i]:
-                self.originals[i].copy_(self.hosts[i])
+        if self.staged:
+            for i in which:
+                if self.hosts[i] is not self.originals[i]:
+                    self.originals[i].copy_(self.hosts[i])
 
 
 class MPICommunicator(Communicator):
@@ -81,9 +86,11 @@ class MPICommunicator(Communicator):
         it, raising a catchable ``CollectiveError`` instead (slower on oversubscribed cores).
         """
         if self.blocking:
-            with _WATCHDOG.guard(f"{op} on rank {self.global_rank} did not complete within its {timeout:g}s "
-                                 f"timeout (a peer is dead, stuck, or called a different collective)", timeout):
+            _WATCHDOG.arm(self, op, timeout)
+            try:
                 getattr(self.comm, name)(*args, **kwargs)
+            finally:
+                _WATCHDOG.disarm()
             return
         request = getattr(self.comm, "I" + name[0].lower() + name[1:])(*args, **kwargs)
         deadline = time.monotonic() + timeout
@@ -170,36 +177,37 @@ class MPICommunicator(Communicator):
 class _Watchdog:
     """One daemon thread per process that aborts the MPI job when a guarded blocking call overruns.
 
-    Guarding is two attribute writes (no lock, no wake-up): the thread looks at the deadline a few times a second,
-    so a guarded call costs nothing measurable and a timeout fires at most ``POLL_S`` late.
+    Arming is two attribute writes (no lock, no wake-up): the thread looks at the deadline a few times a second,
+    so an armed call costs nothing measurable and a timeout fires at most ``POLL_S`` late.
     """
 
     POLL_S = 0.2
 
     def __init__(self):
         self._deadline: float | None = None
-        self._message = ""
+        self._what: tuple = ()
         self._thread: threading.Thread | None = None
         self.report_path: str | None = None
 
-    @contextlib.contextmanager
-    def guard(self, message: str, timeout: float):
+    def arm(self, comm: "MPICommunicator", op: str, timeout: float) -> None:
         if self._thread is None:
             self._thread = threading.Thread(target=self._watch, name="moonep-mpi-watchdog", daemon=True)
             self._thread.start()
-        self._message = message
+        self._what = (comm.global_rank, op, timeout)
         self._deadline = time.monotonic() + timeout
-        try:
-            yield
-        finally:
-            self._deadline = None
+
+    def disarm(self) -> None:
+        self._deadline = None
 
     def _watch(self) -> None:
         while True:
             time.sleep(self.POLL_S)
             deadline = self._deadline
             if deadline is not None and time.monotonic() > deadline:
-                message = f"moonep CollectiveError: {self._message}; aborting the MPI job\n"
+                rank, op, timeout = self._what
+                message = (f"moonep CollectiveError: {op} on rank {rank} did not complete within its {timeout:g}s "
+                           f"timeout (a peer is dead, stuck, or called a different collective); aborting the MPI "
+                           f"job\n")
                 sys.stderr.write(message)
                 sys.stderr.flush()
                 if self.report_path:  # set by collectives.launch's MPI ranks: the launcher names us from it
