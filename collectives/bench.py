@@ -67,7 +67,8 @@ def bench_collectives(comm: Communicator, sizes=FULL_SIZES, quick: bool = False,
     w = comm.world_size
     raw_barrier = lambda: raw_gather(torch.empty(w, dtype=torch.uint8), torch.zeros(1, dtype=torch.uint8))
     rows = []
-    for nbytes in tqdm(sizes, desc="sizes", disable=not progress or comm.rank != 0):
+    # Only rank 0 builds a bar: tqdm's lock is a named semaphore that other ranks would leave behind.
+    for nbytes in (tqdm(sizes, desc="sizes") if progress and comm.rank == 0 else sizes):
         per_peer = max(1, nbytes // w)
         inp = torch.randint(0, 255, (per_peer * w,), dtype=torch.uint8)
         out = torch.empty_like(inp)
