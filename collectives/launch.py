@@ -13,6 +13,7 @@ processes through files in our own temporary folder, never from a user's file.
 """
 from __future__ import annotations
 
+import atexit
 import multiprocessing as mp
 import multiprocessing.connection
 import os
@@ -133,9 +134,10 @@ def _spawned_rank(rank: int, world_size: int, tmp: str, fn, kwargs: dict, opts: 
     except BaseException as exc:
         _record_failure(tmp, rank, exc, comm)
         os._exit(1)  # skip interpreter teardown: peers may be mid-collective with us
+    atexit._run_exitfuncs()  # Python-level cleanup (named semaphores, flushes) as a normal exit would do
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)  # the work is done and reported; C++ static teardown has nothing left to add
+    os._exit(0)  # but skip C++ static teardown, which can abort on gloo threads and adds nothing
 
 
 def _rank_communicator(rank: int, world_size: int, tmp: str, opts: LaunchOptions) -> Communicator:
