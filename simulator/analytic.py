@@ -1,0 +1,243 @@
+"""The fast engine: closed-form step time, metrics and the stable result dictionary.
+
+``simulate(model, hardware, parallel, gpus)`` never raises on a bad configuration: it returns a result with
+``feasible: False`` and a ``reason``. Step time = pipeline time (schedule formula over per-chunk costs from
+``simulator.costs``) + exposed data-parallel collectives + optimizer + fixed per-step overhead.
+
+Schedule formulas (``p`` ranks, ``m`` micro-batches, ``T_r`` = forward+backward of rank r for one micro-batch,
+``P`` = one stage-to-stage send):
+- 1F1B: ``(m - 1) max_r (T_r + P) + sum_r T_r + 2 (p - 1) P``
+- interleaved (``v`` chunks per rank): ``m max_r T_r + (p - 1) max_r T_r / v + (2 (p - 1) + m (v - 1)) P``
+- DualPipe-like: each rank pairs a forward of one direction with a backward of the other, hiding the EP
+  all-to-all of one behind the compute of the other: ``m F&B + (p/2 - 1)(F&B + B) + 2 (p - 1) P`` with
+  ``F&B`` the overlapped pair time per micro-batch (DeepSeek's bubble without the weight/input split).
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+from simulator import network as net
+from simulator.costs import COMM_CLASSES, COMPUTE_CLASSES, ChunkCost, chunk_cost
+from simulator.hardware import HardwareSpec, load_hardware
+from simulator.layers import model_flops_per_token
+from simulator.memory import GIB, peak_memory
+from simulator.network import ClusterSpec
+from simulator.parallel import ParallelConfig, infeasible_reason, rank_chunks, stage_layers
+from simulator.specs import ModelSpec, load_model
+
+BREAKDOWN_KEYS = COMPUTE_CLASSES + COMM_CLASSES + ("pp", "dp", "bubble", "optimizer", "overhead")
+
+
+@dataclass
+class Perturbation:
+    """Per pipeline-rank compute slowdown (>= 1) and per-tier bandwidth factors (<= 1); see ``whatif``."""
+
+    compute: list[float] = field(default_factory=list)
+    comm: list[tuple[float, float, float]] = field(default_factory=list)
+
+
+def pipeline_costs(spec: ModelSpec, hw: HardwareSpec, par: ParallelConfig, tiers: net.Tiers,
+                   pert: Perturbation | None = None) -> list[list[ChunkCost]]:
+    """``[rank][chunk]`` costs of one micro-batch (chunk order as in ``parallel.rank_chunks``)."""
+    chunks = stage_layers(spec, par)
+    out = []
+    memo: dict = {}
+    for r, mine in enumerate(rank_chunks(par)):
+        scale = pert.compute[r] if pert and pert.compute else 1.0
+        cs = tuple(pert.comm[r]) if pert and pert.comm else (1.0, 1.0, 1.0)
+        row = []
+        for c in mine:
+            first, last = c == 0, c == len(chunks) - 1
+            key = (tuple(spec.layer_kinds()[i] for i in chunks[c]), first, last, scale, cs)
+            if key not in memo:
+                memo[key] = chunk_cost(spec, hw, par, chunks[c], tiers, first=first, last=last, scale=scale,
+                                       comm_scale=cs)
+            row.append(memo[key])
+        out.append(row)
+    return out
+
+
+def dp_seconds(spec: ModelSpec, par: ParallelConfig, tiers: net.Tiers, rank: int,
+               comm_scale=(1.0, 1.0, 1.0)) -> float:
+    """Gradient reduce (+ parameter gather) seconds of one pipeline rank per step, before overlap."""
+    from simulator.layers import embedding_params, head_params, layer_stats
+
+    chunks, kinds = stage_layers(spec, par), spec.layer_kinds()
+    dense = expert = 0.0
+    for c in rank_chunks(par)[rank]:
+        for i in chunks[c]:
+            st = layer_stats(spec, kinds[i])
+            dense, expert = dense + st.dense_params, expert + st.expert_params
+        dense += embedding_params(spec) if c == 0 else 0
+        dense += head_params(spec) if c == len(chunks) - 1 else 0
+    total = 0.0
+    for params, n, stride in ((dense / par.tp, par.dp * par.cp, par.tp),
+                              (expert / (par.ep * par.tp), par.dp * par.cp // par.ep, par.tp * par.ep)):
+        g = net.group(n, stride, tiers)
+        if par.zero_stage == 0:
+            total += net.all_reduce(4.0 * params, g, tiers, comm_scale)
+        else:
+            total += net.reduce_scatter(4.0 * params, g, tiers, comm_scale)
+            total += net.all_gather(2.0 * params, g, tiers, comm_scale) * (1 + (2 * par.micro_batches
+                                                                               if par.zero_stage == 3 else 0))
+    return total
+
+
+def optimizer_seconds(spec: ModelSpec, hw: HardwareSpec, par: ParallelConfig, rank: int, scale: float = 1.0) -> float:
+    """Adam update: about 30 bytes of HBM traffic per local (ZeRO-sharded) parameter."""
+    from simulator.memory import rank_memory
+
+    mem = rank_memory(spec, hw, par, rank)
+    local_params = mem["optimizer"] / 12.0
+    return local_params * 30.0 / (hw.hbm_tbps * 1e12 * hw.efficiency.hbm) * scale
+
+
+def schedule_time(par: ParallelConfig, costs: list[list[ChunkCost]]) -> float:
+    """Pipeline seconds of one step from per-rank chunk costs (formulas in the module docstring)."""
+    m, p = par.micro_batches, par.pp
+    P = costs[0][0].p2p if p > 1 else 0.0
+    T = [sum(c.tf + c.tb for c in row) for row in costs]
+    if par.schedule == "dualpipe":
+        return _dualpipe(par, costs, P)
+    if par.schedule == "interleaved":
+        v = par.vpp
+        return m * max(T) + (p - 1) * max(T) / v + (2 * (p - 1) + m * (v - 1)) * P
+    return (m - 1) * max(t + P for t in T) + sum(T) + 2 * (p - 1) * P
+
+
+def _pair(a: ChunkCost, b: ChunkCost) -> float:
+    """A forward of ``a`` overlapped with a backward of ``b``: compute streams add, EP all-to-alls hide."""
+    ca, cb = a.tf - a.fwd["ep"], b.tb - b.bwd["ep"]
+    return max(ca + cb, a.ep_raw_fwd + b.ep_raw_bwd, ca + a.ep_raw_fwd, cb + b.ep_raw_bwd)
+
+
+@lru_cache(maxsize=4096)
+def _dualpipe_counts(par: ParallelConfig, rank: int) -> tuple:
+    """``((entry, count), ...)`` of the rank's DualPipe order; entry = ((kind, phase), ...)."""
+    from simulator.events import dualpipe_order
+
+    return tuple(Counter(tuple(e) for e in dualpipe_order(par, rank)).items())
+
+
+def _dualpipe(par: ParallelConfig, costs: list[list[ChunkCost]], P: float) -> float:
+    """Busiest rank's work in DualPipe order (warm-up/cool-down ops alone, the rest in overlapped pairs) plus
+    DeepSeek's fill/drain idle ``(p/2 - 1) (F&B + B)`` (no weight/input split)."""
+    p = par.pp
+    best = 0.0
+    for r, (a, b) in enumerate(costs):
+        phase = (a, b) if r < p // 2 else (b, a)
+        busy = 0.0
+        for entry, n in _dualpipe_counts(par, r):
+            if len(entry) == 2:
+                busy += n * _pair(phase[entry[0][1]], phase[entry[1][1]])
+            else:
+                kind, ph = entry[0]
+                c = phase[ph]
+                busy += n * ((c.tf - c.fwd["ep"] + c.ep_raw_fwd) if kind == "F"
+                             else (c.tb - c.bwd["ep"] + c.ep_raw_bwd))
+        steady = (_pair(a, b) + _pair(b, a)) / 2
+        back = (a.tb - a.bwd["ep"] + a.ep_raw_bwd + b.tb - b.bwd["ep"] + b.ep_raw_bwd) / 2
+        paired = par.micro_batches * steady  # the same work if every op were in a pair
+        # Warm-up/cool-down ops run alone with their all-to-all exposed; about a third of that extra lands in
+        # fill/drain time that is idle anyway (fitted to the event engine on K3 and DeepSeek-V3, not to data).
+        best = max(best, paired + (busy - paired) * 2 / 3 + (p // 2 - 1) * (steady + back))
+    return best + 2 * (p - 1) * P
+
+
+@dataclass
+class SimResult:
+    """One configuration's prediction; ``to_dict`` is the stable JSON of ``moonep simulate run``."""
+
+    feasible: bool
+    reason: str
+    model: str
+    hardware: str
+    gpus: int
+    parallel: dict
+    step_time_s: float = float("nan")
+    tokens_per_s_per_gpu: float = 0.0
+    tflops_per_gpu: float = 0.0
+    mfu: float = 0.0
+    memory_gib_per_gpu: float = float("nan")
+    memory_breakdown_gib: dict = field(default_factory=dict)
+    peak_memory_rank: int = 0
+    breakdown: dict = field(default_factory=dict)
+    gpu_hours_per_trillion_tokens: float = float("nan")
+    cost_usd_per_trillion_tokens: float = float("nan")
+    moe: dict = field(default_factory=dict)
+    """MoE dispatch detail: dispatcher, maxvio, replicas per rank and how they were priced."""
+    engine: str = "analytic"
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def simulate(model, hardware, par: ParallelConfig, gpus: int | None = None, cluster: ClusterSpec | None = None,
+             *, engine: str = "analytic", pert: Perturbation | None = None) -> SimResult:
+    """Predict one training step; bad input gives ``feasible=False`` with a ``reason``, never an exception."""
+    try:
+        spec, hw = load_model(model), load_hardware(hardware)
+    except (ValueError, OSError, KeyError, TypeError) as exc:
+        return SimResult(False, f"bad model or hardware: {exc}", str(model), str(hardware), gpus or 0, {})
+    gpus = par.gpus if gpus is None else gpus
+    res = SimResult(True, "", spec.name, hw.name, gpus, par.to_dict(), engine=engine)
+    reason = infeasible_reason(spec, hw, par, gpus)
+    if reason:
+        res.feasible, res.reason = False, reason
+        return res
+    rank, mem = peak_memory(spec, hw, par)
+    total = sum(mem.values())
+    res.memory_gib_per_gpu, res.peak_memory_rank = total / GIB, rank
+    res.memory_breakdown_gib = {k: v / GIB for k, v in mem.items()}
+    tiers = net.cluster_tiers(gpus, hw, cluster or ClusterSpec())
+    costs = pipeline_costs(spec, hw, par, tiers, pert)
+    if engine == "event":
+        from simulator.events import simulate_pipeline
+
+        pipe = simulate_pipeline(par, costs).makespan
+    else:
+        pipe = schedule_time(par, costs)
+    _fill_metrics(res, spec, hw, par, tiers, costs, pipe, pert)
+    if total > hw.hbm_gib * GIB:
+        res.feasible = False
+        res.reason = (f"out of memory: {total / GIB:.1f} GiB needed on pipeline rank {rank} > "
+                      f"{hw.hbm_gib:g} GiB ({', '.join(f'{k} {v / GIB:.1f}' for k, v in mem.items() if v)})")
+    return res
+
+
+def _fill_metrics(res, spec, hw, par, tiers, costs, pipe, pert) -> None:
+    eff, m = hw.efficiency, par.micro_batches
+    comm = [tuple(pert.comm[r]) if pert and pert.comm else (1.0, 1.0, 1.0) for r in range(par.pp)]
+    scale = [pert.compute[r] if pert and pert.compute else 1.0 for r in range(par.pp)]
+    dp = (1.0 - eff.dp_overlap) * max(dp_seconds(spec, par, tiers, r, comm[r]) for r in range(par.pp))
+    opt = max(optimizer_seconds(spec, hw, par, r, scale[r]) for r in range(par.pp))
+    step = pipe + dp + opt + eff.step_overhead_s
+    busiest = max(range(par.pp), key=lambda r: sum(c.tf + c.tb for c in costs[r]))
+    bd = dict.fromkeys(BREAKDOWN_KEYS, 0.0)
+    for c in costs[busiest]:
+        for k in COMPUTE_CLASSES + COMM_CLASSES:
+            bd[k] += m * (c.fwd[k] + c.bwd[k]) / (2 if par.schedule == "dualpipe" else 1)
+    if par.schedule == "dualpipe":  # EP hides under the paired op; charge what the pairs could not hide
+        a, b = costs[busiest]
+        nonep = (a.tf - a.fwd["ep"] + a.tb - a.bwd["ep"] + b.tf - b.fwd["ep"] + b.tb - b.bwd["ep"]) / 2
+        bd["ep"] = m * max(0.0, (_pair(a, b) + _pair(b, a)) / 2 - nonep)
+    bd["pp"] = 2 * (par.pp - 1) * costs[0][0].p2p if par.pp > 1 else 0.0
+    bd["bubble"] = max(0.0, pipe - sum(bd[k] for k in COMPUTE_CLASSES + COMM_CLASSES) - bd["pp"])
+    bd["dp"], bd["optimizer"], bd["overhead"] = dp, opt, eff.step_overhead_s
+    tokens = par.global_batch_tokens
+    res.step_time_s = step
+    res.breakdown = bd
+    res.tokens_per_s_per_gpu = tokens / step / res.gpus
+    res.tflops_per_gpu = model_flops_per_token(spec, par.seq_len) * tokens / step / res.gpus / 1e12
+    res.mfu = res.tflops_per_gpu / hw.bf16_tflops
+    res.gpu_hours_per_trillion_tokens = 1e12 / res.tokens_per_s_per_gpu / 3600.0
+    res.cost_usd_per_trillion_tokens = res.gpu_hours_per_trillion_tokens * hw.price_per_gpu_hour
+    if spec.is_moe:
+        from simulator.costs import replica_model, replicas_per_rank
+
+        res.moe = {"dispatcher": par.dispatcher, "maxvio": par.maxvio,
+                   "replicas_per_rank": replicas_per_rank(spec, par),
+                   "replica_model": replica_model() if par.dispatcher == "moonep" else "none",
+                   "experts_per_rank": spec.num_experts // par.ep}

@@ -1,0 +1,213 @@
+"""Per-chunk costs of one micro-batch: compute by op class and communication by collective, in seconds.
+
+Both engines (``analytic`` and ``events``) price work with these functions, so they differ only in how they
+schedule it. A *chunk* is the contiguous layers one pipeline rank runs for one model stage (``parallel.
+stage_layers``); ``t`` below is the tokens of one micro-batch on one GPU, ``micro_batch * seq_len / CP``.
+
+Modelling choices (why, not just what):
+- Backward = 2 x forward for every op class (weight and input gradients).
+- TP with sequence parallelism: 2 all-gathers + 2 reduce-scatters of the ``[t, H]`` bf16 activation per layer
+  forward, as many backward (the re-gathers for weight gradients are overlapped, as Megatron does).
+- CP ring attention passes K/V around the ring under the attention kernel (exposed only past it); CP-KDA
+  all-gathers the fp32 transfer state ``(M, B)`` of each sequence (not overlapped, it is small).
+- MoE: dispatch + combine forward, their transposes backward. ``classic``: the busiest EP rank has
+  ``(1 + maxvio)`` x the mean tokens, so expert GEMMs and the all-to-all (incast) scale by it, the excess
+  reported as ``imbalance``. ``moonep``: exact balance, plus the replica-weight traffic of the busiest
+  receiver (``replicas_per_rank``: priced by ``planner.plan`` on a synthetic load of that ``maxvio``, or the
+  closed-form upper bound ``min(E/EP, ceil(maxvio E/EP))`` without the planner) per layer per micro-batch,
+  fetched forward, fetched again and their gradients returned backward.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+from simulator import network as net
+from simulator.hardware import HardwareSpec
+from simulator.layers import layer_stats
+from simulator.parallel import ParallelConfig
+from simulator.specs import ModelSpec
+
+COMPUTE_CLASSES = ("gemm", "grouped_gemm", "attention", "kda", "elementwise", "imbalance", "recompute")
+COMM_CLASSES = ("tp", "cp", "ep")
+
+
+@dataclass
+class ChunkCost:
+    """One micro-batch through one chunk on one GPU: forward and backward seconds by class."""
+
+    fwd: dict = field(default_factory=lambda: dict.fromkeys(COMPUTE_CLASSES + COMM_CLASSES, 0.0))
+    bwd: dict = field(default_factory=lambda: dict.fromkeys(COMPUTE_CLASSES + COMM_CLASSES, 0.0))
+    ep_raw_fwd: float = 0.0
+    """EP all-to-all seconds before any overlap (DualPipe hides it behind the paired micro-batch)."""
+    ep_raw_bwd: float = 0.0
+    p2p: float = 0.0
+    """One activation (or gradient) send to the neighbouring stage."""
+    layers: int = 0
+
+    @property
+    def tf(self) -> float:
+        return sum(self.fwd.values())
+
+    @property
+    def tb(self) -> float:
+        return sum(self.bwd.values())
+
+    def compute(self, d: dict) -> float:
+        return sum(d[k] for k in COMPUTE_CLASSES)
+
+
+def replicas_per_rank(spec: ModelSpec, par: ParallelConfig) -> int:
+    """Replica experts a ``moonep`` plan moves to the busiest receiving EP rank per layer (0 when balanced).
+
+    Priced by ``planner.plan`` on a synthetic load with the requested ``maxvio`` when the planner is importable
+    (``replica_model`` says which); otherwise the closed-form upper bound ``min(E/EP, ceil(maxvio E/EP))``.
+    """
+    if par.dispatcher != "moonep" or not spec.is_moe or par.ep == 1 or par.maxvio <= 0:
+        return 0
+    return _replicas(spec.num_experts, par.ep, round(par.maxvio, 4))[0]
+
+
+def replica_model() -> str:
+    """``planner`` when replica traffic is priced by ``planner.plan``, else ``closed-form``."""
+    try:
+        import planner  # noqa: F401
+    except ImportError:
+        return "closed-form"
+    return "planner"
+
+
+@lru_cache(maxsize=256)
+def _replicas(E: int, R: int, maxvio: float) -> tuple[int, str]:
+    epn = E // R
+    bound = min(epn, math.ceil(maxvio * epn - 1e-9))
+    if replica_model() != "planner" or maxvio >= R - 1:
+        return bound, "closed-form"
+    import numpy as np
+    import planner
+
+    # Rank 0's experts are hot so that its load is (1 + maxvio) x the mean; inside it popularity halves
+    # expert by expert (a realistic hot-expert shape); every source rank routes the same distribution.
+    w_hot = (1 + maxvio) * (R - 1) / (R - 1 - maxvio)
+    inner = 0.5 ** np.arange(epn)
+    p = np.ones(E)
+    p[:epn] = w_hot * epn * inner / inner.sum()
+    rows = np.round(4096 * 16 * p / p.sum()).astype(np.int64)
+    plan = planner.plan(np.tile(rows, (R, 1)))
+    return int((plan.experts_to_copy >= 0).sum(axis=1).max()), "planner"
+
+
+def _size(eff, flops: float) -> float:
+    """Size factor of the GEMM efficiency curve for one GEMM of ``flops``."""
+    half = eff.gemm_half_gflop * 1e9
+    return flops / (flops + half) if half > 0 else 1.0
+
+
+def _layer(spec, hw, par, kind, t, tiers, scale, comm_scale):
+    """Forward/backward seconds of one layer: (fwd dict, bwd dict, ep_raw_f, ep_raw_b)."""
+    st, eff = layer_stats(spec, kind), hw.efficiency
+    peak = hw.peak_tflops(par.precision) * 1e12 / scale
+    bf16 = hw.bf16_tflops * 1e12 / scale
+    hbm = hw.hbm_tbps * 1e12 * eff.hbm / scale
+    tp, s = par.tp, par.seq_len
+    split = tp if (par.sequence_parallel or tp == 1) else 1
+    f = dict.fromkeys(COMPUTE_CLASSES + COMM_CLASSES, 0.0)
+    h = spec.hidden
+    f["gemm"] = t * st.gemm_flops / tp / (peak * eff.gemm * _size(eff, 2.0 * t * h * h / tp))
+    if st.grouped_flops:
+        rows = t * spec.top_k / max(1, spec.num_experts // par.ep)  # balanced rows per local expert
+        size = rows * st.grouped_flops / spec.top_k / 3 / tp
+        grouped = t * st.grouped_flops / tp / (peak * eff.grouped_gemm * _size(eff, size))
+    else:
+        grouped = 0.0
+    skew = 1.0 + par.maxvio if par.dispatcher == "classic" else 1.0
+    f["grouped_gemm"], f["imbalance"] = grouped, grouped * (skew - 1.0)
+    causal = 0.5 if eff.flash_attention else 1.0
+    f["attention"] = t * st.attn_flops_per_s * s * causal / tp / (bf16 * eff.attention)
+    f["kda"] = t * st.kda_flops / tp / (bf16 * eff.kda)
+    s2 = 0.0 if eff.flash_attention else t * st.act_s2_per_s * s * 2.5 / tp / hbm
+    # without sequence parallelism the norm/dropout share (act_rep of all saved bytes) is not split by TP
+    rep = st.act_rep / (st.act_rep + st.act_par) if split == 1 and tp > 1 else 0.0
+    f["elementwise"] = t * eff.elementwise_bytes * spec.hidden * (rep + (1 - rep) / tp) / hbm + s2
+    b = {k: 2.0 * v for k, v in f.items()}
+    # communication, raw seconds
+    act = t * spec.hidden * 2.0
+    tp_one = net.all_gather(act, net.group(tp, 1, tiers), tiers, comm_scale)
+    tp_f = 4 * tp_one * (1.0 - eff.tp_overlap)
+    cp_f = cp_b = 0.0
+    if par.cp > 1:
+        cpg = net.group(par.cp, tp, tiers)
+        if kind[0] == "kda":
+            cp_f = cp_b = net.all_gather(par.micro_batch * st.kda_state_bytes / tp * par.cp, cpg, tiers, comm_scale)
+        else:
+            ring = net.all_gather(t * st.cp_kv_bytes / tp * par.cp, cpg, tiers, comm_scale)
+            cp_f, cp_b = max(0.0, ring - f["attention"]), max(0.0, 2 * ring - b["attention"])
+    ep_f = ep_b = 0.0
+    if kind[1] == "moe" and par.ep > 1:
+        epg = net.group(par.ep, tp, tiers)
+        rows = t / tp * spec.top_k * st.dispatch_dim
+        disp = rows * (1.03 if par.precision == "fp8" else 2.0)  # fp8 payload + one fp32 scale per 128
+        weights = replicas_per_rank(spec, par) * st.expert_bytes_bf16 / tp
+        a2a = lambda n: net.all_to_all(n, epg, tiers, comm_scale, incast=skew)
+        ep_f = a2a(disp) + a2a(rows * 2.0) + net.all_to_all(weights, epg, tiers, comm_scale)
+        ep_b = 2 * a2a(rows * 2.0) + 2 * net.all_to_all(weights, epg, tiers, comm_scale)
+    f["tp"], b["tp"], f["cp"], b["cp"] = tp_f, tp_f, cp_f, cp_b
+    keep = 1.0 - eff.ep_overlap if par.schedule != "dualpipe" else 1.0
+    f["ep"], b["ep"] = ep_f * keep, ep_b * keep
+    b["recompute"] = _recompute(par, f, s2)
+    over = eff.layer_overhead_s
+    f["elementwise"] += over / 3
+    b["elementwise"] += 2 * over / 3
+    return f, b, ep_f, ep_b
+
+
+def _recompute(par: ParallelConfig, f: dict, s2: float) -> float:
+    """Extra backward seconds spent re-running forward work."""
+    if par.recompute == "none":
+        return 0.0
+    if par.recompute == "full":
+        return sum(f[k] for k in ("gemm", "grouped_gemm", "imbalance", "attention", "kda", "elementwise",
+                                  "tp", "cp", "ep"))
+    extra = f["attention"] + s2
+    if par.recompute == "selective+act":
+        extra += 0.3 * (f["elementwise"] - s2) + 0.5 * f["kda"]
+    return extra
+
+
+def chunk_cost(spec: ModelSpec, hw: HardwareSpec, par: ParallelConfig, layers: list[int], tiers: net.Tiers,
+               *, first: bool = False, last: bool = False, scale: float = 1.0,
+               comm_scale: tuple[float, float, float] = (1.0, 1.0, 1.0)) -> ChunkCost:
+    """Costs of ``layers`` for one micro-batch; ``first``/``last`` add the embedding / LM head and loss.
+
+    ``scale`` >= 1 slows this GPU's compute (what-if); ``comm_scale`` multiplies each tier's bandwidth.
+    """
+    t = par.micro_batch * par.seq_len / par.cp
+    c = ChunkCost(layers=len(layers))
+    kinds = spec.layer_kinds()
+    cache: dict = {}
+    for i in layers:
+        if kinds[i] not in cache:
+            cache[kinds[i]] = _layer(spec, hw, par, kinds[i], t, tiers, scale, comm_scale)
+        f, b, ef, eb = cache[kinds[i]]
+        for k in c.fwd:
+            c.fwd[k] += f[k]
+            c.bwd[k] += b[k]
+        c.ep_raw_fwd += ef
+        c.ep_raw_bwd += eb
+    eff = hw.efficiency
+    hbm = hw.hbm_tbps * 1e12 * eff.hbm / scale
+    if last:
+        peak = hw.peak_tflops(par.precision) * 1e12 / scale
+        head = t * 2.0 * spec.vocab * spec.hidden / par.tp / (peak * eff.gemm)
+        loss = t * spec.vocab * 4 * 3 / par.tp / hbm  # fp32 logits: write, softmax read + write
+        c.fwd["gemm"] += head
+        c.fwd["elementwise"] += loss
+        c.bwd["gemm"] += 2 * head
+        c.bwd["elementwise"] += loss
+    if first:
+        c.fwd["elementwise"] += t * spec.hidden * 4 / hbm
+        c.bwd["elementwise"] += t * spec.hidden * 8 / hbm
+    split = par.tp if par.sequence_parallel else 1
+    c.p2p = net.p2p(t * spec.hidden * 2.0 / split, par.tp * par.cp * par.dp, tiers, comm_scale)
+    return c

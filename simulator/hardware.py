@@ -1,0 +1,179 @@
+"""Hardware: ``HardwareSpec`` (peaks, HBM, links) with one ``Efficiency`` set per hardware, presets, JSON.
+
+Peak numbers are vendor datasheet values for dense (non-sparse) math; link bandwidths are per GPU per direction.
+Efficiencies are the *only* tuning knobs and there is exactly one set per hardware (the issue's rule): the
+A100 set was fitted once to all eight Korthikanti et al. runs together (see ``simulator/README.md``); the Hopper
+and Blackwell sets are engineering estimates, to be replaced by ``moonep simulate calibrate`` profiles.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Any
+
+
+@dataclass(kw_only=True, frozen=True)
+class Efficiency:
+    """Achieved fraction of peak per op class, overlap fractions and software behaviour of one hardware."""
+
+    gemm: float = 0.70
+    """Dense GEMM throughput as a fraction of the precision's peak."""
+    grouped_gemm: float = 0.60
+    """Routed-expert grouped GEMM fraction of peak."""
+    gemm_half_gflop: float = 0.0
+    """GEMM size (GFLOP per call) at which efficiency drops to half of ``gemm``: efficiency = gemm * F / (F +
+    gemm_half_gflop), so small or thin GEMMs (high TP, small experts) run further from peak (Calculon-style)."""
+    attention: float = 0.50
+    """Core softmax attention fraction of peak (forward and backward)."""
+    kda: float = 0.35
+    """KDA chunked kernels fraction of bf16 peak."""
+    hbm: float = 0.80
+    """Memory-bound (elementwise, optimizer) kernels: fraction of HBM bandwidth."""
+    elementwise_bytes: float = 60.0
+    """HBM bytes moved by memory-bound ops per token per layer per unit of hidden size, forward (norms, adds,
+    activations, dropout, rotary/conv); backward moves twice as much."""
+    nvlink: float = 0.80
+    """Achieved fraction of NVLink bandwidth (NCCL bus bandwidth / link bandwidth)."""
+    network: float = 0.85
+    """Achieved fraction of NIC bandwidth."""
+    tp_overlap: float = 0.0
+    """Fraction of TP/SP collective time hidden behind GEMMs (0 = Megatron 2022, no overlap)."""
+    dp_overlap: float = 0.0
+    """Fraction of data-parallel gradient/parameter collectives hidden behind the backward pass."""
+    ep_overlap: float = 0.0
+    """Fraction of EP all-to-all hidden by 1F1B/interleaved schedules (DualPipe overlaps by construction)."""
+    flash_attention: bool = True
+    """Fused attention: no s^2 activations saved and causal blocks skipped (half the core FLOPs)."""
+    step_overhead_s: float = 0.0
+    """Fixed per-step time (data loading, launch gaps, gradient clipping)."""
+    layer_overhead_s: float = 0.0
+    """Fixed time per layer per micro-batch, forward+backward (kernel launches, small ops)."""
+
+    def __post_init__(self):
+        for f in ("gemm", "grouped_gemm", "attention", "kda", "hbm", "nvlink", "network"):
+            if not 0 < getattr(self, f) <= 1:
+                raise ValueError(f"Efficiency.{f} must be in (0, 1], got {getattr(self, f)!r}")
+        for f in ("tp_overlap", "dp_overlap", "ep_overlap"):
+            if not 0 <= getattr(self, f) <= 1:
+                raise ValueError(f"Efficiency.{f} must be in [0, 1], got {getattr(self, f)!r}")
+        if self.elementwise_bytes < 0 or self.step_overhead_s < 0 or self.layer_overhead_s < 0:
+            raise ValueError("Efficiency.elementwise_bytes/step_overhead_s/layer_overhead_s must be >= 0")
+
+
+@dataclass(kw_only=True, frozen=True)
+class HardwareSpec:
+    """One accelerator type and its node: peaks, memory, links."""
+
+    name: str
+    """Preset name or profile label."""
+    bf16_tflops: float
+    """Dense BF16 tensor peak, TFLOP/s."""
+    fp8_tflops: float = 0.0
+    """Dense FP8 tensor peak, TFLOP/s (0: no FP8 tensor cores)."""
+    hbm_gib: float
+    """Usable device memory, GiB."""
+    hbm_tbps: float
+    """HBM bandwidth, TB/s."""
+    nvlink_gbps: float
+    """Intra-node bandwidth per GPU per direction, GB/s."""
+    nic_gbps: float
+    """Scale-out NIC bandwidth per GPU per direction, GB/s (400 Gb/s = 50)."""
+    gpus_per_node: int = 8
+    """GPUs per NVLink domain (node)."""
+    nvlink_latency_us: float = 3.0
+    """Per-hop latency inside a node, microseconds."""
+    nic_latency_us: float = 10.0
+    """Per-hop latency across nodes, microseconds."""
+    reserved_gib: float = 3.0
+    """Memory not available to the model (CUDA context, NCCL, allocator slack), GiB."""
+    price_per_gpu_hour: float = 2.0
+    """Rental price, USD per GPU-hour, for the cost line."""
+    efficiency: Efficiency = field(default_factory=Efficiency)
+    """The one efficiency set of this hardware."""
+
+    def __post_init__(self):
+        for f in ("bf16_tflops", "hbm_gib", "hbm_tbps", "nvlink_gbps", "nic_gbps"):
+            if not getattr(self, f) > 0:
+                raise ValueError(f"HardwareSpec.{f} must be > 0, got {getattr(self, f)!r}")
+        if self.fp8_tflops < 0:
+            raise ValueError(f"HardwareSpec.fp8_tflops must be >= 0, got {self.fp8_tflops!r}")
+        if not isinstance(self.gpus_per_node, int) or self.gpus_per_node < 1:
+            raise ValueError(f"HardwareSpec.gpus_per_node must be a positive integer, got {self.gpus_per_node!r}")
+        if self.reserved_gib < 0 or self.price_per_gpu_hour < 0:
+            raise ValueError("HardwareSpec.reserved_gib and price_per_gpu_hour must be >= 0")
+
+    def peak_tflops(self, precision: str) -> float:
+        return self.fp8_tflops if precision == "fp8" else self.bf16_tflops
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict, base: "HardwareSpec | None" = None) -> "HardwareSpec":
+        """A spec from a dict; with ``base``, the dict overrides only the fields it names."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown HardwareSpec field(s) {unknown}; known: {sorted(known)}")
+        data = dict(data)
+        eff = data.pop("efficiency", None)
+        if base is not None:
+            spec = replace(base, **data)
+        else:
+            spec = cls(**data)
+        if eff is not None:
+            known_e = {f.name for f in fields(Efficiency)}
+            if set(eff) - known_e:
+                raise ValueError(f"unknown Efficiency field(s) {sorted(set(eff) - known_e)}")
+            spec = replace(spec, efficiency=replace(spec.efficiency, **eff))
+        return spec
+
+
+# A100 set: fitted once, jointly, to the eight Korthikanti et al. 2022 runs (Megatron-LM 2022: no fused
+# attention, no TP/DP overlap); see simulator/README.md. Do not tune per case.
+A100_EFFICIENCY = Efficiency(gemm=0.78, gemm_half_gflop=0.0, grouped_gemm=0.65, attention=0.45, kda=0.30,
+                             hbm=0.80, elementwise_bytes=75.0, nvlink=0.55, network=0.80, flash_attention=False)
+# Hopper/Blackwell: estimates for current Megatron/TE + DeepEP-class software (TP comm overlap, overlapped DP).
+HOPPER_EFFICIENCY = Efficiency(gemm=0.62, gemm_half_gflop=10.0, grouped_gemm=0.50, attention=0.45, kda=0.30, hbm=0.80,
+                               elementwise_bytes=60.0, nvlink=0.80, network=0.85, tp_overlap=0.5, dp_overlap=0.8)
+BLACKWELL_EFFICIENCY = replace(HOPPER_EFFICIENCY, gemm=0.60, grouped_gemm=0.48, attention=0.45)
+
+PRESETS: dict[str, HardwareSpec] = {
+    "a100": HardwareSpec(name="a100-80g", bf16_tflops=312.0, fp8_tflops=0.0, hbm_gib=80.0, hbm_tbps=2.039,
+                         nvlink_gbps=300.0, nic_gbps=25.0, reserved_gib=2.0, price_per_gpu_hour=1.5,
+                         efficiency=A100_EFFICIENCY),
+    "h100": HardwareSpec(name="h100-sxm", bf16_tflops=989.0, fp8_tflops=1979.0, hbm_gib=79.6, hbm_tbps=3.35,
+                         nvlink_gbps=450.0, nic_gbps=50.0, price_per_gpu_hour=2.5, efficiency=HOPPER_EFFICIENCY),
+    "h800": HardwareSpec(name="h800", bf16_tflops=989.0, fp8_tflops=1979.0, hbm_gib=79.6, hbm_tbps=3.35,
+                         nvlink_gbps=200.0, nic_gbps=50.0, price_per_gpu_hour=2.0, efficiency=HOPPER_EFFICIENCY),
+    "h200": HardwareSpec(name="h200", bf16_tflops=989.0, fp8_tflops=1979.0, hbm_gib=140.0, hbm_tbps=4.8,
+                         nvlink_gbps=450.0, nic_gbps=50.0, price_per_gpu_hour=3.0, efficiency=HOPPER_EFFICIENCY),
+    "b200": HardwareSpec(name="b200", bf16_tflops=2250.0, fp8_tflops=4500.0, hbm_gib=179.0, hbm_tbps=8.0,
+                         nvlink_gbps=900.0, nic_gbps=50.0, price_per_gpu_hour=5.0, efficiency=BLACKWELL_EFFICIENCY),
+}
+ALIASES = {"a100-80g": "a100", "h100-sxm": "h100"}
+
+
+def load_hardware(name_or_path: str | os.PathLike | HardwareSpec | dict[str, Any]) -> HardwareSpec:
+    """A preset name (a100, h100, h800, h200, b200), or a JSON file / dict (with ``base`` naming a preset)."""
+    if isinstance(name_or_path, HardwareSpec):
+        return name_or_path
+    if isinstance(name_or_path, dict):
+        data = dict(name_or_path)
+    else:
+        key = os.fspath(name_or_path)
+        low = ALIASES.get(key.lower(), key.lower())
+        if low in PRESETS:
+            return PRESETS[low]
+        if not os.path.exists(key):
+            raise ValueError(f"hardware {key!r} is neither a preset ({', '.join(PRESETS)}) nor an existing file")
+        with open(key) as f:
+            data = json.load(f)
+        if not isinstance(data, dict):
+            raise ValueError(f"{key}: a hardware file holds one JSON object")
+    data.pop("measured", None)  # calibration's raw numbers ride along for the reader
+    base = data.pop("base", None)
+    if base is not None:
+        return HardwareSpec.from_dict(data, base=load_hardware(base))
+    return HardwareSpec.from_dict(data)

@@ -1,0 +1,190 @@
+"""Per-layer counting: parameters, forward FLOPs per token by op class, saved activation bytes per token.
+
+All counts are for one layer kind ``(attention, ffn)`` of a ``ModelSpec`` and are *per token* (FLOPs, bytes) or
+per layer (parameters); the cost and memory models scale them by tokens, TP, CP and EP.
+
+Conventions (stated because published tables differ):
+- Model FLOPs = 2 x (matmul weights a token touches) + core attention 2 * heads * (d_qk + d_v) * s_kv with the
+  *full* ``s_kv = s`` (no causal halving; Megatron's ``72 B s L h^2 (1 + s/6h + V/12hL)`` convention) + KDA
+  chunked-recurrence FLOPs; training = 3 x forward. Norms, biases, convolutions and the router softmax are
+  memory-bound ops timed by bytes, not counted as FLOPs.
+- KDA forward FLOPs per token per head: ``6 dk dv`` (state read-out, key projection of the state, rank-1 update)
+  ``+ 2 C (dk + dv)`` for the intra-chunk part with chunk ``C = 64``.
+- Activation bytes follow Korthikanti et al. 2022 (arXiv 2205.05198) section 4: for the GPT layer they give
+  ``34 s b h + 5 a s^2 b`` bytes (no recompute), of which ``10 s b h`` is not split by TP without sequence
+  parallelism. Other layer types are generalised term by term (bf16 tensors = 2 bytes, dropout masks = 1 byte).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from simulator.specs import ModelSpec
+
+KDA_CHUNK = 64
+RECOMPUTE_MODES = ("none", "selective", "selective+act", "full")
+
+
+@dataclass(frozen=True)
+class LayerStats:
+    """Counts for one layer kind; ``*_flops`` are forward FLOPs per token, ``act_*`` bytes per token."""
+
+    kind: tuple[str, str]
+    dense_params: int
+    """Parameters sharded by TP and replicated over EP (attention, dense FFN, router, shared expert, norms)."""
+    expert_params: int
+    """Routed-expert parameters of the layer, all experts (sharded by EP x TP)."""
+    active_params: int
+    """Parameters one token touches."""
+    gemm_flops: float
+    """Dense matmuls (projections, dense FFN, router, latent, shared experts)."""
+    grouped_flops: float
+    """Routed-expert grouped GEMMs (top_k experts per token)."""
+    attn_flops_per_s: float
+    """Core softmax attention per token per key position (times s_kv)."""
+    kda_flops: float
+    """KDA chunked recurrence."""
+    act_rep: float
+    """Saved bytes not split by TP without sequence parallelism (norm and block inputs, dropout masks)."""
+    act_par: float
+    """Saved bytes split by TP (projections, FFN internals, expert internals)."""
+    act_s2_per_s: float
+    """Saved bytes per token per key position (non-flash softmax); dropped by selective recompute."""
+    act_fn: float
+    """Part of ``act_par`` recomputed by ``selective+act`` (activation outputs, KDA conv outputs)."""
+    mla_kv: float
+    """Compressed KV (latent + shared rope key) per token, reported separately from activations."""
+    cp_kv_bytes: float
+    """Ring-attention K and V bytes per token that travel around the CP ring (softmax layers)."""
+    kda_state_bytes: float
+    """fp32 KDA transfer state (M, B) per sequence exchanged by CP-KDA."""
+    dispatch_dim: int
+    """Width of one dispatched token (latent width for LatentMoE), 0 for dense layers."""
+    expert_bytes_bf16: int
+    """bf16 bytes of one routed expert (the replica weight a ``moonep`` plan may move)."""
+
+
+def _attention(spec: ModelSpec, kind: str) -> dict:
+    h = spec.hidden
+    if kind == "kda":
+        nh, d = spec.kda_heads, spec.kda_head_dim
+        p = nh * d
+        mat = 4 * h * p + p * h + h * d + d * p + h * nh  # q, k, v, g, o, f_a, f_b, beta
+        vec = 3 * p * spec.kda_conv + p + nh + d
+        return dict(mat=mat, vec=vec, core=0.0, kda=nh * (6 * d * d + 2 * KDA_CHUNK * 2 * d),
+                    par=20 * p + 2 * d, fn=8 * p, s2=0.0, kv=0.0, cp_kv=0.0, state=nh * d * 2 * d * 4)
+    nh = spec.num_heads
+    if kind == "mla":
+        dqk, dv = spec.qk_nope_dim + spec.qk_rope_dim, spec.v_head_dim
+        ql, kvl = spec.q_lora_rank, spec.kv_lora_rank
+        q = h * ql + ql * nh * dqk if ql else h * nh * dqk
+        mat = q + h * (kvl + spec.qk_rope_dim) + kvl * nh * (spec.qk_nope_dim + dv) + nh * dv * h
+        vec = ql + kvl
+        par = 4 * ql + 2 * kvl + 2 * nh * dqk * 2 + 2 * nh * dv * 2
+        kv = 2 * (kvl + spec.qk_rope_dim)
+        qkv_width = 0
+    else:
+        dqk = dv = spec.dhead
+        mat = h * nh * dqk + 2 * h * spec.kv_heads * dqk + nh * dv * h
+        vec = (nh * dqk + 2 * spec.kv_heads * dqk + h) if spec.bias else 0
+        qkv_width = nh * dqk + 2 * spec.kv_heads * dqk
+        par, kv = 2 * qkv_width + 2 * nh * dv, 0.0
+    if spec.attn_output_gate:
+        mat += h * nh * dv
+        par += 2 * nh * dv
+    s2 = nh * (5 if spec.dropout else 2)  # softmax out (2) [+ dropout mask (1) + dropout out (2)]
+    cp_kv = 2 * nh * (dqk + dv) if kind == "mla" else 2 * 2 * spec.kv_heads * dqk
+    del qkv_width
+    return dict(mat=mat, vec=vec, core=2.0 * nh * (dqk + dv), kda=0.0, par=par, fn=0.0, s2=s2, kv=kv,
+                cp_kv=cp_kv, state=0.0)
+
+
+def _ffn(spec: ModelSpec, kind: str) -> dict:
+    h = spec.hidden
+    if kind == "dense":
+        f = spec.ffn_hidden
+        mat = (3 if spec.gated_ffn else 2) * h * f
+        vec = (f + h) if spec.bias else 0
+        par = (6 if spec.gated_ffn else 4) * f
+        return dict(mat=mat, vec=vec, experts=0, active_experts=0, grouped=0.0, par=par, fn=2 * f, dim=0, eb=0)
+    e, k, fe = spec.num_experts, spec.top_k, spec.moe_ffn_hidden
+    de = spec.moe_latent_dim or h
+    one = 3 * de * fe
+    fs = spec.num_shared_experts * fe
+    mat = e * h + 3 * h * fs + (2 * h * spec.moe_latent_dim if spec.moe_latent_dim else 0)
+    vec = (e if spec.router_bias else 0) + spec.moe_latent_dim
+    routed = k * (2 * de + 4 * fe + 2 * fe + 2 * de)
+    latent = 6 * spec.moe_latent_dim if spec.moe_latent_dim else 0
+    par = 4 * e + latent + routed + 6 * fs
+    return dict(mat=mat, vec=vec, experts=e * one, active_experts=k * one, grouped=2.0 * k * one, par=par,
+                fn=k * 2 * fe + 2 * fs, dim=de, eb=2 * one)
+
+
+def _norm_params(spec: ModelSpec) -> int:
+    h = spec.hidden
+    if spec.attn_res:
+        return 6 * h  # 4 RMSNorm gains + 2 AttnRes pseudo-queries (k3_architecture.md 3.2)
+    return 4 * h if spec.norm == "layernorm" else 2 * h
+
+
+@lru_cache(maxsize=256)
+def layer_stats(spec: ModelSpec, kind: tuple[str, str]) -> LayerStats:
+    """Counts for one ``(attention, ffn)`` layer kind of ``spec``."""
+    a, f = _attention(spec, kind[0]), _ffn(spec, kind[1])
+    h = spec.hidden
+    dense = a["mat"] + a["vec"] + f["mat"] + f["vec"] + _norm_params(spec)
+    rep = 4 * h + 2 * h + 2 * h + (2 * h if spec.dropout else 0)  # 2 norm inputs, 2 block inputs, 2 masks
+    return LayerStats(
+        kind=kind, dense_params=dense, expert_params=f["experts"], active_params=dense + f["active_experts"],
+        gemm_flops=2.0 * (a["mat"] + f["mat"]), grouped_flops=f["grouped"], attn_flops_per_s=a["core"],
+        kda_flops=float(a["kda"]), act_rep=float(rep), act_par=float(a["par"] + f["par"]),
+        act_s2_per_s=float(a["s2"]) if a["core"] else 0.0, act_fn=float(a["fn"] + f["fn"]),
+        mla_kv=float(a["kv"]), cp_kv_bytes=float(a["cp_kv"]), kda_state_bytes=float(a["state"]),
+        dispatch_dim=f["dim"], expert_bytes_bf16=f["eb"])
+
+
+def embedding_params(spec: ModelSpec) -> int:
+    return spec.vocab * spec.hidden + spec.position_embeddings * spec.hidden
+
+
+def head_params(spec: ModelSpec) -> int:
+    """LM head plus final norm (and the K3 output AttnRes vectors)."""
+    final = 3 * spec.hidden if spec.attn_res else (2 if spec.norm == "layernorm" else 1) * spec.hidden
+    return (0 if spec.tie_embeddings else spec.vocab * spec.hidden) + final
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    """Whole-model parameter counts."""
+
+    total: int
+    """All parameters (tied embeddings counted once)."""
+    active: int
+    """Parameters one token touches, counting the LM head but not the input embedding (K3 Table 1 rule)."""
+    experts: int
+    """Routed-expert parameters."""
+    embedding: int
+    head: int
+
+
+def param_counts(spec: ModelSpec) -> ParamCounts:
+    """Exact parameter counts of ``spec`` (``k3`` gives 2,779,484,476,000 total and 104,189,612,640 active)."""
+    total = active = experts = 0
+    for kind in spec.layer_kinds():
+        st = layer_stats(spec, kind)
+        total += st.dense_params + st.expert_params
+        active += st.active_params
+        experts += st.expert_params
+    emb, head = embedding_params(spec), head_params(spec)
+    head_mat = spec.vocab * spec.hidden  # a tied head still multiplies every token
+    return ParamCounts(total=total + emb + head, active=active + head + (head_mat if spec.tie_embeddings else 0),
+                       experts=experts, embedding=emb, head=head)
+
+
+def model_flops_per_token(spec: ModelSpec, seq_len: int) -> float:
+    """Training model FLOPs per token (3 x forward, full-square attention, LM head included, no recompute)."""
+    fwd = 2.0 * spec.vocab * spec.hidden
+    for kind in spec.layer_kinds():
+        st = layer_stats(spec, kind)
+        fwd += st.gemm_flops + st.grouped_flops + st.attn_flops_per_s * seq_len + st.kda_flops
+    return 3.0 * fwd

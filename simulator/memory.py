@@ -1,0 +1,163 @@
+"""Memory per GPU for training (per pipeline rank, the peak is reported) and K3-hybrid inference memory.
+
+Training bytes per parameter: bf16 weight 2 (+1 fp8 copy with ``precision=fp8``), fp32 main gradient 4, Adam
+fp32 master + m + v 12 (Megatron's 18, or ``6 + 12/DP`` with the distributed optimizer). Dense parameters are
+sharded by TP (ZeRO over DP x CP); routed experts by EP x TP (ZeRO over the DP x CP / EP expert-data ranks).
+
+Activations per layer follow ``layers.LayerStats``; in-flight micro-batches follow the schedule: 1F1B rank r
+holds ``min(m, p - r)``; interleaved rank r holds ``(p - r - 1) * 2 + (v - 1) * p + 1`` chunks (Megatron's
+warm-up, which gives the paper's ``1 + (p-1)/(p v)`` factor on rank 0); DualPipe holds ``p + 1`` micro-batches
+of its two chunks and two weight copies. Full recompute keeps each layer's ``[t, H]`` input plus one layer's
+working set.
+"""
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+from simulator.costs import replicas_per_rank
+from simulator.hardware import HardwareSpec
+from simulator.layers import embedding_params, head_params, layer_stats
+from simulator.parallel import ParallelConfig, rank_chunks, stage_layers
+from simulator.specs import ModelSpec
+
+GIB = float(2**30)
+MEMORY_ITEMS = ("params", "grads", "optimizer", "activations", "kda_states", "mla_kv", "ep_buffers", "reserved")
+
+
+def inflight_chunks(par: ParallelConfig, rank: int) -> float:
+    """Chunks' activations alive at the peak on pipeline rank ``rank`` (unit: one chunk, one micro-batch)."""
+    m, p, v = par.micro_batches, par.pp, par.vpp
+    if par.schedule == "interleaved":
+        return float(min(m * v, (p - rank - 1) * 2 + (v - 1) * p + 1))
+    if par.schedule == "dualpipe":
+        return float(min(m, p + 1))  # p + 1 micro-batches, each through one of the rank's two chunks
+    return float(min(m, p - rank))
+
+
+def _layer_act(spec: ModelSpec, par: ParallelConfig, st, t: float, flash: bool) -> tuple[float, float, float]:
+    """(activations, mla_kv, kda_state) bytes of one layer for one micro-batch."""
+    split = par.tp if (par.sequence_parallel or par.tp == 1) else 1
+    if par.recompute == "full":
+        return t * 2.0 * spec.hidden / split, 0.0, 0.0
+    par_bytes = st.act_par - (st.act_fn if par.recompute == "selective+act" else 0.0)
+    act = t * (st.act_rep / split + par_bytes / par.tp)
+    if par.recompute == "none" and not flash:
+        act += t * st.act_s2_per_s * par.seq_len / par.tp
+    kda = par.micro_batch * st.kda_state_bytes / par.tp
+    return act, t * st.mla_kv, kda
+
+
+@lru_cache(maxsize=1024)
+def _full_working_set(spec: ModelSpec, par: ParallelConfig, t: float, flash: bool) -> float:
+    """Largest single-layer activation set (rebuilt during a full-recompute backward)."""
+    worst = 0.0
+    for kind in set(spec.layer_kinds()):
+        st = layer_stats(spec, kind)
+        split = par.tp if (par.sequence_parallel or par.tp == 1) else 1
+        s2 = 0.0 if flash else st.act_s2_per_s * par.seq_len / par.tp
+        worst = max(worst, t * (st.act_rep / split + st.act_par / par.tp + s2 + st.mla_kv))
+    return worst
+
+
+@lru_cache(maxsize=4096)
+def _chunk_totals(spec: ModelSpec, layers: tuple[int, ...], par: ParallelConfig, flash: bool) -> tuple:
+    """(dense params, expert params, MoE layers, activation, MLA KV, KDA state bytes per micro-batch)."""
+    kinds = spec.layer_kinds()
+    t = par.micro_batch * par.seq_len / par.cp
+    dense = expert = act = kv = kda = 0.0
+    moe = 0
+    for i in layers:
+        st = layer_stats(spec, kinds[i])
+        dense, expert, moe = dense + st.dense_params, expert + st.expert_params, moe + (kinds[i][1] == "moe")
+        a, k, s = _layer_act(spec, par, st, t, flash)
+        act, kv, kda = act + a, kv + k, kda + s
+    return dense, expert, moe, act, kv, kda
+
+
+def rank_memory(spec: ModelSpec, hw: HardwareSpec, par: ParallelConfig, rank: int) -> dict[str, float]:
+    """Bytes by item (``MEMORY_ITEMS``) on pipeline rank ``rank``."""
+    chunks = stage_layers(spec, par)
+    mine = rank_chunks(par)[rank]
+    t = par.micro_batch * par.seq_len / par.cp
+    flash = hw.efficiency.flash_attention
+    live = inflight_chunks(par, rank) / len(mine)  # micro-batches per chunk of this rank
+    dense = expert = act = kv = kda = 0.0
+    moe_layers = 0
+    for c in mine:
+        d, e, n, a, k, s = _chunk_totals(spec, chunks[c], par, flash)
+        dense, expert, moe_layers = dense + d, expert + e, moe_layers + n
+        act, kv, kda = act + a * live, kv + k * live, kda + s * live
+        if c == 0:
+            dense += embedding_params(spec)
+        if c == len(chunks) - 1:
+            dense += head_params(spec) if not spec.tie_embeddings else spec.vocab * spec.hidden
+    if par.recompute == "full":
+        act += _full_working_set(spec, par, t, flash)
+    if len(chunks) - 1 in mine:
+        act += t * spec.vocab * 6.0 / par.tp  # bf16 logits + fp32 loss buffer
+    dense_g, expert_g = dense / par.tp, expert / (par.ep * par.tp)
+    dpg, edpg = par.dp * par.cp, par.dp * par.cp // par.ep
+    zs = par.zero_stage
+    w_bytes = 3.0 if par.precision == "fp8" else 2.0
+    params = dense_g * w_bytes / (dpg if zs >= 3 else 1) + expert_g * w_bytes / (edpg if zs >= 3 else 1)
+    grads = dense_g * 4.0 / (dpg if zs >= 2 else 1) + expert_g * 4.0 / (edpg if zs >= 2 else 1)
+    optim = dense_g * 12.0 / (dpg if zs >= 1 else 1) + expert_g * 12.0 / (edpg if zs >= 1 else 1)
+    ep_buf = 0.0
+    if moe_layers:
+        st = layer_stats(spec, next(k for k in spec.layer_kinds() if k[1] == "moe"))
+        skew = 1.0 + par.maxvio if par.dispatcher == "classic" else 1.0
+        ep_buf = 2 * (t / par.tp) * spec.top_k * st.dispatch_dim * 2.0 * skew  # send + receive, bf16
+        ep_buf += 2 * replicas_per_rank(spec, par) * st.expert_bytes_bf16 / par.tp * 2  # weights+grads, x2 buf
+    return {"params": params, "grads": grads, "optimizer": optim, "activations": act, "kda_states": kda,
+            "mla_kv": kv, "ep_buffers": ep_buf, "reserved": hw.reserved_gib * GIB}
+
+
+def peak_memory(spec: ModelSpec, hw: HardwareSpec, par: ParallelConfig) -> tuple[int, dict[str, float]]:
+    """(rank, bytes by item) of the pipeline rank with the largest total."""
+    best = None
+    for r in range(par.pp):
+        mem = rank_memory(spec, hw, par, r)
+        if best is None or sum(mem.values()) > sum(best[1].values()):
+            best = (r, mem)
+    return best
+
+
+def inference_memory(spec: ModelSpec, *, batch: int, context: int, tp: int = 1, ep: int = 1,
+                     weight_bits: float = 16.0, expert_weight_bits: float | None = None,
+                     kv_bytes: float = 2.0) -> dict[str, float]:
+    """Inference bytes per GPU: weights + MLA latent KV per token + fixed fp32 KDA state per sequence.
+
+    For K3: MLA caches ``(512 + 64)`` values x 24 layers per token (27.6 KB in bf16); KDA keeps
+    ``96 x 128 x 128`` fp32 per layer per sequence (69 layers: 434 MB) plus the 3-tap conv state, independent
+    of ``context``. Softmax (non-MLA) layers cache K and V per KV head.
+    """
+    kinds = spec.layer_kinds()
+    ebits = weight_bits if expert_weight_bits is None else expert_weight_bits
+    dense = expert = 0.0
+    kv_per_token = state_per_seq = 0.0
+    for kind in kinds:
+        st = layer_stats(spec, kind)
+        dense += st.dense_params
+        expert += st.expert_params
+        if kind[0] == "mla":
+            kv_per_token += (spec.kv_lora_rank + spec.qk_rope_dim) * kv_bytes
+        elif kind[0] == "kda":
+            p = spec.kda_heads * spec.kda_head_dim
+            state_per_seq += st.kda_state_bytes / 2 + 3 * p * (spec.kda_conv - 1) * 2.0  # S (fp32) + conv taps
+        else:
+            kv_per_token += 2 * spec.kv_heads * spec.dhead * kv_bytes / min(tp, spec.kv_heads)
+    dense += embedding_params(spec) + head_params(spec)
+    weights = dense * weight_bits / 8 / tp + expert * ebits / 8 / (tp * ep)
+    return {"weights": weights, "mla_kv": kv_per_token * context * batch,
+            "kda_state": state_per_seq * batch / tp, "kv_bytes_per_token": kv_per_token,
+            "kda_state_bytes_per_sequence": state_per_seq,
+            "total": weights + kv_per_token * context * batch + state_per_seq * batch / tp}
+
+
+def gib(x: float) -> float:
+    return x / GIB
+
+
+def fits(total_bytes: float, hw: HardwareSpec) -> bool:
+    return total_bytes <= hw.hbm_gib * GIB and math.isfinite(total_bytes)

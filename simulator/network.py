@@ -1,0 +1,165 @@
+"""Cluster topology (a networkx graph) and alpha-beta collective costs over it.
+
+The graph has one vertex per GPU, one NVSwitch per node, leaf switches and one aggregated spine:
+
+- ``fat-tree``: each leaf serves ``nodes_per_leaf`` whole nodes (every NIC of those nodes);
+- ``rail``: rail-optimised; each *scalable unit* of ``nodes_per_leaf`` nodes has ``gpus_per_node`` rail
+  switches, rail ``i`` joining GPU ``i`` of every node (cross-rail traffic hops over NVLink first, PXN-style).
+
+Edge attribute ``capacity`` is GB/s per direction; a leaf's spine uplink carries its downlink capacity divided
+by ``oversubscription``. Collectives see three tiers of per-GPU bandwidth read off the graph: inside a node
+(NVLink), inside a leaf domain (NIC) and across the spine (NIC / oversubscription). Ranks are laid out
+TP fastest, then CP, then DP (EP groups are consecutive DP x CP ranks), then PP (Megatron's order), so a
+group of ``n`` ranks with rank stride ``st`` has ``k`` members per node and ``l`` per leaf domain.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+import networkx as nx
+
+from simulator.hardware import HardwareSpec
+
+TOPOLOGIES = ("rail", "fat-tree")
+
+
+@dataclass(kw_only=True, frozen=True)
+class ClusterSpec:
+    """How the GPUs are wired beyond the node."""
+
+    topology: str = "rail"
+    """``rail`` (rail-optimised) or ``fat-tree``."""
+    oversubscription: float = 1.0
+    """Leaf-to-spine oversubscription (2.0 = 2:1); 1 is non-blocking."""
+    nodes_per_leaf: int = 32
+    """Nodes under one leaf (fat-tree) or in one rail scalable unit."""
+
+    def __post_init__(self):
+        if self.topology not in TOPOLOGIES:
+            raise ValueError(f"ClusterSpec.topology must be one of {TOPOLOGIES}, got {self.topology!r}")
+        if not self.oversubscription >= 1:
+            raise ValueError(f"ClusterSpec.oversubscription must be >= 1, got {self.oversubscription!r}")
+        if not isinstance(self.nodes_per_leaf, int) or self.nodes_per_leaf < 1:
+            raise ValueError(f"ClusterSpec.nodes_per_leaf must be a positive integer, got {self.nodes_per_leaf!r}")
+
+
+def build_graph(num_gpus: int, hw: HardwareSpec, cluster: ClusterSpec) -> nx.Graph:
+    """The topology graph of ``num_gpus`` GPUs (``gpus_per_node`` per node)."""
+    gpn = hw.gpus_per_node
+    nodes = max(1, math.ceil(num_gpus / gpn))
+    g = nx.Graph()
+    for n in range(nodes):
+        g.add_node(("nvs", n), kind="nvswitch")
+    leaves: dict = {}
+    for r in range(num_gpus):
+        node = r // gpn
+        unit = node // cluster.nodes_per_leaf
+        leaf = ("leaf", unit, r % gpn) if cluster.topology == "rail" else ("leaf", unit, 0)
+        g.add_node(("gpu", r), kind="gpu")
+        g.add_edge(("gpu", r), ("nvs", node), capacity=hw.nvlink_gbps, tier=0)
+        g.add_edge(("gpu", r), leaf, capacity=hw.nic_gbps, tier=1)
+        leaves[leaf] = leaves.get(leaf, 0) + 1
+    for leaf, links in leaves.items():
+        g.add_edge(leaf, ("spine",), capacity=links * hw.nic_gbps / cluster.oversubscription, tier=2)
+    return g
+
+
+@dataclass(frozen=True)
+class Tiers:
+    """Per-GPU bandwidth (GB/s, achieved) and latency (s) at each tier, plus the geometry."""
+
+    bw: tuple[float, float, float]
+    alpha: tuple[float, float, float]
+    gpus_per_node: int
+    gpus_per_leaf: int
+
+
+def tiers_from_graph(g: nx.Graph, hw: HardwareSpec, gpu: int = 0) -> tuple[float, float, float]:
+    """Raw per-GPU bandwidth of ``gpu`` at the node, leaf and spine tiers, read off the graph's edges."""
+    nvs = [v for v in g[("gpu", gpu)] if v[0] == "nvs"][0]
+    leaf = [v for v in g[("gpu", gpu)] if v[0] == "leaf"][0]
+    bw0 = g[("gpu", gpu)][nvs]["capacity"]
+    bw1 = g[("gpu", gpu)][leaf]["capacity"]
+    links = sum(1 for v in g[leaf] if v[0] == "gpu")
+    up = g[leaf][("spine",)]["capacity"] / max(1, links)
+    return bw0, bw1, min(bw1, up)
+
+
+@lru_cache(maxsize=64)
+def cluster_tiers(num_gpus: int, hw: HardwareSpec, cluster: ClusterSpec) -> Tiers:
+    """Achieved tier bandwidths for a healthy cluster (cached: the search calls it per config)."""
+    small = min(num_gpus, hw.gpus_per_node * cluster.nodes_per_leaf * 2)  # the tiers repeat: build 2 leaves
+    g = build_graph(small, hw, cluster)
+    bw0, bw1, bw2 = tiers_from_graph(g, hw)
+    eff = hw.efficiency
+    return Tiers(bw=(bw0 * eff.nvlink, bw1 * eff.network, bw2 * eff.network),
+                 alpha=(hw.nvlink_latency_us * 1e-6, hw.nic_latency_us * 1e-6, 2 * hw.nic_latency_us * 1e-6),
+                 gpus_per_node=hw.gpus_per_node, gpus_per_leaf=hw.gpus_per_node * cluster.nodes_per_leaf)
+
+
+# ------------------------------------------------------------------------------------------- group shapes
+@dataclass(frozen=True)
+class Group:
+    """A communicator: ``n`` ranks, ``k`` per node, ``l`` per leaf domain."""
+
+    n: int
+    k: int
+    l: int
+
+    @property
+    def top_tier(self) -> int:
+        return 0 if self.n <= self.k else (1 if self.n <= self.l else 2)
+
+
+def group(n: int, stride: int, t: Tiers) -> Group:
+    """Shape of a group of ``n`` ranks spaced ``stride`` apart in the rank order."""
+    k = min(n, max(1, t.gpus_per_node // stride))
+    l = min(n, max(1, t.gpus_per_leaf // stride))
+    return Group(n, k, max(k, l))
+
+
+def _bottleneck(gr: Group, t: Tiers, scale: tuple[float, float, float]) -> tuple[float, float]:
+    tier = gr.top_tier
+    bw = min(t.bw[i] * scale[i] for i in range(tier + 1))
+    return bw * 1e9, t.alpha[tier]
+
+
+def all_gather(nbytes: float, gr: Group, t: Tiers, scale=(1.0, 1.0, 1.0)) -> float:
+    """Ring all-gather (or reduce-scatter) of an ``nbytes`` full buffer: (n-1)/n of it crosses the bottleneck."""
+    if gr.n <= 1 or nbytes <= 0:
+        return 0.0
+    bw, alpha = _bottleneck(gr, t, scale)
+    return (gr.n - 1) / gr.n * nbytes / bw + (gr.n - 1) * alpha
+
+
+reduce_scatter = all_gather
+
+
+def all_reduce(nbytes: float, gr: Group, t: Tiers, scale=(1.0, 1.0, 1.0)) -> float:
+    """Ring all-reduce = reduce-scatter + all-gather."""
+    return 2.0 * all_gather(nbytes, gr, t, scale)
+
+
+def all_to_all(nbytes: float, gr: Group, t: Tiers, scale=(1.0, 1.0, 1.0), incast: float = 1.0) -> float:
+    """All-to-all where each rank sends ``nbytes`` spread evenly over the group (its own share stays local).
+
+    The node, leaf and spine portions move concurrently, so the time is the largest portion over its tier's
+    bandwidth; ``incast`` >= 1 scales it for the busiest receiver (routing skew).
+    """
+    if gr.n <= 1 or nbytes <= 0:
+        return 0.0
+    n, k, l = gr.n, gr.k, gr.l
+    parts = (nbytes * (k - 1) / n / (t.bw[0] * scale[0]), nbytes * (n - k) / n / (t.bw[1] * scale[1]),
+             nbytes * (n - l) / n / (t.bw[2] * scale[2]))
+    return max(parts) * 1e-9 * incast + t.alpha[gr.top_tier] * (1 + math.log2(n))
+
+
+def p2p(nbytes: float, stride: int, t: Tiers, scale=(1.0, 1.0, 1.0)) -> float:
+    """Point-to-point send between ranks ``stride`` apart."""
+    if nbytes <= 0:
+        return 0.0
+    tier = 0 if stride < t.gpus_per_node else (1 if stride < t.gpus_per_leaf else 2)
+    bw = min(t.bw[i] * scale[i] for i in range(tier + 1))
+    return nbytes / (bw * 1e9) + t.alpha[tier]
