@@ -57,12 +57,21 @@ def positive_int(value: Any, name: str) -> int:
     return int(value)
 
 
-def topology_nodes(topology: Any, R: int) -> tuple[np.ndarray, int]:
-    """(node [R], num_nodes) from a topology object or a plain ``ranks_per_node`` int.
+WEIGHT_ROWS = 3 * 2048
+"""default cost of one expert weight copy in routed rows: a bf16 gate/up/down FFN (3 x H x H') weighs as
+much as 3*H' rows of H bf16 values, whatever H is; H' = 2048 as in the bench's bytes model."""
+
+
+def topology_nodes(topology: Any, R: int) -> tuple[np.ndarray, int, int]:
+    """(node [R], num_nodes, weight_rows) from a topology object or a plain ``ranks_per_node`` int.
 
     The object only needs ``num_nodes``, ``ranks_per_node`` and ``node_of(rank)`` (duck-typed, so
-    ``collectives.Topology`` fits without importing it).
+    ``collectives.Topology`` fits without importing it); an optional ``weight_rows`` (non-negative int)
+    overrides the cost of one expert weight copy in routed rows (default ``WEIGHT_ROWS``).
     """
+    weight_rows = getattr(topology, "weight_rows", WEIGHT_ROWS)
+    if isinstance(weight_rows, bool) or not isinstance(weight_rows, (int, np.integer)) or weight_rows < 0:
+        raise ValueError(f"topology.weight_rows must be a non-negative integer, got {weight_rows!r}")
     if isinstance(topology, (int, np.integer)) and not isinstance(topology, bool):
         rpn = positive_int(topology, "topology (ranks_per_node)")
         if R % rpn != 0:
@@ -82,4 +91,4 @@ def topology_nodes(topology: Any, R: int) -> tuple[np.ndarray, int]:
         node = np.array([int(topology.node_of(r)) for r in range(R)], dtype=np.int64)
         if node.min() < 0 or node.max() >= num_nodes:
             raise ValueError(f"topology.node_of returned a node outside [0, {num_nodes})")
-    return node, int(num_nodes)
+    return node, int(num_nodes), int(weight_rows)

@@ -14,21 +14,12 @@ Errors are reported through ``err [3]`` = (code, a, b) so that the caller raises
 """
 from __future__ import annotations
 
-import os
-
 import numpy as np
 
-HAS_NUMBA = False
-if os.environ.get("MOONEP_PLANNER_NUMBA", "1") != "0":
-    try:
-        from numba import njit
+from . import _topology
+from ._jit import HAS_NUMBA, njit
 
-        HAS_NUMBA = True
-    except ImportError:  # numba is optional: the same code runs as Python
-        pass
-if not HAS_NUMBA:
-    def njit(*args, **kwargs):  # noqa: D103 - identity decorator
-        return lambda f: f
+__all__ = ["HAS_NUMBA", "plan_arrays"]
 
 # error codes written into err[0]
 OK = 0
@@ -41,13 +32,12 @@ INT32_MAX = 2**31 - 1
 
 
 @njit(cache=True)
-def _totals(T, epn, err):
-    """Stage A. T [R, E] -> cnt [E], send base [R, R] (all of rank r's slots to their home ranks), and the
-    plan's own int32 copy of T, written in the same pass (T is the largest input; reading it once matters)."""
+def _totals(T, epn, err, keep, send):
+    """Stage A. T [R, E] -> cnt [E]; fills send [R, R] (all of rank r's slots to their home ranks) and keep
+    [R, E], the plan's own int32 copy of T, in the same pass (T is the largest input; reading it once
+    matters)."""
     R, E = T.shape
-    keep = np.empty((R, E), np.int32)
     cnt = np.zeros(E, np.int64)
-    send = np.zeros((R, R), np.int64)
     for r in range(R):
         for h in range(R):
             s = 0
@@ -67,7 +57,7 @@ def _totals(T, epn, err):
                 s += v
                 cnt[h * epn + j] += v
             send[r, h] = s
-    return cnt, send, keep
+    return cnt
 
 
 @njit(cache=True)
@@ -87,28 +77,33 @@ def _pair(h, u, bal, caps, donor, gift, err):
 
 
 @njit(cache=True)
-def _pairing(bal, caps, prev_donor, node, num_nodes, err):
-    """Stage B. bal [R] = group - caps (sums to 0) -> donor [R] (-1 = none), gift [R].
+def _sticky_pairs(bal, caps, prev_donor, donor, gift, err):
+    """Stage B, pass (1): re-pair last plan's (donor, receiver) pairs while both still qualify, the pair with
+    the largest donor balance first (lowest receiver on ties). False (and err) on an infeasible step."""
+    R = bal.shape[0]
+    while True:
+        best = -1
+        for u in range(R):
+            h = prev_donor[u]
+            if h >= 0 and bal[u] < 0 and bal[h] > 0 and (best < 0 or bal[h] > bal[prev_donor[best]]):
+                best = u
+        if best < 0:
+            return True
+        if not _pair(prev_donor[best], best, bal, caps, donor, gift, err):
+            return False
 
-    Three passes share one step rule (the donor fills the receiver completely), so the balance proof holds
-    for each: (1) sticky: last plan's (donor, receiver) pairs while both still qualify; (2) topology: pairs
-    inside each node, largest donor with smallest receiver; (3) global: largest deficit first, filled by the
-    largest donor (topology-aware: the largest donor on the receiver's node, if any). Lowest index on ties.
+
+@njit(cache=True)
+def _pairing(bal, caps, node, num_nodes, donor, gift, err):
+    """Stage B, passes (3)-(4). bal [R] (sums to 0) -> donor [R] (-1 = none), gift [R], updated in place.
+
+    Every pass uses one step rule (the donor fills the receiver completely), so the balance proof holds for
+    each. Passes (1) sticky and (2) topology cross-node run before (``_sticky_pairs``, ``_topology``);
+    (3) pairs inside each node, largest donor with smallest receiver; (4) global: largest deficit first,
+    filled by the largest donor (topology-aware: the largest donor on the receiver's node, if any). Lowest
+    index on ties.
     """
     R = bal.shape[0]
-    donor = np.full(R, -1, np.int64)
-    gift = np.zeros(R, np.int64)
-    if prev_donor.shape[0] == R:
-        while True:
-            best = -1
-            for u in range(R):
-                h = prev_donor[u]
-                if h >= 0 and bal[u] < 0 and bal[h] > 0 and (best < 0 or bal[h] > bal[prev_donor[best]]):
-                    best = u
-            if best < 0:
-                break
-            if not _pair(prev_donor[best], best, bal, caps, donor, gift, err):
-                return donor, gift
     for n in range(num_nodes + 1):  # n == num_nodes is the global pass, run last
         while True:
             h = -1
@@ -132,8 +127,7 @@ def _pairing(bal, caps, prev_donor, node, num_nodes, err):
                     if node[r] == node[u] and bal[r] > 0 and (node[h] != node[u] or bal[r] > bal[h]):
                         h = r
             if not _pair(h, u, bal, caps, donor, gift, err):
-                return donor, gift
-    return donor, gift
+                return
 
 
 @njit(cache=True)
@@ -156,7 +150,7 @@ def _split(cnt, epn, donor, gift, prev_copy, alloc):
         if n == 0:
             continue
         for j in range(epn):
-            rem[j] = cnt[h * epn + j]
+            rem[j] = alloc[h * epn + j, h]  # = cnt unless the topology pass already handed some over
         if prev_copy.shape[0] == R:
             for i in range(n):
                 u = recv[i]
@@ -272,8 +266,10 @@ def _flows(T, alloc, cnt, epn, send, node, num_nodes):
     """Stage E. Split experts' slots: flows [F, 4] = (expert, src, dst, rows), sorted; corrects send in place.
 
     Unsplit experts (all slots at home) need no entry. A split expert's source rows are matched to its
-    destinations in rank order (the upstream cut); topology-aware plans first match sources and
-    destinations inside each node, so a receiver is fed by its own node's sources where they suffice.
+    destinations in rank order (the upstream cut); topology-aware plans first match each rank with itself,
+    then sources and destinations inside each node, so a destination is fed by its own node's sources where
+    they suffice: per expert this minimises the rows that cross nodes (a 2-level transportation problem,
+    where filling each node's destinations from its own sources first is optimal).
     """
     R, E = T.shape
     split = np.empty(E, np.int64)
@@ -303,6 +299,18 @@ def _flows(T, alloc, cnt, epn, send, node, num_nodes):
         for r in range(R):
             b[r] = alloc[e, r]
             send[r, h] -= a[r]
+        if num_nodes > 0:  # a source's own rows to itself first: they never leave the rank
+            for r in range(R):
+                t = min(a[r], b[r])
+                if t > 0:
+                    flows[n, 0] = e
+                    flows[n, 1] = r
+                    flows[n, 2] = r
+                    flows[n, 3] = t
+                    n += 1
+                    send[r, r] += t
+                    a[r] -= t
+                    b[r] -= t
         for which in range(num_nodes):
             n = _match(a, b, node, which, e, flows, n, send)
         n = _match(a, b, node, -1, e, flows, n, send)
@@ -311,16 +319,10 @@ def _flows(T, alloc, cnt, epn, send, node, num_nodes):
 
 
 @njit(cache=True)
-def plan_arrays(T, caps_in, slots, tp, prev_donor, prev_copy, node, num_nodes):
-    """All stages. T [R, E] int64; caps_in [R] or [0] (default floor/ceil); prev_* [0] when not sticky;
-    node [R] with num_nodes > 0 when topology-aware. Returns (T copy, caps, alloc, donor, experts_to_copy,
-    cu_seqlens, send_counts, flows, err)."""
-    R, E = T.shape
-    epn = E // R
-    err = np.zeros(3, np.int64)
-    cnt, send, T = _totals(T, epn, err)
+def _caps(cnt, caps_in, R, err):
+    """caps [R]: caps_in when given (err CAPS_SUM unless it sums to the total), else floor/ceil of total/R."""
     total = 0
-    for e in range(E):
+    for e in range(cnt.shape[0]):
         total += cnt[e]
     caps = np.empty(R, np.int64)
     if caps_in.shape[0] == R:
@@ -340,8 +342,25 @@ def plan_arrays(T, caps_in, slots, tp, prev_donor, prev_copy, node, num_nodes):
             err[0] = TOO_LARGE
             err[1] = r
             err[2] = -1
-    alloc = np.zeros((E, R), np.int32)
+    return caps
+
+
+@njit(cache=True)
+def plan_arrays(T, keep, alloc, send, caps_in, slots, tp, prev_donor, prev_copy, node, num_nodes, weight_rows):
+    """All stages. T [R, E] int64; keep [R, E] int32 (filled with T's copy), alloc [E, R] int32 zeros and
+    send [R, R] int64 are the output tables, allocated by the caller (numpy maps such large arrays with
+    transparent huge pages; numba's allocator faults them in 4 KiB pages, 3-4x slower at R=1024, E=16384).
+    caps_in [R] or [0] (default floor/ceil); prev_* [0] when not sticky; node [R] with num_nodes > 0 when
+    topology-aware; weight_rows: one expert copy's cost in routed rows.
+    Returns (T copy, caps, alloc, donor, experts_to_copy, cu_seqlens, send_counts, flows, err)."""
+    R, E = T.shape
+    epn = E // R
+    err = np.zeros(3, np.int64)
+    cnt = _totals(T, epn, err, keep, send)
+    T = keep
+    caps = _caps(cnt, caps_in, R, err)
     donor = np.full(R, -1, np.int64)
+    gift = np.zeros(R, np.int64)
     copy = np.full((R, slots), -1, np.int64)
     cu = np.zeros((R, epn + slots), np.int64)
     flows = np.zeros((0, 4), np.int64)
@@ -353,11 +372,17 @@ def plan_arrays(T, caps_in, slots, tp, prev_donor, prev_copy, node, num_nodes):
         for j in range(epn):
             g += cnt[h * epn + j]
         bal[h] = g - caps[h]
-    donor, gift = _pairing(bal, caps, prev_donor, node, num_nodes, err)
-    if err[0] != OK:
-        return T, caps, alloc, donor, copy, cu, send, flows, err
     for e in range(E):
         alloc[e, e // epn] = cnt[e]
+    if prev_donor.shape[0] == R:
+        _sticky_pairs(bal, caps, prev_donor, donor, gift, err)
+    if num_nodes > 1 and err[0] == OK:
+        cross = _topology.cross_state(T, alloc, epn, node, num_nodes, weight_rows)
+        _topology.cross_pass(bal, caps, cross, donor, gift)
+    if err[0] == OK:
+        _pairing(bal, caps, node, num_nodes, donor, gift, err)
+    if err[0] != OK:
+        return T, caps, alloc, donor, copy, cu, send, flows, err
     _split(cnt, epn, donor, gift, prev_copy, alloc)
     copy, cu = _layout(alloc, epn, slots, tp, donor, prev_copy, err)
     flows = _flows(T, alloc, cnt, epn, send, node, num_nodes)

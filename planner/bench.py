@@ -85,7 +85,8 @@ def sticky_section(quick: bool, seed: int) -> dict:
 def topology_section(quick: bool, seed: int) -> list[dict]:
     """Inter-node routed rows and replica weights: plain plan vs topology-aware plan, skewed zipf loads."""
     rows = []
-    grid = ((16, 8, 256),) if quick else ((16, 8, 256), (64, 8, 256), (16, 8, 4096), (64, 8, 4096))
+    grid = ((16, 8, 256),) if quick else ((16, 8, 256), (32, 8, 256), (64, 8, 256), (16, 8, 4096), (32, 8, 4096),
+                                          (64, 8, 4096))
     for R, rpn, S in grid:
         node = np.arange(R) // rpn
         acc = np.zeros(4, np.int64)

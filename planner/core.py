@@ -155,8 +155,10 @@ def plan(tokens_per_expert: Any, *, caps: Any = None, slots_per_rank: int | None
     token_padding: segments are padded to multiples of this (the grouped-GEMM tile).
     previous: last step's plan of the same shape: keep its (donor, receiver) pairs and replicas where the
         exact balance allows (sticky plan: fewer expert weights move).
-    topology: ``ranks_per_node`` int or an object with num_nodes, ranks_per_node, node_of(rank): pair donors
-        and receivers inside a node first, and feed each destination from its own node's sources first.
+    topology: ``ranks_per_node`` int or an object with num_nodes, ranks_per_node, node_of(rank) (optional
+        weight_rows: an expert copy's cost in routed rows, default 3*2048): first the cross-node pairs whose
+        locally fed rows outweigh their weight copy, then pairs inside a node; each destination is fed by
+        its own rank's, then its own node's sources first.
     """
     T = as_counts(tokens_per_expert, "tokens_per_expert", 2, check_sign=False)  # the kernel checks signs
     R, E, epn = check_shape(T)
@@ -173,10 +175,13 @@ def plan(tokens_per_expert: Any, *, caps: Any = None, slots_per_rank: int | None
             raise ValueError(f"previous plan has shape E={previous.num_experts}, R={previous.num_ranks}, "
                              f"slots={previous.slots_per_rank}; this plan needs E={E}, R={R}, slots={slots}")
         prev_donor, prev_copy = previous.donor, previous.experts_to_copy
-    node, num_nodes = np.zeros(0, np.int64), 0
+    node, num_nodes, weight_rows = np.zeros(0, np.int64), 0, 0
     if topology is not None:
-        node, num_nodes = topology_nodes(topology, R)
-    out = _kernel.plan_arrays(T, caps_in, slots, tp, prev_donor, prev_copy, node, num_nodes)
+        node, num_nodes, weight_rows = topology_nodes(topology, R)
+    # the three large tables come from numpy: it maps big arrays with huge pages (far fewer page faults)
+    keep, alloc, send = np.empty((R, E), np.int32), np.zeros((E, R), np.int32), np.zeros((R, R), np.int64)
+    out = _kernel.plan_arrays(T, keep, alloc, send, caps_in, slots, tp, prev_donor, prev_copy, node, num_nodes,
+                              weight_rows)
     counts, caps_out, alloc, donor, copy, cu, send, flows, err = out  # counts: the kernel's copy of T
     raise_error(err, slots)
     return make_plan(counts, caps_out, alloc, donor, copy, send, cu, flows, tp, epn)

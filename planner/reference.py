@@ -8,8 +8,11 @@ from __future__ import annotations
 import numpy as np
 
 
-def _pairs(bal: list[int], caps: list[int], prev_donor, node, num_nodes: int):
-    """Stage B: donor[u] (-1 = none) and gift[u]; a step fills the receiver completely."""
+def _pairs(bal: list[int], caps: list[int], prev_donor, node, num_nodes: int, topo_args):
+    """Stage B: donor[u] (-1 = none) and gift[u]; a step fills the receiver completely.
+
+    topo_args = (T, alloc, epn, weight_rows) for the topology cross-node pass (it splits its pairs in alloc).
+    """
     R = len(bal)
     donor, gift = [-1] * R, [0] * R
 
@@ -28,6 +31,9 @@ def _pairs(bal: list[int], caps: list[int], prev_donor, node, num_nodes: int):
                 break
             best = max(cands, key=lambda u: (bal[prev_donor[u]], -u))
             step(prev_donor[best], best)
+    if num_nodes > 1:
+        _cross_pairs(bal, caps, topo_args[0], topo_args[1], topo_args[2], node, num_nodes, topo_args[3],
+                     donor, gift)
     passes = [[r for r in range(R) if node[r] == n] for n in range(num_nodes)] + [list(range(R))]
     for i, members in enumerate(passes):  # node-local passes (topology-aware plans), then the global pass
         local = i < num_nodes
@@ -48,6 +54,61 @@ def _pairs(bal: list[int], caps: list[int], prev_donor, node, num_nodes: int):
     return donor, gift
 
 
+def _cross_pairs(bal, caps, T, alloc, epn: int, node, num_nodes: int, weight_rows: int, donor, gift) -> None:
+    """Stage B topology pass: take the cross-node pair with the largest positive gain (rows saved minus weight
+    copies), split it at once (gift 0), repeat. Lowest (receiver, donor) on ties."""
+    R, E = len(bal), len(alloc)
+    src = [[sum(T[r][e] for r in range(R) if node[r] == n) for e in range(E)] for n in range(num_nodes)]
+    on = [[sum(alloc[e][d] for d in range(R) if node[d] == n) for e in range(E)] for n in range(num_nodes)]
+
+    def cross(e: int) -> int:  # fewest inter-node rows of expert e for its current placement
+        return sum(max(0, on[n][e] - src[n][e]) for n in range(num_nodes))
+
+    def give(h: int, u: int, q: int, take: bool) -> int:
+        gain, left = 0, [j for j in range(epn) if alloc[h * epn + j][h] > 0]
+        undo = []
+        while q > 0 and left:
+            def score(j: int) -> tuple[int, int, int]:
+                e = h * epn + j
+                t = min(alloc[e][h], q)
+                on[node[h]][e] -= t
+                on[node[u]][e] += t
+                after = cross(e)
+                on[node[h]][e] += t
+                on[node[u]][e] -= t
+                return (cross(e) - after - (weight_rows if alloc[e][h] < q else 0), alloc[e][h], -j)
+            j = max(left, key=score)
+            left.remove(j)
+            e = h * epn + j
+            t = min(alloc[e][h], q)
+            before = cross(e)
+            alloc[e][h] -= t
+            alloc[e][u] += t
+            on[node[h]][e] -= t
+            on[node[u]][e] += t
+            undo.append((e, t))
+            gain += before - cross(e) - weight_rows
+            q -= t
+        for e, t in ([] if take else undo):
+            alloc[e][h] += t
+            alloc[e][u] -= t
+            on[node[h]][e] += t
+            on[node[u]][e] -= t
+        return gain
+
+    while True:
+        options = [(give(h, u, -bal[u], False), -u, -h) for u in range(R) for h in range(R)
+                   if bal[u] < 0 < bal[h] and node[h] != node[u] and caps[h] + bal[h] >= -bal[u]]
+        best = max(options, default=(0, 0, 0))
+        if best[0] <= 0:
+            return
+        u, h = -best[1], -best[2]
+        give(h, u, -bal[u], True)
+        donor[u], gift[u] = h, 0
+        bal[h] += bal[u]
+        bal[u] = 0
+
+
 def _split(cnt: list[int], epn: int, donor, gift, prev_copy, alloc: list[list[int]]) -> None:
     """Stage C: alloc[e][d] for the slots each donor hands to its receivers."""
     R = len(donor)
@@ -56,7 +117,7 @@ def _split(cnt: list[int], epn: int, donor, gift, prev_copy, alloc: list[list[in
         receivers = [u for u in range(R) if donor[u] == h]
         if not receivers:
             continue
-        rem = cnt[h * epn:(h + 1) * epn]
+        rem = [alloc[e][h] for e in range(h * epn, (h + 1) * epn)]  # the topology pass may have split some
 
         def move(j: int, u: int) -> None:
             t = min(rem[j], q[u])
@@ -118,7 +179,9 @@ def _flows(T, alloc, cnt, epn: int, node, num_nodes: int):
         a = [T[r][e] for r in range(R)]
         b = [alloc[e][d] for d in range(R)]
         groups = [[r for r in range(R) if node[r] == n] for n in range(num_nodes)] + [list(range(R))]
-        for ranks in groups:  # same-node matching first (topology), then everything left in rank order
+        if num_nodes:  # topology: each rank's own rows to itself first
+            groups = [[r] for r in range(R)] + groups
+        for ranks in groups:  # same-rank, same-node matching first (topology), then all left in rank order
             sources = [r for r in ranks for _ in range(a[r])]
             dests = [d for d in ranks for _ in range(b[d])]
             pairs: dict[tuple[int, int], int] = {}
@@ -133,7 +196,7 @@ def _flows(T, alloc, cnt, epn: int, node, num_nodes: int):
 
 
 def plan_reference(T, caps=None, slots=None, token_padding=1, prev_donor=None, prev_copy=None, node=None,
-                   num_nodes=0):
+                   num_nodes=0, weight_rows=3 * 2048):
     """Same contract as ``planner._kernel.plan_arrays`` but raises ValueError directly.
 
     T: [R, E] nested lists or array of ints. Returns numpy arrays (caps, alloc [E, R], donor [R],
@@ -152,10 +215,10 @@ def plan_reference(T, caps=None, slots=None, token_padding=1, prev_donor=None, p
     pd = None if prev_donor is None else [int(v) for v in prev_donor]
     pc = None if prev_copy is None else [[int(v) for v in row] for row in np.asarray(prev_copy).tolist()]
     nd = None if node is None else [int(v) for v in node]
-    donor, gift = _pairs(bal, caps, pd, nd, num_nodes)
     alloc = [[0] * R for _ in range(E)]
     for e in range(E):
         alloc[e][e // epn] = cnt[e]
+    donor, gift = _pairs(bal, caps, pd, nd, num_nodes, (T, alloc, epn, weight_rows))
     _split(cnt, epn, donor, gift, pc, alloc)
     copy, cu = _layout(alloc, epn, slots, token_padding, donor, pc)
     send, flows = _flows(T, alloc, cnt, epn, nd, num_nodes)

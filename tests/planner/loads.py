@@ -76,6 +76,8 @@ class Topo:
     """nodes."""
     ranks_per_node: int
     """ranks on each node."""
+    weight_rows: int = 3 * 2048
+    """cost of one expert weight copy in routed rows (the planner's default)."""
 
     def node_of(self, rank: int) -> int:
         """node id of ``rank``."""

@@ -32,8 +32,9 @@ def test_fast_path_equals_twin(case: Case, variant: int, data):
         ref_kwargs.update(prev_donor=prev.donor, prev_copy=prev.experts_to_copy)
     if variant & 2:
         rpn = data.draw(st.sampled_from([d for d in range(1, R + 1) if R % d == 0]))
-        kwargs["topology"] = Topo(R // rpn, rpn)
-        ref_kwargs.update(node=np.arange(R) // rpn, num_nodes=R // rpn)
+        weight_rows = data.draw(st.sampled_from([0, 3, 20, 3 * 2048]))  # small: the cross-node pass acts
+        kwargs["topology"] = Topo(R // rpn, rpn, weight_rows)
+        ref_kwargs.update(node=np.arange(R) // rpn, num_nodes=R // rpn, weight_rows=weight_rows)
     p = plan(T, token_padding=case.token_padding, slots_per_rank=slots, **kwargs)
     assert_same(p, plan_reference(T, None, slots, case.token_padding, **ref_kwargs))
 

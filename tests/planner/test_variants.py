@@ -79,3 +79,60 @@ def test_topology_plan_cuts_inter_node_bytes_where_weights_dominate():
 
     rows = [r for r in topology_section(quick=False, seed=0) if r["nodes"] == 8 and r["S"] == 256]
     assert rows and all(r["bytes_ratio"] <= 0.7 and r["balance"] == 1.0 for r in rows), rows
+
+
+def test_topology_plan_cuts_inter_node_bytes_on_two_nodes():
+    """The issue's goal on a skewed 2-node case (2 x 16 ranks, zipf 1.2, S=256): >= 30 % fewer inter-node
+    bytes than the plain plan, exact balance kept. (2 x 8 ranks at S=4096 gives only x0.89: see README.)"""
+    R, rpn = 32, 16
+    node = np.arange(R) // rpn
+    plain = topo = 0
+    for seed in range(2):
+        T = zipf_counts(R, 8 * R, 8, 256, 1.2, seed)
+        p, q = plan(T), plan(T, topology=rpn)
+        verify(q, T, routes=False)
+        assert np.array_equal(q.recv_counts, p.recv_counts)
+        plain += internode(p, node)["bytes"]
+        topo += internode(q, node)["bytes"]
+    assert topo <= 0.7 * plain, topo / plain
+
+
+def test_cross_node_pass_localises_routed_rows_with_many_tokens():
+    """Many tokens per rank: cross-node pairs that feed a hot expert's replica from its own node's sources
+    pay for their weight copy, so fewer routed rows cross nodes than in the plain plan (2 and 4 nodes)."""
+    for R, rpn in ((16, 8), (32, 8)):
+        node = np.arange(R) // rpn
+        plain = topo = 0
+        for seed in range(2):
+            T = zipf_counts(R, 8 * R, 8, 4096, 1.2, seed)
+            q = plan(T, topology=rpn)
+            verify(q, T, routes=False)
+            plain += internode(plan(T), node)["routed_rows"]
+            topo += internode(q, node)["routed_rows"]
+        assert topo <= 0.9 * plain, (R, topo / plain)
+
+
+def test_cross_node_pass_equals_twin_on_a_skewed_load():
+    """The compiled cross-node pass and its plain-Python twin agree where the pass really acts."""
+    from planner.reference import plan_reference
+
+    from .test_reference import assert_same
+
+    T = zipf_counts(8, 64, 8, 2048, 1.2, 3)
+    q = plan(T, topology=4)
+    node = np.arange(8) // 4
+    cross = [(h, u) for u, h in enumerate(q.donor.tolist()) if h >= 0 and node[h] != node[u]]
+    assert cross  # the pass made at least one cross-node pair
+    assert_same(q, plan_reference(T, node=node, num_nodes=2))
+    verify(q, T)
+
+
+def test_self_first_matching_keeps_own_rows_home():
+    """Topology plans feed a destination from its own rank first: for every split expert e and rank r, the
+    flow (e, r, r) carries min(T[r, e], alloc[e, r]) rows."""
+    T = zipf_counts(8, 64, 8, 512, 1.3, 5)
+    q = plan(T, topology=4)
+    self_rows = {(int(e), int(r)): int(c) for e, r, d, c in q.flows if r == d}
+    for e in np.unique(q.flows[:, 0]):
+        for r in range(8):
+            assert self_rows.get((int(e), r), 0) == min(int(T[r, e]), int(q.alloc[e, r]))

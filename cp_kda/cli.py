@@ -1,0 +1,39 @@
+"""Command-line hooks of cp_kda: the ``kda`` benchmark target (``moonep bench kda``).
+
+Only argparse is imported at module level so ``moonep --help`` stays fast; the handler imports the rest.
+"""
+from __future__ import annotations
+
+import argparse
+
+
+def register(commands: argparse._SubParsersAction, bench: argparse._SubParsersAction) -> None:
+    """Add ``bench kda`` to the ``bench`` sub-parsers (cp_kda adds no top-level command)."""
+    p = bench.add_parser("kda", help="KDA: chunked vs recurrent, and context-parallel scan vs ring",
+                         description="Chunked vs recurrent KDA at T = 1k, 8k, 32k and context-parallel "
+                                     "KDA (scan, ring) at CP = 1, 2, 4, T = 32k; one thread per rank.")
+    p.add_argument("--json", metavar="PATH", help="write the results here as JSON")
+    p.add_argument("--quick", action="store_true", help="tiny sizes (seconds): checks the pipeline and schema")
+    p.add_argument("--heads", type=int, default=2, help="H, heads (default 2)")
+    p.add_argument("--head-dim", type=int, default=128, help="K = V, head dimension (default 128, as K3)")
+    p.add_argument("--chunk-size", type=int, default=64, help="chunk length C (default 64)")
+    p.set_defaults(func=bench_kda)
+
+
+def bench_kda(args: argparse.Namespace) -> int:
+    from moonep.cli import write_json
+
+    from .bench import run_bench
+
+    result = run_bench(quick=args.quick, H=args.heads, K=args.head_dim, V=args.head_dim,
+                       chunk_size=args.chunk_size)
+    for T, row in result["chunk_vs_recurrent"].items():
+        print(f"T={T:>6}  chunk {row['chunk']:.3f}s  recurrent {row['recurrent']:.3f}s  x{row['speedup']:.1f}  "
+              f"(CPU time: {row['chunk_cpu']:.3f}s vs {row['recurrent_cpu']:.3f}s, x{row['speedup_cpu']:.1f})")
+    for e in result["cp"]:
+        print(f"CP={e['world_size']} {e['strategy']:<4} T={e['T']}  {e['seconds']:.3f}s  "
+              f"{e['bytes_per_rank']} B/rank (expected {e['expected_bytes_per_rank']})")
+    print("summary:", result["summary"])
+    if args.json:
+        write_json(args.json, result)
+    return 0
