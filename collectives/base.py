@@ -21,6 +21,7 @@ from typing import Sequence
 
 import torch
 
+from collectives.faults import link_delays_from_env
 from collectives.trace import Tracer, tracer_from_env
 
 REDUCE_OPS = ("sum", "max", "min", "prod")
@@ -95,6 +96,7 @@ class Communicator(abc.ABC):
         self.validate = validate
         self.global_rank = self.group_ranks[rank] if global_rank is None else global_rank
         self.tracer = tracer if tracer is not None else tracer_from_env(self.global_rank)
+        self.link_delays = link_delays_from_env()  # {(src, dst) global ranks: seconds}; empty = no injection
 
     # ---------------------------------------------------------------- backend primitives (checked input)
     @abc.abstractmethod
@@ -152,8 +154,9 @@ class Communicator(abc.ABC):
         """
         problem, ins, outs = self._local_a2a_problem(out, inp, out_splits, in_splits)
         self._agree("all_to_all_single", problem, out, inp, splits=(ins, outs), validate=validate, timeout=timeout)
+        delay = self._link_delay(j for j, n in enumerate(ins) if n) if self.link_delays else 0.0
         return self._timed("all_to_all_single", inp.numel() * inp.element_size(),
-                           self._all_to_all_single, out, inp, outs, ins, timeout)
+                           self._all_to_all_single, out, inp, outs, ins, timeout, delay=delay)
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, *, timeout: float | None = None,
                    validate: bool | None = None) -> torch.Tensor:
@@ -197,7 +200,8 @@ class Communicator(abc.ABC):
     def send(self, tensor: torch.Tensor, dst: int, *, timeout: float | None = None) -> None:
         """Blocking point-to-point send to group rank ``dst`` (pairs with ``recv`` there)."""
         self._p2p_check(tensor, dst, "dst")
-        self._timed("send", tensor.numel() * tensor.element_size(), self._send, tensor, dst, timeout)
+        delay = self._link_delay([dst]) if self.link_delays else 0.0
+        self._timed("send", tensor.numel() * tensor.element_size(), self._send, tensor, dst, timeout, delay=delay)
 
     def recv(self, tensor: torch.Tensor, src: int, *, timeout: float | None = None) -> torch.Tensor:
         """Blocking point-to-point receive from group rank ``src`` into ``tensor``; returns it."""
@@ -220,6 +224,15 @@ class Communicator(abc.ABC):
                              f"rank; a key that reorders ranks is not supported (keys: {keys})")
         return self._new_group(groups.get(-1 if color is None else int(color), []),
                                -1 if color is None else int(color))
+
+    def inject_link_delay(self, src: int, dst: int, ms: float) -> None:
+        """Fault injection: data this rank sends from global rank ``src`` to ``dst`` arrives ``ms`` later."""
+        if ms < 0 or src == dst:
+            raise ValueError(f"inject_link_delay needs two different ranks and ms >= 0, got {src}->{dst} {ms} ms")
+        self.link_delays[(int(src), int(dst))] = ms / 1000.0
+
+    def _link_delay(self, peers) -> float:
+        return max((self.link_delays.get((self.global_rank, self.group_ranks[j]), 0.0) for j in peers), default=0.0)
 
     def __enter__(self) -> "Communicator":
         return self
@@ -347,15 +360,22 @@ class Communicator(abc.ABC):
         return None
 
     # ---------------------------------------------------------------- tracing and timeouts
-    def _timed(self, op: str, nbytes: int, fn, *args):
-        """Run a primitive with this call's timeout (the last arg), recording it when tracing is on."""
+    def _timed(self, op: str, nbytes: int, fn, *args, delay: float = 0.0):
+        """Run a primitive with this call's timeout (the last arg), recording it when tracing is on.
+
+        ``delay`` (injected link delay, seconds) is spent inside the op, as a slow link would spend it.
+        """
         *head, timeout = args
         timeout = self.timeout if timeout is None else float(timeout)
         if self.tracer is None:
+            if delay:
+                time.sleep(delay)
             return fn(*head, timeout)
         t_enter = time.time()
         ok = False
         try:
+            if delay:
+                time.sleep(delay)
             result = fn(*head, timeout)
             ok = True
             return result

@@ -16,7 +16,12 @@ field          type    meaning
 ``t_enter``    float   wall-clock seconds (``time.time()``) when the op was entered
 ``t_exit``     float   wall-clock seconds when it returned or raised
 ``ok``         bool    false when the op raised (timeout, peer failure)
+``step``       int     training step set by the caller (``tracer.step = n``), ``null`` when unset
 =============  ======  =================================================================================
+
+Workloads add their own records (compute phases, data loading) with ``Tracer.record_event(op, t_enter, t_exit,
+**fields)``: same fields, ``bytes`` 0 and ``group`` ``[rank]`` unless given, plus whatever ``fields`` holds
+(for example ``{"op": "forward", "layer": "moe", ...}``). Readers must ignore fields they do not know.
 
 Times are each host's wall clock: ranks on one host compare directly; across hosts the reader must allow for
 clock offset. Lines are buffered and flushed every ``flush_every`` records and at close, so tracing costs a
@@ -41,12 +46,23 @@ class Tracer:
         self.flush_every = flush_every
         self._seq = 0
         self._pending: list[str] = []
+        self.step: int | None = None
+        """Training step stamped on every record (set by the training loop)."""
 
     def record(self, op: str, nbytes: int, group: Sequence[int], t_enter: float, t_exit: float,
                ok: bool = True) -> None:
-        self._pending.append(json.dumps({
-            "op": op, "bytes": int(nbytes), "group": list(group), "rank": self.rank, "seq": self._seq,
-            "t_enter": t_enter, "t_exit": t_exit, "ok": ok}))
+        self._append({"op": op, "bytes": int(nbytes), "group": list(group), "rank": self.rank, "seq": self._seq,
+                      "t_enter": t_enter, "t_exit": t_exit, "ok": ok, "step": self.step})
+
+    def record_event(self, op: str, t_enter: float, t_exit: float, **fields) -> None:
+        """A workload's own record (compute phase, data loading): the op fields plus ``fields``."""
+        record = {"op": op, "bytes": 0, "group": [self.rank], "rank": self.rank, "seq": self._seq,
+                  "t_enter": t_enter, "t_exit": t_exit, "ok": True, "step": self.step}
+        record.update(fields)
+        self._append(record)
+
+    def _append(self, record: dict) -> None:
+        self._pending.append(json.dumps(record))
         self._seq += 1
         if len(self._pending) >= self.flush_every:
             self.flush()

@@ -34,7 +34,7 @@ def test_trace_records_every_op_per_rank(tmp_path):
         assert ops == ["all_to_all_single", "all_reduce", "barrier", "all_reduce"], ops
         assert [r["seq"] for r in records] == list(range(len(records)))  # one sequence, shared by sub-groups
         for r in records:
-            assert set(r) == {"op", "bytes", "group", "rank", "seq", "t_enter", "t_exit", "ok"}
+            assert set(r) == {"op", "bytes", "group", "rank", "seq", "t_enter", "t_exit", "ok", "step"}
             assert r["rank"] == rank and r["group"] == [0, 1] and r["ok"] is True
             assert r["t_exit"] >= r["t_enter"]
         a2a = next(r for r in records if r["op"] == "all_to_all_single")
