@@ -120,3 +120,22 @@ def test_fla_backend_matches_torch_on_gpu():
     o_ref, _ = kda_chunk(*xs)
     o, _ = kda_chunk(*xs, backend="fla")
     assert rel_rms(o_ref, o) < 5e-3
+
+
+def test_factored_diagonal_matches_its_exact_twin():
+    """The fast factored diagonal sub-blocks equal the exact pairwise-decay ones (fp64), on gates inside the
+    factoring limit; and gates beyond it take the exact path (catches a wrong switch or a mid-point bug)."""
+    import torch.nn.functional as F
+
+    from cp_kda import chunk
+
+    gen = torch.Generator().manual_seed(3)
+    qs, ks = (torch.randn(2, 3, 4, 16, 8, generator=gen, dtype=torch.float64) for _ in range(2))
+    gs = F.logsigmoid(torch.randn(2, 3, 4, 16, 8, generator=gen, dtype=torch.float64))
+    within = gs.cumsum(-2)
+    assert chunk._factoring_is_safe(within)
+    ii = torch.arange(16)
+    keep = torch.stack([ii[:, None] >= ii[None, :], ii[:, None] > ii[None, :]], dim=-2).double()  # as the caller
+    torch.testing.assert_close(chunk._diag_factored(qs, ks, within) * keep, chunk._diag_exact(qs, ks, gs) * keep,
+                               rtol=1e-12, atol=1e-12)
+    assert not chunk._factoring_is_safe((gs * 100).cumsum(-2))
