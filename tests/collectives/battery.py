@@ -6,9 +6,9 @@ ranks, so the pytest side asserts on rank 0's result for every rank.
 """
 from __future__ import annotations
 
-import traceback
-
 import torch
+
+from tests.distributed import run_checks
 
 DTYPES = (torch.float32, torch.bfloat16, torch.int32, torch.int64, torch.float16, torch.int16, torch.bool)
 
@@ -188,25 +188,4 @@ def run_battery(comm) -> dict:
         for op in ("sum", "max", "min", "prod"):
             checks[f"all_reduce_{op}_{str(dtype).replace('torch.', '')}"] = (
                 lambda d=dtype, o=op: check_all_reduce(comm, d, o))
-    results = {}
-    for name, check in checks.items():
-        try:
-            results[name] = check()
-        except Exception:
-            results[name] = traceback.format_exc(limit=4)
-    return _gather_results(comm, results)
-
-
-def _gather_results(comm, results: dict) -> dict:
-    """Every rank's verdicts, merged on all ranks: a check passes only if it passed everywhere."""
-    names = sorted(results)
-    failed = torch.tensor([int(results[n] is not None) for n in names], dtype=torch.int64)
-    everyone = torch.empty(comm.world_size * len(names), dtype=torch.int64)
-    comm.all_gather(everyone, failed)
-    everyone = everyone.view(comm.world_size, len(names))
-    merged = {}
-    for j, name in enumerate(names):
-        bad = [i for i in range(comm.world_size) if everyone[i, j]]
-        detail = results[name] if results[name] is not None else ""
-        merged[name] = None if not bad else f"failed on ranks {bad}; rank {comm.rank} says: {detail}"
-    return merged
+    return run_checks(comm, checks, limit=4)

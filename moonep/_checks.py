@@ -1,0 +1,143 @@
+"""Input checks for ``Buffer.dispatch`` / ``Buffer.combine`` that fail on every rank, never hang.
+
+Pattern: each rank inspects its own arguments without raising (a problem becomes an integer code plus a local
+detail string), the code rides on the collective the call needs anyway (dispatch's all-gather of the counts)
+or on one small all-reduce (combine), and then every rank raises the same ``ValueError`` naming the first
+failing rank and the problem, before any row moves.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+# code -> generic wording (used by ranks that only see the code; the failing rank adds its own detail)
+PROBLEMS = {
+    1: "hidden has the wrong type, shape, dtype or device",
+    2: "the number of tokens s exceeds the Buffer's capacity S",
+    3: "topk_idx is not an integer tensor of shape [s, K] on the Buffer's device",
+    4: "topk_idx holds expert ids outside [-1, E)",
+    5: "topk_weights is not a floating tensor of shape [s, K] on the Buffer's device",
+    6: "topk_weights holds NaN or infinite values on routed slots",
+    7: "tokens_per_expert does not match the histogram of topk_idx",
+    8: "total_num_tokens is not an integer >= s",
+    9: "expert_out has the wrong type, shape, dtype or device",
+    10: "recv_weights has the wrong type, shape, dtype or device",
+    11: "plan was made by another Buffer or rank",
+}
+
+
+def _tensor_problem(t: Any, name: str, shape: tuple, dtype: torch.dtype | None, device: torch.device,
+                    floating: bool = False, integer: bool = False) -> str | None:
+    """Why ``t`` is not a tensor of ``shape`` (None entries match anything), ``dtype`` and ``device``."""
+    if not isinstance(t, torch.Tensor):
+        return f"{name} must be a torch.Tensor, got {type(t).__name__}"
+    if t.dim() != len(shape) or any(w is not None and g != w for g, w in zip(t.shape, shape)):
+        want = "[" + ", ".join("*" if w is None else str(w) for w in shape) + "]"
+        return f"{name} must have shape {want}, got {list(t.shape)}"
+    if dtype is not None and t.dtype != dtype:
+        return f"{name} must have dtype {dtype}, got {t.dtype}"
+    if floating and not t.dtype.is_floating_point:
+        return f"{name} must be a floating tensor, got {t.dtype}"
+    if integer and (t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool):
+        return f"{name} must be an integer tensor (expert ids), got {t.dtype}"
+    if t.device != device:
+        return f"{name} must be on {device}, got {t.device}"
+    return None
+
+
+def dispatch_problem(buf, hidden, topk_weights, topk_idx, tokens_per_expert, total_num_tokens,
+                     reuse: bool) -> tuple[int, str, int]:
+    """(code, detail, s) for one rank's dispatch arguments; code 0 = fine. Never raises."""
+    try:
+        return _dispatch_problem(buf, hidden, topk_weights, topk_idx, tokens_per_expert, total_num_tokens, reuse)
+    except Exception as exc:  # a check itself failed on a strange input: still report, never hang the peers
+        return 1, f"could not inspect the arguments: {type(exc).__name__}: {exc}", 0
+
+
+def _dispatch_problem(buf, hidden, topk_weights, topk_idx, tpe, total, reuse):
+    p = _tensor_problem(hidden, "hidden", (None, buf.H), buf.dtype, buf.device)
+    if p:
+        return 1, p, 0
+    s = int(hidden.shape[0])
+    if s > buf.S:
+        return 2, f"hidden has s={s} tokens, which exceeds the Buffer's capacity S={buf.S}", s
+    if reuse:
+        if topk_weights is not None:
+            p = _tensor_problem(topk_weights, "topk_weights", (s, buf.K), None, buf.device, floating=True)
+            if p:
+                return 5, p, s
+        return 0, "", s
+    p = _tensor_problem(topk_idx, "topk_idx", (s, buf.K), None, buf.device, integer=True)
+    if p:
+        return 3, p, s
+    if topk_idx.numel() and (int(topk_idx.min()) < -1 or int(topk_idx.max()) >= buf.E):
+        bad = topk_idx[(topk_idx < -1) | (topk_idx >= buf.E)][0].item()
+        return 4, f"topk_idx holds expert id {bad}, outside [-1, E={buf.E}) (-1 means no expert)", s
+    if topk_weights is not None:
+        p = _tensor_problem(topk_weights, "topk_weights", (s, buf.K), None, buf.device, floating=True)
+        if p:
+            return 5, p, s
+        if not bool(torch.isfinite(topk_weights[topk_idx >= 0]).all()):
+            return 6, "topk_weights holds NaN or infinite values on routed slots", s
+    if tpe is not None:
+        p = _tensor_problem(tpe, "tokens_per_expert", (buf.E,), None, buf.device, integer=True)
+        if p:
+            return 7, p, s
+        want = torch.bincount(topk_idx[topk_idx >= 0].reshape(-1).long(), minlength=buf.E)
+        if not torch.equal(tpe.long().cpu(), want.cpu()):
+            return 7, "tokens_per_expert does not match the histogram of topk_idx (ids -1 excluded)", s
+    if total is not None and (isinstance(total, bool) or not isinstance(total, int) or total < s):
+        return 8, f"total_num_tokens must be an int >= s={s}, got {total!r}", s
+    return 0, "", s
+
+
+def raise_agreed(op: str, rank: int, codes: list[int], detail: str) -> None:
+    """Raise the same ValueError on every rank when any rank reported a problem (first failing rank wins)."""
+    bad = [r for r, c in enumerate(codes) if c]
+    if not bad:
+        return
+    first = bad[0]
+    what = detail if first == rank and detail else PROBLEMS.get(codes[first], f"problem code {codes[first]}")
+    others = f" (also ranks {bad[1:]})" if len(bad) > 1 else ""
+    raise ValueError(f"moonep.{op}: rank {first}: {what}{others}")
+
+
+def check_totals(rank: int, s: list[int], totals: list[int]) -> int:
+    """The agreed global token count; raises the same ValueError on every rank when ranks disagree.
+
+    totals[r] = -1 when rank r passed total_num_tokens=None: then every rank must have the same s.
+    """
+    given = [t for t in totals if t >= 0]
+    if given and len(given) != len(totals):
+        none = [r for r, t in enumerate(totals) if t < 0]
+        raise ValueError(f"moonep.dispatch: rank {none[0]}: total_num_tokens=None while other ranks pass it; "
+                         f"pass it on every rank or on none")
+    if given:
+        wrong = [r for r, t in enumerate(totals) if t != sum(s)]
+        if wrong:
+            q = wrong[0]
+            raise ValueError(f"moonep.dispatch: rank {q}: total_num_tokens={totals[q]} but the ranks' token "
+                             f"counts {s} sum to {sum(s)} (total_num_tokens per rank: {totals})")
+        return given[0]
+    if len(set(s)) > 1:
+        raise ValueError(f"moonep.dispatch: ranks have different token counts {s}; pass total_num_tokens "
+                         f"(= {sum(s)}) on every rank for per-rank token counts")
+    return sum(s)
+
+
+def combine_problem(buf, plan, expert_out, recv_weights) -> tuple[int, str]:
+    """(code, detail) for one rank's combine arguments; code 0 = fine. Never raises."""
+    try:
+        if getattr(plan, "buffer_id", None) != id(buf) or getattr(plan, "rank", None) != buf.rank:
+            return 11, "plan must be the CommPlan returned by this Buffer's dispatch on this rank"
+        p = _tensor_problem(expert_out, "expert_out", (plan.nvs, buf.H), buf.dtype, buf.device)
+        if p:
+            return 9, p
+        if recv_weights is not None:
+            p = _tensor_problem(recv_weights, "recv_weights", (plan.nvs,), None, buf.device, floating=True)
+            if p:
+                return 10, p
+        return 0, ""
+    except Exception as exc:
+        return 9, f"could not inspect the arguments: {type(exc).__name__}: {exc}"

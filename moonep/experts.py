@@ -1,0 +1,141 @@
+"""Expert compute on the dispatch layout: shared weight pools and a grouped SwiGLU over the [2*epn] view.
+
+Axes: ``n`` = nvs receive rows, ``H`` hidden, ``F`` expert FFN size, ``epn`` experts per rank.
+Weights: ``w13 [epn, H, 2F]`` (gate and up side by side), ``w2 [epn, F, H]``; per expert e on rows x:
+``y = (silu(x @ w13[:, :F]) * (x @ w13[:, F:])) @ w2``, then times the routing weight (expert side).
+
+Pools (memory): one ``ExpertPool`` per (communicator, projection shape, dtype), shared by every layer: a weight
+view ``[2*epn, ...]`` (rows [0, epn) stage the current layer's own experts, rows [epn, 2*epn) are the replica
+slots) and an fp32 grad view of the same shape. Extra memory is ``2*epn`` experts per projection for weights
+plus ``2*epn`` in fp32 for grads, in total, not per layer. Because layers share the slots, the backward
+re-stages and re-pushes a layer's replicas when another layer pushed since its forward (every rank takes the
+same decision: the pool's owner evolves identically on all ranks).
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+import torch.nn.functional as Fn
+
+from .buffer import Buffer
+from .layout import CommPlan
+
+_POOLS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+class ExpertPool:
+    """Weight and grad pools of one projection for one EP group (see the module docstring)."""
+
+    def __init__(self, epn: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
+        self.epn = epn
+        self.weights = torch.zeros(2 * epn, *shape, dtype=dtype, device=device)
+        """[2*epn, ...] compute view: staged own experts then replica slots."""
+        self.grads = torch.zeros(2 * epn, *shape, dtype=torch.float32, device=device)
+        """[2*epn, ...] fp32 grads of the compute view: own experts then replica slots."""
+        self.owner: object = None
+        """(layer key, plan) of the last push; decides whether a backward must re-push."""
+
+
+def pool_for(buffer: Buffer, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> ExpertPool:
+    """The process-wide pool of ``buffer``'s communicator for one projection (created on first use)."""
+    pools = _POOLS.setdefault(buffer.comm, {})
+    key = (name, tuple(shape), dtype, buffer.epn)
+    if key not in pools:
+        pools[key] = ExpertPool(buffer.epn, tuple(shape), dtype, buffer.device)
+    return pools[key]
+
+
+def stage_and_push(buffer: Buffer, plan: CommPlan, key: object, pools, locals_) -> None:
+    """Copy the layer's own experts into the pools' staging rows and push the replicas (collective)."""
+    for pool, w in zip(pools, locals_):
+        pool.weights[:buffer.epn].copy_(w.detach())
+        pool.owner = (key, plan)
+    buffer.prefetch_weight(plan, [w.detach() for w in locals_], [p.weights[buffer.epn:] for p in pools])
+
+
+def segments(cu: torch.Tensor) -> list[tuple[int, int, int]]:
+    """(group, start, end) of the non-empty segments of cu_seqlens [2*epn]."""
+    ends = cu.tolist()
+    starts = [0] + ends[:-1]
+    return [(g, a, b) for g, (a, b) in enumerate(zip(starts, ends)) if b > a]
+
+
+def swiglu_forward(x, w13, w2, cu):
+    """Grouped SwiGLU over the [2*epn] weight view. x [n, H] -> (y [n, H], saved activations).
+
+    Rows outside the segments give 0. A loop over segments on CPU; one grouped GEMM call on GPU would do.
+    """
+    F = w2.shape[1]
+    y = torch.zeros(x.shape[0], w2.shape[2], dtype=x.dtype, device=x.device)
+    a13 = torch.zeros(x.shape[0], 2 * F, dtype=x.dtype, device=x.device)
+    for g, a, b in segments(cu):
+        a13[a:b] = x[a:b] @ w13[g]
+        m = Fn.silu(a13[a:b, :F]) * a13[a:b, F:]
+        y[a:b] = m @ w2[g]
+    return y, a13
+
+
+def swiglu_backward(x, w13, w2, cu, a13, dy):
+    """Grads of ``swiglu_forward``: (dx [n, H], dw13 [2*epn, H, 2F], dw2 [2*epn, F, H]) with dy [n, H]."""
+    F = w2.shape[1]
+    dx = torch.zeros_like(x)
+    dw13 = torch.zeros(w13.shape, dtype=torch.float32, device=x.device)
+    dw2 = torch.zeros(w2.shape, dtype=torch.float32, device=x.device)
+    for g, a, b in segments(cu):
+        gate, up = a13[a:b, :F], a13[a:b, F:]
+        sg = torch.sigmoid(gate)
+        act = gate * sg
+        m = act * up
+        dw2[g] = (m.t() @ dy[a:b]).float()
+        dm = dy[a:b] @ w2[g].t()
+        dgate = dm * up * (sg * (1 + gate * (1 - sg)))  # d silu(g) / dg = s(g) (1 + g (1 - s(g)))
+        da13 = torch.cat((dgate, dm * act), dim=1)
+        dw13[g] = (x[a:b].t() @ da13).float()
+        dx[a:b] = da13 @ w13[g].t()
+    return dx, dw13, dw2
+
+
+class GroupedExperts(torch.autograd.Function):
+    """z [n, H] = swiglu(recv_hidden) * recv_weights[:, None] on the [2*epn] view; grads to local weights."""
+
+    @staticmethod
+    def forward(ctx, buffer: Buffer, plan: CommPlan, key: object, x, w, w13, w2):
+        pools = (pool_for(buffer, "w13", tuple(w13.shape[1:]), w13.dtype),
+                 pool_for(buffer, "w2", tuple(w2.shape[1:]), w2.dtype))
+        stage_and_push(buffer, plan, key, pools, (w13, w2))
+        y, a13 = swiglu_forward(x, pools[0].weights, pools[1].weights, plan.cu_seqlens)
+        ctx.buffer, ctx.plan, ctx.key, ctx.pools = buffer, plan, key, pools
+        ctx.save_for_backward(x, w, w13, w2, a13, y)
+        return y * w[:, None].to(y.dtype)
+
+    @staticmethod
+    def backward(ctx, dz):
+        buffer, plan, pools = ctx.buffer, ctx.plan, ctx.pools
+        x, w, w13, w2, a13, y = ctx.saved_tensors
+        if any(p.owner != (ctx.key, plan) for p in pools):  # another layer used the shared slots since
+            stage_and_push(buffer, plan, ctx.key, pools, (w13, w2))
+        dw = (dz * y).sum(1).to(w.dtype)
+        dy = dz * w[:, None].to(dz.dtype)
+        dx, dw13, dw2 = swiglu_backward(x, pools[0].weights, pools[1].weights, plan.cu_seqlens, a13, dy)
+        epn = buffer.epn
+        buffer.reduce_grad(plan, [dw13[:epn], dw2[:epn]], [dw13[epn:], dw2[epn:]])
+        return None, None, None, dx, dw, dw13[:epn].to(w13.dtype), dw2[:epn].to(w2.dtype)
+
+
+def naive_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor,
+                  w2: torch.Tensor) -> torch.Tensor:
+    """Dense single-process twin: loop over ALL experts, weighted sum of each token's K outputs.
+
+    x [s, H], topk_idx [s, K] (-1 = none), topk_weights [s, K], w13 [E, H, 2F], w2 [E, F, H] -> [s, H].
+    """
+    F = w2.shape[1]
+    out = torch.zeros_like(x)
+    for e in range(w13.shape[0]):
+        tok, k = torch.nonzero(topk_idx == e, as_tuple=True)
+        if tok.numel() == 0:
+            continue
+        h = x[tok] @ w13[e]
+        y = (Fn.silu(h[:, :F]) * h[:, F:]) @ w2[e]
+        out = out.index_add(0, tok, y * topk_weights[tok, k][:, None])
+    return out
