@@ -47,7 +47,7 @@ class Buffer:
             raise ValueError(f"E={E} must be a multiple of the EP group size R={R}")
         if backend not in _BACKENDS:
             raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
-        if backend == "nvshmem" and type(comm).__name__ != "NvshmemCommunicator":
+        if backend == "nvshmem" and getattr(comm, "backend", None) != "nvshmem":
             raise ValueError("backend='nvshmem' needs a communicator from collectives' nvshmem backend (GPU)")
         self.comm, self.S, self.H, self.K, self.E, self.R = comm, S, H, K, E, R
         self.rank, self.epn, self.tp, self.dtype = comm.rank, E // R, token_padding, dtype
