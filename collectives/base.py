@@ -201,12 +201,13 @@ class Communicator(abc.ABC):
         """Blocking point-to-point send to group rank ``dst`` (pairs with ``recv`` there)."""
         self._p2p_check(tensor, dst, "dst")
         delay = self._link_delay([dst]) if self.link_delays else 0.0
-        self._timed("send", tensor.numel() * tensor.element_size(), self._send, tensor, dst, timeout, delay=delay)
+        self._timed("send", tensor.numel() * tensor.element_size(), self._send, tensor, dst, timeout, delay=delay,
+                    peer=dst)
 
     def recv(self, tensor: torch.Tensor, src: int, *, timeout: float | None = None) -> torch.Tensor:
         """Blocking point-to-point receive from group rank ``src`` into ``tensor``; returns it."""
         self._p2p_check(tensor, src, "src")
-        self._timed("recv", tensor.numel() * tensor.element_size(), self._recv, tensor, src, timeout)
+        self._timed("recv", tensor.numel() * tensor.element_size(), self._recv, tensor, src, timeout, peer=src)
         return tensor
 
     def split(self, color: int | None, key: int | None = None) -> "Communicator | None":
@@ -360,7 +361,7 @@ class Communicator(abc.ABC):
         return None
 
     # ---------------------------------------------------------------- tracing and timeouts
-    def _timed(self, op: str, nbytes: int, fn, *args, delay: float = 0.0):
+    def _timed(self, op: str, nbytes: int, fn, *args, delay: float = 0.0, peer: int | None = None):
         """Run a primitive with this call's timeout (the last arg), recording it when tracing is on.
 
         ``delay`` (injected link delay, seconds) is spent inside the op, as a slow link would spend it.
@@ -380,7 +381,8 @@ class Communicator(abc.ABC):
             ok = True
             return result
         finally:
-            self.tracer.record(op, nbytes, self.group_ranks, t_enter, time.time(), ok)
+            self.tracer.record(op, nbytes, self.group_ranks, t_enter, time.time(), ok,
+                               peer=None if peer is None else self.group_ranks[peer])
 
 
 def as_timedelta(seconds: float) -> timedelta:

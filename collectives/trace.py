@@ -17,6 +17,7 @@ field          type    meaning
 ``t_exit``     float   wall-clock seconds when it returned or raised
 ``ok``         bool    false when the op raised (timeout, peer failure)
 ``step``       int     training step set by the caller (``tracer.step = n``), ``null`` when unset
+``peer``       int     ``send``/``recv`` only: global rank of the other side
 =============  ======  =================================================================================
 
 Workloads add their own records (compute phases, data loading) with ``Tracer.record_event(op, t_enter, t_exit,
@@ -24,13 +25,14 @@ Workloads add their own records (compute phases, data loading) with ``Tracer.rec
 (for example ``{"op": "forward", "layer": "moe", ...}``). Readers must ignore fields they do not know.
 
 Times are each host's wall clock: ranks on one host compare directly; across hosts the reader must allow for
-clock offset. Lines are buffered and flushed every ``flush_every`` records and at close, so tracing costs a
+clock offset. Lines are buffered and flushed every ``flush_every`` records, at least once a second, and at close, so tracing costs a
 dict and a list append per op; with tracing off the cost is one ``is None`` test.
 """
 from __future__ import annotations
 
 import json
 import os
+import time
 from typing import Sequence
 
 TRACE_ENV = "MOONEP_TRACE_DIR"
@@ -48,11 +50,16 @@ class Tracer:
         self._pending: list[str] = []
         self.step: int | None = None
         """Training step stamped on every record (set by the training loop)."""
+        self.flush_seconds = 1.0
+        self._last_flush = time.time()
 
     def record(self, op: str, nbytes: int, group: Sequence[int], t_enter: float, t_exit: float,
-               ok: bool = True) -> None:
-        self._append({"op": op, "bytes": int(nbytes), "group": list(group), "rank": self.rank, "seq": self._seq,
-                      "t_enter": t_enter, "t_exit": t_exit, "ok": ok, "step": self.step})
+               ok: bool = True, peer: int | None = None) -> None:
+        record = {"op": op, "bytes": int(nbytes), "group": list(group), "rank": self.rank, "seq": self._seq,
+                  "t_enter": t_enter, "t_exit": t_exit, "ok": ok, "step": self.step}
+        if peer is not None:
+            record["peer"] = peer
+        self._append(record)
 
     def record_event(self, op: str, t_enter: float, t_exit: float, **fields) -> None:
         """A workload's own record (compute phase, data loading): the op fields plus ``fields``."""
@@ -64,10 +71,12 @@ class Tracer:
     def _append(self, record: dict) -> None:
         self._pending.append(json.dumps(record))
         self._seq += 1
-        if len(self._pending) >= self.flush_every:
+        # By count, and at least once a second, so a live reader (moonep diagnose --follow) sees fresh records.
+        if len(self._pending) >= self.flush_every or record["t_exit"] - self._last_flush >= self.flush_seconds:
             self.flush()
 
     def flush(self) -> None:
+        self._last_flush = time.time()
         if self._pending:
             with open(self.path, "a") as f:
                 f.write("\n".join(self._pending) + "\n")

@@ -52,3 +52,6 @@ def test_link_delay_slows_only_the_sender(tmp_path, monkeypatch):
         assert min(exits) - max(enters) >= 0.03  # nobody finished before rank 1's data arrived
     sends = [r for r in read_trace(tmp_path / "rank0.jsonl") if r["op"] == "send"]
     assert all(r["t_exit"] - r["t_enter"] < 0.06 for r in sends)  # 0 -> 1 is not a delayed link
+    assert [r["peer"] for r in sends] == [1] * 4  # point-to-point records name the other side
+    recvs = [r for r in read_trace(tmp_path / "rank1.jsonl") if r["op"] == "recv"]
+    assert [r["peer"] for r in recvs] == [0] * 4

@@ -1,0 +1,137 @@
+"""Detectors on synthetic trace records (fast): each kind found, on the right ranks, near the onset; adversarial
+inputs (noise, slightly slow ranks, spikes, bad files) raise no alarm and never stop the analysis."""
+import json
+import os
+import pickle
+
+import numpy as np
+import pytest
+
+from tests.tools.synth import make_records, write_dir
+from tools.analysis import build_tables, load_tables
+from tools.detect import Finding, Thresholds
+from tools.findings import diagnose, rank_scores
+from tools.traces import TraceWarning, load_dir
+
+
+def run(tmp_path, **kw):
+    return diagnose(load_tables(write_dir(tmp_path, make_records(**kw))))
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_clean_noisy_runs_raise_nothing(tmp_path, seed):
+    """Catches: false alarms from 2-3% timing noise on identical ranks (the MAD of 4 ranks is ~0)."""
+    assert run(tmp_path, steps=100, noise=0.03, seed=seed) == []
+
+
+def test_one_rank_slightly_slow_below_threshold_is_not_blamed(tmp_path):
+    """Catches: a 5% slower rank (within hardware variation) being reported as a straggler."""
+    assert run(tmp_path, slow=(1, 1.05, 0), noise=0.02) == []
+
+
+def test_isolated_spikes_are_not_persistent(tmp_path):
+    """Catches: a single slow step (GC pause, preempted core) on a rank triggering an alarm."""
+    recs = make_records(steps=60)
+    for r, step in ((1, 10), (2, 30), (3, 31), (0, 50)):
+        for rec in recs[r]:
+            if rec["step"] == step and rec["op"] == "expert_compute":
+                rec["t_exit"] += 0.05
+    assert diagnose(build_tables(_load(tmp_path, recs))) == []
+
+
+def _load(tmp_path, recs):
+    return load_dir(write_dir(tmp_path, recs))
+
+
+@pytest.mark.parametrize("factor", [1.2, 1.5, 3.0])
+def test_slow_compute_found_on_right_rank_near_onset(tmp_path, factor):
+    """Catches: blaming the waiting ranks (their collectives are long) instead of the slow one."""
+    f = run(tmp_path, slow=(2, factor, 15), steps=40)
+    assert [x.kind for x in f] == ["slow_compute"]
+    assert f[0].ranks == [2] and 15 <= f[0].onset_step <= 15 + 10 and f[0].confidence > 0.5
+    assert f[0].what_if_step_time_s < float(np.median(load_tables(tmp_path).step_time_s[20:]))
+
+
+def test_waiting_inside_a_collective_is_not_transfer(tmp_path):
+    """Catches: counting the wait for a late rank as transfer time (a slow rank would look like a slow link)."""
+    f = run(tmp_path, slow=(3, 2.0, 10), validate=False)
+    assert [(x.kind, x.ranks) for x in f] == [("slow_compute", [3])]
+
+
+def test_data_loader_blamed_not_compute(tmp_path):
+    f = run(tmp_path, data_slow=(1, 0.01, 8))
+    assert [(x.kind, x.ranks) for x in f] == [("data_loader", [1])] and 8 <= f[0].onset_step <= 18
+
+
+def test_routing_imbalance_not_blamed_on_hardware(tmp_path):
+    """Catches: the hot expert's rank reported as slow_compute (someone would swap a healthy GPU)."""
+    f = run(tmp_path, tokens=[64, 64, 200, 64])
+    assert [(x.kind, x.ranks) for x in f] == [("routing_imbalance", [2])]
+
+
+def test_slow_rank_that_is_also_hot_gets_both_findings(tmp_path):
+    f = run(tmp_path, tokens=[64, 64, 200, 64], slow=(2, 1.5, 10))
+    assert sorted((x.kind, tuple(x.ranks)) for x in f) == [("routing_imbalance", (2,)), ("slow_compute", (2,))]
+
+
+def test_slow_link_from_transfer_time_not_arrival(tmp_path):
+    f = run(tmp_path, link=(0.02, 12))
+    assert [x.kind for x in f] == ["slow_link"] and f[0].ranks == [0, 1, 2, 3] and 12 <= f[0].onset_step <= 22
+    assert f[0].what_if_step_time_s < 0.03  # the 20 ms the link adds is removed
+
+
+def test_pipeline_stage_imbalance_not_individual_ranks(tmp_path):
+    f = run(tmp_path, stages=[0, 0, 1, 1])
+    assert [(x.kind, x.ranks) for x in f] == [("pipeline_stage", [2, 3])]
+
+
+def test_wait_matrix_points_at_the_late_rank(tmp_path):
+    t = load_tables(write_dir(tmp_path, make_records(slow=(3, 2.0, 0))))
+    column = t.wait_matrix_s.sum(axis=0)
+    assert int(np.argmax(column)) == 3 and t.wait_matrix_s[3, 3] == 0.0
+    scores = {s["rank"]: s["score"] for s in rank_scores(t)}
+    assert scores[3] < 0.6 and min(scores[r] for r in (0, 1, 2)) > 0.9
+
+
+def test_truncated_last_line_kept_rest_and_corrupt_file_skipped(tmp_path):
+    """Catches: one bad file aborting the whole analysis, or a warning that does not name the file."""
+    write_dir(tmp_path, make_records(slow=(2, 2.0, 5)))
+    with open(tmp_path / "rank0.jsonl", "a") as f:
+        f.write('{"op": "all_red')  # cut mid-write
+    lines = (tmp_path / "rank1.jsonl").read_text().splitlines()
+    lines[3] = "not json at all"
+    (tmp_path / "rank1.jsonl").write_text("\n".join(lines) + "\n")
+    with pytest.warns(TraceWarning) as caught:
+        traces = load_dir(tmp_path)
+    messages = " ".join(str(w.message) for w in caught)
+    assert "rank0.jsonl" in messages and "truncated" in messages
+    assert "rank1.jsonl" in messages and "skipping the file" in messages
+    assert sorted(traces) == [0, 2, 3]
+    f = diagnose(build_tables(traces))
+    assert [(x.kind, x.ranks) for x in f] == [("slow_compute", [2])]
+
+
+def test_pickle_and_wrong_types_are_rejected_not_loaded(tmp_path):
+    """Catches: trace files ever being unpickled (arbitrary code) or a record with wrong types crashing."""
+    write_dir(tmp_path, make_records(steps=10))
+    (tmp_path / "rank1.jsonl").write_bytes(pickle.dumps({"op": "x"}) + b"\n")
+    (tmp_path / "rank2.jsonl").write_text(json.dumps({"op": "x", "rank": "2", "t_enter": 1, "t_exit": 2}) + "\n")
+    (tmp_path / "rank3.jsonl").write_bytes(b"\xff\xfe\n")
+    with pytest.warns(TraceWarning):
+        traces = load_dir(tmp_path)
+    assert sorted(traces) == [0]
+    assert diagnose(build_tables(traces)) == []
+
+
+def test_empty_or_missing_folder_gives_no_findings(tmp_path):
+    assert diagnose(load_tables(tmp_path)) == []
+    assert diagnose(load_tables(os.path.join(tmp_path, "nope"))) == []
+
+
+def test_config_and_finding_checks():
+    with pytest.raises(ValueError, match="compute_ratio"):
+        Thresholds(compute_ratio=1.0)
+    with pytest.raises(ValueError, match="kind"):
+        Finding(kind="cosmic_ray", ranks=[0], onset_step=0, confidence=0.5, what_if_step_time_s=None)
+    with pytest.raises(ValueError, match="confidence"):
+        Finding(kind="slow_link", ranks=[0], onset_step=0, confidence=1.5, what_if_step_time_s=None)

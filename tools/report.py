@@ -1,0 +1,145 @@
+"""The report: stable JSON (``moonep diagnose --json``), a text summary, and plots.
+
+JSON (``schema_version`` 1; keys are only ever added):
+
+- ``findings``: list of ``{kind, ranks, onset_step, confidence, what_if_step_time_s, detail, evidence}``,
+  ``kind`` in ``slow_compute | slow_link | data_loader | routing_imbalance | pipeline_stage``; ``[]`` when
+  nothing is wrong. The first five keys are the contract; ``detail`` is prose, ``evidence`` may grow.
+- ``ranks``, ``steps`` (``{first, last, count}``), ``step_time_s`` (median), ``rank_scores`` (per rank: ``score``
+  1 = best, ``compute_s``, ``data_s``, ``tokens``, ``stage``), ``wait_matrix_s`` (``{ranks, seconds[R][R]}``: row
+  waited for column), ``collectives`` (per group and op: calls, median transfer and wait), ``probe`` (or null),
+  ``warnings`` (skipped files and lines).
+"""
+from __future__ import annotations
+
+import os
+import warnings
+
+import numpy as np
+
+from tools.analysis import Tables, load_tables
+from tools.detect import Finding, Thresholds
+from tools.findings import diagnose, rank_scores
+
+SCHEMA_VERSION = 1
+
+
+def apply_probe(findings: list[Finding], probe: dict, factor: float = 3.0) -> list[Finding]:
+    """Name the pair of a group-level ``slow_link`` with the probe's slowest pair (``probe.slow_pairs``).
+
+    A slow pair the trace did not flag becomes its own ``slow_link`` finding (onset unknown: None).
+    """
+    pairs = [tuple(p["ranks"]) for p in probe.get("slow_pairs", [])]
+    used = set()
+    for f in findings:
+        if f.kind != "slow_link":
+            continue
+        inside = [p for p in pairs if set(p) <= set(f.ranks)]
+        if inside:
+            used.add(inside[0])
+            f.ranks = sorted(inside[0])
+            f.confidence = min(1.0, 2 * f.confidence)  # trace + probe agree
+            f.detail += f"; the probe names ranks {f.ranks}"
+            f.evidence["probe_pair"] = list(inside[0])
+    for p, info in zip(pairs, probe.get("slow_pairs", [])):
+        if p not in used:
+            findings.append(Finding(kind="slow_link", ranks=sorted(p), onset_step=None, confidence=0.6,
+                                    what_if_step_time_s=None,
+                                    detail=f"probe: ranks {sorted(p)} round trip {info['seconds'] * 1e3:.1f} ms, "
+                                           f"{info['ratio']:.1f}x the median pair",
+                                    evidence={"probe_seconds": info["seconds"], "probe_ratio": info["ratio"]}))
+    return findings
+
+
+def build_report(t: Tables, findings: list[Finding], *, trace_dir: str = "", probe: dict | None = None,
+                 notes: list[str] | None = None) -> dict:
+    finite = t.step_time_s[np.isfinite(t.step_time_s)]
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "trace_dir": trace_dir,
+        "findings": [f.to_json() for f in findings],
+        "ranks": list(t.ranks),
+        "steps": {"first": t.steps[0] if t.steps else None, "last": t.steps[-1] if t.steps else None,
+                  "count": len(t.steps)},
+        "step_time_s": float(np.median(finite)) if finite.size else None,
+        "rank_scores": rank_scores(t),
+        "wait_matrix_s": {"ranks": list(t.ranks), "seconds": np.round(t.wait_matrix_s, 6).tolist()},
+        "collectives": [{"group": list(s.group), "op": s.op, "calls": len(s.transfer_s),
+                         "median_transfer_s": float(np.median(s.transfer_s)) if s.transfer_s else None,
+                         "median_max_wait_s": float(np.median(s.max_wait_s)) if s.max_wait_s else None}
+                        for s in t.series],
+        "probe": probe,
+        "warnings": list(notes or []),
+    }
+
+
+def analyse(trace_dir: str | os.PathLike, thresholds: Thresholds | None = None,
+            probe: dict | None = None) -> tuple[dict, Tables]:
+    """Read ``trace_dir``, diagnose, and return ``(report JSON, tables)``.
+
+    Skipped files are warned about (``TraceWarning``, naming the file) and listed in ``report["warnings"]``.
+    """
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tables = load_tables(trace_dir)
+    for w in caught:
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    findings = diagnose(tables, thresholds)
+    if probe:
+        findings = apply_probe(findings, probe)
+    return build_report(tables, findings, trace_dir=os.fspath(trace_dir), probe=probe,
+                        notes=[str(w.message) for w in caught]), tables
+
+
+def format_report(report: dict) -> str:
+    """A few lines for a terminal."""
+    step = report["step_time_s"]
+    lines = [f"trace {report['trace_dir']}: {len(report['ranks'])} ranks, {report['steps']['count']} steps, "
+             f"median step {step * 1e3:.1f} ms" if step else f"trace {report['trace_dir']}: no steps"]
+    lines += [f"warning: {w}" for w in report["warnings"]]
+    if not report["findings"]:
+        lines.append("no straggler found")
+    for f in report["findings"]:
+        wi = f["what_if_step_time_s"]
+        gain = f", step {wi * 1e3:.1f} ms without it" if wi is not None else ""
+        lines.append(f"{f['kind']:<18} ranks {f['ranks']} from step {f['onset_step']} "
+                     f"(confidence {f['confidence']:.2f}{gain}): {f['detail']}")
+    return "\n".join(lines)
+
+
+def plot(t: Tables, out_dir: str | os.PathLike) -> list[str]:
+    """``rank_step_heatmap.png`` (normalised compute over the step median) and ``wait_matrix.png``."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    os.makedirs(out_dir, exist_ok=True)
+    paths = []
+    with np.errstate(all="ignore"):
+        ratio = t.norm_compute_s / np.nanmedian(t.norm_compute_s, axis=0)
+    fig = Figure(figsize=(max(6.0, 0.08 * len(t.steps) + 3), 1.0 + 0.4 * max(1, len(t.ranks))))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    im = ax.imshow(ratio, aspect="auto", cmap="viridis", interpolation="nearest", vmin=0.8,
+                   vmax=max(1.3, float(np.nanmax(ratio)) if np.isfinite(ratio).any() else 1.3),
+                   extent=(t.steps[0] - 0.5, t.steps[-1] + 0.5, len(t.ranks) - 0.5, -0.5) if t.steps else None)
+    ax.set_yticks(range(len(t.ranks)), [str(r) for r in t.ranks])
+    ax.set_xlabel("step")
+    ax.set_ylabel("rank")
+    ax.set_title("compute / step median (routing load factored out)")
+    fig.colorbar(im, ax=ax)
+    paths.append(os.path.join(out_dir, "rank_step_heatmap.png"))
+    fig.savefig(paths[-1], dpi=100, bbox_inches="tight")
+
+    fig = Figure(figsize=(5, 4))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    im = ax.imshow(t.wait_matrix_s, cmap="magma", interpolation="nearest")
+    ax.set_xticks(range(len(t.ranks)), [str(r) for r in t.ranks])
+    ax.set_yticks(range(len(t.ranks)), [str(r) for r in t.ranks])
+    ax.set_xlabel("waited for (last arriver)")
+    ax.set_ylabel("waiting rank")
+    ax.set_title("wait matrix (s)")
+    fig.colorbar(im, ax=ax)
+    paths.append(os.path.join(out_dir, "wait_matrix.png"))
+    fig.savefig(paths[-1], dpi=100, bbox_inches="tight")
+    return paths
