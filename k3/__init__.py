@@ -1,7 +1,8 @@
 """k3: the exact Kimi K3 architecture as a single-device reference model, trained on MoonEP.
 
 Public API (imported lazily so ``import k3.cli`` stays light): ``K3Config``, ``count_parameters``,
-``count_model_parameters``, ``K3Model``, ``build_model``, ``init_weights``, ``load_hf_checkpoint``, ``train``. See ``k3/README.md``.
+``count_model_parameters``, ``K3Model``, ``build_model``, ``init_weights``, ``load_hf_checkpoint``,
+``train``. See ``k3/README.md``.
 """
 from __future__ import annotations
 

@@ -1,0 +1,61 @@
+"""``moonep train`` (and ``python -m k3 train``): argparse only at module level, so ``moonep --help`` is fast."""
+from __future__ import annotations
+
+import argparse
+
+
+def register(commands, bench) -> None:
+    p = commands.add_parser("train", help="train Kimi K3 (default: tiny preset, 4 local CPU ranks, EP + DP)")
+    p.add_argument("--preset", default="tiny", choices=("tiny", "small", "full"))
+    p.add_argument("--world-size", type=int, default=4, help="local ranks (ignored under torchrun/mpiexec)")
+    p.add_argument("--cp", type=int, default=1, help="context-parallel size: each sequence split over this many ranks")
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--data", default=None, help="text folder (default: this Python's standard library)")
+    p.add_argument("--run-dir", default=None, help="run folder (default out/k3-<preset>)")
+    p.add_argument("--resume", action="store_true", help="continue from the run folder's latest checkpoint")
+    p.add_argument("--balance", default="qb", choices=("qb", "sign", "none"))
+    p.add_argument("--optimizer", default="muon", choices=("muon", "adamw"))
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=_train)
+
+    b = bench.add_parser("train", help="K3 training tokens/s and peak memory at EP = 1, 2, 4")
+    b.add_argument("--preset", default="tiny", choices=("tiny", "small"))
+    b.add_argument("--steps", type=int, default=5, help="timed steps per world size")
+    b.add_argument("--world-sizes", default="1,2,4")
+    b.add_argument("--quick", action="store_true", help="2 timed steps at EP = 1, 2 (seconds; for tests)")
+    b.add_argument("--json", default=None, help="write the results here")
+    b.set_defaults(func=_bench)
+
+
+def _train(args: argparse.Namespace) -> int:
+    from .train import TrainConfig, train
+
+    tc = TrainConfig(preset=args.preset, world_size=args.world_size, cp=args.cp, steps=args.steps, seed=args.seed,
+                     data=args.data, run_dir=args.run_dir or f"out/k3-{args.preset}", resume=args.resume,
+                     balance=args.balance, optimizer=args.optimizer, progress=not args.no_progress)
+    out = train(tc)
+    if out["rank"] != 0:  # under torchrun/mpiexec every rank returns here; rank 0 speaks
+        return 0
+    print(f"final train loss {out['losses'][-1]:.4f}" if out["losses"] else "nothing to do (already at --steps)")
+    if out["val_loss"] is not None:
+        print(f"validation loss {out['val_loss']:.4f}")
+    for path in out["plots"]:
+        print(f"plot: {path}")
+    print(f"run folder: {out['run_dir']}")
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from moonep.cli import write_json
+
+    from .bench import run_bench
+
+    sizes = (1, 2) if args.quick else tuple(int(x) for x in args.world_sizes.split(","))
+    out = run_bench(args.preset, sizes, 2 if args.quick else args.steps)
+    for r in out["results"]:
+        print(f"EP={r['world_size']}: {r['tokens_per_s']:.0f} tokens/s, {r['step_s'] * 1e3:.0f} ms/step, "
+              f"peak RSS {r['peak_rss_mb']:.0f} MB per rank")
+    if args.json:
+        write_json(args.json, out)
+    return 0

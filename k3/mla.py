@@ -1,0 +1,115 @@
+"""Gated MLA without positional encoding (k3_architecture.md 2.4).
+
+Axes: ``B`` sequences, ``T`` tokens, ``d`` hidden, ``h`` heads, ``n`` = qk_nope, ``r`` = qk_rope (a shared,
+UN-rotated key slice: K3 is NoPE), ``v`` value width.
+
+    c_q = RMSNorm_1e-6(W_qa x);  q = W_qb c_q -> per head [q_nope | q_r]
+    [c_kv | k_r] = W_kva x;      kv = W_kvb RMSNorm_1e-6(c_kv) -> per head [k_nope | v]
+    o_h = softmax(q_h k_h^T / sqrt(n + r) + causal) v_h,   k_h = [k_nope_h | k_r]
+    y = W_o [concat_h o_h * sigmoid(W_g x)]
+
+Context parallelism: with a ``cp_comm`` of world size > 1 each rank holds the token slice
+``[rank*T_l, (rank+1)*T_l)`` of every sequence; keys and values are all-gathered along T (the backward sums the
+key/value grads over the group and keeps the local slice) and the causal mask is offset by the slice start.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import K3Config
+from .layers import RMSNorm
+
+LORA_EPS = 1e-6  # the LoRA norms use the class default, not rms_norm_eps (release modeling code)
+
+
+class _GatherTokens(torch.autograd.Function):
+    """x [B, h, T_l, c] on each rank of ``comm`` -> [B, h, world*T_l, c] in rank order (differentiable)."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm, ctx.T_l = comm, x.shape[2]
+        inp = x.permute(2, 0, 1, 3).contiguous()                                  # [T_l, B, h, c]
+        out = inp.new_empty(comm.world_size * inp.shape[0], *inp.shape[1:])
+        comm.all_gather(out, inp)
+        return out.permute(1, 2, 0, 3)
+
+    @staticmethod
+    def backward(ctx, grad):
+        g = grad.permute(2, 0, 1, 3).contiguous()                                # [T, B, h, c]
+        ctx.comm.all_reduce(g)  # every rank's queries read these keys: sum their grads, keep our slice
+        a = ctx.comm.rank * ctx.T_l
+        return g[a:a + ctx.T_l].permute(1, 2, 0, 3), None
+
+
+def causal_mask(T_q: int, T_k: int, offset: int, device=None) -> torch.Tensor:
+    """[T_q, T_k] bool, True where key position <= query position (queries start at ``offset``)."""
+    return torch.arange(T_k, device=device)[None, :] <= (offset + torch.arange(T_q, device=device))[:, None]
+
+
+class GatedMLA(nn.Module):
+    """Gated multi-head latent attention sublayer. x [B, T, d] (already RMSNorm'ed) -> [B, T, d]."""
+
+    def __init__(self, cfg: K3Config, *, device=None) -> None:
+        super().__init__()
+        d, self.h = cfg.hidden_size, cfg.num_attention_heads
+        self.n, self.r, self.v = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        lin = lambda i, o: nn.Linear(i, o, bias=False, device=device)  # noqa: E731
+        self.q_a_proj = lin(d, cfg.q_lora_rank)
+        self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, LORA_EPS, device=device)
+        self.q_b_proj = lin(cfg.q_lora_rank, self.h * (self.n + self.r))
+        self.kv_a_proj_with_mqa = lin(d, cfg.kv_lora_rank + self.r)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, LORA_EPS, device=device)
+        self.kv_b_proj = lin(cfg.kv_lora_rank, self.h * (self.n + self.v))
+        self.g_proj = lin(d, self.h * self.v)
+        self.o_proj = lin(self.h * self.v, d)
+        self.kv_lora_rank = cfg.kv_lora_rank
+        self.last_max_logit: torch.Tensor | None = None
+        """[h] max pre-softmax logit per head of the last forward when ``track_logits`` (for QK-Clip)."""
+        self.track_logits = False
+        self.cp_comm = None  # set by K3Model.set_parallel for context parallelism
+
+    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [B, T, d] -> q, k [B, h, T, n + r], v [B, h, T, v]."""
+        B, T, _ = x.shape
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))).view(B, T, self.h, self.n + self.r)
+        c_kv, k_r = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.r], dim=-1)
+        kv = self.kv_b_proj(self.kv_a_layernorm(c_kv)).view(B, T, self.h, self.n + self.v)
+        k_nope, v = kv.split([self.n, self.v], dim=-1)
+        k = torch.cat([k_nope, k_r[:, :, None, :].expand(B, T, self.h, self.r)], dim=-1)
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        q, k, v = self.qkv(x)
+        scale = (self.n + self.r) ** -0.5
+        offset = 0
+        if self.cp_comm is not None and self.cp_comm.world_size > 1:
+            k, v = _GatherTokens.apply(k, self.cp_comm), _GatherTokens.apply(v, self.cp_comm)
+            offset = self.cp_comm.rank * T
+        mask = causal_mask(T, k.shape[2], offset, x.device)
+        if self.track_logits:
+            with torch.no_grad():
+                logits = (q @ k.transpose(-1, -2)) * scale
+                self.last_max_logit = logits.masked_fill(~mask, float("-inf")).amax(dim=(0, 2, 3))
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)  # [B, h, T, v]
+        o = o.transpose(1, 2).reshape(B, T, self.h * self.v)
+        return self.o_proj(o * torch.sigmoid(self.g_proj(x)))
+
+
+def mla_naive(layer: GatedMLA, x: torch.Tensor) -> torch.Tensor:
+    """Formula twin: per-head explicit masked softmax in fp32 over the same projections."""
+    B, T, _ = x.shape
+    q, k, v = layer.qkv(x)
+    mask = torch.ones(T, T, dtype=torch.bool).tril()
+    outs = []
+    for hd in range(layer.h):
+        s = torch.einsum("btc,bsc->bts", q[:, hd].float(), k[:, hd].float()) / (layer.n + layer.r) ** 0.5
+        p = torch.softmax(s.masked_fill(~mask, float("-inf")), dim=-1)
+        outs.append(torch.einsum("bts,bsc->btc", p, v[:, hd].float()))
+    o = torch.cat(outs, dim=-1).to(x.dtype)
+    return layer.o_proj(o * torch.sigmoid(layer.g_proj(x)))
+
+
+__all__ = ["GatedMLA", "mla_naive", "LORA_EPS"]

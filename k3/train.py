@@ -1,0 +1,306 @@
+"""The main job: train K3 on real text with expert parallelism (moonep) across ranks and data parallelism.
+
+    python -m k3.train --preset tiny --world-size 4 --steps 300 --run-dir out/k3-tiny
+    moonep train --preset tiny --world-size 4 --steps 300                 # the same
+
+EP spans all ranks (each holds E/R routed experts); every other parameter is replicated and its gradient summed
+over ranks (data parallel). The global batch (``global_batch`` rows of ``seq_len`` + 1 bytes) is fixed by the
+preset and split across ranks, and the loss is the global token mean, so results do not depend on the world
+size up to summation order. fp32 on CPU; Per-Head Muon + QK-Clip (AdamW for embeddings, head, norms, router,
+biases, AttnRes queries, KDA conv/decay parameters), or AdamW everywhere with ``optimizer="adamw"``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .balance import update_router_biases
+from .checkpoint import load_checkpoint, save_checkpoint
+from .config import K3Config
+from .data import batch, load_corpus
+from .model import build_model, token_loss_sum
+from .muon import qk_clip
+from .optim import build_optimizer, lr_at
+
+EXPERT_SUFFIXES = (".w1", ".w2", ".w3")
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainConfig:
+    """One training run (everything that decides the numbers, plus where to write)."""
+
+    preset: str = "tiny"
+    """Model preset (``K3Config.preset``)."""
+    steps: int = 300
+    """Optimizer steps in total (a resumed run continues up to this)."""
+    seq_len: int = 64
+    """Tokens (bytes) per training row."""
+    global_batch: int = 16
+    """Rows per step over all ranks (split evenly; must be divisible by the world size)."""
+    lr: float = 1e-2
+    """Peak learning rate of both groups (linear warmup, cosine to 10%); 1e-2 beat 3e-3 for Muon on tiny."""
+    warmup: int = 10
+    """Warmup steps."""
+    weight_decay: float = 0.1
+    """AdamW decoupled weight decay on matrices."""
+    grad_clip: float = 1.0
+    """Global grad-norm clip (over all ranks' experts and the replicated parameters)."""
+    optimizer: str = "muon"
+    """``muon`` (Per-Head Muon + AdamW for the rest) or ``adamw`` (everywhere)."""
+    qk_clip_tau: float = 100.0
+    """QK-Clip threshold on MLA max logits (K2's value; K3's is not public); 0 = off."""
+    balance: str = "qb"
+    """Router-bias update: ``qb`` (Quantile Balancing), ``sign`` (DeepSeek-V3) or ``none``."""
+    val_every: int = 50
+    """Validation every this many steps (and at the last step)."""
+    val_batches: int = 2
+    """Global batches of held-out text per validation."""
+    ckpt_every: int = 100
+    """Checkpoint every this many steps (and at the last step); 0 = only at the end."""
+    seed: int = 0
+    """Init and data seed."""
+    world_size: int = 4
+    """Local ranks to launch (ignored under torchrun / mpiexec)."""
+    cp: int = 1
+    """Context-parallel size: each sequence is split over ``cp`` consecutive ranks (KDA via cp_kda, MLA by
+    gathering keys/values); world_size / cp data-parallel groups."""
+    data: str | None = None
+    """Text folder; None = the interpreter's standard-library sources."""
+    max_data_bytes: int = 8 << 20
+    """Bytes read from the corpus."""
+    run_dir: str = "out/k3-train"
+    """Run folder: metrics.jsonl, plots, config, checkpoints."""
+    resume: bool = False
+    """Continue from the latest checkpoint in run_dir."""
+    progress: bool = True
+    """tqdm bar on rank 0."""
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "seq_len", "global_batch", "warmup", "val_batches", "world_size", "cp"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.world_size % self.cp:
+            raise ValueError(f"cp: {self.cp} does not divide world_size {self.world_size}")
+        if self.global_batch % (self.world_size // self.cp):
+            raise ValueError(f"global_batch: {self.global_batch} is not divisible by the data-parallel size "
+                             f"{self.world_size // self.cp}")
+        if self.seq_len % self.cp or self.seq_len // self.cp < 3:
+            raise ValueError(f"seq_len: {self.seq_len} must split into cp={self.cp} slices of >= 3 tokens")
+        if self.balance not in ("qb", "sign", "none"):
+            raise ValueError(f"balance: expected qb, sign or none, got {self.balance!r}")
+
+
+class Trainer:
+    """State of one rank: model, optimizer, data; ``step()`` runs one global step."""
+
+    def __init__(self, comm, tc: TrainConfig) -> None:
+        self.comm, self.tc = comm, tc
+        self.cfg = K3Config.preset(tc.preset)
+        R = comm.world_size
+        if self.cfg.num_experts % R:
+            raise ValueError(f"world_size: {R} does not divide num_experts={self.cfg.num_experts}")
+        if R % tc.cp or tc.global_batch % (R // tc.cp):  # torchrun/mpiexec decide R: check again
+            raise ValueError(f"cp: {tc.cp} and global_batch {tc.global_batch} do not fit world size {R}")
+        self.cp_rank, self.dp_rank = comm.rank % tc.cp, comm.rank // tc.cp
+        self.rows, self.T_l = tc.global_batch // (R // tc.cp), tc.seq_len // tc.cp
+        self.cp_comm = comm.split(self.dp_rank) if tc.cp > 1 else None
+        self.model = build_model(self.cfg, seed=tc.seed, ep_size=R, ep_rank=comm.rank)
+        import moonep
+
+        c = self.cfg
+        self.buffer = moonep.Buffer(comm, self.rows * self.T_l, c.routed_expert_hidden_size,
+                                    c.num_experts_per_token, c.num_experts, dtype=torch.float32)
+        self.model.set_parallel(ep_buffer=self.buffer, cp_comm=self.cp_comm)
+        params = dict(self.model.named_parameters())
+        self.experts = {n: p for n, p in params.items() if n.endswith(EXPERT_SUFFIXES)}
+        self.replicated = {n: p for n, p in params.items() if n not in self.experts}
+        self.opt = build_optimizer(self.model, tc.optimizer, lr=tc.lr, weight_decay=tc.weight_decay)
+        self.names = {id(p): n for n, p in params.items()}
+        self.opt_steps = 0
+        for layer in self.model.layers:
+            if hasattr(layer.self_attn, "track_logits"):
+                layer.self_attn.track_logits = bool(tc.qk_clip_tau) and tc.optimizer == "muon"
+        self.corpus = load_corpus(tc.data, max_bytes=tc.max_data_bytes)
+
+    def local(self, full: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Global batch [G, seq_len + 1] -> this rank's (inputs, targets) [rows, T_l]: its data-parallel rows
+        and its context-parallel token slice."""
+        rows = full[self.dp_rank * self.rows:(self.dp_rank + 1) * self.rows]
+        a = self.cp_rank * self.T_l
+        return rows[:, a:a + self.T_l], rows[:, a + 1:a + 1 + self.T_l]
+
+    def _sync_grads(self, loss_sum: torch.Tensor) -> float:
+        """One all-reduce of the replicated grads and the loss; returns the global loss sum."""
+        flat = [loss_sum.detach().reshape(1)]
+        for p in self.replicated.values():
+            flat.append(torch.zeros(p.numel()) if p.grad is None else p.grad.reshape(-1))
+        packed = torch.cat(flat)
+        if self.comm.world_size > 1:
+            self.comm.all_reduce(packed)
+        offset = 1
+        for p in self.replicated.values():
+            n = p.numel()
+            p.grad = packed[offset:offset + n].view_as(p).clone()
+            offset += n
+        return float(packed[0])
+
+    def _clip(self) -> float:
+        sq = torch.zeros(1, dtype=torch.float64)
+        for p in self.experts.values():
+            if p.grad is not None:
+                sq += p.grad.double().pow(2).sum()
+        if self.comm.world_size > 1:
+            self.comm.all_reduce(sq)
+        sq += sum(p.grad.double().pow(2).sum() for p in self.replicated.values())
+        norm = float(sq.sqrt())
+        if self.tc.grad_clip and norm > self.tc.grad_clip:
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(self.tc.grad_clip / norm)
+        return norm
+
+    def step(self, step: int) -> dict:
+        tc, tracer = self.tc, self.comm.tracer
+        if tracer is not None:
+            tracer.step = step
+        t0 = time.perf_counter()
+        inputs, targets = self.local(batch(self.corpus.train, tc.seed, step, tc.global_batch, tc.seq_len))
+        count = tc.global_batch * tc.seq_len
+        self.model.zero_grad(set_to_none=True)
+        loss_sum = token_loss_sum(self.model, inputs, targets)
+        t1 = time.perf_counter()
+        (loss_sum / count).backward()
+        t2 = time.perf_counter()
+        loss = self._sync_grads(loss_sum) / count
+        grad_norm = self._clip()
+        lr = lr_at(step, tc.steps, tc.lr, tc.warmup)
+        self.opt.set_lr(lr)
+        self.opt.step()
+        self.opt_steps += 1
+        max_logits = qk_clip(self.model, self.comm, tc.qk_clip_tau) if tc.qk_clip_tau else []
+        # The bias computed from this step's batch steers the NEXT step's routing (never its own batch).
+        violations = update_router_biases(self.model.moe_layers(), self.comm, tc.balance)
+        t3 = time.perf_counter()
+        if tracer is not None:
+            tracer.record_event("forward", t0, t1)
+            tracer.record_event("backward", t1, t2)
+            tracer.record_event("optimizer", t2, t3)
+        return {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": count / (t3 - t0),
+                "max_violation": max(violations), "max_violation_per_layer": violations,
+                "max_logit": max(max_logits, default=None)}
+
+    def close(self) -> None:
+        """Explicit teardown of what this rank created (the CP sub-group); the world comm is the launcher's."""
+        if self.cp_comm is not None:
+            self.cp_comm.close()
+            self.cp_comm = None
+
+    @torch.no_grad()
+    def validate(self) -> float:
+        tc, total = self.tc, torch.zeros(1, dtype=torch.float64)
+        for i in range(tc.val_batches):
+            inputs, targets = self.local(batch(self.corpus.val, tc.seed + 1, i, tc.global_batch, tc.seq_len))
+            total += float(token_loss_sum(self.model, inputs, targets))
+        if self.comm.world_size > 1:
+            self.comm.all_reduce(total)
+        return float(total) / (tc.val_batches * tc.global_batch * tc.seq_len)
+
+    # -------------------------------------------------------------- checkpoints
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        out = {f"model.{k}": v for k, v in self.model.state_dict().items()}
+        out.update({f"optim.{k}": v for k, v in self.opt.state_tensors(self.names).items()})
+        return out
+
+    def save(self, step: int) -> None:
+        state = {"step": step, "world_size": self.comm.world_size, "optimizer_steps": self.opt_steps,
+                 "train": dataclasses.asdict(self.tc)}
+        save_checkpoint(self.comm, self.tc.run_dir, step, self.state_tensors(), state)
+
+    def restore(self) -> int:
+        """Load the latest checkpoint; returns the first step still to run (0 when there is none)."""
+        found = load_checkpoint(self.tc.run_dir, self.comm.rank)
+        if found is None:
+            return 0
+        state, tensors = found
+        if state["world_size"] != self.comm.world_size:
+            raise ValueError(f"resume: checkpoint has world size {state['world_size']}, this run "
+                             f"{self.comm.world_size}")
+        self.model.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("model.")})
+        self.opt.load_state_tensors({k[6:]: v for k, v in tensors.items() if k.startswith("optim.")}, self.names)
+        self.opt_steps = state["optimizer_steps"]
+        return state["step"]
+
+
+def _metrics_file(run_dir: str, start: int) -> str:
+    """metrics.jsonl with every line of steps >= start dropped (a resumed run rewrites them)."""
+    path = os.path.join(run_dir, "metrics.jsonl")
+    keep = []
+    if os.path.exists(path):
+        with open(path) as f:
+            keep = [line for line in f if line.strip() and json.loads(line)["step"] < start]
+    with open(path, "w") as f:
+        f.writelines(keep)
+    return path
+
+
+def run_rank(comm, train: dict) -> dict:
+    """Body of every rank (module level for ``collectives.launch``). Returns rank 0's summary."""
+    torch.set_num_threads(1)
+    tc = TrainConfig(**train)
+    trainer = Trainer(comm, tc)
+    start = trainer.restore() if tc.resume else 0
+    rank0 = comm.rank == 0
+    if rank0:
+        os.makedirs(tc.run_dir, exist_ok=True)
+        trainer.cfg.to_json(os.path.join(tc.run_dir, "config.json"))
+        from moonep.cli import write_json
+
+        write_json(os.path.join(tc.run_dir, "train.json"), dataclasses.asdict(tc))
+        metrics_path = _metrics_file(tc.run_dir, start)
+    from tqdm import tqdm
+
+    losses, val_loss = [], None
+    bar = tqdm(range(start, tc.steps), disable=not (rank0 and tc.progress), desc="k3 train", unit="step")
+    for step in bar:
+        row = trainer.step(step)
+        last = step == tc.steps - 1
+        if (step + 1) % tc.val_every == 0 or last:
+            row["val_loss"] = val_loss = trainer.validate()
+        losses.append(row["loss"])
+        if rank0:
+            with open(metrics_path, "a") as f:
+                f.write(json.dumps(row) + "\n")
+            bar.set_postfix(loss=f"{row['loss']:.3f}", maxvio=f"{row['max_violation']:.2f}")
+        if (tc.ckpt_every and (step + 1) % tc.ckpt_every == 0) or last:
+            trainer.save(step + 1)
+    trainer.close()
+    plots = []
+    if rank0:
+        from .plots import write_plots
+
+        plots = write_plots(tc.run_dir)
+    return {"losses": losses, "val_loss": val_loss, "start": start, "run_dir": tc.run_dir, "plots": plots,
+            "rank": comm.rank}
+
+
+def train(tc: TrainConfig, *, timeout: float = 300.0) -> dict:
+    """Launch ``tc.world_size`` local ranks (or join torchrun/mpiexec) and train; returns rank 0's summary."""
+    from collectives import launch
+
+    return launch(run_rank, tc.world_size, timeout=timeout, train=dataclasses.asdict(tc))
+
+
+def main(argv=None) -> int:
+    from moonep.cli import main as cli_main
+
+    return cli_main(["train", *(argv if argv is not None else __import__("sys").argv[1:])], packages=["k3"],
+                    prog="python -m k3.train")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
