@@ -109,16 +109,44 @@ def _launch_spawn(fn, world_size: int, opts: LaunchOptions, kwargs: dict, job_ti
     with tempfile.TemporaryDirectory(prefix="moonep-launch-") as tmp:
         procs = [ctx.Process(target=_spawned_rank, args=(rank, world_size, tmp, fn, kwargs, opts),
                              name=f"moonep-rank{rank}") for rank in range(world_size)]
-        for p in procs:
-            p.start()
+        previous = _exit_on_sigterm()
         try:
+            for p in procs:
+                p.start()
             _supervise(procs, tmp, job_timeout)
         finally:
             _terminate(procs)
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
         return _read_result(tmp)
 
 
+def _exit_on_sigterm():
+    """Make SIGTERM unwind this process (so ``finally`` terminates the ranks) instead of killing it outright,
+    which would leave the spawned ranks running. Returns the previous handler, or None off the main thread."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def _raise(signum, frame):
+        raise SystemExit(128 + signum)
+
+    return signal.signal(signal.SIGTERM, _raise)
+
+
+def _die_with_parent() -> None:
+    """Linux: deliver SIGKILL to this rank if the launching process dies, even by SIGKILL (no orphans)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux/glibc: the parent's SIGTERM handler still cleans up
+        pass
+
+
 def _spawned_rank(rank: int, world_size: int, tmp: str, fn, kwargs: dict, opts: LaunchOptions) -> None:
+    _die_with_parent()
     os.environ.update(MOONEP_LOCAL_RANK_OF=str(world_size), MOONEP_LOOPBACK="1", MASTER_ADDR="127.0.0.1",
                       OMP_NUM_THREADS=str(opts.threads_per_rank))
     comm = None
@@ -197,7 +225,11 @@ def _failure(tmp: str, first_rank: int, exitcode: int | None) -> LaunchError:
     if first_rank not in reports[".peer"] and exitcode is not None and exitcode != 0 and first_rank >= 0:
         if exitcode < 0:
             return LaunchError(first_rank, f"killed by signal {signal.Signals(-exitcode).name}")
-        return LaunchError(first_rank, f"exited with status {exitcode} without a Python traceback")
+        return LaunchError(first_rank, f"exited with status {exitcode} before reporting an error: it failed "
+                                       f"while starting (see its stderr above). Usual causes: the script calling "
+                                       f"launch() lacks an `if __name__ == \"__main__\":` guard, or fn is not "
+                                       f"importable by name (a lambda, a closure, or defined in an interactive "
+                                       f"session)")
     if reports[".peer"]:
         rank = min(reports[".peer"])
         return LaunchError(rank, reports[".peer"][rank])

@@ -102,3 +102,56 @@ def test_stalled_peer_times_out_with_named_op(backend):
     details = info.value.details
     assert "all_gather" in details or "all_reduce" in details  # the header exchange or the reduction itself
     assert ("within its 1s timeout" in details) or ("no answer within its 1s timeout" in details), details
+
+
+def test_sigterm_to_the_launcher_leaves_no_ranks_behind(tmp_path):
+    """Killing the launching process with SIGTERM must take its spawned ranks down with it."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "hang.py"
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    script.write_text(
+        "import os, sys, time\n"
+        "from collectives import launch\n"
+        "def hang(comm, folder):\n"
+        "    open(os.path.join(folder, str(os.getpid())), 'w').close()\n"
+        "    time.sleep(120)\n"
+        "if __name__ == '__main__':\n"
+        "    launch(hang, 2, folder=sys.argv[1])\n")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.Popen([sys.executable, str(script), str(pids)], env=dict(os.environ, PYTHONPATH=root))
+    deadline = time.monotonic() + 60
+    while len(os.listdir(pids)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    ranks = [int(p) for p in os.listdir(pids)]
+    assert len(ranks) == 2, "the ranks never started"
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=30)
+    time.sleep(1.0)
+    alive = []
+    for pid in ranks:
+        try:
+            os.kill(pid, 0)
+            alive.append(pid)
+        except ProcessLookupError:
+            pass
+    assert not alive, f"ranks {alive} outlived their launcher"
+
+
+
+def test_script_without_main_guard_gets_a_hint(tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "noguard.py"
+    script.write_text("from collectives import launch\n"
+                      "def work(comm):\n"
+                      "    return comm.rank\n"
+                      "print(launch(work, 2, job_timeout=60))\n")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.run([sys.executable, str(script)], env=dict(os.environ, PYTHONPATH=root),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "__main__" in proc.stderr and "guard" in proc.stderr, proc.stderr[-2000:]
