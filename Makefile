@@ -1,4 +1,4 @@
-# make demo: the main job on local CPU ranks (no server, no download beyond packages).
+# make demo: the main job, K3 (tiny) trained on 4 local CPU ranks with MoonEP (no server, no download).
 # make test: the whole test suite. Both create .venv in the repo root when it is missing.
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
 PYTHON ?= python3
 
-.PHONY: test demo bench clean
+.PHONY: test demo roundtrip bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -25,7 +25,10 @@ $(VENV)/.dev: pyproject.toml $(VENV)/.core
 	touch $@
 
 demo: $(VENV)/.core
-	$(VENV)/bin/moonep roundtrip --world-size 4 --json out/demo.json
+	$(VENV)/bin/moonep train --preset tiny --world-size 4 --steps 300 --run-dir out/k3-tiny
+
+roundtrip: $(VENV)/.core
+	$(VENV)/bin/moonep roundtrip --world-size 4 --json out/roundtrip.json
 
 test: $(VENV)/.dev
 	TQDM_DISABLE=1 MPLBACKEND=Agg $(PY) -m pytest -q
