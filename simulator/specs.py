@@ -160,14 +160,14 @@ def _layer_kinds(spec: ModelSpec) -> tuple[tuple[str, str], ...]:
 
 # ----------------------------------------------------------------------------------------------- presets
 def k3() -> ModelSpec:
-    """Kimi K3 text model: 93 layers (69 KDA + 24 gated NoPE MLA), 896 experts top-16, LatentMoE 3584."""
-    mla = set(range(3, 92, 4)) | {92}  # 1-based 4, 8, ..., 92 and 93
-    return ModelSpec(name="k3", hidden=7168, num_layers=93, vocab=163840, num_heads=96, attention="mla",
-                     q_lora_rank=1536, kv_lora_rank=512, qk_nope_dim=128, qk_rope_dim=64, v_head_dim=128,
-                     attn_output_gate=True, kda_layers=tuple(i for i in range(93) if i not in mla),
-                     kda_heads=96, kda_head_dim=128, kda_conv=4, ffn_hidden=33792, num_experts=896, top_k=16,
-                     moe_ffn_hidden=3072, num_shared_experts=2, first_k_dense=1, moe_latent_dim=3584,
-                     router_bias=True, attn_res=True, seq_len=8192)
+    """Kimi K3 text model: 93 layers (69 KDA + 24 gated NoPE MLA), 896 experts top-16, LatentMoE 3584.
+
+    Built from ``k3.K3Config.preset("full")``, the one place the released config lives (k3.config is pure
+    Python: no torch), through the same adapter any K3Config-like object takes.
+    """
+    from k3.config import K3Config
+
+    return from_config_object(K3Config.preset("full"), name="k3")
 
 
 def kimi_k2() -> ModelSpec:
