@@ -7,6 +7,8 @@ Axes as in moonep.buffer: s tokens, H hidden, K top-k, E experts, R ranks, epn =
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from .experts import swiglu_backward, swiglu_forward
@@ -46,8 +48,27 @@ class _LocalExperts(torch.autograd.Function):
         return dx, dw13.to(w13.dtype), dw2.to(w2.dtype), None
 
 
-def classic_moe(comm, x, topk_idx, topk_weights, w13, w2, E: int, stats: dict | None = None):
-    """x [s, H], topk_idx [s, K] (no -1), topk_weights [s, K], w13 [epn, H, 2F], w2 [epn, F, H] -> [s, H]."""
+@dataclass
+class ClassicRoute:
+    """What the classic combine needs to undo the dispatch (host-side splits: the count exchange synced)."""
+
+    tok: torch.Tensor
+    """[s*K] source token of each sent row (slots in expert order)."""
+    by_expert: torch.Tensor
+    """[n] received rows sorted by local expert (n = rows received)."""
+    in_splits: list[int]
+    """Rows sent to each rank."""
+    out_splits: list[int]
+    """Rows received from each rank."""
+    token_bytes: int
+    """Bytes of token rows this rank sent."""
+
+
+def classic_dispatch(comm, x, topk_idx, topk_weights, E: int):
+    """Permute, exchange counts, all-to-all, sort by local expert.
+
+    x [s, H], topk_idx [s, K] (no -1), topk_weights [s, K] -> (rows [n, H], weights [n], cu [epn], route).
+    """
     R, K = comm.world_size, topk_idx.shape[1]
     epn = E // R
     flat = topk_idx.reshape(-1)
@@ -67,11 +88,27 @@ def classic_moe(comm, x, topk_idx, topk_weights, w13, w2, E: int, stats: dict | 
     local_e = torch.repeat_interleave(torch.arange(epn).repeat(R), got.reshape(-1))
     by_expert = torch.argsort(local_e, stable=True)
     cu = torch.cumsum(torch.bincount(local_e, minlength=epn), 0)
-    y = _LocalExperts.apply(recv.index_select(0, by_expert), w13, w2, cu)
-    z = y * recv_w.index_select(0, by_expert)[:, None]
-    unsorted = torch.zeros_like(z).index_add(0, by_expert, z)  # reverse the local sort
-    back = _AllToAll.apply(comm, unsorted, in_splits, out_splits)
+    route = ClassicRoute(tok, by_expert, in_splits, out_splits, int(rows.numel() * rows.element_size()))
+    return recv.index_select(0, by_expert), recv_w.index_select(0, by_expert), cu, route
+
+
+def classic_experts(rows, weights, cu, w13, w2):
+    """Weighted SwiGLU over the epn local experts: rows [n, H], weights [n], cu [epn] -> [n, H]."""
+    return _LocalExperts.apply(rows, w13, w2, cu) * weights[:, None]
+
+
+def classic_combine(comm, z, route: ClassicRoute, x):
+    """Reverse the local sort, all-to-all back, sum each token's K copies: z [n, H] -> [s, H] (like x)."""
+    unsorted = torch.zeros_like(z).index_add(0, route.by_expert, z)
+    back = _AllToAll.apply(comm, unsorted, route.in_splits, route.out_splits)
+    return torch.zeros_like(x).index_add(0, route.tok, back)
+
+
+def classic_moe(comm, x, topk_idx, topk_weights, w13, w2, E: int, stats: dict | None = None):
+    """x [s, H], topk_idx [s, K] (no -1), topk_weights [s, K], w13 [epn, H, 2F], w2 [epn, F, H] -> [s, H]."""
+    rows, weights, cu, route = classic_dispatch(comm, x, topk_idx, topk_weights, E)
+    out = classic_combine(comm, classic_experts(rows, weights, cu, w13, w2), route, x)
     if stats is not None:
-        stats["rows"] = int(recv.shape[0])
-        stats["token_bytes"] = int(rows.numel() * rows.element_size())
-    return torch.zeros_like(x).index_add(0, tok, back)
+        stats["rows"] = int(rows.shape[0])
+        stats["token_bytes"] = route.token_bytes
+    return out

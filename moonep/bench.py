@@ -3,9 +3,12 @@
 Routing with a target maxvio (= max_e T_e / mean - 1): every token's first slot goes to expert 0 with
 probability p = (1 + maxvio) K / E, the other slots to distinct uniformly drawn experts (seeded per rank).
 Both layers get the same tokens, routing, routing weights and expert weights and run the same SwiGLU GEMM code;
-times are fwd+bwd medians of the slowest rank. Peak bytes are modelled from the live tensors whose size can
-depend on the routing (receive rows and expert activations) plus static buffers; torch has no CPU allocator
-statistics to read.
+times are fwd+bwd medians of the slowest rank. Per stage (dispatch, expert compute incl. MoonEP's replica weight
+push, combine) the forward alone is timed, each stage between barriers. ``*_busy_s`` is the slowest rank's own
+thread CPU time for fwd+bwd: what the layer would take with one core per rank and free communication, the
+number to read when ranks outnumber cores (then wall time only measures the total work of all ranks).
+Peak bytes are modelled from the live tensors whose size can depend on the routing (receive rows and expert
+activations) plus static buffers; torch has no CPU allocator statistics to read.
 """
 from __future__ import annotations
 
@@ -15,7 +18,9 @@ import time
 
 import torch
 
-from .baseline import classic_moe
+from .autograd import combine, dispatch
+from .baseline import classic_combine, classic_dispatch, classic_experts, classic_moe
+from .experts import GroupedExperts
 from .moe import MoE
 
 
@@ -30,15 +35,53 @@ def make_routing(rank: int, s: int, K: int, E: int, maxvio: float, seed: int = 1
     return idx, torch.rand(s, K, generator=g) + 0.5
 
 
-def _median_time(comm, fn, iters: int) -> float:
-    times = []
+def _median_time(comm, fn, iters: int) -> tuple[float, float]:
+    """(wall, busy) medians over ``iters`` calls of ``fn``; each is the max over ranks."""
+    walls, busys = [], []
     for _ in range(iters):
         comm.barrier()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         fn()
-        dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-        times.append(float(comm.all_reduce(dt, "max")))
-    return statistics.median(times)
+        dt = torch.tensor([time.perf_counter() - t0, time.thread_time() - c0], dtype=torch.float64)
+        wall, busy = comm.all_reduce(dt, "max").tolist()
+        walls.append(wall)
+        busys.append(busy)
+    return statistics.median(walls), statistics.median(busys)
+
+
+def _stage_times(comm, stages, iters: int) -> list[float]:
+    """Forward stage by stage: ``stages`` are callables, each taking the previous one's result (the first
+    takes None). Returns per stage the median over iters of the slowest rank's wall seconds."""
+    per = [[] for _ in stages]
+    with torch.no_grad():
+        for _ in range(iters):
+            out = None
+            for k, stage in enumerate(stages):
+                comm.barrier()
+                t0 = time.perf_counter()
+                out = stage(out)
+                per[k].append(time.perf_counter() - t0)
+    got = comm.all_reduce(torch.tensor([statistics.median(p) for p in per], dtype=torch.float64), "max")
+    return got.tolist()
+
+
+def _our_stages(moe, x, idx, w):
+    def disp(_):
+        return dispatch(moe.buffer, x, w, idx)
+
+    def experts(d):
+        recv, recv_w, _, plan = d
+        return plan, GroupedExperts.apply(moe.buffer, plan, moe._key, recv, recv_w, moe.w13, moe.w2)
+
+    return [disp, experts, lambda e: combine(moe.buffer, e[0], e[1])]
+
+
+def _classic_stages(comm, moe, x, idx, w, E):
+    def experts(d):
+        rows, weights, cu, route = d
+        return classic_experts(rows, weights, cu, moe.w13, moe.w2), route
+
+    return [lambda _: classic_dispatch(comm, x, idx, w, E), experts, lambda e: classic_combine(comm, e[0], e[1], x)]
 
 
 def bench_rank(comm, maxvios: list[float], S: int, H: int, F: int, E: int, K: int, iters: int) -> dict:
@@ -64,7 +107,9 @@ def bench_rank(comm, maxvios: list[float], S: int, H: int, F: int, E: int, K: in
             classic_moe(comm, x, idx, w.clone().requires_grad_(), moe.w13, moe.w2, E, stats).sum().backward()
 
         ours(), base()  # warm-up (and fills stats / last_plan)
-        t_ours, t_base = _median_time(comm, ours, iters), _median_time(comm, base, iters)
+        (t_ours, busy_ours), (t_base, busy_base) = _median_time(comm, ours, iters), _median_time(comm, base, iters)
+        st_ours = _stage_times(comm, _our_stages(moe, x, idx, w), iters)
+        st_base = _stage_times(comm, _classic_stages(comm, moe, x, idx, w, E), iters)
         plan = moe.last_plan
         act = lambda rows: rows * (H + 2 * F + 2 * H) * 4  # noqa: E731 recv, a13, y, z (fp32)
         rows = comm.all_reduce(torch.tensor([stats["rows"]]), "max")
@@ -72,7 +117,10 @@ def bench_rank(comm, maxvios: list[float], S: int, H: int, F: int, E: int, K: in
         results.append({
             "maxvio": v, "maxvio_measured": round(measured, 4), "cap": int(plan.plan.caps.max()),
             "ours_max_rows": int(plan.plan.caps.max()), "baseline_max_rows": int(rows),
-            "ours_layer_s": t_ours, "baseline_layer_s": t_base,
+            "ours_layer_s": t_ours, "baseline_layer_s": t_base, "ours_busy_s": busy_ours,
+            "baseline_busy_s": busy_base,
+            **{f"{who}_{stage}_s": t for who, ts in (("ours", st_ours), ("baseline", st_base))
+               for stage, t in zip(("dispatch", "expert", "combine"), ts)},
             "ours_peak_bytes": moe.buffer.nbytes + act(plan.nvs) + 2 * 2 * epn * weights_per_copy,
             "baseline_peak_bytes": act(int(rows)) + 2 * stats["token_bytes"],
             "ours_replicas": plan.plan.num_replicas,
@@ -91,6 +139,9 @@ def run(world_size: int, maxvios: list[float], *, quick: bool = False, backend: 
         dict(S=1024, H=256, F=256, E=8 * world_size, K=2, iters=5)
     report = launch(bench_rank, world_size, backend=backend, timeout=300, job_timeout=3600, maxvios=maxvios,
                     **shape)
+    for e in report["results"]:
+        e["ratio"] = e["ours_layer_s"] / e["baseline_layer_s"]
+        e["busy_ratio"] = e["ours_busy_s"] / e["baseline_busy_s"]
     cores = os.cpu_count() or 1
     report["note"] = (f"{world_size} ranks on {cores} cores: ranks outnumber cores, times are contended"
                       if world_size > cores else f"{world_size} ranks on {cores} cores")

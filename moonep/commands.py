@@ -16,21 +16,21 @@ def register(commands, bench) -> None:
 
 
 def handler(args: argparse.Namespace) -> int:
-    import json
-
     from . import bench
+    from .cli import write_json
 
     maxvios = [float(v) for v in args.maxvio.split(",") if v.strip()]
     report = bench.run(args.world_size, maxvios, quick=args.quick, backend=args.backend)
     print(report["note"])
-    print(f"{'maxvio':>6} {'cap':>6} {'ours rows':>9} {'base rows':>9} {'ours ms':>8} {'base ms':>8} {'ratio':>6}")
+    print(f"{'maxvio':>6} {'cap':>6} {'ours rows':>9} {'base rows':>9} {'ours ms':>8} {'base ms':>8} {'ratio':>6} "
+          f"{'busy ratio':>10}  fwd stages ms (dispatch/expert/combine) ours | base")
     for e in report["results"]:
+        stages = lambda who: "/".join(f"{e[f'{who}_{s}_s'] * 1e3:.1f}" for s in ("dispatch", "expert", "combine"))  # noqa: E731
         print(f"{e['maxvio']:>6g} {e['cap']:>6} {e['ours_max_rows']:>9} {e['baseline_max_rows']:>9} "
-              f"{e['ours_layer_s'] * 1e3:>8.2f} {e['baseline_layer_s'] * 1e3:>8.2f} "
-              f"{e['ours_layer_s'] / e['baseline_layer_s']:>6.2f}")
+              f"{e['ours_layer_s'] * 1e3:>8.2f} {e['baseline_layer_s'] * 1e3:>8.2f} {e['ratio']:>6.2f} "
+              f"{e['busy_ratio']:>10.2f}  {stages('ours')} | {stages('baseline')}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
+        write_json(args.json, report)
     if args.plot:
         bench.plot(report, args.plot)
     return 0

@@ -32,7 +32,8 @@ class ExpertPool:
         self.weights = torch.zeros(2 * epn, *shape, dtype=dtype, device=device)
         """[2*epn, ...] compute view: staged own experts then replica slots."""
         self.grads = torch.zeros(2 * epn, *shape, dtype=torch.float32, device=device)
-        """[2*epn, ...] fp32 grads of the compute view: own experts then replica slots."""
+        """[2*epn, ...] fp32 grads of the compute view (own experts then replica slots), overwritten by each
+        layer's backward: the replica slots are reduced home from here."""
         self.owner: object = None
         """(layer key, plan) of the last push; decides whether a backward must re-push."""
 
@@ -62,26 +63,35 @@ def segments(cu: torch.Tensor) -> list[tuple[int, int, int]]:
 
 
 def swiglu_forward(x, w13, w2, cu):
-    """Grouped SwiGLU over the [2*epn] weight view. x [n, H] -> (y [n, H], saved activations).
+    """Grouped SwiGLU over the [2*epn] weight view. x [n, H] -> (y [n, H], saved activations a13 [n, 2F]).
 
-    Rows outside the segments give 0. A loop over segments on CPU; one grouped GEMM call on GPU would do.
+    Rows past the last segment (padding) give 0. A loop over segments on CPU writing straight into the outputs
+    (no zero-fill of rows that are computed anyway); one grouped GEMM call on GPU would do.
     """
-    F = w2.shape[1]
-    y = torch.zeros(x.shape[0], w2.shape[2], dtype=x.dtype, device=x.device)
-    a13 = torch.zeros(x.shape[0], 2 * F, dtype=x.dtype, device=x.device)
+    F, n = w2.shape[1], x.shape[0]
+    y = x.new_empty(n, w2.shape[2])
+    a13 = x.new_empty(n, 2 * F)
+    end = 0
     for g, a, b in segments(cu):
-        a13[a:b] = x[a:b] @ w13[g]
-        m = Fn.silu(a13[a:b, :F]) * a13[a:b, F:]
-        y[a:b] = m @ w2[g]
+        torch.mm(x[a:b], w13[g], out=a13[a:b])
+        torch.mm(Fn.silu(a13[a:b, :F]) * a13[a:b, F:], w2[g], out=y[a:b])
+        end = b
+    y[end:].zero_()
+    a13[end:].zero_()
     return y, a13
 
 
-def swiglu_backward(x, w13, w2, cu, a13, dy):
-    """Grads of ``swiglu_forward``: (dx [n, H], dw13 [2*epn, H, 2F], dw2 [2*epn, F, H]) with dy [n, H]."""
+def swiglu_backward(x, w13, w2, cu, a13, dy, dw13=None, dw2=None):
+    """Grads of ``swiglu_forward``: (dx [n, H], dw13 [2*epn, H, 2F], dw2 [2*epn, F, H]) with dy [n, H].
+
+    ``dw13`` / ``dw2``: optional fp32 outputs to overwrite (the pools' grad views, so no large buffer is
+    allocated and zero-filled per layer); groups without rows get 0.
+    """
     F = w2.shape[1]
-    dx = torch.zeros_like(x)
-    dw13 = torch.zeros(w13.shape, dtype=torch.float32, device=x.device)
-    dw2 = torch.zeros(w2.shape, dtype=torch.float32, device=x.device)
+    dx = torch.empty_like(x)
+    dw13 = torch.empty(w13.shape, dtype=torch.float32, device=x.device) if dw13 is None else dw13
+    dw2 = torch.empty(w2.shape, dtype=torch.float32, device=x.device) if dw2 is None else dw2
+    used, end = set(), 0
     for g, a, b in segments(cu):
         gate, up = a13[a:b, :F], a13[a:b, F:]
         sg = torch.sigmoid(gate)
@@ -92,7 +102,13 @@ def swiglu_backward(x, w13, w2, cu, a13, dy):
         dgate = dm * up * (sg * (1 + gate * (1 - sg)))  # d silu(g) / dg = s(g) (1 + g (1 - s(g)))
         da13 = torch.cat((dgate, dm * act), dim=1)
         dw13[g] = (x[a:b].t() @ da13).float()
-        dx[a:b] = da13 @ w13[g].t()
+        torch.mm(da13, w13[g].t(), out=dx[a:b])
+        used.add(g)
+        end = b
+    dx[end:].zero_()
+    for g in set(range(w13.shape[0])) - used:
+        dw13[g].zero_()
+        dw2[g].zero_()
     return dx, dw13, dw2
 
 
@@ -117,10 +133,13 @@ class GroupedExperts(torch.autograd.Function):
             stage_and_push(buffer, plan, ctx.key, pools, (w13, w2))
         dw = (dz * y).sum(1).to(w.dtype)
         dy = dz * w[:, None].to(dz.dtype)
-        dx, dw13, dw2 = swiglu_backward(x, pools[0].weights, pools[1].weights, plan.cu_seqlens, a13, dy)
+        dx, dw13, dw2 = swiglu_backward(x, pools[0].weights, pools[1].weights, plan.cu_seqlens, a13, dy,
+                                        pools[0].grads, pools[1].grads)
         epn = buffer.epn
         buffer.reduce_grad(plan, [dw13[:epn], dw2[:epn]], [dw13[epn:], dw2[epn:]])
-        return None, None, None, dx, dw, dw13[:epn].to(w13.dtype), dw2[:epn].to(w2.dtype)
+        # copies: the pools' grad views are overwritten by the next layer's backward
+        return (None, None, None, dx, dw, dw13[:epn].to(w13.dtype, copy=True),
+                dw2[:epn].to(w2.dtype, copy=True))
 
 
 def naive_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor,

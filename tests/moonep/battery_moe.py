@@ -93,9 +93,37 @@ def check_moe(comm, K: int, bias_hot: float, sizes: list[int], layers: int = 1, 
     return None
 
 
+def check_classic(comm, bias_hot: float) -> str | None:
+    """The benchmark's baseline dispatcher is a second twin: forward and grads equal the dense reference."""
+    from moonep.baseline import classic_moe
+
+    R, r = comm.world_size, comm.rank
+    E, K = num_experts(R), 2
+    epn = E // R
+    router, w13, w2, _ = _layer_params(5, E, K, False, bias_hot)
+    X = torch.randn(S * R, H, generator=torch.Generator().manual_seed(7)).requires_grad_()
+    G = torch.randn(S * R, H, generator=torch.Generator().manual_seed(8))
+    W13, W2 = w13.clone().requires_grad_(), w2.clone().requires_grad_()
+    (dense_moe(X, router, W13, W2) * G).sum().backward()
+    x = X.detach()[r * S:(r + 1) * S].clone().requires_grad_()
+    my13, my2 = w13[r * epn:(r + 1) * epn].clone().requires_grad_(), w2[r * epn:(r + 1) * epn].clone().requires_grad_()
+    idx, tw = router(x)
+    y = classic_moe(comm, x, idx, tw, my13, my2, E)
+    (y * G[r * S:(r + 1) * S]).sum().backward()
+    with torch.no_grad():
+        Y = dense_moe(X, router, w13, w2)
+    problems = {"out": _rel(y.detach(), Y[r * S:(r + 1) * S]), "x.grad": _rel(x.grad, X.grad[r * S:(r + 1) * S]),
+                "w13.grad": _rel(my13.grad, W13.grad[r * epn:(r + 1) * epn]),
+                "w2.grad": _rel(my2.grad, W2.grad[r * epn:(r + 1) * epn])}
+    bad = {k: v for k, v in problems.items() if not v <= 1e-5}
+    return f"classic baseline differs from the dense reference: {bad}" if bad else None
+
+
 def moe_checks(comm) -> dict:
     R = comm.world_size
     return {
+        "classic_baseline_random": lambda: check_classic(comm, 0.0),
+        "classic_baseline_hot": lambda: check_classic(comm, 100.0),
         "moe_random": lambda: check_moe(comm, 2, 0.0, [S] * R),
         "moe_all_to_experts_0_to_K": lambda: check_moe(comm, 2, 100.0, [S] * R, tp=2),
         "moe_every_token_to_one_expert": lambda: check_moe(comm, 1, 100.0, [S] * R),

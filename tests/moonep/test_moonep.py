@@ -15,7 +15,7 @@ JOBS = [("torch", n) for n in (1, 2, 3, 4)] + [("mpi", 2), ("mpi", 3)]
 CHECKS = (["dispatch_" + k for k in ("random", "one_expert", "dup_rank", "masked", "skew", "padding", "varlen",
                                      "k1")]
           + ["prefetch_reduce"] + ["autograd_" + k for k in ("random", "masked", "one_expert")]
-          + ["moe_random", "moe_all_to_experts_0_to_K", "moe_every_token_to_one_expert", "moe_varlen_shared",
+          + ["classic_baseline_random", "classic_baseline_hot", "moe_random", "moe_all_to_experts_0_to_K", "moe_every_token_to_one_expert", "moe_varlen_shared",
              "moe_two_layers_shared_pools"]
           + ["bad_" + c for c in ("id_too_big", "id_negative", "id_float", "hidden_shape", "hidden_dtype",
                                   "hidden_device", "s_gt_S", "tpe_mismatch", "total_differs", "nan_weights",

@@ -1,0 +1,279 @@
+"""Megatron-core's token-dispatcher protocol over MoonEP's balanced dispatch and combine.
+
+    from moonep.compat.megatron import MoonEPTokenDispatcher
+    disp = MoonEPTokenDispatcher(num_local_experts, local_expert_indices, config, pg_collection)
+    x, probs = disp.dispatch_preprocess(hidden_states, routing_map, probs)   # [*, H], [s, E] bool, [s, E]
+    x, probs = disp.token_dispatch(x, probs)
+    x, tokens_per_expert, permuted_probs = disp.dispatch_postprocess(x, probs)
+    x, (w1, w2) = disp.expert_weights(x, w1_local, w2_local)               # [epn, ...] -> [2*epn, ...]
+    y = grouped_mlp(x, w1, w2, tokens_per_expert) * permuted_probs[:, None]  # the experts apply the probs
+    y = disp.combine_postprocess(disp.token_combine(disp.combine_preprocess(y)))   # shaped like hidden_states
+
+Megatron's current six stages (``MoETokenDispatcher`` since mid-2025; checked against megatron-core 0.16.1):
+``routing_map`` is a bool ``[s, E]`` mask with at most ``config.moe_router_topk`` experts per token (fewer is
+fine; none means the token gets zero output), ``probs`` ``[s, E]``. As in Megatron the *experts* multiply by
+``permuted_probs`` and combine is an unweighted sum, so gradients flow to ``hidden_states`` and to ``probs``
+(selected entries). The pre-2025 two-call API (``token_permutation`` / ``token_unpermutation``) is gone from
+megatron-core and not provided.
+
+Where the layout differs from Megatron: MoonEP balances by computing some experts on other ranks, so the
+local expert axis has ``2*epn`` groups, this rank's own experts in id order then its ``epn`` replica slots
+(the slots' experts change every step). ``tokens_per_expert`` is ``[2*epn]`` (padded segment sizes, CPU int64)
+and the grouped GEMM must run over a ``[2*epn, ...]`` weight view: ``expert_weights`` builds it (own experts,
+then the replicas pushed from their home ranks) and, in backward, sums the replicas' gradients back into the
+home experts. This is moonep.MoE's layout, not the DeepEP adapter's home-expert one (that adapter keeps DeepEP's
+unbalanced semantics; this one exists to get MoonEP's balance). Megatron's own experts modules therefore do not
+run on it unchanged; ``SequentialExperts`` wraps a ``SequentialMLP``-like module (``.local_experts``) so they do.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .. import autograd as ep
+from ..buffer import Buffer
+from ._group import as_communicator
+
+PROBLEMS = {
+    1: "hidden_states must be a tensor whose last dimension is config.hidden_size",
+    2: "routing_map must be a bool tensor of shape [num_tokens, num_experts]",
+    3: "probs must be a floating tensor of shape [num_tokens, num_experts]",
+    4: "routing_map selects more than moe_router_topk experts for a token",
+    5: "probs holds NaN or infinite values where routing_map is True",
+}
+
+
+@dataclass(frozen=True)
+class MoonEPDispatcherConfig:
+    """The fields of Megatron's ``TransformerConfig`` this dispatcher reads (either object may be passed)."""
+
+    num_moe_experts: int
+    """E: routed experts in the layer (a multiple of the EP group size)."""
+    moe_router_topk: int
+    """K: the most experts one token is routed to."""
+    hidden_size: int
+    """H: size of a token's hidden vector."""
+
+
+class MoonEPTokenDispatcher:
+    """Megatron ``MoETokenDispatcher`` (six stages) with MoonEP's exact balance; see the module docstring.
+
+    num_local_experts: epn = E / R; local_expert_indices: this rank's experts ``[r*epn, (r+1)*epn)`` (Megatron's
+    layout). config: a Megatron ``TransformerConfig`` or ``MoonEPDispatcherConfig``. pg_collection: a Megatron
+    ``ProcessGroupCollection`` (its ``ep`` group; expert TP must be 1), a torch ProcessGroup or a
+    ``collectives.Communicator``. max_tokens: S, the most tokens per call on a rank (None: the Buffer grows to
+    the largest call seen, a decision every rank takes alike). buffer: a ``moonep.Buffer`` to share between
+    layers. token_padding: grouped-GEMM tile each expert segment is padded to.
+    One micro-batch in flight per dispatcher, as in Megatron.
+    """
+
+    def __init__(self, num_local_experts: int, local_expert_indices, config, pg_collection=None, *,
+                 max_tokens: int | None = None, buffer: Buffer | None = None, token_padding: int = 1) -> None:
+        group = getattr(pg_collection, "ep", pg_collection)
+        if group is None:
+            raise ValueError("MoonEPTokenDispatcher needs pg_collection (ProcessGroupCollection, ProcessGroup "
+                             "or Communicator)")
+        tp = getattr(pg_collection, "expt_tp", None)
+        if tp is not None and tp.size() != 1:
+            raise ValueError("MoonEPTokenDispatcher needs expert tensor parallel size 1")
+        self.comm = as_communicator(group)
+        self.config = config
+        self.num_experts, self.topk = int(config.num_moe_experts), int(config.moe_router_topk)
+        self.hidden_size = int(config.hidden_size)
+        R, r = self.comm.world_size, self.comm.rank
+        if self.num_experts % R or not 1 <= self.topk <= self.num_experts:
+            raise ValueError(f"num_moe_experts={self.num_experts} must be a multiple of the EP size {R} and "
+                             f">= moe_router_topk={self.topk} >= 1")
+        self.epn = self.num_experts // R
+        want = list(range(r * self.epn, (r + 1) * self.epn))
+        if num_local_experts != self.epn or list(local_expert_indices) != want:
+            raise ValueError(f"rank {r} must own experts {want} (num_local_experts={self.epn}), got "
+                             f"{num_local_experts} experts {list(local_expert_indices)}")
+        if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
+            raise ValueError(f"max_tokens must be a positive int or None, got {max_tokens!r}")
+        self.num_local_experts, self.local_expert_indices = num_local_experts, want
+        self.max_tokens, self.token_padding, self.buffer = max_tokens, token_padding, buffer
+        self._owns_buffer = buffer is None
+        self.shared_experts = None
+        self.plan = None
+        """CommPlan of the micro-batch in flight (set by token_dispatch)."""
+
+    # ------------------------------------------------------------------------------------------ dispatch
+    def dispatch_preprocess(self, hidden_states: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor):
+        """Local: hidden_states [*, H], routing_map [s, E] bool, probs [s, E] -> (tokens [s, H], topk probs
+        [s, K] with ids -1 where a token selects fewer than K). Problems are recorded, raised by token_dispatch
+        on every rank."""
+        self._code, self._detail = 0, ""
+        self.hidden_shape = getattr(hidden_states, "shape", None)
+        try:
+            tokens = hidden_states.reshape(-1, self.hidden_size)
+        except Exception as exc:  # never raise here: the peers are about to enter a collective
+            self._code, self._detail = 1, f"H={self.hidden_size}, got shape {self.hidden_shape}: {exc}"
+            return hidden_states, probs
+        self._code, self._detail = _routing_problem(routing_map, probs, tokens.shape[0], self.num_experts,
+                                                    self.topk)
+        if self._code:
+            return tokens, probs
+        E = self.num_experts
+        ids = torch.arange(E, device=routing_map.device).expand_as(routing_map)
+        sel = torch.where(routing_map, ids, torch.full_like(ids, E)).sort(dim=1).values[:, :self.topk]
+        if sel.shape[1] < self.topk:
+            sel = nn.functional.pad(sel, (0, self.topk - sel.shape[1]), value=E)
+        valid = sel < E
+        self.topk_idx = torch.where(valid, sel, torch.full_like(sel, -1))
+        picked = probs.gather(1, sel.clamp(max=E - 1))
+        return tokens, torch.where(valid, picked, torch.zeros_like(picked))
+
+    def token_dispatch(self, hidden_states: torch.Tensor, probs: torch.Tensor):
+        """Collective: agree on the inputs (one all-gather of [code, s]), then MoonEP's balanced dispatch.
+
+        Returns (rows [nvs, H], row probs [nvs] fp32): grouped by (own expert, then replica slot), padded."""
+        mine = torch.tensor([self._code, hidden_states.shape[0] if self._code == 0 else 0], dtype=torch.int64)
+        every = torch.empty(self.comm.world_size * 2, dtype=torch.int64)
+        self.comm.all_gather(every, mine, validate=False)
+        codes, sizes = every.view(-1, 2).t().tolist()
+        _raise_agreed(self.comm.rank, codes, self._detail)
+        self._ensure_buffer(max(sizes), hidden_states.dtype)
+        rows, row_probs, cu, self.plan = ep.dispatch(self.buffer, hidden_states, probs, self.topk_idx,
+                                                     total_num_tokens=sum(sizes))
+        self.cu_seqlens, self.num_rows = cu, int(cu[-1])
+        return rows, row_probs
+
+    def dispatch_postprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor):
+        """Local: -> (tokens [n, H] grouped by the 2*epn local groups, tokens_per_expert [2*epn] int64 on CPU,
+        permuted_probs [n] fp32); n = rows up to the last segment (padding rows have zero tokens and probs)."""
+        cu = self.cu_seqlens.cpu()
+        tokens_per_expert = torch.diff(cu, prepend=cu.new_zeros(1))
+        return hidden_states[:self.num_rows], tokens_per_expert, probs[:self.num_rows]
+
+    def expert_weights(self, tokens: torch.Tensor, *local_weights: torch.Tensor):
+        """Collective: (tokens [n, H], weights [epn, ...] each) -> (tokens, tuple of [2*epn, ...] views).
+
+        Rows [0, epn) of a view are this rank's experts, rows [epn, 2*epn) this step's replica slots (weights
+        pushed from their home ranks; unused slots zero). Backward sums the slots' grads into the home experts'.
+        Use the returned tokens: they tie the replica-grad reduction to run after the experts' backward and
+        before the dispatch's, the same order on every rank."""
+        if self.plan is None:
+            raise ValueError("expert_weights needs this micro-batch's plan: call it after token_dispatch")
+        out = _SlotWeights.apply(self.buffer, self.plan, tokens, *local_weights)
+        return out[0], tuple(out[1:])
+
+    # ------------------------------------------------------------------------------------------- combine
+    def combine_preprocess(self, hidden_states: torch.Tensor):
+        """Local: expert output [n, H] -> [nvs, H] (zero rows appended; a wrong shape is refused by combine)."""
+        n, H = self.num_rows, self.buffer.H
+        if hidden_states.dim() == 2 and tuple(hidden_states.shape) == (n, H):
+            hidden_states = nn.functional.pad(hidden_states, (0, 0, 0, self.plan.nvs - n))
+        return hidden_states
+
+    def token_combine(self, hidden_states: torch.Tensor):
+        """Collective: [nvs, H] -> [s, H], the unweighted sum of each token's expert outputs."""
+        return ep.combine(self.buffer, self.plan, hidden_states)
+
+    def combine_postprocess(self, hidden_states: torch.Tensor):
+        """Local: [s, H] -> the shape of the hidden_states given to dispatch_preprocess."""
+        return hidden_states.view(self.hidden_shape)
+
+    def set_shared_experts(self, shared_experts) -> None:
+        """Megatron's shared-expert overlap hook: not provided (run the shared expert beside the layer)."""
+        raise ValueError("MoonEPTokenDispatcher does not overlap shared experts; set moe_shared_expert_overlap="
+                         "False")
+
+    def _ensure_buffer(self, s_max: int, dtype: torch.dtype) -> None:
+        """Build (or grow) an owned Buffer; every rank sees the same s_max, so they all decide alike.
+
+        A shared Buffer (``buffer=``) is never replaced: too many tokens or another dtype is refused by its
+        dispatch on every rank."""
+        b, need = self.buffer, self.max_tokens or s_max
+        if b is not None and (not self._owns_buffer or (b.dtype == dtype and b.S >= need)):
+            return
+        S = self.max_tokens or max(s_max, 1, 0 if b is None else b.S)
+        self.buffer = Buffer(self.comm, S, self.hidden_size, self.topk, self.num_experts,
+                             token_padding=self.token_padding, dtype=dtype)
+
+
+class _SlotWeights(torch.autograd.Function):
+    """(tokens, local [epn, ...]...) -> (tokens, [2*epn, ...]...): prefetch forward, reduce_grad backward."""
+
+    @staticmethod
+    def forward(ctx, buffer: Buffer, plan, tokens, *local):
+        slots = [torch.zeros_like(w) for w in local]
+        buffer.prefetch_weight(plan, [w.detach() for w in local], slots)
+        ctx.buffer, ctx.plan, ctx.dtypes = buffer, plan, [w.dtype for w in local]
+        return (tokens.view_as(tokens),) + tuple(torch.cat((w.detach(), s)) for w, s in zip(local, slots))
+
+    @staticmethod
+    def backward(ctx, grad_tokens, *grads):
+        epn = ctx.buffer.epn
+        home = [g[:epn].float().contiguous().clone() for g in grads]
+        slots = [g[epn:].float().contiguous().clone() for g in grads]
+        ctx.buffer.reduce_grad(ctx.plan, home, slots)
+        return (None, None, grad_tokens) + tuple(h.to(d) for h, d in zip(home, ctx.dtypes))
+
+
+class SequentialExperts(nn.Module):
+    """Runs a Megatron ``SequentialMLP``-like module (``.local_experts``: epn identical expert modules called
+    as ``expert(tokens, probs) -> (out, bias)``) on the dispatcher's ``[2*epn]`` layout.
+
+    forward(tokens [n, H], tokens_per_expert [2*epn], permuted_probs [n]) -> (out [n, H], None), like
+    SequentialMLP; replica groups run the expert template with the replica's weights (torch.func)."""
+
+    def __init__(self, experts: nn.Module, dispatcher: MoonEPTokenDispatcher) -> None:
+        super().__init__()
+        self.experts, self.dispatcher = experts, dispatcher
+        if len(experts.local_experts) != dispatcher.epn:
+            raise ValueError(f"experts has {len(experts.local_experts)} local experts, the dispatcher {dispatcher.epn}")
+
+    def forward(self, tokens: torch.Tensor, tokens_per_expert: torch.Tensor, permuted_probs: torch.Tensor):
+        if getattr(getattr(self.experts, "config", None), "moe_apply_probs_on_input", False):  # as SequentialMLP does
+            tokens, permuted_probs = tokens * permuted_probs[:, None].to(tokens.dtype), torch.ones_like(permuted_probs)
+        local = self.experts.local_experts
+        names = [n for n, _ in local[0].named_parameters()]
+        stacked = [torch.stack([dict(e.named_parameters())[n] for e in local]) for n in names]
+        tokens, views = self.dispatcher.expert_weights(tokens, *stacked)
+        sizes = tokens_per_expert.tolist()
+        outs = []
+        for g, (x, p) in enumerate(zip(torch.split(tokens, sizes), torch.split(permuted_probs, sizes))):
+            params = {n: v[g] for n, v in zip(names, views)}
+            out, bias = torch.func.functional_call(local[0], params, (x, p.to(x.dtype)))
+            outs.append(out if bias is None else out + bias)
+        return torch.cat(outs), None
+
+
+def _routing_problem(routing_map, probs, s: int, E: int, K: int) -> tuple[int, str]:
+    """(code, detail) for routing_map / probs; code 0 = fine. Never raises."""
+    try:
+        if not isinstance(routing_map, torch.Tensor) or routing_map.dtype != torch.bool or \
+                tuple(routing_map.shape) != (s, E):
+            got = (routing_map.dtype, list(routing_map.shape)) if isinstance(routing_map, torch.Tensor) else \
+                type(routing_map).__name__
+            return 2, f"want [{s}, {E}] torch.bool, got {got}"
+        if not isinstance(probs, torch.Tensor) or not probs.dtype.is_floating_point or tuple(probs.shape) != (s, E):
+            got = (probs.dtype, list(probs.shape)) if isinstance(probs, torch.Tensor) else type(probs).__name__
+            return 3, f"want [{s}, {E}] floating, got {got}"
+        per_token = routing_map.sum(1)
+        if s and int(per_token.max()) > K:
+            return 4, f"moe_router_topk={K}, token {int(per_token.argmax())} selects {int(per_token.max())}"
+        if not bool(torch.isfinite(probs.detach()[routing_map]).all()):
+            bad = int((~torch.isfinite(probs.detach()) & routing_map).any(1).nonzero()[0])
+            return 5, f"first at token {bad}"
+        return 0, ""
+    except Exception as exc:
+        return 3, f"could not inspect routing_map/probs: {type(exc).__name__}: {exc}"
+
+
+def _raise_agreed(rank: int, codes: list[int], detail: str) -> None:
+    """The same ValueError on every rank when any rank's inputs were bad (the failing rank adds its detail)."""
+    bad = [r for r, c in enumerate(codes) if c]
+    if not bad:
+        return
+    first = bad[0]
+    msg = f"MoonEPTokenDispatcher: rank {first}: {PROBLEMS[codes[first]]}"
+    if first == rank and detail:
+        msg += f" ({detail})"
+    raise ValueError(msg + (f" (also ranks {bad[1:]})" if len(bad) > 1 else ""))
+
+
+__all__ = ["MoonEPDispatcherConfig", "MoonEPTokenDispatcher", "SequentialExperts"]
