@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _topology
-from ._jit import HAS_NUMBA, njit
+from . import _jit, _topology
+from ._jit import HAS_NUMBA, njit, refresh_cache
 
 __all__ = ["HAS_NUMBA", "plan_arrays"]
 
@@ -94,40 +94,71 @@ def _sticky_pairs(bal, caps, prev_donor, donor, gift, err):
 
 
 @njit(cache=True)
-def _pairing(bal, caps, node, num_nodes, donor, gift, err):
-    """Stage B, passes (3)-(4). bal [R] (sums to 0) -> donor [R] (-1 = none), gift [R], updated in place.
+def _local_pass(bal, caps, node, n, donor, gift, err):
+    """Stage B, pass (3) for node n: its largest donor fills its smallest receiver, so the node's donors retire
+    as many of its receivers as they can and few deficits are left to feed across nodes. Lowest index on ties.
+    False (and err) on an infeasible step."""
+    R = bal.shape[0]
+    while True:
+        h = -1
+        u = -1
+        for r in range(R):
+            if node[r] != n:
+                continue
+            if bal[r] > 0 and (h < 0 or bal[r] > bal[h]):
+                h = r
+            if bal[r] < 0 and (u < 0 or bal[r] > bal[u]):
+                u = r
+        if h < 0 or u < 0:
+            return True
+        if not _pair(h, u, bal, caps, donor, gift, err):
+            return False
 
-    Every pass uses one step rule (the donor fills the receiver completely), so the balance proof holds for
-    each. Passes (1) sticky and (2) topology cross-node run before (``_sticky_pairs``, ``_topology``);
-    (3) pairs inside each node, largest donor with smallest receiver; (4) global: largest deficit first,
-    filled by the largest donor (topology-aware: the largest donor on the receiver's node, if any). Lowest
-    index on ties.
+
+@njit(cache=True)
+def _global_pass(bal, caps, node, num_nodes, state, donor, gift, err):
+    """Stage B, pass (5): the largest deficit first, filled by the largest donor (lowest index on ties).
+
+    Topology-aware plans prefer the largest donor on the receiver's own node (a donor that over-gave may have
+    a neighbour that can fill it); with no donor left there, ``_topology.cross_fill`` picks the donor whose
+    experts the receiver's node feeds best and hands them over at once.
     """
     R = bal.shape[0]
-    for n in range(num_nodes + 1):  # n == num_nodes is the global pass, run last
-        while True:
-            h = -1
-            u = -1
+    while True:
+        h = -1
+        u = -1
+        for r in range(R):
+            if bal[r] > 0 and (h < 0 or bal[r] > bal[h]):
+                h = r
+            if bal[r] < 0 and (u < 0 or bal[r] < bal[u]):
+                u = r
+        if h < 0 or u < 0:
+            return
+        if num_nodes > 0:
             for r in range(R):
-                if n < num_nodes and node[r] != n:
-                    continue
-                if bal[r] > 0 and (h < 0 or bal[r] > bal[h]):
+                if node[r] == node[u] and bal[r] > 0 and (node[h] != node[u] or bal[r] > bal[h]):
                     h = r
-                if bal[r] < 0:
-                    if u < 0:
-                        u = r
-                    elif n == num_nodes and bal[r] < bal[u]:  # global: largest deficit first
-                        u = r
-                    elif n < num_nodes and bal[r] > bal[u]:  # in a node: smallest deficit first, so the
-                        u = r  # node's donors retire many receivers and few are left to feed across nodes
-            if h < 0 or u < 0:
-                break
-            if n == num_nodes and num_nodes > 0:  # a donor that over-gave may have a neighbour that can fill it
-                for r in range(R):
-                    if node[r] == node[u] and bal[r] > 0 and (node[h] != node[u] or bal[r] > bal[h]):
-                        h = r
-            if not _pair(h, u, bal, caps, donor, gift, err):
-                return
+        if num_nodes > 1 and node[h] != node[u] and _topology.cross_fill(u, bal, caps, state, donor, gift):
+            continue
+        if not _pair(h, u, bal, caps, donor, gift, err):
+            return
+
+
+@njit(cache=True)
+def _pairing(bal, caps, node, num_nodes, state, donor, gift, err):
+    """Stage B, passes (3)-(5). bal [R] (sums to 0) -> donor [R] (-1 = none), gift [R], updated in place.
+
+    Every pass uses the proof's step (a donor holding enough own rows fills the receiver completely), so the
+    balance proof holds for each. Passes (1) sticky and (2) topology cross-node run before (``_sticky_pairs``,
+    ``_topology.cross_pass``); (3) pairs inside each node; (4) topology: ``_topology.concentrate`` gathers
+    each node's leftover deficits on few ranks; (5) the global pass. state: ``_topology.cross_state``.
+    """
+    for n in range(num_nodes):
+        if not _local_pass(bal, caps, node, n, donor, gift, err):
+            return
+    if num_nodes > 1:
+        _topology.concentrate(bal, caps, node, num_nodes, donor, gift)
+    _global_pass(bal, caps, node, num_nodes, state, donor, gift, err)
 
 
 @njit(cache=True)
@@ -234,6 +265,20 @@ def _layout(alloc, epn, slots, tp, donor, prev_copy, err):
 
 
 @njit(cache=True)
+def _emit(e, s, d, t, a, b, flows, n, send):
+    """Flow n = (e, s, d, t): t rows of expert e from source s to destination d, taken off the remaining source
+    rows a [R] and destination rows b [R] and added to send [R, R]. Returns n + 1."""
+    flows[n, 0] = e
+    flows[n, 1] = s
+    flows[n, 2] = d
+    flows[n, 3] = t
+    send[s, d] += t
+    a[s] -= t
+    b[d] -= t
+    return n + 1
+
+
+@njit(cache=True)
 def _match(a, b, node, which, e, flows, n, send):
     """North-west-corner matching of remaining source rows a [R] with destination rows b [R] of expert e.
 
@@ -250,15 +295,7 @@ def _match(a, b, node, which, e, flows, n, send):
             d += 1
         if s >= R or d >= R:
             return n
-        t = min(a[s], b[d])
-        flows[n, 0] = e
-        flows[n, 1] = s
-        flows[n, 2] = d
-        flows[n, 3] = t
-        n += 1
-        send[s, d] += t
-        a[s] -= t
-        b[d] -= t
+        n = _emit(e, s, d, min(a[s], b[d]), a, b, flows, n, send)
 
 
 @njit(cache=True)
@@ -303,14 +340,7 @@ def _flows(T, alloc, cnt, epn, send, node, num_nodes):
             for r in range(R):
                 t = min(a[r], b[r])
                 if t > 0:
-                    flows[n, 0] = e
-                    flows[n, 1] = r
-                    flows[n, 2] = r
-                    flows[n, 3] = t
-                    n += 1
-                    send[r, r] += t
-                    a[r] -= t
-                    b[r] -= t
+                    n = _emit(e, r, r, t, a, b, flows, n, send)
         for which in range(num_nodes):
             n = _match(a, b, node, which, e, flows, n, send)
         n = _match(a, b, node, -1, e, flows, n, send)
@@ -376,14 +406,18 @@ def plan_arrays(T, keep, alloc, send, caps_in, slots, tp, prev_donor, prev_copy,
         alloc[e, e // epn] = cnt[e]
     if prev_donor.shape[0] == R:
         _sticky_pairs(bal, caps, prev_donor, donor, gift, err)
+    state = _topology.cross_state(T, alloc, epn, node, num_nodes if num_nodes > 1 else 0, weight_rows)
     if num_nodes > 1 and err[0] == OK:
-        cross = _topology.cross_state(T, alloc, epn, node, num_nodes, weight_rows)
-        _topology.cross_pass(bal, caps, cross, donor, gift)
+        _topology.cross_pass(bal, caps, state, donor, gift)
     if err[0] == OK:
-        _pairing(bal, caps, node, num_nodes, donor, gift, err)
+        _pairing(bal, caps, node, num_nodes, state, donor, gift, err)
     if err[0] != OK:
         return T, caps, alloc, donor, copy, cu, send, flows, err
     _split(cnt, epn, donor, gift, prev_copy, alloc)
     copy, cu = _layout(alloc, epn, slots, tp, donor, prev_copy, err)
     flows = _flows(T, alloc, cnt, epn, send, node, num_nodes)
     return T, caps, alloc, donor, copy, cu, send, flows, err
+
+
+# plan_arrays and _pairing contain _topology's compiled code, but numba's cache only watches this file
+refresh_cache(globals(), [__file__, _topology.__file__, _jit.__file__], "_kernel.sources.sha256")

@@ -1,4 +1,5 @@
-"""Topology-aware pass of stage B (compiled with numba): cross-node pairs that pay for their weight copy.
+"""Topology-aware passes of stage B (compiled with numba): cross-node pairs that pay for their weight copy,
+few cross-node receivers, and the donor whose experts the receiver's node feeds best.
 
 A 2-level topology (nodes of ranks) makes a routed row cheap inside a node and expensive across nodes, and a
 replica on another node costs one expert's weights (``weight_rows`` routed rows' worth of bytes, 3*H' for a
@@ -6,12 +7,15 @@ bf16 gate/up/down FFN). Given where an expert is computed, the fewest routed row
 ``cross(e) = sum_n max(0, alloc_n(e) - src_n(e))`` (``src_n``: its slots held by node n's ranks; stage E's
 node-first matching reaches this). So a replica of a hot expert on a node that holds many of its slots feeds
 them locally: worth it when the gift is larger than the weight copy (many tokens per rank), never when it is
-not (few tokens per rank, where the node-local passes keep weights inside nodes).
+not (few tokens per rank, where what counts is how few replicas cross nodes).
 
-This pass runs after the sticky pass and before the node-local passes. Each step is the ordinary step of the
-proof (a donor with positive balance fills a receiver with negative balance completely), so exact balance
-holds unchanged; the donor's experts are handed over at once (the split of stage C for that pair), and the
-receiver's gift is set to 0 so that stage C does not hand them over again.
+Passes, in the order ``_kernel._pairing`` runs them: ``cross_pass`` after the sticky pass (pairs with a
+positive gain); the node-local pairs (``_kernel``); ``concentrate`` (a node's leftover deficit on few ranks,
+so few receivers need a donor from another node); the global pass, whose cross-node pairs ``cross_fill``
+gives to the donor with the best gain. Every step fills its receiver completely from one donor that holds
+enough own rows, the step of the proof in ``planner/README.md``, so exact balance holds unchanged. A
+cross-node pair's experts are handed over at once (the split of stage C for that pair) and the receiver's
+gift is set to 0 so that stage C does not hand them over again.
 """
 from __future__ import annotations
 
@@ -46,6 +50,23 @@ def _saved(a_h, s_h, a_u, s_u, t):
     before = max(0, a_h - s_h) + max(0, a_u - s_u)
     after = max(0, a_h - t - s_h) + max(0, a_u + t - s_u)
     return before - after
+
+
+@njit(cache=True)
+def gain_bound(h, u, q, state):
+    """Upper bound on ``hand_over(h, u, q, state, False)`` in O(epn), to skip donors that cannot win.
+
+    Moving t slots of e to node U saves at most min(t, max(0, src_U(e) - on_U(e))) inter-node rows (the rows
+    U routes to e that are still computed elsewhere), and at least one expert is copied.
+    """
+    epn, node, src, on_node, alloc, weight_rows, used = state
+    nu = node[u]
+    local = 0
+    for j in range(epn):
+        e = h * epn + j
+        if alloc[e, h] > 0:
+            local += min(alloc[e, h], max(0, src[nu, e] - on_node[nu, e]))
+    return min(q, local) - weight_rows
 
 
 @njit(cache=True)
@@ -94,6 +115,16 @@ def hand_over(h, u, q, state, take):
 
 
 @njit(cache=True)
+def _take(h, u, bal, state, donor, gift):
+    """Record the cross-node pair (h, u) and hand h's experts over at once (gift 0: stage C skips u)."""
+    hand_over(h, u, -bal[u], state, True)
+    donor[u] = h
+    gift[u] = 0
+    bal[h] += bal[u]
+    bal[u] = 0
+
+
+@njit(cache=True)
 def cross_pass(bal, caps, state, donor, gift):
     """Stage B, topology pass: while some cross-node (donor, receiver) pair has a positive gain, take the best.
 
@@ -113,13 +144,86 @@ def cross_pass(bal, caps, state, donor, gift):
             for h in range(R):
                 if bal[h] <= 0 or node[h] == node[u] or caps[h] + bal[h] < -bal[u]:
                     continue
+                if gain_bound(h, u, -bal[u], state) <= best:  # cannot beat the best pair so far
+                    continue
                 g = hand_over(h, u, -bal[u], state, False)
                 if g > best:
                     best, best_h, best_u = g, h, u
         if best_h < 0:
             return
-        hand_over(best_h, best_u, -bal[best_u], state, True)
-        donor[best_u] = best_h
-        gift[best_u] = 0
-        bal[best_h] += bal[best_u]
-        bal[best_u] = 0
+        _take(best_h, best_u, bal, state, donor, gift)
+
+
+@njit(cache=True)
+def concentrate(bal, caps, node, num_nodes, donor, gift):
+    """Stage B, pass (4): gather each node's leftover deficits on few ranks (first-fit decreasing).
+
+    After the node-local pairs a node holds only deficits or only surpluses. Each deficit rank left would need
+    its own donor from another node (at least one replica crossing nodes each), so the node's ranks fill each
+    other first: taking deficits largest first, a rank joins the first collector that still holds enough own
+    rows to fill it (caps[c] + bal[c] >= -bal[u], checked: the proof's step with a donor whose balance is
+    negative), else opens a collector. A collector gives its own rows inside the node and takes its gathered
+    deficit (<= caps) from one donor later, so cross-node receivers drop from the deficit ranks to about
+    deficit / caps. Ties: lowest rank. O(R * collectors).
+    """
+    R = bal.shape[0]
+    items = np.empty(R, np.int64)
+    bins = np.empty(R, np.int64)
+    for n in range(num_nodes):
+        m = 0
+        for r in range(R):
+            if node[r] == n and bal[r] < 0:
+                items[m] = r
+                m += 1
+        order = np.argsort(bal[items[:m]], kind="mergesort")  # largest deficit first; stable: lowest rank
+        nb = 0
+        for i in range(m):
+            u = items[order[i]]
+            k = 0
+            while k < nb and caps[bins[k]] + bal[bins[k]] < -bal[u]:
+                k += 1
+            if k == nb:
+                bins[nb] = u
+                nb += 1
+                continue
+            c = bins[k]
+            donor[u] = c
+            gift[u] = -bal[u]
+            bal[c] += bal[u]
+            bal[u] = 0
+
+
+@njit(cache=True)
+def cross_fill(u, bal, caps, state, donor, gift):
+    """Global pass, receiver u with no donor left on its node: the positive donor whose hand-over gains most.
+
+    Gain as in ``hand_over`` (rows the receiver's node then feeds locally, less ``weight_rows`` per expert
+    copied), so a collector takes a hot expert that its node routes to, in as few copies as possible. Ties:
+    larger balance, then lowest rank. Only donors holding -bal[u] own rows qualify; False when there is none
+    (the caller's ordinary step then reports the infeasible pair). Donors are tried by decreasing
+    ``gain_bound`` and the rest skipped once no bound can beat the best gain (same choice, fewer hand-overs).
+    """
+    R = bal.shape[0]
+    q = -bal[u]
+    bound = np.full(R, -(1 << 62))  # ineligible donors: below any gain (negation stays in range)
+    for h in range(R):
+        if bal[h] > 0 and caps[h] + bal[h] >= q:
+            bound[h] = gain_bound(h, u, q, state)
+    order = np.argsort(-bound, kind="mergesort")
+    best = -1
+    best_gain = 0
+    for i in range(R):
+        h = order[i]
+        if bal[h] <= 0 or caps[h] + bal[h] < q:
+            continue
+        if best >= 0 and bound[h] < best_gain:
+            break  # bounds only decrease from here
+        g = hand_over(h, u, q, state, False)
+        if best < 0 or g > best_gain or (g == best_gain and bal[h] > bal[best]) or (
+                g == best_gain and bal[h] == bal[best] and h < best):
+            best = h
+            best_gain = g
+    if best < 0:
+        return False
+    _take(best, u, bal, state, donor, gift)
+    return True

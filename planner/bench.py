@@ -16,7 +16,7 @@ import numpy as np
 from . import _kernel
 from .core import plan
 from .eplb import gpu_loads, rebalance_experts
-from .metrics import EXPERT_BYTES, ROW_BYTES, balance, internode, new_copies
+from .metrics import EXPERT_BYTES, ROW_BYTES, balance, internode, internode_bound, new_copies
 from .synthetic import drifting_trace, zipf_counts
 from .verify import verify
 
@@ -82,14 +82,16 @@ def sticky_section(quick: bool, seed: int) -> dict:
             "balance": worst_balance}
 
 
-def topology_section(quick: bool, seed: int) -> list[dict]:
-    """Inter-node routed rows and replica weights: plain plan vs topology-aware plan, skewed zipf loads."""
+def topology_section(quick: bool, seed: int, timed: bool = True) -> list[dict]:
+    """Inter-node routed rows and replica weights: plain plan vs topology-aware plan, skewed zipf loads.
+
+    timed=False skips the latencies (``plan_us_*`` = None) for callers that only want the ratios."""
     rows = []
     grid = ((16, 8, 256),) if quick else ((16, 8, 256), (32, 8, 256), (64, 8, 256), (16, 8, 4096), (32, 8, 4096),
                                           (64, 8, 4096))
     for R, rpn, S in grid:
         node = np.arange(R) // rpn
-        acc = np.zeros(4, np.int64)
+        acc = np.zeros(5, np.int64)
         worst = 1.0
         for s in range(2 if quick else 4):
             T = zipf_counts(R, 8 * R, 8, S, 1.2, seed + s)
@@ -97,15 +99,24 @@ def topology_section(quick: bool, seed: int) -> list[dict]:
             verify(q, T, routes=False)
             worst = max(worst, balance(q))
             a, b = internode(p, node), internode(q, node)
-            acc += [a["routed_rows"], b["routed_rows"], a["weight_copies"], b["weight_copies"]]
+            acc += [a["routed_rows"], b["routed_rows"], a["weight_copies"], b["weight_copies"],
+                    internode_bound(T, node, weight_rows=EXPERT_BYTES // ROW_BYTES)]
         bytes_plain = int(acc[0]) * ROW_BYTES + int(acc[2]) * EXPERT_BYTES
         bytes_topo = int(acc[1]) * ROW_BYTES + int(acc[3]) * EXPERT_BYTES
+        plain_us = topo_us = None
+        if timed:  # latency on the last load: what the topology passes add
+            budget = 0.05 if quick else 0.3
+            plain_us = round(median_us(lambda T=T: plan(T), budget)[0], 1)
+            topo_us = round(median_us(lambda T=T, rpn=rpn: plan(T, topology=rpn), budget)[0], 1)
         rows.append({"R": R, "nodes": R // rpn, "E": 8 * R, "K": 8, "S": S, "skew": 1.2,
                      "routed_rows_plain": int(acc[0]), "routed_rows_topology": int(acc[1]),
                      "weight_copies_plain": int(acc[2]), "weight_copies_topology": int(acc[3]),
                      "routed_ratio": round(acc[1] / max(acc[0], 1), 4),
                      "weight_ratio": round(acc[3] / max(acc[2], 1), 4),
-                     "bytes_ratio": round(bytes_topo / max(bytes_plain, 1), 4), "balance": worst})
+                     "bytes_ratio": round(bytes_topo / max(bytes_plain, 1), 4),
+                     "bytes_ratio_bound": round(int(acc[4]) * ROW_BYTES / max(bytes_plain, 1), 4),
+                     "plan_us_plain": plain_us, "plan_us_topology": topo_us,
+                     "balance": worst})
     return rows
 
 
@@ -143,5 +154,6 @@ def format_report(result: dict) -> str:
     for t in result["topology"]:
         lines.append(f"topology (R={t['R']}, {t['nodes']} nodes, S={t['S']}): inter-node routed rows x"
                      f"{t['routed_ratio']:.3f}, weight copies x{t['weight_ratio']:.3f}, bytes x"
-                     f"{t['bytes_ratio']:.3f} (goal <= 0.7), balance {t['balance']:.4f}")
+                     f"{t['bytes_ratio']:.3f} (goal <= 0.7; no plan below x{t['bytes_ratio_bound']:.3f}), "
+                     f"balance {t['balance']:.4f}, plan {t['plan_us_plain']:.0f} / {t['plan_us_topology']:.0f} us")
     return "\n".join(lines)

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from ._inputs import as_counts, check_shape
+from ._inputs import WEIGHT_ROWS, as_counts, check_shape
 from .core import Plan
 
 ROW_BYTES = 7168 * 2
@@ -91,3 +91,25 @@ def unplanned_internode_rows(tokens_per_expert: Any, node: np.ndarray) -> int:
     node = np.asarray(node)
     to_home = T.reshape(R, R, epn).sum(2)
     return int(to_home[node[:, None] != node[None, :]].sum())
+
+
+def internode_bound(tokens_per_expert: Any, node: np.ndarray, caps: Any = None,
+                    weight_rows: int = WEIGHT_ROWS) -> int:
+    """Lower bound on ``routed_rows + weight_rows * weight_copies`` of ``internode`` for ANY plan with these caps.
+
+    Expert e's slots routed by node n (``src``, n not e's home node) either cross nodes or are computed on n by
+    replicas there, each an inter-node weight copy holding at most max(caps) rows; so they cost at least
+    ``min_k max(0, src - k*max(caps)) + k*weight_rows``, summed over (e, n). Node balance, the one-donor rule
+    and slot limits are ignored, so every plan (this planner's or any other) costs at least this.
+    """
+    T = as_counts(tokens_per_expert, "tokens_per_expert", 2)
+    R, E, epn = check_shape(T)
+    node = np.asarray(node, dtype=np.int64)
+    total = int(T.sum())
+    cap = max(1, -(-total // R) if caps is None else int(np.max(caps)))
+    src = np.zeros((int(node.max()) + 1, E), np.int64)
+    np.add.at(src, node, T)  # [nodes, E]: slots of e routed by each node's ranks
+    src[node[np.arange(E) // epn], np.arange(E)] = 0  # a home node's own slots never need to cross
+    k = src // cap
+    cost = np.minimum.reduce([src, src - k * cap + k * weight_rows, (k + (src % cap > 0)) * weight_rows])
+    return int(cost.sum())

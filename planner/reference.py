@@ -11,7 +11,7 @@ import numpy as np
 def _pairs(bal: list[int], caps: list[int], prev_donor, node, num_nodes: int, topo_args):
     """Stage B: donor[u] (-1 = none) and gift[u]; a step fills the receiver completely.
 
-    topo_args = (T, alloc, epn, weight_rows) for the topology cross-node pass (it splits its pairs in alloc).
+    topo_args = (T, alloc, epn, weight_rows) for the topology passes (their cross-node pairs split in alloc).
     """
     R = len(bal)
     donor, gift = [-1] * R, [0] * R
@@ -24,6 +24,11 @@ def _pairs(bal: list[int], caps: list[int], prev_donor, node, num_nodes: int, to
         bal[h] += bal[u]
         bal[u] = 0
 
+    def take(h: int, u: int) -> None:  # a cross-node pair: h's experts handed over at once (gift 0)
+        give(h, u, -bal[u], True)
+        step(h, u)
+        gift[u] = 0
+
     if prev_donor is not None:  # sticky pass: keep last step's pairs while both sides still qualify
         while True:
             cands = [u for u in range(R) if prev_donor[u] >= 0 and bal[u] < 0 and bal[prev_donor[u]] > 0]
@@ -31,82 +36,105 @@ def _pairs(bal: list[int], caps: list[int], prev_donor, node, num_nodes: int, to
                 break
             best = max(cands, key=lambda u: (bal[prev_donor[u]], -u))
             step(prev_donor[best], best)
-    if num_nodes > 1:
-        _cross_pairs(bal, caps, topo_args[0], topo_args[1], topo_args[2], node, num_nodes, topo_args[3],
-                     donor, gift)
-    passes = [[r for r in range(R) if node[r] == n] for n in range(num_nodes)] + [list(range(R))]
-    for i, members in enumerate(passes):  # node-local passes (topology-aware plans), then the global pass
-        local = i < num_nodes
-        while True:
-            givers = [r for r in members if bal[r] > 0]
-            takers = [r for r in members if bal[r] < 0]
-            if not givers or not takers:
-                break
-            h = max(givers, key=lambda r: (bal[r], -r))
-            if local:  # smallest deficit first: the node's donors retire as many receivers as they can
-                u = min(takers, key=lambda r: (-bal[r], r))
-            else:
-                u = min(takers, key=lambda r: (bal[r], r))
-                near = [r for r in givers if num_nodes and node[r] == node[u]]
-                if near:
-                    h = max(near, key=lambda r: (bal[r], -r))
-            step(h, u)
+    give = _giver(*topo_args, node, num_nodes) if num_nodes > 1 else None
+    if give is not None:
+        _cross_pairs(bal, caps, node, give, take)
+    for n in range(num_nodes):  # pairs inside each node: smallest deficit first, so its donors retire many
+        members = [r for r in range(R) if node[r] == n]
+        while any(bal[r] > 0 for r in members) and any(bal[r] < 0 for r in members):
+            h = max((r for r in members if bal[r] > 0), key=lambda r: (bal[r], -r))
+            step(h, min((r for r in members if bal[r] < 0), key=lambda r: (-bal[r], r)))
+    if give is not None:
+        for n in range(num_nodes):
+            _concentrate([r for r in range(R) if node[r] == n], bal, caps, step)
+    _global_pass(bal, caps, node, num_nodes, step, give, take)
     return donor, gift
 
 
-def _cross_pairs(bal, caps, T, alloc, epn: int, node, num_nodes: int, weight_rows: int, donor, gift) -> None:
-    """Stage B topology pass: take the cross-node pair with the largest positive gain (rows saved minus weight
-    copies), split it at once (gift 0), repeat. Lowest (receiver, donor) on ties."""
-    R, E = len(bal), len(alloc)
+def _global_pass(bal, caps, node, num_nodes: int, step, give, take) -> None:
+    """Largest deficit first, filled by the largest donor; topology: the largest on the receiver's node, else
+    (cross-node) the feasible donor with the best gain, then the larger balance, then the lowest rank."""
+    R = len(bal)
+    while any(b > 0 for b in bal) and any(b < 0 for b in bal):
+        u = min((r for r in range(R) if bal[r] < 0), key=lambda r: (bal[r], r))
+        givers = [r for r in range(R) if bal[r] > 0]
+        h = max(givers, key=lambda r: (bal[r], -r))
+        near = [r for r in givers if num_nodes and node[r] == node[u]]
+        if near:
+            h = max(near, key=lambda r: (bal[r], -r))
+        fit = [r for r in givers if caps[r] + bal[r] >= -bal[u]]
+        if give is not None and not near and fit:
+            take(max(fit, key=lambda r: (give(r, u, -bal[u], False), bal[r], -r)), u)
+        else:
+            step(h, u)
+
+
+def _concentrate(members: list[int], bal, caps, step) -> None:
+    """A node's leftover deficits, largest first, each filled by the first collector that holds enough own
+    rows (first-fit decreasing), else a new collector: few ranks are left to take a cross-node donor."""
+    collectors: list[int] = []
+    for u in sorted((r for r in members if bal[r] < 0), key=lambda r: (bal[r], r)):
+        c = next((c for c in collectors if caps[c] + bal[c] >= -bal[u]), None)
+        if c is None:
+            collectors.append(u)
+        else:
+            step(c, u)
+
+
+def _giver(T, alloc, epn: int, weight_rows: int, node, num_nodes: int):
+    """give(h, u, q, take) -> gain: donor h's q slots to u on another node, the experts that save the most
+    inter-node rows first (less weight_rows each); take=True also moves them in alloc."""
+    R, E = len(T), len(alloc)
     src = [[sum(T[r][e] for r in range(R) if node[r] == n) for e in range(E)] for n in range(num_nodes)]
     on = [[sum(alloc[e][d] for d in range(R) if node[d] == n) for e in range(E)] for n in range(num_nodes)]
 
     def cross(e: int) -> int:  # fewest inter-node rows of expert e for its current placement
         return sum(max(0, on[n][e] - src[n][e]) for n in range(num_nodes))
 
+    def move(e: int, h: int, u: int, t: int) -> None:
+        alloc[e][h] -= t
+        alloc[e][u] += t
+        on[node[h]][e] -= t
+        on[node[u]][e] += t
+
     def give(h: int, u: int, q: int, take: bool) -> int:
-        gain, left = 0, [j for j in range(epn) if alloc[h * epn + j][h] > 0]
-        undo = []
+        gain, left, undo = 0, [j for j in range(epn) if alloc[h * epn + j][h] > 0], []
         while q > 0 and left:
             def score(j: int) -> tuple[int, int, int]:
                 e = h * epn + j
                 t = min(alloc[e][h], q)
-                on[node[h]][e] -= t
-                on[node[u]][e] += t
+                before = cross(e)
+                move(e, h, u, t)
                 after = cross(e)
-                on[node[h]][e] += t
-                on[node[u]][e] -= t
-                return (cross(e) - after - (weight_rows if alloc[e][h] < q else 0), alloc[e][h], -j)
+                move(e, u, h, t)
+                return (before - after - (weight_rows if alloc[e][h] < q else 0), alloc[e][h], -j)
             j = max(left, key=score)
             left.remove(j)
             e = h * epn + j
             t = min(alloc[e][h], q)
             before = cross(e)
-            alloc[e][h] -= t
-            alloc[e][u] += t
-            on[node[h]][e] -= t
-            on[node[u]][e] += t
+            move(e, h, u, t)
             undo.append((e, t))
             gain += before - cross(e) - weight_rows
             q -= t
         for e, t in ([] if take else undo):
-            alloc[e][h] += t
-            alloc[e][u] -= t
-            on[node[h]][e] += t
-            on[node[u]][e] -= t
+            move(e, u, h, t)
         return gain
 
+    return give
+
+
+def _cross_pairs(bal, caps, node, give, take) -> None:
+    """Stage B topology pass: take the cross-node pair with the largest positive gain (rows saved minus weight
+    copies), split it at once, repeat. Lowest (receiver, donor) on ties."""
+    R = len(bal)
     while True:
         options = [(give(h, u, -bal[u], False), -u, -h) for u in range(R) for h in range(R)
                    if bal[u] < 0 < bal[h] and node[h] != node[u] and caps[h] + bal[h] >= -bal[u]]
         best = max(options, default=(0, 0, 0))
         if best[0] <= 0:
             return
-        u, h = -best[1], -best[2]
-        give(h, u, -bal[u], True)
-        donor[u], gift[u] = h, 0
-        bal[h] += bal[u]
-        bal[u] = 0
+        take(-best[2], -best[1])
 
 
 def _split(cnt: list[int], epn: int, donor, gift, prev_copy, alloc: list[list[int]]) -> None:

@@ -78,7 +78,13 @@ class Topo:
     """ranks on each node."""
     weight_rows: int = 3 * 2048
     """cost of one expert weight copy in routed rows (the planner's default)."""
+    interleaved: bool = False
+    """rank r on node r % num_nodes instead of r // ranks_per_node (nodes that are not rank ranges)."""
 
     def node_of(self, rank: int) -> int:
         """node id of ``rank``."""
-        return rank // self.ranks_per_node
+        return rank % self.num_nodes if self.interleaved else rank // self.ranks_per_node
+
+    def nodes(self) -> np.ndarray:
+        """[R] node id of every rank."""
+        return np.array([self.node_of(r) for r in range(self.num_nodes * self.ranks_per_node)], np.int64)

@@ -5,7 +5,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from planner import _kernel, plan
+from planner import _kernel, plan, verify
 from planner.reference import plan_reference
 
 from .loads import Case, Topo, cases
@@ -33,10 +33,34 @@ def test_fast_path_equals_twin(case: Case, variant: int, data):
     if variant & 2:
         rpn = data.draw(st.sampled_from([d for d in range(1, R + 1) if R % d == 0]))
         weight_rows = data.draw(st.sampled_from([0, 3, 20, 3 * 2048]))  # small: the cross-node pass acts
-        kwargs["topology"] = Topo(R // rpn, rpn, weight_rows)
-        ref_kwargs.update(node=np.arange(R) // rpn, num_nodes=R // rpn, weight_rows=weight_rows)
+        topo = Topo(R // rpn, rpn, weight_rows, interleaved=data.draw(st.booleans()))
+        kwargs["topology"] = topo
+        ref_kwargs.update(node=topo.nodes(), num_nodes=R // rpn, weight_rows=weight_rows)
     p = plan(T, token_padding=case.token_padding, slots_per_rank=slots, **kwargs)
     assert_same(p, plan_reference(T, None, slots, case.token_padding, **ref_kwargs))
+
+
+@settings(max_examples=60, deadline=None)
+@given(cases(max_R=12, max_scale=80), st.data())
+def test_topology_passes_equal_twin_on_skewed_nodes(case: Case, data):
+    """Adversarial topology inputs: one node's ranks all short (many small deficits to gather), all slots on
+    one node's experts, uneven caller caps, interleaved nodes; both paths agree and the plan verifies."""
+    T = case.counts()
+    R, E = T.shape
+    rpn = data.draw(st.sampled_from([d for d in range(1, R + 1) if R % d == 0]))
+    topo = Topo(R // rpn, rpn, data.draw(st.sampled_from([0, 7, 3 * 2048])), interleaved=data.draw(st.booleans()))
+    node = topo.nodes()
+    if data.draw(st.booleans()):  # every rank routes to node 0's experts: the other nodes are all deficit
+        T = np.where((node[np.arange(E) // case.epn] == 0)[None, :], T + 3, T // 4)
+    total = int(T.sum())
+    caps = None
+    if data.draw(st.booleans()):  # floor/ceil caps with the +1 on drawn ranks
+        extra = data.draw(st.permutations(range(R)))[:total % R]
+        caps = np.full(R, total // R)
+        caps[list(extra)] += 1
+    p = plan(T, caps=caps, topology=topo)
+    verify(p, T)
+    assert_same(p, plan_reference(T, caps, node=node, num_nodes=topo.num_nodes, weight_rows=topo.weight_rows))
 
 
 @settings(max_examples=30, deadline=None)

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from planner import plan, verify
-from planner.metrics import internode, new_copies
+from planner.metrics import internode, internode_bound, new_copies
 from planner.synthetic import drifting_trace, zipf_counts
 
 from .loads import Case, Topo, cases
@@ -77,13 +77,14 @@ def test_topology_plan_cuts_inter_node_bytes_where_weights_dominate():
     """
     from planner.bench import topology_section
 
-    rows = [r for r in topology_section(quick=False, seed=0) if r["nodes"] == 8 and r["S"] == 256]
+    rows = [r for r in topology_section(quick=False, seed=0, timed=False) if r["nodes"] == 8 and r["S"] == 256]
     assert rows and all(r["bytes_ratio"] <= 0.7 and r["balance"] == 1.0 for r in rows), rows
 
 
 def test_topology_plan_cuts_inter_node_bytes_on_two_nodes():
     """The issue's goal on a skewed 2-node case (2 x 16 ranks, zipf 1.2, S=256): >= 30 % fewer inter-node
-    bytes than the plain plan, exact balance kept. (2 x 8 ranks at S=4096 gives only x0.89: see README.)"""
+    bytes than the plain plan, exact balance kept. (S=4096 gives x0.86 on 2 x 8 ranks, above what any plan
+    can reach there by much less than 30 %: see README.)"""
     R, rpn = 32, 16
     node = np.arange(R) // rpn
     plain = topo = 0
@@ -136,3 +137,92 @@ def test_self_first_matching_keeps_own_rows_home():
     for e in np.unique(q.flows[:, 0]):
         for r in range(8):
             assert self_rows.get((int(e), r), 0) == min(int(T[r, e]), int(q.alloc[e, r]))
+
+
+def test_topology_plan_cuts_inter_node_bytes_on_two_nodes_of_eight():
+    """The case the node-local passes alone missed (2 x 8 ranks, zipf 1.2, S=256, the bench's four seeds:
+    x0.76): gathering each node's deficits on few ranks leaves few cross-node receivers, each fed the expert
+    its node routes to most; >= 30 % fewer inter-node bytes, identical exact balance."""
+    R, rpn = 16, 8
+    node = np.arange(R) // rpn
+    plain = topo = 0
+    for seed in range(4):
+        T = zipf_counts(R, 8 * R, 8, 256, 1.2, seed)
+        p, q = plan(T), plan(T, topology=rpn)
+        verify(q, T)
+        assert np.array_equal(q.recv_counts, p.recv_counts)
+        plain += internode(p, node)["bytes"]
+        topo += internode(q, node)["bytes"]
+    assert topo <= 0.7 * plain, topo / plain
+
+
+def test_short_node_gathers_its_deficit_on_few_receivers():
+    """Node 1's four ranks are each 360 rows short (their experts are cold): the plain plan gives each its own
+    donor on node 0 (four replicas cross nodes); the topology plan gathers the 1440-row deficit on two ranks
+    (720 each: one rank of 640 own rows cannot take three), each fed one hot expert: two replicas cross."""
+    R, rpn, epn = 8, 4, 2
+    node = np.arange(R) // rpn
+    e = np.arange(R * epn)
+    home_node = node[e // epn]
+    row = np.where(home_node == 1, 40, np.where(e % epn == 0, 150, 20))  # 1000 slots per rank, caps 1000
+    T = np.repeat(row[None, :], R, axis=0)
+    q = plan(T, topology=rpn)
+    verify(q, T)
+    cross = [u for u in range(R) if q.donor[u] >= 0 and node[q.donor[u]] != node[u]]
+    assert len(cross) == 2, q.donor
+    assert internode(q, node)["weight_copies"] == 2
+    assert internode(plan(T), node)["weight_copies"] == 4
+
+
+def test_bytes_model_prices_a_copy_as_the_planner_does():
+    """The bench's bytes (and internode_bound's default) weigh an expert copy as the planner's weight_rows."""
+    from planner._inputs import WEIGHT_ROWS
+    from planner.metrics import EXPERT_BYTES, ROW_BYTES
+
+    assert EXPERT_BYTES == WEIGHT_ROWS * ROW_BYTES
+
+
+@settings(max_examples=40, deadline=None)
+@given(cases(max_R=12), st.integers(1, 4), st.sampled_from([0, 5, 3 * 2048]))
+def test_internode_bound_is_below_every_plan(case: Case, nodes: int, weight_rows: int):
+    """internode_bound is a lower bound: plain, topology-aware and sticky plans all cost at least it."""
+    T = case.counts()
+    R = T.shape[0]
+    nodes = nodes if R % nodes == 0 else 1
+    topo = Topo(nodes, R // nodes, weight_rows)
+    node = topo.nodes()
+    bound = internode_bound(T, node, weight_rows=weight_rows)
+    for p in (plan(T), plan(T, topology=topo), plan(T, topology=topo, previous=plan(T[::-1].copy()))):
+        cost = internode(p, node)
+        assert cost["routed_rows"] + weight_rows * cost["weight_copies"] >= bound
+
+
+@settings(max_examples=60, deadline=None)
+@given(cases(max_R=10), st.sampled_from([0, 5, 3 * 2048]), st.data())
+def test_gain_bound_is_never_below_the_hand_over_gain(case: Case, weight_rows: int, data):
+    """The donor searches skip a donor when its gain_bound cannot win: the bound must hold for any placement
+    (some slots already moved off home, as after earlier hand-overs) and any amount."""
+    from planner import _topology
+
+    T = case.counts().astype(np.int32)
+    R, E = T.shape
+    if R == 1:
+        return  # no second node
+    nodes = data.draw(st.sampled_from([d for d in range(2, R + 1) if R % d == 0]))
+    epn = E // R
+    node = np.arange(R) // (R // nodes)
+    alloc = np.zeros((E, R), np.int32)
+    alloc[np.arange(E), np.arange(E) // epn] = T.sum(0)
+    for e in data.draw(st.lists(st.integers(0, E - 1), max_size=6)):  # part of e already computed elsewhere
+        d = data.draw(st.integers(0, R - 1))
+        t = data.draw(st.integers(0, int(alloc[e, e // epn])))
+        alloc[e, e // epn] -= t
+        alloc[e, d] += t
+    state = _topology.cross_state(T, alloc, epn, node, nodes, weight_rows)
+    for h in range(R):
+        held = int(alloc[h * epn:(h + 1) * epn, h].sum())
+        for u in range(R):
+            if node[u] == node[h]:
+                continue
+            for q in {min(1, held), held // 2, held} - {0}:  # a donor never gives more than it holds
+                assert _topology.gain_bound(h, u, q, state) >= _topology.hand_over(h, u, q, state, False)
