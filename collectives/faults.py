@@ -1,4 +1,4 @@
-"""Software fault injection for tests and demos: delayed links.
+"""Software fault injection for tests and demos: delayed links, and the fault specs of training jobs.
 
 A link delay ``src=A,dst=B,ms=M`` makes every all-to-all and point-to-point send from global rank A that carries
 data to global rank B take M milliseconds longer on A, inside the traced op (A enters on time, its data arrives
@@ -6,10 +6,23 @@ late: the signature of a slow link, not of slow compute). Delays come from
 ``Communicator.inject_link_delay`` or from the environment variable ``MOONEP_INJECT_LINK_DELAY``
 (``src=0,dst=1,ms=5;src=2,dst=3,ms=1``), which spawned ranks inherit. Compute slowdowns belong to the
 workload (the training loop), not to communication.
+
+The fault *specs* of training jobs live here too, so that both the trainer (``k3``, which may not import
+``tools``) and the synthetic workload (``tools``, which re-exports them from ``tools.inject``) read one grammar
+(comma-separated ``key=value`` items; ``;`` separates several specs of one kind):
+
+- ``rank=R,factor=F[,from_step=N]`` (``Slowdown``): rank R's compute takes F x as long from step N (default 0).
+- ``rank=R,ms=M[,from_step=N]`` (``DataDelay``): rank R's data loading takes M ms longer from step N.
+- ``src=A,dst=B,ms=M[,from_step=N]`` (``LinkDelay``): the delay above; the job calls ``inject_link_delay``
+  when step N starts.
+
+Every parser raises ``ValueError`` naming the bad part, so a typo never silently runs a clean job. Applying a
+slowdown or data delay is the job's business (time-based: see ``tools/workload.py`` and ``k3/train.py``).
 """
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 LINK_DELAY_ENV = "MOONEP_INJECT_LINK_DELAY"
 
@@ -39,3 +52,151 @@ def parse_link_delays(spec: str) -> dict[tuple[int, int], float]:
 def link_delays_from_env() -> dict[tuple[int, int], float]:
     spec = os.environ.get(LINK_DELAY_ENV, "")
     return parse_link_delays(spec) if spec else {}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Slowdown:
+    """One rank's compute runs ``factor`` x slower from ``from_step`` on."""
+
+    rank: int
+    """Global rank that is slowed."""
+    factor: float
+    """Compute-time multiplier, >= 1 (1.2 = 20% slower)."""
+    from_step: int = 0
+    """First step (0-based) that is slow."""
+
+    def __post_init__(self):
+        if self.rank < 0:
+            raise ValueError(f"slowdown rank must be >= 0, got {self.rank}")
+        if not self.factor >= 1.0:
+            raise ValueError(f"slowdown factor must be >= 1, got {self.factor}")
+        if self.from_step < 0:
+            raise ValueError(f"slowdown from_step must be >= 0, got {self.from_step}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DataDelay:
+    """One rank's data loading takes ``ms`` longer from ``from_step`` on."""
+
+    rank: int
+    """Global rank whose data loader is slow."""
+    ms: float
+    """Extra milliseconds per step, >= 0."""
+    from_step: int = 0
+    """First step (0-based) that is slow."""
+
+    def __post_init__(self):
+        if self.rank < 0:
+            raise ValueError(f"data delay rank must be >= 0, got {self.rank}")
+        if not self.ms >= 0:
+            raise ValueError(f"data delay ms must be >= 0, got {self.ms}")
+        if self.from_step < 0:
+            raise ValueError(f"data delay from_step must be >= 0, got {self.from_step}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LinkDelay:
+    """Data global rank ``src`` sends to ``dst`` arrives ``ms`` late, from ``from_step`` on."""
+
+    src: int
+    """Sending global rank."""
+    dst: int
+    """Receiving global rank (!= src)."""
+    ms: float
+    """Extra milliseconds per transfer, >= 0."""
+    from_step: int = 0
+    """First step (0-based) that is delayed."""
+
+    def __post_init__(self):
+        if self.src < 0 or self.dst < 0 or self.src == self.dst:
+            raise ValueError(f"link delay needs two different ranks >= 0, got src={self.src} dst={self.dst}")
+        if not self.ms >= 0:
+            raise ValueError(f"link delay ms must be >= 0, got {self.ms}")
+        if self.from_step < 0:
+            raise ValueError(f"link delay from_step must be >= 0, got {self.from_step}")
+
+
+def _fields(part: str, what: str, required: set[str], optional: set[str]) -> dict[str, str]:
+    fields: dict[str, str] = {}
+    for item in part.split(","):
+        key, sep, value = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise ValueError(f"{what} {part!r}: expected key=value items, got {item!r}")
+        if key in fields:
+            raise ValueError(f"{what} {part!r}: {key}= given twice")
+        fields[key] = value.strip()
+    missing, unknown = required - set(fields), set(fields) - required - optional
+    if missing or unknown:
+        raise ValueError(f"{what} {part!r}: needs {sorted(required)}"
+                         f"{' (optional ' + str(sorted(optional)) + ')' if optional else ''}; "
+                         f"missing {sorted(missing)}, unknown {sorted(unknown)}")
+    return fields
+
+
+def _number(part: str, what: str, fields: dict[str, str], key: str, kind):
+    try:
+        return kind(fields[key])
+    except ValueError:
+        wanted = "an integer" if kind is int else "a number"
+        raise ValueError(f"{what} {part!r}: {key}={fields[key]!r} is not {wanted}") from None
+
+
+def _parts(spec: str) -> list[str]:
+    return [p.strip() for p in (spec or "").split(";") if p.strip()]
+
+
+def _checked(part: str, what: str, build):
+    """Build the dataclass, re-raising its range errors with the offending text."""
+    try:
+        return build()
+    except ValueError as exc:
+        if repr(part) in str(exc):
+            raise
+        raise ValueError(f"{what} {part!r}: {exc}") from None
+
+
+def parse_slowdowns(spec: str) -> list[Slowdown]:
+    """``"rank=R,factor=F[,from_step=N][;...]"`` -> list of ``Slowdown``."""
+    out = []
+    for part in _parts(spec):
+        f = _fields(part, "slowdown", {"rank", "factor"}, {"from_step"})
+        f.setdefault("from_step", "0")
+        out.append(_checked(part, "slowdown", lambda: Slowdown(
+            rank=_number(part, "slowdown", f, "rank", int), factor=_number(part, "slowdown", f, "factor", float),
+            from_step=_number(part, "slowdown", f, "from_step", int))))
+    return out
+
+
+def parse_data_delays(spec: str) -> list[DataDelay]:
+    """``"rank=R,ms=M[,from_step=N][;...]"`` -> list of ``DataDelay``."""
+    out = []
+    for part in _parts(spec):
+        f = _fields(part, "data delay", {"rank", "ms"}, {"from_step"})
+        f.setdefault("from_step", "0")
+        out.append(_checked(part, "data delay", lambda: DataDelay(
+            rank=_number(part, "data delay", f, "rank", int), ms=_number(part, "data delay", f, "ms", float),
+            from_step=_number(part, "data delay", f, "from_step", int))))
+    return out
+
+
+def parse_link_delay_specs(spec: str) -> list[LinkDelay]:
+    """``"src=A,dst=B,ms=M[,from_step=N][;...]"`` -> list of ``LinkDelay`` (the env grammar above + from_step)."""
+    out = []
+    for part in _parts(spec):
+        f = _fields(part, "link delay", {"src", "dst", "ms"}, {"from_step"})
+        f.setdefault("from_step", "0")
+        out.append(_checked(part, "link delay", lambda: LinkDelay(
+            src=_number(part, "link delay", f, "src", int), dst=_number(part, "link delay", f, "dst", int),
+            ms=_number(part, "link delay", f, "ms", float),
+            from_step=_number(part, "link delay", f, "from_step", int))))
+    return out
+
+
+def check_fault_ranks(world_size: int, slowdowns=(), data_delays=(), link_delays=()) -> None:
+    """ValueError naming every injected rank that is not below ``world_size`` (a typo must not run clean)."""
+    bad = [f"{name} rank {s.rank}" for name, specs in (("slowdown", slowdowns), ("data delay", data_delays))
+           for s in specs if s.rank >= world_size]
+    bad += [f"link delay rank {r}" for d in link_delays for r in (d.src, d.dst) if r >= world_size]
+    if bad:
+        raise ValueError(f"injected faults outside world_size={world_size}: {', '.join(bad)}")

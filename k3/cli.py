@@ -17,6 +17,14 @@ def register(commands, bench) -> None:
     p.add_argument("--balance", default="qb", choices=("qb", "sign", "none"))
     p.add_argument("--optimizer", default="muon", choices=("muon", "adamw"))
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--trace-dir", default=None, help="write per-rank traces here for `moonep diagnose` "
+                   "(default: $MOONEP_TRACE_DIR, or no tracing)")
+    p.add_argument("--inject-slowdown", default="", metavar="rank=R,factor=F[,from_step=N]",
+                   help="fault injection (tests, demos): rank R computes F x slower from step N")
+    p.add_argument("--inject-data-delay", default="", metavar="rank=R,ms=M[,from_step=N]",
+                   help="fault injection: rank R's data loading takes M ms longer from step N")
+    p.add_argument("--inject-link-delay", default="", metavar="src=A,dst=B,ms=M[,from_step=N]",
+                   help="fault injection: data A sends to B arrives M ms late from step N")
     p.set_defaults(func=_train)
 
     b = bench.add_parser("train", help="K3 training tokens/s and peak memory at EP = 1, 2, 4")
@@ -29,12 +37,24 @@ def register(commands, bench) -> None:
 
 
 def _train(args: argparse.Namespace) -> int:
+    import sys
+
+    from collectives.faults import parse_data_delays, parse_link_delay_specs, parse_slowdowns
+
     from .train import TrainConfig, train
 
-    tc = TrainConfig(preset=args.preset, world_size=args.world_size, cp=args.cp, steps=args.steps, seed=args.seed,
-                     data=args.data, run_dir=args.run_dir or f"out/k3-{args.preset}", resume=args.resume,
-                     balance=args.balance, optimizer=args.optimizer, progress=not args.no_progress)
-    out = train(tc)
+    try:
+        tc = TrainConfig(preset=args.preset, world_size=args.world_size, cp=args.cp, steps=args.steps,
+                         seed=args.seed, data=args.data, run_dir=args.run_dir or f"out/k3-{args.preset}",
+                         resume=args.resume, balance=args.balance, optimizer=args.optimizer,
+                         progress=not args.no_progress, trace_dir=args.trace_dir,
+                         slowdowns=tuple(parse_slowdowns(args.inject_slowdown)),
+                         data_delays=tuple(parse_data_delays(args.inject_data_delay)),
+                         link_delays=tuple(parse_link_delay_specs(args.inject_link_delay)))
+        out = train(tc)
+    except ValueError as exc:  # bad flags: one line naming the problem, no traceback
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     if out["rank"] != 0:  # under torchrun/mpiexec every rank returns here; rank 0 speaks
         return 0
     print(f"final train loss {out['losses'][-1]:.4f}" if out["losses"] else "nothing to do (already at --steps)")

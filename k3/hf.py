@@ -130,6 +130,9 @@ def load_hf_checkpoint(model, path: str) -> list[str]:
                 raise ValueError(f"{path}: tensor {name} is missing")
         except SafetensorError as exc:
             raise ValueError(f"{path}: unreadable shard for {name}: {exc}") from exc
+        if name.endswith("A_log") and src.dim() == 1 and src.numel() > shape[0]:
+            # the release stores A_log with more entries than KDA heads (128 for 96); the first ones are used
+            src = src[:shape[0]]
         if name.endswith("_res_proj.weight") or name.endswith("conv1d.weight"):
             src = src.reshape(shape) if src.numel() == torch.Size(shape).numel() else src
         if tuple(src.shape) != tuple(shape):

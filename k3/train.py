@@ -8,6 +8,14 @@ over ranks (data parallel). The global batch (``global_batch`` rows of ``seq_len
 preset and split across ranks, and the loss is the global token mean, so results do not depend on the world
 size up to summation order. fp32 on CPU; Per-Head Muon + QK-Clip (AdamW for embeddings, head, norms, router,
 biases, AttnRes queries, KDA conv/decay parameters), or AdamW everywhere with ``optimizer="adamw"``.
+
+Tracing (``trace_dir`` or ``$MOONEP_TRACE_DIR``) adds, next to the collectives' own records, one ``kind="data"``
+record per step and ``kind="compute"`` records per phase with ``cpu_s`` (thread CPU time): ``forward``,
+``backward``, ``grad_sync``, ``optimizer`` and ``evaluate`` (validation loss; not ``validate``, the collectives'
+argument check). Forward, backward and evaluate are split per sublayer call (``layer``: ``kda``, ``mla``, ``moe``,
+``dense``; ``index``: layer number) plus one ``layer="other"`` remainder (embedding, AttnRes mixes, norms, head,
+loss) whose ``t_enter``/``t_exit`` span the whole phase. Injected faults (``slowdowns``, ``data_delays``,
+``link_delays``; grammar in ``collectives/faults.py``) feed ``moonep diagnose``'s tests and demos.
 """
 from __future__ import annotations
 
@@ -19,6 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
+from collectives.faults import DataDelay, LinkDelay, Slowdown, check_fault_ranks
+
 from .balance import update_router_biases
 from .checkpoint import load_checkpoint, save_checkpoint
 from .config import K3Config
@@ -26,6 +36,7 @@ from .data import batch, load_corpus
 from .model import build_model, token_loss_sum
 from .muon import qk_clip
 from .optim import build_optimizer, lr_at
+from .trace import PhaseClock, faults_at
 
 EXPERT_SUFFIXES = (".w1", ".w2", ".w3")
 
@@ -79,8 +90,19 @@ class TrainConfig:
     """Continue from the latest checkpoint in run_dir."""
     progress: bool = True
     """tqdm bar on rank 0."""
+    trace_dir: str | None = None
+    """Per-rank trace folder (``rank<N>.jsonl``, read by ``moonep diagnose``); None = ``$MOONEP_TRACE_DIR`` or off."""
+    slowdowns: tuple[Slowdown, ...] = ()
+    """Injected compute slowdowns (stretched in thread CPU time, so a factor means the same on any machine)."""
+    data_delays: tuple[DataDelay, ...] = ()
+    """Injected data-loading delays (a sleep in the rank's data phase)."""
+    link_delays: tuple[LinkDelay, ...] = ()
+    """Injected link delays (``comm.inject_link_delay`` when their step starts)."""
 
     def __post_init__(self) -> None:
+        # launch() passes dataclasses.asdict(tc) to the ranks, which turns the specs into dicts: rebuild them
+        for name, kind in (("slowdowns", Slowdown), ("data_delays", DataDelay), ("link_delays", LinkDelay)):
+            setattr(self, name, tuple(x if isinstance(x, kind) else kind(**x) for x in getattr(self, name)))
         for name in ("steps", "seq_len", "global_batch", "warmup", "val_batches", "world_size", "cp"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
@@ -94,6 +116,10 @@ class TrainConfig:
         if self.balance not in ("qb", "sign", "none"):
             raise ValueError(f"balance: expected qb, sign or none, got {self.balance!r}")
 
+    def check_fault_ranks(self, world_size: int) -> None:
+        """ValueError naming every injected rank that is not below ``world_size``."""
+        check_fault_ranks(world_size, self.slowdowns, self.data_delays, self.link_delays)
+
 
 class Trainer:
     """State of one rank: model, optimizer, data; ``step()`` runs one global step."""
@@ -106,6 +132,7 @@ class Trainer:
             raise ValueError(f"world_size: {R} does not divide num_experts={self.cfg.num_experts}")
         if R % tc.cp or tc.global_batch % (R // tc.cp):  # torchrun/mpiexec decide R: check again
             raise ValueError(f"cp: {tc.cp} and global_batch {tc.global_batch} do not fit world size {R}")
+        tc.check_fault_ranks(R)
         self.cp_rank, self.dp_rank = comm.rank % tc.cp, comm.rank // tc.cp
         self.rows, self.T_l = tc.global_batch // (R // tc.cp), tc.seq_len // tc.cp
         self.cp_comm = comm.split(self.dp_rank) if tc.cp > 1 else None
@@ -126,6 +153,10 @@ class Trainer:
             if hasattr(layer.self_attn, "track_logits"):
                 layer.self_attn.track_logits = bool(tc.qk_clip_tau) and tc.optimizer == "muon"
         self.corpus = load_corpus(tc.data, max_bytes=tc.max_data_bytes)
+        self.clock = PhaseClock(comm.tracer)
+        if comm.tracer is not None:
+            self.clock.attach(self.model)
+        self.links_done: set[LinkDelay] = set()
 
     def local(self, full: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Global batch [G, seq_len + 1] -> this rank's (inputs, targets) [rows, T_l]: its data-parallel rows
@@ -164,33 +195,42 @@ class Trainer:
                     p.grad.mul_(self.tc.grad_clip / norm)
         return norm
 
+    def _inject(self, step: int) -> float:
+        """Start this step's injected faults; returns the data-loading delay in ms."""
+        self.clock.factor, data_ms, links = faults_at(self.tc, self.comm.rank, step)
+        for d in links:
+            if d not in self.links_done:  # a resumed run starts past from_step: apply at its first step
+                self.links_done.add(d)
+                for comm in filter(None, (self.comm, self.cp_comm)):  # a sub-group keeps its own delay table
+                    comm.inject_link_delay(d.src, d.dst, d.ms)
+        return data_ms
+
     def step(self, step: int) -> dict:
-        tc, tracer = self.tc, self.comm.tracer
-        if tracer is not None:
-            tracer.step = step
+        tc, clock = self.tc, self.clock
+        if self.comm.tracer is not None:
+            self.comm.tracer.step = step
         t0 = time.perf_counter()
-        inputs, targets = self.local(batch(self.corpus.train, tc.seed, step, tc.global_batch, tc.seq_len))
+        with clock.data(self._inject(step)):
+            inputs, targets = self.local(batch(self.corpus.train, tc.seed, step, tc.global_batch, tc.seq_len))
         count = tc.global_batch * tc.seq_len
-        self.model.zero_grad(set_to_none=True)
-        loss_sum = token_loss_sum(self.model, inputs, targets)
-        t1 = time.perf_counter()
-        (loss_sum / count).backward()
-        t2 = time.perf_counter()
-        loss = self._sync_grads(loss_sum) / count
-        grad_norm = self._clip()
-        lr = lr_at(step, tc.steps, tc.lr, tc.warmup)
-        self.opt.set_lr(lr)
-        self.opt.step()
-        self.opt_steps += 1
-        max_logits = qk_clip(self.model, self.comm, tc.qk_clip_tau) if tc.qk_clip_tau else []
-        # The bias computed from this step's batch steers the NEXT step's routing (never its own batch).
-        violations = update_router_biases(self.model.moe_layers(), self.comm, tc.balance)
-        t3 = time.perf_counter()
-        if tracer is not None:
-            tracer.record_event("forward", t0, t1)
-            tracer.record_event("backward", t1, t2)
-            tracer.record_event("optimizer", t2, t3)
-        return {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": count / (t3 - t0),
+        with clock.phase("forward"):
+            self.model.zero_grad(set_to_none=True)
+            loss_sum = token_loss_sum(self.model, inputs, targets)
+        with clock.phase("backward"):
+            (loss_sum / count).backward()
+        with clock.phase("grad_sync"):
+            loss = self._sync_grads(loss_sum) / count
+            grad_norm = self._clip()
+        with clock.phase("optimizer"):
+            lr = lr_at(step, tc.steps, tc.lr, tc.warmup)
+            self.opt.set_lr(lr)
+            self.opt.step()
+            self.opt_steps += 1
+            max_logits = qk_clip(self.model, self.comm, tc.qk_clip_tau) if tc.qk_clip_tau else []
+            # The bias computed from this step's batch steers the NEXT step's routing (never its own batch).
+            violations = update_router_biases(self.model.moe_layers(), self.comm, tc.balance)
+        seconds = time.perf_counter() - t0
+        return {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": count / seconds,
                 "max_violation": max(violations), "max_violation_per_layer": violations,
                 "max_logit": max(max_logits, default=None)}
 
@@ -203,9 +243,10 @@ class Trainer:
     @torch.no_grad()
     def validate(self) -> float:
         tc, total = self.tc, torch.zeros(1, dtype=torch.float64)
-        for i in range(tc.val_batches):
-            inputs, targets = self.local(batch(self.corpus.val, tc.seed + 1, i, tc.global_batch, tc.seq_len))
-            total += float(token_loss_sum(self.model, inputs, targets))
+        with self.clock.phase("evaluate"):
+            for i in range(tc.val_batches):
+                inputs, targets = self.local(batch(self.corpus.val, tc.seed + 1, i, tc.global_batch, tc.seq_len))
+                total += float(token_loss_sum(self.model, inputs, targets))
         if self.comm.world_size > 1:
             self.comm.all_reduce(total)
         return float(total) / (tc.val_batches * tc.global_batch * tc.seq_len)
@@ -278,6 +319,8 @@ def run_rank(comm, train: dict) -> dict:
             bar.set_postfix(loss=f"{row['loss']:.3f}", maxvio=f"{row['max_violation']:.2f}")
         if (tc.ckpt_every and (step + 1) % tc.ckpt_every == 0) or last:
             trainer.save(step + 1)
+        if comm.tracer is not None:
+            comm.tracer.flush()  # one append per step, so `moonep diagnose --follow` sees each step as it ends
     trainer.close()
     plots = []
     if rank0:
@@ -291,8 +334,11 @@ def run_rank(comm, train: dict) -> dict:
 def train(tc: TrainConfig, *, timeout: float = 300.0) -> dict:
     """Launch ``tc.world_size`` local ranks (or join torchrun/mpiexec) and train; returns rank 0's summary."""
     from collectives import launch
+    from collectives.launch import external_launcher
 
-    return launch(run_rank, tc.world_size, timeout=timeout, train=dataclasses.asdict(tc))
+    if external_launcher() is None:  # under torchrun/mpiexec the launcher's size counts: Trainer checks it
+        tc.check_fault_ranks(tc.world_size)
+    return launch(run_rank, tc.world_size, timeout=timeout, trace_dir=tc.trace_dir, train=dataclasses.asdict(tc))
 
 
 def main(argv=None) -> int:

@@ -9,7 +9,9 @@ Every detector follows one recipe, so their behaviour is easy to predict:
    to matter is never blamed) all pass;
 3. a *persistence filter*: the rolling median over ``window`` steps must pass for ``min_windows`` consecutive
    steps, so a few noisy steps (a shared core, a GC pause) raise no alarm;
-4. the onset is the first raw-flagged step of the window that tripped the filter.
+4. the onset is the first raw-flagged step of the window that tripped the filter;
+5. the episode must persist: over ``persist_steps`` from the onset, enough steps are raw-flagged and no
+   ``window`` steps in a row are not (that is a blip that ended, and whatever comes later is its own episode).
 
 Compute is compared after rescaling routed work to the median load (``Tables.norm_compute_s``), so a rank that is
 slow because the router sent it more rows is blamed on routing, not on its hardware.
@@ -53,7 +55,7 @@ class Thresholds:
     min_persistence: float = 0.7
     """...and a finding needs at least this fraction of them raw-flagged (shorter blips are noise: on a busy
     shared host a healthy rank's CPU time drifts 20% high for 5-7 steps now and then)."""
-    min_evidence_steps: int = 10
+    min_evidence_steps: int = 8
     """Steps from the onset needed before a finding is reported (an onset near the end of the trace waits)."""
     link_factor: float = 3.0
     """A call's transfer over the group's reference latency that counts as a slow link..."""
@@ -152,13 +154,21 @@ def episode(ratio: np.ndarray, raw: np.ndarray, rolled_ok: np.ndarray, th: Thres
             after = raw[onset:onset + th.persist_steps]
             if after.size < th.min_evidence_steps:
                 return None  # too recent to tell from a blip; --follow will see it again next poll
-            if after.mean() < th.min_persistence:
-                run = 0  # a blip: keep looking for a real episode later on
+            if after.mean() < th.min_persistence or _longest_false_run(after) >= th.window:
+                run = 0  # a blip (or one that ended before the fault began): keep looking later on
                 continue
             flagged = ratio[onset:][raw[onset:]]
             return Episode(onset, float(np.median(flagged)) if flagged.size else float(ratio[start]),
                            float(after.mean()))
     return None
+
+
+def _longest_false_run(flags: np.ndarray) -> int:
+    longest = run = 0
+    for f in flags:
+        run = 0 if f else run + 1
+        longest = max(longest, run)
+    return longest
 
 
 def peer_stats(x: np.ndarray, groups: list[list[int]], leave_one_out_max: int = 16

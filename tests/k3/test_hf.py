@@ -25,7 +25,8 @@ def test_mxfp4_round_trip_on_grid():
 
 
 def _write(model, path, *, mxfp4=True, n_shards=3):
-    """The release layout: tensors spread over shards, experts packed, conv taps [D, 1, W], queries [1, d]."""
+    """The release layout: tensors spread over shards, experts packed, conv taps [D, 1, W], queries [1, d],
+    A_log padded with unused entries (the release has 128 for 96 heads)."""
     names = hf_names(model)
     tensors = {}
     for name, (t, row) in names.items():
@@ -39,6 +40,8 @@ def _write(model, path, *, mxfp4=True, n_shards=3):
             value = value[:, None, :]
         if name.endswith("_res_proj.weight"):
             value = value[None, :]
+        if name.endswith("A_log"):
+            value = torch.cat([value, torch.full((value.numel() // 3 + 1,), float("nan"))])
         tensors["language_model." + name] = value
     keys = sorted(tensors)
     weight_map = {}
