@@ -52,6 +52,25 @@ def test_varlen_fp64(chunk_size):
         assert max_abs(a, b) <= 1e-10
 
 
+@pytest.mark.parametrize("group_elements", [1, 2500])
+@pytest.mark.parametrize("varlen", [False, True])
+def test_groups_of_chunks_carry_the_state(monkeypatch, group_elements, varlen):
+    """The forward runs one group of chunks at a time (the whole sequence is one group at these sizes): with
+    groups of one chunk, or of two with a shorter last one, the state must pass from group to group and the
+    outputs land in their rows. Catches a group's state loop restarting from h0, or outputs written to the wrong
+    chunks."""
+    from cp_kda import chunk
+
+    monkeypatch.setattr(chunk, "GROUP_ELEMENTS", group_elements)
+    if varlen:
+        cu = torch.tensor([0, 15, 80, 81, 150])
+        ref, out, g_ref, g_out = _both(make_inputs(1, 150, 2, 12, 6, seed=4, N=4), 16, cu)
+    else:
+        ref, out, g_ref, g_out = _both(make_inputs(2, 100, 3, 12, 8, seed=4), 16)
+    for a, b in zip(ref + tuple(g_ref), out + tuple(g_out)):
+        assert max_abs(a, b) <= 1e-10
+
+
 def test_no_initial_state_and_no_final_state():
     q, k, v, g, beta, _ = make_inputs(1, 40, 2, 8, 8, with_state=False)
     o, ht = kda_chunk(q, k, v, g, beta, chunk_size=16)
@@ -121,20 +140,62 @@ def test_fla_backend_matches_torch_on_gpu():
     assert rel_rms(o_ref, o) < 5e-3
 
 
+def _block_inputs(shape, kind, dtype=torch.float64, seed=3):
+    """q, k (L2-normalised) and gates g ``[..., C, K]``: ordinary (logsigmoid), K3's bound held hard, or -1000
+    resets with a run of -30 (both steep enough to need the exact path)."""
+    import torch.nn.functional as F
+
+    gen = torch.Generator().manual_seed(seed)
+    q, k, z = (torch.randn(*shape, generator=gen, dtype=dtype) for _ in range(3))
+    if kind == "ordinary":
+        g = F.logsigmoid(z)
+    elif kind == "bound":
+        g = -5.0 * torch.sigmoid(3 * z)
+    else:
+        g = F.logsigmoid(z)
+        g[..., ::17, :] = -1000.0
+        g[..., 20:40, :] = -30.0
+    return F.normalize(q, dim=-1), F.normalize(k, dim=-1), g
+
+
+@pytest.mark.parametrize("C", [64, 32, 48, 50, 3])
+@pytest.mark.parametrize("kind", ["ordinary", "bound", "steep"])
+def test_decay_matrices_match_their_naive_twin(C, kind):
+    """The sub-block factored Aqk, L, exp(G), K̃ and γ equal the full pairwise-decay twin (fp64), on both the
+    middle-token path and the exact one. Catches: a wrong reference token, a cross-block factor off by one
+    block, the upper half not masked, a sub-block layout slip when C is not a multiple of 16."""
+    from cp_kda import intra
+
+    q, k, g = _block_inputs((2, 3, C, 24), kind)
+    if C % 16 == 0:  # both paths are exercised: ordinary gates factor, steep ones take the exact path
+        assert intra._block_factors(g.unflatten(-2, (C // 16, 16)))[-1] == (kind != "ordinary")
+    for a, b in zip(intra.decay_matrices_naive(q, k, g), intra.decay_matrices(q, k, g)):
+        assert max_abs(a, b) <= 1e-12
+
+
+def test_decay_matrices_fp32_keep_relative_accuracy_on_steep_gates():
+    """fp32 against the fp64 twin: no overflow, and the matrices keep ~1e-6 relative accuracy although the
+    cumulative decays inside a chunk reach -10^4 (catches decays formed as differences of cumulative sums)."""
+    from cp_kda import intra
+
+    q, k, g = _block_inputs((2, 3, 64, 24), "steep")
+    ref = intra.decay_matrices_naive(q, k, g)
+    out = intra.decay_matrices(q.float(), k.float(), g.float())
+    assert all(torch.isfinite(t).all() for t in out)
+    for a, b in zip(ref[:4], out[:4]):  # gamma = exp(-10^4) underflows in fp32, as it must
+        assert rel_rms(a, b) <= 1e-6
+
+
 def test_factored_diagonal_matches_its_exact_twin():
     """The fast factored diagonal sub-blocks equal the exact pairwise-decay ones (fp64), on gates inside the
     factoring limit; and gates beyond it take the exact path (catches a wrong switch or a mid-point bug)."""
-    import torch.nn.functional as F
+    from cp_kda import intra
 
-    from cp_kda import chunk
-
-    gen = torch.Generator().manual_seed(3)
-    qs, ks = (torch.randn(2, 3, 4, 16, 8, generator=gen, dtype=torch.float64) for _ in range(2))
-    gs = F.logsigmoid(torch.randn(2, 3, 4, 16, 8, generator=gen, dtype=torch.float64))
-    within = gs.cumsum(-2)
-    assert chunk._factoring_is_safe(within)
-    ii = torch.arange(16)
-    keep = torch.stack([ii[:, None] >= ii[None, :], ii[:, None] > ii[None, :]], dim=-2).double()  # as the caller
-    torch.testing.assert_close(chunk._diag_factored(qs, ks, within) * keep, chunk._diag_exact(qs, ks, gs) * keep,
-                               rtol=1e-12, atol=1e-12)
-    assert not chunk._factoring_is_safe((gs * 100).cumsum(-2))
+    q, k, g = _block_inputs((2, 3, 4, 16, 8), "ordinary")
+    up, down, _, _, _, exact = intra._block_factors(g)
+    assert not exact
+    rows = torch.stack([q, k], dim=-3)
+    keep = intra._keep(16, g.dtype, g.device)
+    torch.testing.assert_close(intra._diag_factored(rows * up.unsqueeze(-3), k * down) * keep,
+                               intra._diag_exact(rows, k, g) * keep, rtol=1e-12, atol=1e-12)
+    assert intra._block_factors(g * 100)[-1]
