@@ -10,7 +10,7 @@ pipeline's schedule op by op). ``moonep simulate run | search | whatif | calibra
 """
 from simulator.analytic import Perturbation, SimResult, simulate
 from simulator.hardware import PRESETS as HARDWARE_PRESETS
-from simulator.hardware import Efficiency, HardwareSpec, load_hardware
+from simulator.hardware import Efficiency, HardwareSpec, HostSpec, load_hardware
 from simulator.layers import ParamCounts, model_flops_per_token, param_counts
 from simulator.memory import inference_memory, peak_memory, rank_memory
 from simulator.network import ClusterSpec, build_graph
@@ -22,6 +22,6 @@ from simulator.whatif import whatif
 
 __all__ = ["simulate", "SimResult", "Perturbation", "search", "SearchSpace", "whatif", "ParallelConfig",
            "infeasible_reason", "ModelSpec", "MODEL_PRESETS", "load_model", "from_hf_config", "from_config_object",
-           "HardwareSpec", "Efficiency", "HARDWARE_PRESETS", "load_hardware", "ClusterSpec", "build_graph",
+           "HardwareSpec", "Efficiency", "HostSpec", "HARDWARE_PRESETS", "load_hardware", "ClusterSpec", "build_graph",
            "param_counts", "ParamCounts", "model_flops_per_token", "peak_memory", "rank_memory",
            "inference_memory"]

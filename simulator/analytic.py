@@ -86,8 +86,14 @@ def dp_seconds(spec: ModelSpec, par: ParallelConfig, tiers: net.Tiers, rank: int
 
 
 def optimizer_seconds(spec: ModelSpec, hw: HardwareSpec, par: ParallelConfig, rank: int, scale: float = 1.0) -> float:
-    """Adam update: about 30 bytes of HBM traffic per local (ZeRO-sharded) parameter."""
+    """Adam update: about 30 bytes of HBM traffic per local (ZeRO-sharded) parameter. With a host profile:
+    the eager optimizer and gradient bookkeeping ops (``simulator.host.step_host``), time-shared."""
     from simulator.memory import rank_memory
+
+    if hw.host is not None:
+        from simulator.host import step_host, stretch
+
+        return step_host(spec, hw, par)[0] * stretch(hw, par) * scale
 
     mem = rank_memory(spec, hw, par, rank)
     local_params = mem["optimizer"] / 12.0
@@ -211,7 +217,12 @@ def _fill_metrics(res, spec, hw, par, tiers, costs, pipe, pert) -> None:
     eff, m = hw.efficiency, par.micro_batches
     comm = [tuple(pert.comm[r]) if pert and pert.comm else (1.0, 1.0, 1.0) for r in range(par.pp)]
     scale = [pert.compute[r] if pert and pert.compute else 1.0 for r in range(par.pp)]
-    dp = (1.0 - eff.dp_overlap) * max(dp_seconds(spec, par, tiers, r, comm[r]) for r in range(par.pp))
+    if hw.host is not None:  # the eager step's all-reduces (gradients, norm, QK-Clip, balancing), time-shared
+        from simulator.host import step_host, stretch
+
+        dp = step_host(spec, hw, par)[1] * stretch(hw, par)
+    else:
+        dp = (1.0 - eff.dp_overlap) * max(dp_seconds(spec, par, tiers, r, comm[r]) for r in range(par.pp))
     opt = max(optimizer_seconds(spec, hw, par, r, scale[r]) for r in range(par.pp))
     step = pipe + dp + opt + eff.step_overhead_s
     busiest = max(range(par.pp), key=lambda r: sum(c.tf + c.tb for c in costs[r]))

@@ -1,43 +1,97 @@
 """``moonep simulate calibrate``: measure this machine and write a hardware profile JSON.
 
-Measures (median of timed repeats after a warm-up): dense GEMM TFLOP/s (bf16 on GPU, fp32 on CPU where bf16
-matmul is not a fast path), causal attention TFLOP/s (``scaled_dot_product_attention``, causal FLOPs counted as
-half the square), memory-copy bandwidth, and all-to-all bandwidth per rank through ``collectives.launch``
-(local ranks; gloo on CPU, NCCL on GPU). The profile sets the *achieved* rates as peaks with efficiencies of 1
-(attention as a fraction of the GEMM rate), so the cost model reproduces the measurements; ``measured`` keeps
-the raw numbers. This is the only simulator module that imports torch and collectives, lazily.
+Kernel rates (median of timed repeats after a warm-up): dense GEMM at the job's sizes (``[tokens, hidden] x
+[hidden, hidden]``; bf16 on GPU, fp32 on CPU), causal attention (``scaled_dot_product_attention``), memory copy,
+and all-to-all bandwidth per rank through ``collectives.launch`` (local ranks; gloo on CPU, NCCL on GPU). The
+profile sets the *achieved* rates as peaks with efficiencies of 1, so the cost model reproduces them.
+
+On CPU it also measures what bounds a small eager job (the ``host`` block, see ``simulator.host``), all as CPU
+time of one rank:
+
+- framework op cost: a reference eager block (norm, gate, softmax mix, gather; ``nn.Module``s under autograd)
+  forward, backward and no-grad, on tiny tensors and at the job's activation size, divided by its op count;
+- the KDA kernel (``cp_kda.kda_gate`` + ``kda_chunk``, forward + backward) at the job's size and a tiny one;
+- per-call and per-MB host time of all-to-all, all-reduce (with and without the argument check) and all-gather
+  through ``collectives`` on ``world_size`` local ranks;
+- effective cores: the same busy work on one rank alone and on all ``world_size`` ranks at once.
+
+This is the only simulator module that imports torch, collectives and cp_kda (lazily): it measures them.
 """
 from __future__ import annotations
 
+import os
 import platform
 import statistics
 import time
+from dataclasses import asdict, dataclass
 
 
-def _timed(fn, repeats: int) -> float:
+@dataclass(kw_only=True, frozen=True)
+class CalibrationSizes:
+    """The job shapes the host and GEMM measurements are taken at (``from_model`` reads them off a model)."""
+
+    tokens: int = 256
+    """Tokens per rank per micro-batch (activation rows)."""
+    hidden: int = 64
+    """Model width (activation columns)."""
+    seq_len: int = 64
+    """Sequence length (KDA kernel and attention)."""
+    kda_heads: int = 2
+    """KDA heads of the kernel measurement."""
+    kda_head_dim: int = 16
+    """KDA head width of the kernel measurement."""
+
+    def __post_init__(self):
+        for name in ("tokens", "hidden", "seq_len", "kda_heads", "kda_head_dim"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"CalibrationSizes.{name} must be a positive integer, got {getattr(self, name)!r}")
+        if self.tokens % self.seq_len or self.tokens < 2:
+            raise ValueError(f"CalibrationSizes.tokens {self.tokens} must be a multiple of seq_len {self.seq_len} "
+                             "and >= 2")
+
+    @classmethod
+    def from_model(cls, model, seq_len: int | None = None, micro_batch: int = 1) -> "CalibrationSizes":
+        """Sizes of ``model`` (anything ``load_model`` takes) at ``micro_batch`` sequences of ``seq_len``."""
+        from simulator.specs import load_model
+
+        spec = load_model(model)
+        seq = seq_len or spec.seq_len
+        return cls(tokens=micro_batch * seq, hidden=spec.hidden, seq_len=seq, kda_heads=spec.kda_heads or 2,
+                   kda_head_dim=spec.kda_head_dim or 16)
+
+
+def _timed(fn, repeats: int, clock=time.perf_counter) -> float:
     fn()
     times = []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = clock()
         fn()
-        times.append(time.perf_counter() - t0)
+        times.append(clock() - t0)
     return statistics.median(times)
 
 
-def measure_gemm(n: int, repeats: int, device: str) -> float:
-    """Dense GEMM TFLOP/s of an ``n x n x n`` product."""
+def _sync(device: str):
+    import torch
+
+    return torch.cuda.synchronize if device == "cuda" else (lambda: None)
+
+
+def measure_gemm(m: int, k: int, n: int, repeats: int, device: str) -> float:
+    """Dense GEMM TFLOP/s of ``[m, k] x [k, n]`` (enough products per timing to dwarf the call overhead)."""
     import torch
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    a = torch.randn(m, k, device=device, dtype=dtype)
+    b = torch.randn(k, n, device=device, dtype=dtype)
+    sync, calls = _sync(device), max(1, int(2e7 // (2 * m * k * n)))
 
     def run():
-        torch.matmul(a, b)
+        for _ in range(calls):
+            torch.matmul(a, b)
         sync()
 
-    return 2.0 * n ** 3 / _timed(run, repeats) / 1e12
+    clock = time.perf_counter if device == "cuda" else time.process_time
+    return 2.0 * m * k * n * calls / _timed(run, repeats, clock) / 1e12
 
 
 def measure_attention(seq: int, heads: int, repeats: int, device: str) -> float:
@@ -48,7 +102,7 @@ def measure_attention(seq: int, heads: int, repeats: int, device: str) -> float:
     d = 128
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     q, k, v = (torch.randn(1, heads, seq, d, device=device, dtype=dtype) for _ in range(3))
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    sync = _sync(device)
 
     def run():
         F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -63,7 +117,7 @@ def measure_copy(nbytes: int, repeats: int, device: str) -> float:
 
     src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).fill_(1.0)
     dst = torch.empty_like(src)
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    sync = _sync(device)
 
     def run():
         dst.copy_(src)
@@ -95,32 +149,270 @@ def _a2a_rank(comm, nbytes: int, repeats: int) -> float:
     return sent / statistics.median(times) / 1e9
 
 
-def calibrate(*, world_size: int = 2, quick: bool = False, backend: str = "torch") -> dict:
+# ------------------------------------------------------------------------------------------ host (CPU) costs
+def _reference_block(width: int):
+    """A small eager block in the style of model code: RMS norm, tanh/sigmoid gate, softmax mix of two sources
+    and a row gather, each an ``nn.Module`` call under autograd."""
+    import torch
+    from torch import nn
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gain = nn.Parameter(torch.ones(width))
+            self.bias = nn.Parameter(torch.zeros(width))
+
+        def forward(self, x):
+            h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * self.gain
+            h = torch.tanh(h / 4.0) * torch.sigmoid(h + self.bias)
+            h = h.index_select(0, torch.arange(x.shape[0])).contiguous()
+            v = torch.stack([x, h], 0)
+            w = torch.softmax(v.mean(-1), dim=0)
+            return (w.unsqueeze(-1) * v).sum(0)
+
+    return nn.ModuleList(Block() for _ in range(20))
+
+
+def _count_ops(fn) -> int:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        fn()
+    return Count.n
+
+
+def measure_ops(tokens: int, width: int, repeats: int) -> tuple[float, float, float]:
+    """CPU microseconds per framework op of the reference block: (forward, backward, no-grad forward)."""
+    import torch
+
+    blocks, x = _reference_block(width), torch.randn(tokens, width, requires_grad=True)
+
+    def fwd():
+        y = x
+        for b in blocks:
+            y = b(y)
+        return y
+
+    y = fwd()
+    n_fwd, n_bwd = _count_ops(fwd), _count_ops(lambda: y.sum().backward())
+    t_fwd = _timed(fwd, repeats, time.process_time)
+    t_both = _timed(lambda: fwd().sum().backward(), repeats, time.process_time)
+    with torch.no_grad():
+        t_nograd = _timed(fwd, repeats, time.process_time)
+    return t_fwd / n_fwd * 1e6, max(0.0, t_both - t_fwd) / n_bwd * 1e6, t_nograd / n_fwd * 1e6
+
+
+def measure_kda(batch: int, seq: int, heads: int, dim: int, repeats: int) -> float:
+    """CPU microseconds of one ``cp_kda`` gate + chunk call, forward and backward, on ``[batch, seq, heads, dim]``."""
+    import torch
+
+    import cp_kda
+
+    gen = torch.Generator().manual_seed(0)
+    shape = (batch, seq, heads, dim)
+    q, k = (torch.nn.functional.normalize(torch.randn(shape, generator=gen), dim=-1) for _ in range(2))
+    v, f = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+    beta = torch.rand(shape[:3], generator=gen)
+    leaves = [t.requires_grad_() for t in (q, k, v, f, beta)]
+    a_log, dt_bias = torch.zeros(heads, requires_grad=True), torch.zeros(heads * dim, requires_grad=True)
+
+    def run():
+        g = cp_kda.kda_gate(leaves[3], a_log, dt_bias, lower_bound=-5.0)
+        cp_kda.kda_chunk(leaves[0], leaves[1], leaves[2], g, leaves[4])[0].sum().backward()
+
+    return _timed(run, repeats, time.process_time) * 1e6
+
+
+def _per_call_us(comm, fn, repeats: int) -> float:
+    """Mean CPU microseconds per call of the collective ``fn`` over ``repeats`` calls, averaged over ranks."""
+    import torch
+
+    fn()
+    comm.barrier()
+    t0 = time.process_time()
+    for _ in range(repeats):
+        fn()
+    t = torch.tensor([(time.process_time() - t0) / repeats * 1e6], dtype=torch.float64)
+    comm.all_reduce(t, validate=False)
+    return float(t) / comm.world_size
+
+
+def _collective_costs(comm, repeats: int, big: int) -> dict:
+    """Per-call and per-MB host costs of the collectives a training step issues (small vs ``big`` bytes)."""
+    import torch
+
+    R, out = comm.world_size, {}
+    for nbytes, tag in ((1024, "small"), (big, "big")):
+        rows = max(R, nbytes // 128 // R * R)
+        inp = torch.ones(rows, 32)
+        got = torch.empty_like(inp)
+        out[f"a2a_{tag}"] = _per_call_us(comm, lambda: comm.all_to_all_single(got, inp, validate=False), repeats)
+        buf = torch.ones(max(1, nbytes // 4))
+        out[f"ar_{tag}"] = _per_call_us(comm, lambda: comm.all_reduce(buf, validate=False), repeats)
+    small = torch.ones(256)
+    out["checked"] = _per_call_us(comm, lambda: comm.all_reduce(small), repeats)
+    counts, gathered = torch.zeros(16, dtype=torch.int64), torch.empty(16 * R, dtype=torch.int64)
+    out["ag"] = _per_call_us(comm, lambda: comm.all_gather(gathered, counts, validate=False), repeats)
+    return out
+
+
+PROBE_SECONDS = 0.3
+"""CPU seconds of the effective-cores work on one rank alone: shorter windows are dominated by scheduler
+granularity (a 50 ms probe scattered 0.6-2.0 effective cores on one idle-ish machine, 300 ms 0.8-1.05)."""
+
+
+def _effective_cores(comm, sizes: CalibrationSizes, rounds: int) -> float:
+    """Throughput of all ranks busy at once, in units of one rank alone: R * (CPU time alone) / (wall together)."""
+    import torch
+
+    blocks, x = _reference_block(sizes.hidden), torch.randn(sizes.tokens, sizes.hidden, requires_grad=True)
+
+    def step():
+        y = x
+        for b in blocks:
+            y = b(y)
+        y.sum().backward()
+
+    step()
+    t0 = time.process_time()
+    step()
+    count = torch.tensor([max(1, round(PROBE_SECONDS / max(time.process_time() - t0, 1e-6)))], dtype=torch.int64)
+    comm.all_reduce(count, op="max", validate=False)  # every rank does the same work
+    work = lambda: [step() for _ in range(int(count))]  # noqa: E731
+    ratios = []
+    for _ in range(rounds):
+        comm.barrier()
+        alone = torch.zeros(1, dtype=torch.float64)
+        if comm.rank == 0:
+            t0 = time.process_time()
+            work()
+            alone[0] = time.process_time() - t0
+        comm.all_reduce(alone, validate=False)
+        comm.barrier()
+        t0 = time.perf_counter()
+        work()
+        wall = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        comm.all_reduce(wall, op="max", validate=False)
+        ratios.append(comm.world_size * float(alone) / float(wall))
+    return min(float(comm.world_size), statistics.median(ratios))
+
+
+BIG = 1 << 20
+"""Bytes of the large collective measurements (the per-MB costs are big minus small)."""
+
+
+def _solo_costs(sizes: CalibrationSizes, repeats: int) -> dict:
+    """Per-op and KDA host costs of one rank working alone (the other ranks wait at a barrier)."""
+    tiny, act = measure_ops(8, 8, repeats), measure_ops(sizes.tokens, sizes.hidden, repeats)
+    rows, tiny_tokens = sizes.tokens // sizes.seq_len, min(16, sizes.tokens // 2)  # tiny: the fixed cost
+    return {"ops_tiny": tiny, "ops_act": act, "tiny_tokens": tiny_tokens,
+            "kda": measure_kda(rows, sizes.seq_len, sizes.kda_heads, sizes.kda_head_dim, repeats),
+            "kda_tiny": measure_kda(1, tiny_tokens, sizes.kda_heads, sizes.kda_head_dim, repeats)}
+
+
+def _ranks_body(comm, sizes: CalibrationSizes, repeats: int, nbytes: int, host: bool) -> dict:
+    """Everything measured on ``world_size`` ranks, in one launch: all-to-all bandwidth, and on CPU the
+    collectives' host costs, the solo per-op and KDA costs on rank 0 and, right after them, the effective
+    cores, so that the numbers that multiply each other come from the same few seconds of a shared machine
+    (module level for ``collectives.launch``)."""
+    import torch
+
+    torch.set_num_threads(1)
+    out = {"a2a_gbps": _a2a_rank(comm, nbytes, repeats)}
+    if host:
+        out.update(_collective_costs(comm, repeats * 6, BIG))
+        comm.barrier()
+        if comm.rank == 0:
+            out.update(_solo_costs(sizes, repeats))
+        comm.barrier(timeout=300.0)
+        out["effective_cores"] = _effective_cores(comm, sizes, 3 if repeats < 10 else 5)
+    return out
+
+
+def calibrate_host(sizes: CalibrationSizes, repeats: int, ranks: dict) -> dict:
+    """The ``host`` block of a CPU profile (fields of ``hardware.HostSpec``) from ``_ranks_body``'s result
+    (empty for one rank: then everything is measured here)."""
+    m = {"effective_cores": 1.0, "world_size": 1, **ranks}
+    if "ops_act" not in m:
+        m.update(_solo_costs(sizes, repeats))
+    per_mb = lambda key: max(0.0, m.get(f"{key}_big", 0.0) - m.get(f"{key}_small", 0.0)) / (BIG / 1e6)  # noqa: E731
+    (tf, tb, tn), (af, ab, _) = m["ops_tiny"], m["ops_act"]
+    return {"cores": len(os.sched_getaffinity(0)), "effective_cores": m["effective_cores"],
+            "ranks": m["world_size"], "op_fwd_tiny_us": tf, "op_bwd_tiny_us": tb, "op_nograd_tiny_us": tn,
+            "op_fwd_us": af, "op_bwd_us": ab, "ref_elements": sizes.tokens * sizes.hidden,
+            "kda_us": m["kda"], "kda_tiny_us": m["kda_tiny"],
+            "kda_elements": sizes.tokens * sizes.kda_heads * sizes.kda_head_dim,
+            "kda_tiny_elements": m["tiny_tokens"] * sizes.kda_heads * sizes.kda_head_dim,
+            "a2a_call_us": m.get("a2a_small", 0.0), "all_reduce_call_us": m.get("ar_small", 0.0),
+            "checked_all_reduce_call_us": m.get("checked", 0.0), "all_gather_call_us": m.get("ag", 0.0),
+            "a2a_us_per_mb": per_mb("a2a"), "all_reduce_us_per_mb": per_mb("ar")}
+
+
+def calibrate(*, world_size: int = 2, quick: bool = False, backend: str = "torch",
+              sizes: CalibrationSizes | None = None) -> dict:
     """Measure and return a hardware profile dict loadable by ``hardware.load_hardware``."""
     import torch
 
+    sizes = sizes or CalibrationSizes()
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    reps = 3 if quick else 10
-    gemm = measure_gemm(512 if quick else (8192 if device == "cuda" else 2048), reps, device)
-    attn = measure_attention(256 if quick else 2048, 4 if quick else 16, reps, device)
-    copy = measure_copy((16 if quick else 256) * 2**20, reps, device)
-    a2a = 0.0
-    if world_size > 1:
-        from collectives import launch
+    reps = 5 if quick else 15
+    threads = torch.get_num_threads()
+    if device == "cpu":
+        torch.set_num_threads(1)  # as the training ranks run (idle pool threads would also bill CPU time)
+    try:
+        if device == "cuda":
+            gemm = measure_gemm(8192, 8192, 8192, reps, device)
+        else:
+            gemm = measure_gemm(sizes.tokens, sizes.hidden, sizes.hidden, reps, device)
+        attn = measure_attention(256 if quick else 2048, 4 if quick else 16, reps, device)
+        copy = measure_copy((16 if quick else 256) * 2**20, reps, device)
+        ranks = {}
+        if world_size > 1:
+            from collectives import launch
 
-        a2a = launch(_a2a_rank, world_size, backend=backend, timeout=120.0,
-                     nbytes=(1 if quick else 32) * 2**20, repeats=reps)
+            ranks = launch(_ranks_body, world_size, backend=backend, timeout=120.0, sizes=sizes, repeats=reps,
+                           nbytes=(1 if quick else 32) * 2**20, host=device == "cpu")
+            ranks["world_size"] = world_size
+        host = calibrate_host(sizes, reps, ranks) if device == "cpu" else None
+    finally:
+        torch.set_num_threads(threads)
+    a2a = ranks.get("a2a_gbps", 0.0)
     name = torch.cuda.get_device_name(0) if device == "cuda" else platform.processor() or platform.machine()
     mem_gib = (torch.cuda.get_device_properties(0).total_memory / 2**30 if device == "cuda" else 16.0)
     link = max(a2a, 1e-3)
     return {
         "name": f"calibrated {device}: {name}", "bf16_tflops": gemm, "fp8_tflops": 0.0, "hbm_gib": mem_gib,
-        "hbm_tbps": copy, "nvlink_gbps": link, "nic_gbps": link, "gpus_per_node": max(1, world_size),
-        "nvlink_latency_us": 10.0, "nic_latency_us": 20.0, "reserved_gib": 0.5,
-        "efficiency": {"gemm": 1.0, "grouped_gemm": 0.8, "attention": min(1.0, attn / gemm), "kda": 0.3,
-                       "hbm": 1.0, "nvlink": 1.0, "network": 1.0, "flash_attention": True,
-                       "gemm_half_gflop": 0.0},
+        "hbm_tbps": copy, "nvlink_gbps": link, "nic_gbps": link,
+        "gpus_per_node": max(8, world_size) if device == "cpu" else max(1, world_size),
+        "nvlink_latency_us": 10.0, "nic_latency_us": 20.0, "reserved_gib": 0.5, "host": host,
+        "efficiency": {"gemm": 1.0, "grouped_gemm": 1.0 if device == "cpu" else 0.8,
+                       "attention": min(1.0, attn / gemm), "kda": 0.3, "hbm": 1.0, "nvlink": 1.0, "network": 1.0,
+                       "flash_attention": True, "gemm_half_gflop": 0.0},
         "measured": {"device": device, "gemm_tflops": gemm, "attention_tflops": attn, "copy_tbps": copy,
                      "all_to_all_gbps_per_rank": a2a, "world_size": world_size, "backend": backend,
-                     "quick": quick},
+                     "quick": quick, "sizes": asdict(sizes)},
     }
+
+
+def merge_profiles(*profiles: dict) -> dict:
+    """Mean of calibrated profiles (numbers averaged, the rest taken from the first), e.g. two calibrations
+    bracketing a measured run on a machine whose free cores change while it runs."""
+    if not profiles:
+        raise ValueError("merge_profiles: needs at least one profile")
+
+    def mean(values):
+        first = values[0]
+        if isinstance(first, dict):
+            return {k: mean([v[k] for v in values]) for k in first}
+        if isinstance(first, float):
+            return sum(values) / len(values)
+        return first
+
+    return mean(list(profiles))

@@ -51,6 +51,10 @@ def register(commands, bench) -> None:
     ca.add_argument("--world-size", type=int, default=2, help="local ranks for the all-to-all (1 skips it)")
     ca.add_argument("--backend", choices=("torch", "mpi"), default="torch")
     ca.add_argument("--quick", action="store_true", help="small sizes, few repeats (smoke run)")
+    ca.add_argument("--model", default=None, help="measure GEMM, framework ops and KDA at this model's sizes "
+                    "(preset or config.json; default: the k3-tiny shapes)")
+    ca.add_argument("--seq-len", type=int, default=None, help="sequence length for --model (default: the model's)")
+    ca.add_argument("--micro-batch", type=int, default=1, help="sequences per rank for --model")
     ca.add_argument("--out", "--json", dest="out", default="hardware_profile.json", help="profile JSON to write")
     ca.set_defaults(func=_calibrate)
 
@@ -218,13 +222,24 @@ def _whatif(args) -> int:
 
 def _calibrate(args) -> int:
     from moonep.cli import write_json
-    from simulator.calibrate import calibrate
+    from simulator.calibrate import CalibrationSizes, calibrate
 
-    profile = calibrate(world_size=args.world_size, quick=args.quick, backend=args.backend)
+    try:
+        sizes = (CalibrationSizes.from_model(args.model, args.seq_len, args.micro_batch) if args.model
+                 else CalibrationSizes())
+    except (ValueError, OSError) as exc:
+        print(f"calibrate: {exc}")
+        return 2
+    profile = calibrate(world_size=args.world_size, quick=args.quick, backend=args.backend, sizes=sizes)
     m = profile["measured"]
     print(f"{profile['name']}: GEMM {m['gemm_tflops']:.3f} TFLOP/s, attention {m['attention_tflops']:.3f} "
           f"TFLOP/s, copy {m['copy_tbps'] * 1e3:.1f} GB/s, all-to-all {m['all_to_all_gbps_per_rank']:.2f} "
           f"GB/s per rank ({m['world_size']} ranks)")
+    if profile["host"]:
+        h = profile["host"]
+        print(f"host: {h['op_fwd_us']:.1f}/{h['op_bwd_us']:.1f} us per forward/backward op at {h['ref_elements']} "
+              f"elements, KDA call {h['kda_us'] / 1e3:.2f} ms, all-to-all call {h['a2a_call_us']:.0f} us, "
+              f"{h['effective_cores']:.2f} effective cores for {h['ranks']} ranks ({h['cores']} cores)")
     write_json(args.out, profile)
     print(f"wrote {args.out} (use it as --hardware {args.out})")
     return 0

@@ -23,13 +23,15 @@ import math
 from dataclasses import dataclass, field
 from functools import lru_cache
 
+from simulator import host
 from simulator import network as net
 from simulator.hardware import HardwareSpec
 from simulator.layers import layer_stats
 from simulator.parallel import ParallelConfig
 from simulator.specs import ModelSpec
 
-COMPUTE_CLASSES = ("gemm", "grouped_gemm", "attention", "kda", "elementwise", "imbalance", "recompute")
+COMPUTE_CLASSES = ("gemm", "grouped_gemm", "attention", "kda", "elementwise", "imbalance", "recompute", "host")
+"""``host``: framework (Python + dispatcher) time of eager ops; nonzero only with a calibrated host profile."""
 COMM_CLASSES = ("tp", "cp", "ep")
 
 
@@ -155,11 +157,30 @@ def _layer(spec, hw, par, kind, t, tiers, scale, comm_scale):
     f["tp"], b["tp"], f["cp"], b["cp"] = tp_f, tp_f, cp_f, cp_b
     keep = 1.0 - eff.ep_overlap if par.schedule != "dualpipe" else 1.0
     f["ep"], b["ep"] = ep_f * keep, ep_b * keep
+    if hw.host is not None:
+        ep_f, ep_b = _host_layer(spec, hw, par, kind, t, f, b, scale)
+        f["ep"], b["ep"] = ep_f, ep_b
     b["recompute"] = _recompute(par, f, s2)
     over = eff.layer_overhead_s
     f["elementwise"] += over / 3
     b["elementwise"] += 2 * over / 3
+    if hw.host is not None:  # every second of a CPU rank, communication included, is time-shared host work
+        k = host.stretch(hw, par)
+        f, b, ep_f, ep_b = {n: v * k for n, v in f.items()}, {n: v * k for n, v in b.items()}, ep_f * k, ep_b * k
     return f, b, ep_f, ep_b
+
+
+def _host_layer(spec, hw, par, kind, t, f, b, scale) -> tuple[float, float]:
+    """Host-bound pricing (``simulator.host``) of one layer, in place: framework ops instead of elementwise
+    bytes, the calibrated KDA kernel (forward:backward taken as 1:2), collectives per call; returns the MoE
+    layer's (forward, backward) collective seconds. ``scale`` slows this rank's compute (what-if)."""
+    fwd_ops, bwd_ops, kda = (v * scale for v in host.layer_host(spec, hw, par, kind, t))
+    f["host"], b["host"] = fwd_ops, bwd_ops
+    f["elementwise"] = b["elementwise"] = 0.0
+    f["kda"], b["kda"] = kda / 3, 2 * kda / 3
+    if kind[1] == "moe":
+        return host.moe_comm_seconds(spec, hw, par, t / par.tp)
+    return 0.0, 0.0
 
 
 def _recompute(par: ParallelConfig, f: dict, s2: float) -> float:
@@ -197,17 +218,23 @@ def chunk_cost(spec: ModelSpec, hw: HardwareSpec, par: ParallelConfig, layers: l
         c.ep_raw_bwd += eb
     eff = hw.efficiency
     hbm = hw.hbm_tbps * 1e12 * eff.hbm / scale
+    k = host.stretch(hw, par)  # 1 without a host profile
     if last:
         peak = hw.peak_tflops(par.precision) * 1e12 / scale
-        head = t * 2.0 * spec.vocab * spec.hidden / par.tp / (peak * eff.gemm)
+        head = t * 2.0 * spec.vocab * spec.hidden / par.tp / (peak * eff.gemm) * k
         loss = t * spec.vocab * 4 * 3 / par.tp / hbm  # fp32 logits: write, softmax read + write
         c.fwd["gemm"] += head
-        c.fwd["elementwise"] += loss
         c.bwd["gemm"] += 2 * head
-        c.bwd["elementwise"] += loss
-    if first:
+        if hw.host is None:
+            c.fwd["elementwise"] += loss
+            c.bwd["elementwise"] += loss
+    if first and hw.host is None:
         c.fwd["elementwise"] += t * spec.hidden * 4 / hbm
         c.bwd["elementwise"] += t * spec.hidden * 8 / hbm
+    if hw.host is not None and (first or last):  # embedding, output mix, final norm, head and loss ops
+        ends_f, ends_b = host.ends_host(spec, hw, par, t)
+        c.fwd["host"] += ends_f * k * scale
+        c.bwd["host"] += ends_b * k * scale
     split = par.tp if par.sequence_parallel else 1
     c.p2p = net.p2p(t * spec.hidden * 2.0 / split, par.tp * par.cp * par.dp, tiers, comm_scale)
     return c

@@ -62,6 +62,74 @@ class Efficiency:
 
 
 @dataclass(kw_only=True, frozen=True)
+class HostSpec:
+    """Host-bound costs of eager PyTorch on a calibrated machine (CPU ranks; written by ``simulate calibrate``).
+
+    When a model is small, a step is set by the host: each framework op costs microseconds of Python and
+    dispatcher time, collectives cost host time per call, and local ranks beyond the free cores share them.
+    ``simulator.host`` prices a step with these numbers and an op census of the project's implementation.
+    All times are CPU (process) time of one rank, measured alone unless said otherwise.
+    """
+
+    cores: int
+    """CPU cores the calibrating process could run on (``os.sched_getaffinity``)."""
+    effective_cores: float
+    """Measured: throughput of ``ranks`` concurrently busy local ranks, in units of one rank alone (at most
+    ``ranks``; below ``cores`` when other work shares the machine)."""
+    ranks: int
+    """Local ranks the concurrent and collective measurements used."""
+    op_fwd_tiny_us: float
+    """Host time per framework op of a forward under autograd, on tiny tensors (pure per-op overhead)."""
+    op_bwd_tiny_us: float
+    """The same for an op run by the autograd engine in the backward."""
+    op_nograd_tiny_us: float
+    """The same outside autograd (optimizer, gradient bookkeeping)."""
+    op_fwd_us: float
+    """Host time per forward op of the reference eager block at ``ref_elements`` activation elements."""
+    op_bwd_us: float
+    """Host time per backward op of the reference block at ``ref_elements``."""
+    ref_elements: int
+    """Activation elements (tokens x width) per op at which ``op_fwd_us`` / ``op_bwd_us`` were measured."""
+    kda_us: float
+    """One KDA kernel call (``cp_kda`` gate + chunk), forward + backward, at ``kda_elements``."""
+    kda_tiny_us: float
+    """The same at ``kda_tiny_elements`` (the per-call part of the cost)."""
+    kda_elements: int
+    """Tokens x heads x head width of the ``kda_us`` call."""
+    kda_tiny_elements: int
+    """Tokens x heads x head width of the ``kda_tiny_us`` call."""
+    a2a_call_us: float
+    """One small all-to-all through ``collectives`` (no argument check), per rank, at ``ranks`` ranks."""
+    all_reduce_call_us: float
+    """One small all-reduce without argument check, per rank."""
+    checked_all_reduce_call_us: float
+    """One small all-reduce with the default argument check (an extra header all-gather), per rank."""
+    all_gather_call_us: float
+    """One small all-gather without argument check, per rank."""
+    a2a_us_per_mb: float
+    """Extra all-to-all host time per MB a rank sends."""
+    all_reduce_us_per_mb: float
+    """Extra all-reduce host time per MB of the reduced buffer."""
+
+    def __post_init__(self):
+        if not isinstance(self.cores, int) or self.cores < 1 or not isinstance(self.ranks, int) or self.ranks < 1:
+            raise ValueError(f"HostSpec.cores and ranks must be positive integers, got {self.cores!r}, {self.ranks!r}")
+        if not 0 < self.effective_cores <= self.ranks + 1e-9:
+            raise ValueError(f"HostSpec.effective_cores must be in (0, ranks={self.ranks}], "
+                             f"got {self.effective_cores!r}")
+        for f in fields(self):
+            if f.name not in ("cores", "ranks", "effective_cores") and not getattr(self, f.name) >= 0:
+                raise ValueError(f"HostSpec.{f.name} must be >= 0, got {getattr(self, f.name)!r}")
+        if min(self.ref_elements, self.kda_elements, self.kda_tiny_elements) < 1 or \
+                self.kda_elements <= self.kda_tiny_elements:
+            raise ValueError("HostSpec: ref_elements, kda_*elements must be >= 1 and kda_elements > kda_tiny_elements")
+
+    def stretch(self, local_ranks: int) -> float:
+        """Wall seconds per second of one rank's host work when ``local_ranks`` ranks share this machine."""
+        return max(1.0, local_ranks / self.effective_cores)
+
+
+@dataclass(kw_only=True, frozen=True)
 class HardwareSpec:
     """One accelerator type and its node: peaks, memory, links."""
 
@@ -91,6 +159,8 @@ class HardwareSpec:
     """Rental price, USD per GPU-hour, for the cost line."""
     efficiency: Efficiency = field(default_factory=Efficiency)
     """The one efficiency set of this hardware."""
+    host: HostSpec | None = None
+    """Host-bound eager costs (calibrated CPU profiles); None prices kernels only (GPU presets)."""
 
     def __post_init__(self):
         for f in ("bf16_tflops", "hbm_gib", "hbm_tbps", "nvlink_gbps", "nic_gbps"):
@@ -118,6 +188,11 @@ class HardwareSpec:
             raise ValueError(f"unknown HardwareSpec field(s) {unknown}; known: {sorted(known)}")
         data = dict(data)
         eff = data.pop("efficiency", None)
+        if isinstance(data.get("host"), dict):
+            known_h = {f.name for f in fields(HostSpec)}
+            if set(data["host"]) - known_h:
+                raise ValueError(f"unknown HostSpec field(s) {sorted(set(data['host']) - known_h)}")
+            data["host"] = HostSpec(**data["host"])
         if base is not None:
             spec = replace(base, **data)
         else:

@@ -4,7 +4,8 @@ A ``ModelSpec`` describes the layer stack with the few numbers that cost and mem
 attention kind (``mha`` incl. GQA, ``mla``, ``kda``) and an FFN kind (``dense`` or ``moe``); ``layer_kinds()``
 lists them. Counting formulas live in ``simulator.layers``.
 
-Presets (``PRESETS``): ``k3`` (released config, see ``k3_architecture.md`` section 3), ``kimi-k2``,
+Presets (``PRESETS``): ``k3`` (released config, see ``k3_architecture.md`` section 3), ``k3-tiny`` and
+``k3-small`` (the CPU presets ``moonep train`` runs), ``kimi-k2``,
 ``deepseek-v3``, ``llama3-405b``, ``gpt3-175b`` and the dense GPT models of Korthikanti et al. 2022
 (``gpt-22b``, ``gpt-175b``, ``gpt-530b``, ``gpt-1t``; Megatron conventions: vocab 51200, learned positions,
 LayerNorm, biases, dropout, tied embeddings).
@@ -84,6 +85,8 @@ class ModelSpec:
     """``rmsnorm`` (gain only) or ``layernorm`` (gain and bias)."""
     attn_res: bool = False
     """K3 Block AttnRes: 4 norms + 2 pseudo-queries per layer and 3 vectors at the output."""
+    attn_res_block_size: int = 0
+    """Layers per AttnRes block (sets how many sources each mix reads; 0 = one block)."""
     dropout: bool = False
     """Dropout after attention and MLP (saves a 1-byte mask each; Megatron GPT runs)."""
     tie_embeddings: bool = False
@@ -117,6 +120,8 @@ class ModelSpec:
             raise ValueError(f"ModelSpec.norm must be rmsnorm or layernorm, got {self.norm!r}")
         if self.seq_len < 1:
             raise ValueError(f"ModelSpec.seq_len must be >= 1, got {self.seq_len}")
+        if self.attn_res_block_size < 0:
+            raise ValueError(f"ModelSpec.attn_res_block_size must be >= 0, got {self.attn_res_block_size}")
 
     @property
     def kv_heads(self) -> int:
@@ -170,6 +175,17 @@ def k3() -> ModelSpec:
     return from_config_object(K3Config.preset("full"), name="k3")
 
 
+def k3_preset(name: str) -> Callable[[], ModelSpec]:
+    """``k3-tiny`` / ``k3-small``: the CPU presets of ``k3.K3Config`` (what ``moonep train --preset`` trains),
+    at the training job's sequence length."""
+    def build() -> ModelSpec:
+        from k3.config import K3Config
+
+        # seq 64 = k3.train.TrainConfig.seq_len (k3.train is not imported here: it pulls in torch)
+        return replace(from_config_object(K3Config.preset(name), name=f"k3-{name}"), seq_len=64)
+    return build
+
+
 def kimi_k2() -> ModelSpec:
     """Kimi K2: 61 MLA layers, 64 heads, 384 experts top-8, 1 shared, first layer dense (about 1.04T / 32.6B)."""
     return ModelSpec(name="kimi-k2", hidden=7168, num_layers=61, vocab=163840, num_heads=64, attention="mla",
@@ -204,7 +220,8 @@ def gpt3_175b() -> ModelSpec:
 
 
 PRESETS: dict[str, Callable[[], ModelSpec]] = {
-    "k3": k3, "kimi-k2": kimi_k2, "deepseek-v3": deepseek_v3, "llama3-405b": llama3_405b, "gpt3-175b": gpt3_175b,
+    "k3": k3, "k3-tiny": k3_preset("tiny"), "k3-small": k3_preset("small"), "kimi-k2": kimi_k2,
+    "deepseek-v3": deepseek_v3, "llama3-405b": llama3_405b, "gpt3-175b": gpt3_175b,
     "gpt-22b": lambda: _megatron_gpt("gpt-22b", 48, 6144, 64),
     "gpt-175b": lambda: _megatron_gpt("gpt-175b", 96, 12288, 96),
     "gpt-530b": lambda: _megatron_gpt("gpt-530b", 105, 20480, 128),
@@ -243,6 +260,7 @@ def from_hf_config(cfg: dict, name: str = "hf") -> ModelSpec:
         moe_latent_dim=int(get("routed_expert_hidden_size") or 0)
         if get("routed_expert_hidden_size") not in (None, hidden) else 0,
         router_bias=get("topk_method") == "noaux_tc", attn_res=bool(get("attn_res_block_size")),
+        attn_res_block_size=int(get("attn_res_block_size") or 0),
         tie_embeddings=bool(cfg.get("tie_word_embeddings", get("tie_word_embeddings", False))),
         seq_len=min(int(get("max_position_embeddings") or 4096), 8192))
 
