@@ -34,6 +34,8 @@ class Buffer:
     segment is padded to a multiple of this (the grouped-GEMM tile). dtype: the hidden rows' dtype.
     backend: "auto"/"collectives" = the communicator's all_to_all_single (gloo, NCCL or MPI, whatever comm is);
     "nvshmem" needs a GPU communicator built with the nvshmem backend (not available on CPU).
+    check_combine: check the arguments of plan-reuse calls (combine, dispatch with ``plan=``) so that bad input
+    raises on every rank; costs one small all-reduce per call (dispatch's checks ride on its count all-gather).
     """
 
     def __init__(self, comm, S: int, H: int, K: int, E: int, *, token_padding: int = 1,
@@ -152,10 +154,11 @@ class Buffer:
 
     def _redispatch(self, cp: CommPlan, hidden, topk_weights, zero_copy: bool):
         """Dispatch along a saved plan (no planning, no side table; weights travel per slot if given)."""
-        code, detail, _ = _checks.dispatch_problem(self, hidden, topk_weights, None, None, None, reuse=True)
-        if code == 0 and (cp.buffer_id != id(self) or hidden.shape[0] != cp.num_tokens):
-            code, detail = 11, f"plan was made for s={cp.num_tokens} tokens by another Buffer/rank"
-        self._agree("dispatch", code, detail)
+        if self.check_combine:  # plan-reuse calls carry no count exchange: checking costs one all-reduce
+            code, detail, _ = _checks.dispatch_problem(self, hidden, topk_weights, None, None, None, reuse=True)
+            if code == 0 and (cp.buffer_id != id(self) or hidden.shape[0] != cp.num_tokens):
+                code, detail = 11, f"plan was made for s={cp.num_tokens} tokens by another Buffer/rank"
+            self._agree("dispatch", code, detail)
         if topk_weights is not None:
             per_slot = self._slots_forward(cp, topk_weights.detach().reshape(-1)[cp.slot_pos].float())
             self._weights_from(cp, per_slot)

@@ -1,15 +1,18 @@
-"""Expert compute on the dispatch layout: shared weight pools and a grouped SwiGLU over the [2*epn] view.
+"""Expert compute on the dispatch layout: shared replica pools and a grouped SwiGLU over the [2*epn] groups.
 
 Axes: ``n`` = nvs receive rows, ``H`` hidden, ``F`` expert FFN size, ``epn`` experts per rank.
 Weights: ``w13 [epn, H, 2F]`` (gate and up side by side), ``w2 [epn, F, H]``; per expert e on rows x:
 ``y = (silu(x @ w13[:, :F]) * (x @ w13[:, F:])) @ w2``, then times the routing weight (expert side).
 
-Pools (memory): one ``ExpertPool`` per (communicator, projection shape, dtype), shared by every layer: a weight
-view ``[2*epn, ...]`` (rows [0, epn) stage the current layer's own experts, rows [epn, 2*epn) are the replica
-slots) and an fp32 grad view of the same shape. Extra memory is ``2*epn`` experts per projection for weights
-plus ``2*epn`` in fp32 for grads, in total, not per layer. Because layers share the slots, the backward
-re-stages and re-pushes a layer's replicas when another layer pushed since its forward (every rank takes the
-same decision: the pool's owner evolves identically on all ranks).
+The receive layout has ``2*epn`` groups: this rank's own experts, then its ``epn`` replica slots. The grouped
+SwiGLU reads group g's weights from a per-group list (``group_view``): the layer's own parameters for
+g < epn (no staging copy) and the shared replica pool for the slots.
+
+Pools (memory): one ``ExpertPool`` per (communicator, projection shape, dtype), shared by every layer: the
+replica slots' weights ``[epn, ...]`` and their fp32 grads. Extra memory is ``epn`` experts per projection
+(plus ``epn`` fp32 grads), in total, not per layer. Because layers share the slots, the backward re-pushes a
+layer's replicas when another layer pushed since its forward (every rank takes the same decision: the pool's
+owner evolves identically on all ranks).
 """
 from __future__ import annotations
 
@@ -25,15 +28,14 @@ _POOLS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 class ExpertPool:
-    """Weight and grad pools of one projection for one EP group (see the module docstring)."""
+    """Replica-slot weight and grad pools of one projection for one EP group (see the module docstring)."""
 
     def __init__(self, epn: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
         self.epn = epn
-        self.weights = torch.zeros(2 * epn, *shape, dtype=dtype, device=device)
-        """[2*epn, ...] compute view: staged own experts then replica slots."""
-        self.grads = torch.zeros(2 * epn, *shape, dtype=torch.float32, device=device)
-        """[2*epn, ...] fp32 grads of the compute view (own experts then replica slots), overwritten by each
-        layer's backward: the replica slots are reduced home from here."""
+        self.weights = torch.zeros(epn, *shape, dtype=dtype, device=device)
+        """[epn, ...] replica slots: the experts pushed to this rank for the current plan."""
+        self.grads = torch.zeros(epn, *shape, dtype=torch.float32, device=device)
+        """[epn, ...] fp32 grads of the replica slots, overwritten by each layer's backward and reduced home."""
         self.owner: object = None
         """(layer key, plan) of the last push; decides whether a backward must re-push."""
 
@@ -47,12 +49,16 @@ def pool_for(buffer: Buffer, name: str, shape: tuple[int, ...], dtype: torch.dty
     return pools[key]
 
 
-def stage_and_push(buffer: Buffer, plan: CommPlan, key: object, pools, locals_) -> None:
-    """Copy the layer's own experts into the pools' staging rows and push the replicas (collective)."""
-    for pool, w in zip(pools, locals_):
-        pool.weights[:buffer.epn].copy_(w.detach())
+def push_replicas(buffer: Buffer, plan: CommPlan, key: object, pools, locals_) -> None:
+    """Push the replicated experts' weights into the pools' slots (collective) and mark the pools as ours."""
+    for pool in pools:
         pool.owner = (key, plan)
-    buffer.prefetch_weight(plan, [w.detach() for w in locals_], [p.weights[buffer.epn:] for p in pools])
+    buffer.prefetch_weight(plan, [w.detach() for w in locals_], [p.weights for p in pools])
+
+
+def group_view(own: torch.Tensor, slots: torch.Tensor) -> list[torch.Tensor]:
+    """Per-group views ``[2*epn]`` of own ``[epn, ...]`` then slot ``[epn, ...]`` tensors (no copy)."""
+    return list(own.unbind(0)) + list(slots.unbind(0))
 
 
 def segments(cu: torch.Tensor) -> list[tuple[int, int, int]]:
@@ -63,13 +69,14 @@ def segments(cu: torch.Tensor) -> list[tuple[int, int, int]]:
 
 
 def swiglu_forward(x, w13, w2, cu):
-    """Grouped SwiGLU over the [2*epn] weight view. x [n, H] -> (y [n, H], saved activations a13 [n, 2F]).
+    """Grouped SwiGLU. x [n, H], w13 / w2: per-group weights ([G, H, 2F] / [G, F, H] tensors or lists of G
+    views), cu [G] -> (y [n, H], saved activations a13 [n, 2F]).
 
     Rows past the last segment (padding) give 0. A loop over segments on CPU writing straight into the outputs
     (no zero-fill of rows that are computed anyway); one grouped GEMM call on GPU would do.
     """
-    F, n = w2.shape[1], x.shape[0]
-    y = x.new_empty(n, w2.shape[2])
+    F, n = w2[0].shape[0], x.shape[0]
+    y = x.new_empty(n, w2[0].shape[1])
     a13 = x.new_empty(n, 2 * F)
     end = 0
     for g, a, b in segments(cu):
@@ -82,45 +89,46 @@ def swiglu_forward(x, w13, w2, cu):
 
 
 def swiglu_backward(x, w13, w2, cu, a13, dy, dw13=None, dw2=None):
-    """Grads of ``swiglu_forward``: (dx [n, H], dw13 [2*epn, H, 2F], dw2 [2*epn, F, H]) with dy [n, H].
+    """Grads of ``swiglu_forward``: (dx [n, H], dw13, dw2) with dy [n, H].
 
-    ``dw13`` / ``dw2``: optional fp32 outputs to overwrite (the pools' grad views, so no large buffer is
-    allocated and zero-filled per layer); groups without rows get 0.
+    ``dw13`` / ``dw2``: per-group outputs to overwrite (tensors or lists of views, any float dtype; default new
+    fp32 tensors shaped like the weights); groups without rows get 0.
     """
-    F = w2.shape[1]
+    F, G = w2[0].shape[0], len(w13)
     dx = torch.empty_like(x)
-    dw13 = torch.empty(w13.shape, dtype=torch.float32, device=x.device) if dw13 is None else dw13
-    dw2 = torch.empty(w2.shape, dtype=torch.float32, device=x.device) if dw2 is None else dw2
+    if dw13 is None:
+        dw13 = torch.empty(G, *w13[0].shape, dtype=torch.float32, device=x.device)
+        dw2 = torch.empty(G, *w2[0].shape, dtype=torch.float32, device=x.device)
     used, end = set(), 0
     for g, a, b in segments(cu):
         gate, up = a13[a:b, :F], a13[a:b, F:]
         sg = torch.sigmoid(gate)
         act = gate * sg
-        m = act * up
-        dw2[g] = (m.t() @ dy[a:b]).float()
+        dw2[g].copy_((act * up).t() @ dy[a:b])
         dm = dy[a:b] @ w2[g].t()
         dgate = dm * up * (sg * (1 + gate * (1 - sg)))  # d silu(g) / dg = s(g) (1 + g (1 - s(g)))
         da13 = torch.cat((dgate, dm * act), dim=1)
-        dw13[g] = (x[a:b].t() @ da13).float()
+        dw13[g].copy_(x[a:b].t() @ da13)
         torch.mm(da13, w13[g].t(), out=dx[a:b])
         used.add(g)
         end = b
     dx[end:].zero_()
-    for g in set(range(w13.shape[0])) - used:
+    for g in set(range(G)) - used:
         dw13[g].zero_()
         dw2[g].zero_()
     return dx, dw13, dw2
 
 
 class GroupedExperts(torch.autograd.Function):
-    """z [n, H] = swiglu(recv_hidden) * recv_weights[:, None] on the [2*epn] view; grads to local weights."""
+    """z [n, H] = swiglu(recv_hidden) * recv_weights[:, None] over the [2*epn] groups; grads to local weights."""
 
     @staticmethod
     def forward(ctx, buffer: Buffer, plan: CommPlan, key: object, x, w, w13, w2):
         pools = (pool_for(buffer, "w13", tuple(w13.shape[1:]), w13.dtype),
                  pool_for(buffer, "w2", tuple(w2.shape[1:]), w2.dtype))
-        stage_and_push(buffer, plan, key, pools, (w13, w2))
-        y, a13 = swiglu_forward(x, pools[0].weights, pools[1].weights, plan.cu_seqlens)
+        push_replicas(buffer, plan, key, pools, (w13, w2))
+        y, a13 = swiglu_forward(x, group_view(w13.detach(), pools[0].weights),
+                                group_view(w2.detach(), pools[1].weights), plan.cu_seqlens)
         ctx.buffer, ctx.plan, ctx.key, ctx.pools = buffer, plan, key, pools
         ctx.save_for_backward(x, w, w13, w2, a13, y)
         return y * w[:, None].to(y.dtype)
@@ -130,16 +138,16 @@ class GroupedExperts(torch.autograd.Function):
         buffer, plan, pools = ctx.buffer, ctx.plan, ctx.pools
         x, w, w13, w2, a13, y = ctx.saved_tensors
         if any(p.owner != (ctx.key, plan) for p in pools):  # another layer used the shared slots since
-            stage_and_push(buffer, plan, ctx.key, pools, (w13, w2))
+            push_replicas(buffer, plan, ctx.key, pools, (w13, w2))
         dw = (dz * y).sum(1).to(w.dtype)
         dy = dz * w[:, None].to(dz.dtype)
-        dx, dw13, dw2 = swiglu_backward(x, pools[0].weights, pools[1].weights, plan.cu_seqlens, a13, dy,
-                                        pools[0].grads, pools[1].grads)
-        epn = buffer.epn
-        buffer.reduce_grad(plan, [dw13[:epn], dw2[:epn]], [dw13[epn:], dw2[epn:]])
-        # copies: the pools' grad views are overwritten by the next layer's backward
-        return (None, None, None, dx, dw, dw13[:epn].to(w13.dtype, copy=True),
-                dw2[:epn].to(w2.dtype, copy=True))
+        own13 = torch.empty(w13.shape, dtype=torch.float32, device=w13.device)
+        own2 = torch.empty(w2.shape, dtype=torch.float32, device=w2.device)
+        dx, _, _ = swiglu_backward(x, group_view(w13, pools[0].weights), group_view(w2, pools[1].weights),
+                                   plan.cu_seqlens, a13, dy, group_view(own13, pools[0].grads),
+                                   group_view(own2, pools[1].grads))
+        buffer.reduce_grad(plan, [own13, own2], [pools[0].grads, pools[1].grads])
+        return None, None, None, dx, dw, own13.to(w13.dtype), own2.to(w2.dtype)
 
 
 def naive_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor,
