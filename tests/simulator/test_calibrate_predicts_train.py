@@ -120,6 +120,7 @@ def _attempt(tmp_path, tc, load: ForeignLoad, n: int) -> tuple[float, dict, list
 
 
 @pytest.mark.slow
+@pytest.mark.host_noise
 def test_calibrated_profile_predicts_tiny_k3_train_step(tmp_path):
     tc = _train_config()
     with ForeignLoad() as load:

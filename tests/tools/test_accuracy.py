@@ -29,6 +29,7 @@ def kinds(report):
     return [(f["kind"], f["ranks"]) for f in report["findings"]]
 
 
+@pytest.mark.host_noise
 def test_slowdown_1_2x_found_on_right_rank_within_10_steps(tmp_path):
     report, tables = diagnose_run(tmp_path, True, steps=30,
                                   slowdowns=tuple(parse_slowdowns("rank=2,factor=1.2,from_step=10")))
@@ -55,6 +56,7 @@ def test_link_delay_attributed_to_its_pair(tmp_path):
     assert kinds(report) == [("slow_link", [1, 3])]
 
 
+@pytest.mark.host_noise
 def test_100_clean_steps_raise_no_alarm(tmp_path):
     report = diagnose_run(tmp_path, steps=100)
     assert report["steps"]["count"] == 100
