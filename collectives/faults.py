@@ -156,41 +156,31 @@ def _checked(part: str, what: str, build):
         raise ValueError(f"{what} {part!r}: {exc}") from None
 
 
-def parse_slowdowns(spec: str) -> list[Slowdown]:
-    """``"rank=R,factor=F[,from_step=N][;...]"`` -> list of ``Slowdown``."""
+def _parse_specs(spec: str, what: str, cls, kinds: dict[str, type]) -> list:
+    """``spec`` ("k=v,...;...") -> list of ``cls``: ``kinds`` are the required keys with their types, plus an
+    optional ``from_step`` (default 0)."""
+    kinds = {**kinds, "from_step": int}
     out = []
     for part in _parts(spec):
-        f = _fields(part, "slowdown", {"rank", "factor"}, {"from_step"})
+        f = _fields(part, what, set(kinds) - {"from_step"}, {"from_step"})
         f.setdefault("from_step", "0")
-        out.append(_checked(part, "slowdown", lambda: Slowdown(
-            rank=_number(part, "slowdown", f, "rank", int), factor=_number(part, "slowdown", f, "factor", float),
-            from_step=_number(part, "slowdown", f, "from_step", int))))
+        out.append(_checked(part, what, lambda: cls(**{k: _number(part, what, f, k, t) for k, t in kinds.items()})))
     return out
+
+
+def parse_slowdowns(spec: str) -> list[Slowdown]:
+    """``"rank=R,factor=F[,from_step=N][;...]"`` -> list of ``Slowdown``."""
+    return _parse_specs(spec, "slowdown", Slowdown, {"rank": int, "factor": float})
 
 
 def parse_data_delays(spec: str) -> list[DataDelay]:
     """``"rank=R,ms=M[,from_step=N][;...]"`` -> list of ``DataDelay``."""
-    out = []
-    for part in _parts(spec):
-        f = _fields(part, "data delay", {"rank", "ms"}, {"from_step"})
-        f.setdefault("from_step", "0")
-        out.append(_checked(part, "data delay", lambda: DataDelay(
-            rank=_number(part, "data delay", f, "rank", int), ms=_number(part, "data delay", f, "ms", float),
-            from_step=_number(part, "data delay", f, "from_step", int))))
-    return out
+    return _parse_specs(spec, "data delay", DataDelay, {"rank": int, "ms": float})
 
 
 def parse_link_delay_specs(spec: str) -> list[LinkDelay]:
     """``"src=A,dst=B,ms=M[,from_step=N][;...]"`` -> list of ``LinkDelay`` (the env grammar above + from_step)."""
-    out = []
-    for part in _parts(spec):
-        f = _fields(part, "link delay", {"src", "dst", "ms"}, {"from_step"})
-        f.setdefault("from_step", "0")
-        out.append(_checked(part, "link delay", lambda: LinkDelay(
-            src=_number(part, "link delay", f, "src", int), dst=_number(part, "link delay", f, "dst", int),
-            ms=_number(part, "link delay", f, "ms", float),
-            from_step=_number(part, "link delay", f, "from_step", int))))
-    return out
+    return _parse_specs(spec, "link delay", LinkDelay, {"src": int, "dst": int, "ms": float})
 
 
 def check_fault_ranks(world_size: int, slowdowns=(), data_delays=(), link_delays=()) -> None:
@@ -200,3 +190,11 @@ def check_fault_ranks(world_size: int, slowdowns=(), data_delays=(), link_delays
     bad += [f"link delay rank {r}" for d in link_delays for r in (d.src, d.dst) if r >= world_size]
     if bad:
         raise ValueError(f"injected faults outside world_size={world_size}: {', '.join(bad)}")
+
+
+def faults_at(job, rank: int, step: int) -> tuple[float, float, list[LinkDelay]]:
+    """Faults of ``job`` (anything with ``slowdowns``, ``data_delays``, ``link_delays``) in force at ``step``:
+    (rank's compute factor, the largest of overlapping slowdowns; its extra data-loading ms; link delays)."""
+    factor = max((s.factor for s in job.slowdowns if s.rank == rank and step >= s.from_step), default=1.0)
+    data_ms = sum(d.ms for d in job.data_delays if d.rank == rank and step >= d.from_step)
+    return factor, data_ms, [d for d in job.link_delays if step >= d.from_step]

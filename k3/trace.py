@@ -1,25 +1,16 @@
 """Tracing and injected faults of one training rank: the records ``moonep diagnose`` reads.
 
 ``PhaseClock`` writes one ``kind="data"`` record per step and ``kind="compute"`` records per phase with
-``cpu_s`` (thread CPU time), split per sublayer call by module hooks; ``faults_at`` says which injected faults
-(grammar in ``collectives/faults.py``) are in force at a step. Model code stays untouched: hooks only.
+``cpu_s`` (thread CPU time), split per sublayer call by module hooks, and stretches them by an injected
+slowdown (which faults are in force at a step: ``collectives.faults.faults_at``). Model code stays untouched:
+hooks only.
 """
 from __future__ import annotations
 
 import time
 from contextlib import contextmanager
 
-from collectives.faults import LinkDelay
-
 from .moe import LatentMoE
-
-
-def faults_at(tc, rank: int, step: int) -> tuple[float, float, list[LinkDelay]]:
-    """Injected faults of a ``TrainConfig`` in force at ``step``: (rank's compute factor, its extra
-    data-loading ms, link delays)."""
-    factor = max((s.factor for s in tc.slowdowns if s.rank == rank and step >= s.from_step), default=1.0)
-    data_ms = sum(d.ms for d in tc.data_delays if d.rank == rank and step >= d.from_step)
-    return factor, data_ms, [d for d in tc.link_delays if step >= d.from_step]
 
 
 class PhaseClock:

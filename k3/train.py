@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from collectives.faults import DataDelay, LinkDelay, Slowdown, check_fault_ranks
+from collectives.faults import DataDelay, LinkDelay, Slowdown, check_fault_ranks, faults_at
 
 from .balance import update_router_biases
 from .checkpoint import load_checkpoint, save_checkpoint
@@ -36,7 +36,7 @@ from .data import batch, load_corpus
 from .model import build_model, token_loss_sum
 from .muon import qk_clip
 from .optim import build_optimizer, lr_at
-from .trace import PhaseClock, faults_at
+from .trace import PhaseClock
 
 EXPERT_SUFFIXES = (".w1", ".w2", ".w3")
 

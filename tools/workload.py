@@ -18,6 +18,7 @@ import os
 import time
 from dataclasses import dataclass
 
+from collectives.faults import faults_at
 from tools.inject import DataDelay, LinkDelay, Slowdown
 
 
@@ -100,10 +101,9 @@ def _step(comm, cfg: WorkloadConfig, step: int, w) -> None:
     import torch
 
     world, rank = comm.world_size, comm.rank
-    factor = max([s.factor for s in cfg.slowdowns if s.rank == rank and step >= s.from_step], default=1.0)
+    factor, delay, _ = faults_at(cfg, rank, step)
     t0 = time.time()
     x = torch.randn(cfg.tokens, cfg.hidden, generator=torch.Generator().manual_seed(step))
-    delay = sum(d.ms for d in cfg.data_delays if d.rank == rank and step >= d.from_step)
     if delay:
         time.sleep(delay / 1000.0)
     if comm.tracer is not None:
@@ -171,10 +171,8 @@ def run_local(cfg: WorkloadConfig, world_size: int, trace_dir: str | None, *, ti
               job_timeout: float | None = 300.0) -> dict:
     """Launch ``world_size`` local gloo ranks running the workload; rank 0's result."""
     from collectives import launch
+    from collectives.faults import check_fault_ranks
 
-    bad = [s.rank for s in cfg.slowdowns + cfg.data_delays if s.rank >= world_size]
-    bad += [r for d in cfg.link_delays for r in (d.src, d.dst) if r >= world_size]
-    if bad:
-        raise ValueError(f"injected ranks {sorted(set(bad))} outside world_size={world_size}")
+    check_fault_ranks(world_size, cfg.slowdowns, cfg.data_delays, cfg.link_delays)
     return launch(run_workload, world_size, timeout=timeout, trace_dir=trace_dir, job_timeout=job_timeout,
                   cfg=cfg, out_dir=trace_dir)

@@ -13,7 +13,8 @@ from collectives.faults import DataDelay, LinkDelay, Slowdown
 from collectives.trace import Tracer
 from k3.config import K3Config
 from k3.model import build_model, token_loss_sum
-from k3.trace import PhaseClock, faults_at
+from collectives.faults import faults_at
+from k3.trace import PhaseClock
 from k3.train import TrainConfig
 
 
