@@ -170,7 +170,7 @@ def _reference_block(width: int):
             w = torch.softmax(v.mean(-1), dim=0)
             return (w.unsqueeze(-1) * v).sum(0)
 
-    return nn.ModuleList(Block() for _ in range(20))
+    return nn.Sequential(*(Block() for _ in range(20)))
 
 
 def _count_ops(fn) -> int:
@@ -195,10 +195,7 @@ def measure_ops(tokens: int, width: int, repeats: int) -> tuple[float, float, fl
     blocks, x = _reference_block(width), torch.randn(tokens, width, requires_grad=True)
 
     def fwd():
-        y = x
-        for b in blocks:
-            y = b(y)
-        return y
+        return blocks(x)
 
     y = fwd()
     n_fwd, n_bwd = _count_ops(fwd), _count_ops(lambda: y.sum().backward())
@@ -275,10 +272,7 @@ def _effective_cores(comm, sizes: CalibrationSizes, rounds: int) -> float:
     blocks, x = _reference_block(sizes.hidden), torch.randn(sizes.tokens, sizes.hidden, requires_grad=True)
 
     def step():
-        y = x
-        for b in blocks:
-            y = b(y)
-        y.sum().backward()
+        blocks(x).sum().backward()
 
     step()
     t0 = time.process_time()
