@@ -91,9 +91,9 @@ def optimizer_seconds(spec: ModelSpec, hw: HardwareSpec, par: ParallelConfig, ra
     from simulator.memory import rank_memory
 
     if hw.host is not None:
-        from simulator.host import step_host, stretch
+        from simulator.host import step_host
 
-        return step_host(spec, hw, par)[0] * stretch(hw, par) * scale
+        return step_host(spec, hw, par)[0] * scale
 
     mem = rank_memory(spec, hw, par, rank)
     local_params = mem["optimizer"] / 12.0
@@ -217,10 +217,10 @@ def _fill_metrics(res, spec, hw, par, tiers, costs, pipe, pert) -> None:
     eff, m = hw.efficiency, par.micro_batches
     comm = [tuple(pert.comm[r]) if pert and pert.comm else (1.0, 1.0, 1.0) for r in range(par.pp)]
     scale = [pert.compute[r] if pert and pert.compute else 1.0 for r in range(par.pp)]
-    if hw.host is not None:  # the eager step's all-reduces (gradients, norm, QK-Clip, balancing), time-shared
-        from simulator.host import step_host, stretch
+    if hw.host is not None:  # the eager step's all-reduces (gradients, norm, QK-Clip, balancing), wall
+        from simulator.host import step_host
 
-        dp = step_host(spec, hw, par)[1] * stretch(hw, par)
+        dp = step_host(spec, hw, par)[1]
     else:
         dp = (1.0 - eff.dp_overlap) * max(dp_seconds(spec, par, tiers, r, comm[r]) for r in range(par.pp))
     opt = max(optimizer_seconds(spec, hw, par, r, scale[r]) for r in range(par.pp))

@@ -5,15 +5,17 @@ Kernel rates (median of timed repeats after a warm-up): dense GEMM at the job's 
 and all-to-all bandwidth per rank through ``collectives.launch`` (local ranks; gloo on CPU, NCCL on GPU). The
 profile sets the *achieved* rates as peaks with efficiencies of 1, so the cost model reproduces them.
 
-On CPU it also measures what bounds a small eager job (the ``host`` block, see ``simulator.host``), all as CPU
-time of one rank:
+On CPU it also measures what bounds a small eager job (the ``host`` block, see ``simulator.host``), each as the
+wall time one rank sees while all ``world_size`` local ranks do the same work at once (CPU time when alone):
 
 - framework op cost: a reference eager block (norm, gate, softmax mix, gather; ``nn.Module``s under autograd)
   forward, backward and no-grad, on tiny tensors and at the job's activation size, divided by its op count;
 - the KDA kernel (``cp_kda.kda_gate`` + ``kda_chunk``, forward + backward) at the job's size and a tiny one;
-- per-call and per-MB host time of all-to-all, all-reduce (with and without the argument check) and all-gather
-  through ``collectives`` on ``world_size`` local ranks;
-- effective cores: the same busy work on one rank alone and on all ``world_size`` ranks at once.
+- per-call and per-MB wall time of all-to-all, all-reduce (with and without the argument check) and all-gather
+  through ``collectives`` on ``world_size`` local ranks calling together (time sharing included);
+- effective cores: the same busy work on one rank alone and on all ``world_size`` ranks at once; the model
+  uses it only to carry those times to another number of local ranks, and to stretch GEMM FLOPs (whose rate
+  is measured alone).
 
 This is the only simulator module that imports torch, collectives and cp_kda (lazily): it measures them.
 """
@@ -188,8 +190,38 @@ def _count_ops(fn) -> int:
     return Count.n
 
 
-def measure_ops(tokens: int, width: int, repeats: int) -> tuple[float, float, float]:
-    """CPU microseconds per framework op of the reference block: (forward, backward, no-grad forward)."""
+def solo_timer(repeats: int):
+    """Seconds per call of ``fn`` on this rank alone: median CPU time of ``repeats`` calls after a warm-up."""
+    return lambda fn: _timed(fn, repeats, time.process_time)
+
+
+def shared_timer(comm, seconds: float):
+    """Seconds per call of ``fn`` while every rank of ``comm`` runs it: each rank loops ``fn`` for about
+    ``seconds`` of CPU time (the same count on all ranks), wall time per call averaged over ranks. That is the
+    time one rank of a job sees when all local ranks do this work at once, time sharing included, measured
+    directly rather than as a solo cost times a separately measured stretch (whose noises multiply)."""
+    import torch
+
+    def timer(fn) -> float:
+        fn()
+        t0 = time.process_time()
+        fn()
+        count = torch.tensor([max(3, round(seconds / max(time.process_time() - t0, 1e-6)))], dtype=torch.int64)
+        comm.all_reduce(count, op="max", validate=False)
+        comm.barrier()
+        t0 = time.perf_counter()
+        for _ in range(int(count)):
+            fn()
+        wall = torch.tensor([(time.perf_counter() - t0) / int(count)], dtype=torch.float64)
+        comm.all_reduce(wall, validate=False)
+        return float(wall) / comm.world_size
+
+    return timer
+
+
+def measure_ops(tokens: int, width: int, timer) -> tuple[float, float, float]:
+    """Microseconds per framework op of the reference block: (forward, backward, no-grad forward), as
+    ``timer`` (``solo_timer`` or ``shared_timer``) measures a call."""
     import torch
 
     blocks, x = _reference_block(width), torch.randn(tokens, width, requires_grad=True)
@@ -199,15 +231,15 @@ def measure_ops(tokens: int, width: int, repeats: int) -> tuple[float, float, fl
 
     y = fwd()
     n_fwd, n_bwd = _count_ops(fwd), _count_ops(lambda: y.sum().backward())
-    t_fwd = _timed(fwd, repeats, time.process_time)
-    t_both = _timed(lambda: fwd().sum().backward(), repeats, time.process_time)
+    t_fwd = timer(fwd)
+    t_both = timer(lambda: fwd().sum().backward())
     with torch.no_grad():
-        t_nograd = _timed(fwd, repeats, time.process_time)
+        t_nograd = timer(fwd)
     return t_fwd / n_fwd * 1e6, max(0.0, t_both - t_fwd) / n_bwd * 1e6, t_nograd / n_fwd * 1e6
 
 
-def measure_kda(batch: int, seq: int, heads: int, dim: int, repeats: int) -> float:
-    """CPU microseconds of one ``cp_kda`` gate + chunk call, forward and backward, on ``[batch, seq, heads, dim]``."""
+def measure_kda(batch: int, seq: int, heads: int, dim: int, timer) -> float:
+    """Microseconds of one ``cp_kda`` gate + chunk call, forward and backward, on ``[batch, seq, heads, dim]``."""
     import torch
 
     import cp_kda
@@ -224,25 +256,29 @@ def measure_kda(batch: int, seq: int, heads: int, dim: int, repeats: int) -> flo
         g = cp_kda.kda_gate(leaves[3], a_log, dt_bias, lower_bound=-5.0)
         cp_kda.kda_chunk(leaves[0], leaves[1], leaves[2], g, leaves[4])[0].sum().backward()
 
-    return _timed(run, repeats, time.process_time) * 1e6
+    return timer(run) * 1e6
 
 
 def _per_call_us(comm, fn, repeats: int) -> float:
-    """Mean CPU microseconds per call of the collective ``fn`` over ``repeats`` calls, averaged over ranks."""
+    """Wall microseconds per call of the collective ``fn``, all ranks calling back to back, mean over ranks.
+
+    Wall, not CPU time: with ranks time-sharing cores a call lasts until every peer has been scheduled to do its
+    part (measured here at 4 ranks on 2 cores: 2.6-2.8x a call's CPU time, against 2.2x for busy work), and that
+    is what a training step waits for."""
     import torch
 
     fn()
     comm.barrier()
-    t0 = time.process_time()
+    t0 = time.perf_counter()
     for _ in range(repeats):
         fn()
-    t = torch.tensor([(time.process_time() - t0) / repeats * 1e6], dtype=torch.float64)
+    t = torch.tensor([(time.perf_counter() - t0) / repeats * 1e6], dtype=torch.float64)
     comm.all_reduce(t, validate=False)
     return float(t) / comm.world_size
 
 
 def _collective_costs(comm, repeats: int, big: int) -> dict:
-    """Per-call and per-MB host costs of the collectives a training step issues (small vs ``big`` bytes)."""
+    """Per-call and per-MB wall costs of the collectives a training step issues (small vs ``big`` bytes)."""
     import torch
 
     R, out = comm.world_size, {}
@@ -302,30 +338,30 @@ BIG = 1 << 20
 """Bytes of the large collective measurements (the per-MB costs are big minus small)."""
 
 
-def _solo_costs(sizes: CalibrationSizes, repeats: int) -> dict:
-    """Per-op and KDA host costs of one rank working alone (the other ranks wait at a barrier)."""
-    tiny, act = measure_ops(8, 8, repeats), measure_ops(sizes.tokens, sizes.hidden, repeats)
+SHARED_SECONDS_PER_REPEAT = 0.04
+"""CPU seconds each rank loops one shared measurement for, per repeat (quick: 5 repeats, 0.2 s)."""
+
+
+def _op_costs(sizes: CalibrationSizes, timer) -> dict:
+    """Per-op and KDA host costs as ``timer`` measures them."""
+    tiny, act = measure_ops(8, 8, timer), measure_ops(sizes.tokens, sizes.hidden, timer)
     rows, tiny_tokens = sizes.tokens // sizes.seq_len, min(16, sizes.tokens // 2)  # tiny: the fixed cost
     return {"ops_tiny": tiny, "ops_act": act, "tiny_tokens": tiny_tokens,
-            "kda": measure_kda(rows, sizes.seq_len, sizes.kda_heads, sizes.kda_head_dim, repeats),
-            "kda_tiny": measure_kda(1, tiny_tokens, sizes.kda_heads, sizes.kda_head_dim, repeats)}
+            "kda": measure_kda(rows, sizes.seq_len, sizes.kda_heads, sizes.kda_head_dim, timer),
+            "kda_tiny": measure_kda(1, tiny_tokens, sizes.kda_heads, sizes.kda_head_dim, timer)}
 
 
 def _ranks_body(comm, sizes: CalibrationSizes, repeats: int, nbytes: int, host: bool) -> dict:
     """Everything measured on ``world_size`` ranks, in one launch: all-to-all bandwidth, and on CPU the
-    collectives' host costs, the solo per-op and KDA costs on rank 0 and, right after them, the effective
-    cores, so that the numbers that multiply each other come from the same few seconds of a shared machine
-    (module level for ``collectives.launch``)."""
+    collectives' and the per-op and KDA costs with all ranks busy at once, then the effective cores (which
+    only rescale those costs to another rank count; module level for ``collectives.launch``)."""
     import torch
 
     torch.set_num_threads(1)
     out = {"a2a_gbps": _a2a_rank(comm, nbytes, repeats)}
     if host:
         out.update(_collective_costs(comm, repeats * 6, BIG))
-        comm.barrier()
-        if comm.rank == 0:
-            out.update(_solo_costs(sizes, repeats))
-        comm.barrier(timeout=300.0)
+        out.update(_op_costs(sizes, shared_timer(comm, SHARED_SECONDS_PER_REPEAT * repeats)))
         out["effective_cores"] = _effective_cores(comm, sizes, 3 if repeats < 10 else 5)
     return out
 
@@ -335,7 +371,7 @@ def calibrate_host(sizes: CalibrationSizes, repeats: int, ranks: dict) -> dict:
     (empty for one rank: then everything is measured here)."""
     m = {"effective_cores": 1.0, "world_size": 1, **ranks}
     if "ops_act" not in m:
-        m.update(_solo_costs(sizes, repeats))
+        m.update(_op_costs(sizes, solo_timer(repeats)))
     per_mb = lambda key: max(0.0, m.get(f"{key}_big", 0.0) - m.get(f"{key}_small", 0.0)) / (BIG / 1e6)  # noqa: E731
     (tf, tb, tn), (af, ab, _) = m["ops_tiny"], m["ops_act"]
     return {"cores": len(os.sched_getaffinity(0)), "effective_cores": m["effective_cores"],

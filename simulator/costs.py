@@ -157,16 +157,14 @@ def _layer(spec, hw, par, kind, t, tiers, scale, comm_scale):
     f["tp"], b["tp"], f["cp"], b["cp"] = tp_f, tp_f, cp_f, cp_b
     keep = 1.0 - eff.ep_overlap if par.schedule != "dualpipe" else 1.0
     f["ep"], b["ep"] = ep_f * keep, ep_b * keep
-    if hw.host is not None:
-        ep_f, ep_b = _host_layer(spec, hw, par, kind, t, f, b, scale)
-        f["ep"], b["ep"] = ep_f, ep_b
+    if hw.host is not None:  # a CPU rank: host-timed work and FLOPs, time-shared by the local ranks
+        f["ep"], b["ep"] = _host_layer(spec, hw, par, kind, t, f, b, scale)
+        f, b = host.time_share(hw, par, f), host.time_share(hw, par, b)
+        ep_f, ep_b = f["ep"], b["ep"]
     b["recompute"] = _recompute(par, f, s2)
     over = eff.layer_overhead_s
     f["elementwise"] += over / 3
     b["elementwise"] += 2 * over / 3
-    if hw.host is not None:  # every second of a CPU rank, communication included, is time-shared host work
-        k = host.stretch(hw, par)
-        f, b, ep_f, ep_b = {n: v * k for n, v in f.items()}, {n: v * k for n, v in b.items()}, ep_f * k, ep_b * k
     return f, b, ep_f, ep_b
 
 
@@ -233,8 +231,9 @@ def chunk_cost(spec: ModelSpec, hw: HardwareSpec, par: ParallelConfig, layers: l
         c.bwd["elementwise"] += t * spec.hidden * 8 / hbm
     if hw.host is not None and (first or last):  # embedding, output mix, final norm, head and loss ops
         ends_f, ends_b = host.ends_host(spec, hw, par, t)
-        c.fwd["host"] += ends_f * k * scale
-        c.bwd["host"] += ends_b * k * scale
+        share = host.share_factor(hw, par)
+        c.fwd["host"] += ends_f * share * scale
+        c.bwd["host"] += ends_b * share * scale
     split = par.tp if par.sequence_parallel else 1
     c.p2p = net.p2p(t * spec.hidden * 2.0 / split, par.tp * par.cp * par.dp, tiers, comm_scale)
     return c

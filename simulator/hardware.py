@@ -68,7 +68,8 @@ class HostSpec:
     When a model is small, a step is set by the host: each framework op costs microseconds of Python and
     dispatcher time, collectives cost host time per call, and local ranks beyond the free cores share them.
     ``simulator.host`` prices a step with these numbers and an op census of the project's implementation.
-    All times are CPU (process) time of one rank, measured alone unless said otherwise.
+    Every time is the wall time one rank sees while all ``ranks`` local ranks do the same work at once, so the
+    time sharing at ``ranks`` ranks is in the numbers; ``effective_cores`` rescales them to another rank count.
     """
 
     cores: int
@@ -99,17 +100,17 @@ class HostSpec:
     kda_tiny_elements: int
     """Tokens x heads x head width of the ``kda_tiny_us`` call."""
     a2a_call_us: float
-    """One small all-to-all through ``collectives`` (no argument check), per rank, at ``ranks`` ranks."""
+    """Wall time of one small all-to-all through ``collectives`` (no argument check) at ``ranks`` ranks."""
     all_reduce_call_us: float
-    """One small all-reduce without argument check, per rank."""
+    """Wall time of one small all-reduce without argument check."""
     checked_all_reduce_call_us: float
-    """One small all-reduce with the default argument check (an extra header all-gather), per rank."""
+    """Wall time of one small all-reduce with the default argument check (an extra header all-gather)."""
     all_gather_call_us: float
-    """One small all-gather without argument check, per rank."""
+    """Wall time of one small all-gather without argument check."""
     a2a_us_per_mb: float
-    """Extra all-to-all host time per MB a rank sends."""
+    """Extra all-to-all wall time per MB a rank sends."""
     all_reduce_us_per_mb: float
-    """Extra all-reduce host time per MB of the reduced buffer."""
+    """Extra all-reduce wall time per MB of the reduced buffer."""
 
     def __post_init__(self):
         if not isinstance(self.cores, int) or self.cores < 1 or not isinstance(self.ranks, int) or self.ranks < 1:
@@ -127,6 +128,10 @@ class HostSpec:
     def stretch(self, local_ranks: int) -> float:
         """Wall seconds per second of one rank's host work when ``local_ranks`` ranks share this machine."""
         return max(1.0, local_ranks / self.effective_cores)
+
+    def share_factor(self, local_ranks: int) -> float:
+        """Factor on this spec's times (measured with ``ranks`` ranks busy) for ``local_ranks`` local ranks."""
+        return self.stretch(local_ranks) / self.stretch(self.ranks)
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -12,7 +12,10 @@ beyond the free cores time-share them. This module prices one rank's step from
 - per-op host time from ``HostSpec`` (measured on a reference eager block, linear in the activation size);
 - the measured KDA kernel, GEMM FLOPs at the measured GEMM rate, and collective calls and bytes at the measured
   per-call and per-MB costs (the MoE layer's calls follow moonep's dispatch/combine protocol);
-- time sharing: a rank's host seconds stretch by ``local ranks / effective cores`` when ranks outnumber cores.
+- time sharing: the host costs are calibrated as the wall time of one rank while all local ranks do the same
+  work, so they hold the time sharing at the calibrated rank count and only another rank count rescales them
+  (``share_factor``); GEMM FLOPs run at the GEMM rate measured alone and stretch by ``local ranks / effective
+  cores`` when ranks outnumber cores (``stretch``).
 
 Pure model code: numbers in, numbers out.
 """
@@ -233,13 +236,14 @@ def ends_host(spec: ModelSpec, hw: HardwareSpec, par: ParallelConfig, tokens: fl
 
 
 def step_host(spec: ModelSpec, hw: HardwareSpec, par: ParallelConfig) -> tuple[float, float]:
-    """(optimizer-side host seconds, step collectives seconds) of one rank, before time sharing.
+    """(optimizer-side seconds, step collectives seconds) of one rank, time-shared.
 
     Optimizer side: the no-grad ops of the census plus Newton-Schulz FLOPs at the GEMM rate. Collectives: the
     checked all-reduce of the replicated gradients (fp32), the grad-norm and QK-Clip all-reduces and the
     balancing all-reduce of load counts and histograms (int64)."""
-    host, c = hw.host, census(spec, par)
-    opt = c.step_ops * host.op_nograd_tiny_us * 1e-6 + c.ns5_flops / (hw.bf16_tflops * 1e12)
+    host, c, share = hw.host, census(spec, par), share_factor(hw, par)
+    opt = (c.step_ops * host.op_nograd_tiny_us * 1e-6 * share
+           + c.ns5_flops / (hw.bf16_tflops * 1e12) * stretch(hw, par))
     if par.dp * par.cp == 1:
         return opt, 0.0
     moe_layers = sum(1 for k in spec.layer_kinds() if k[1] == "moe")
@@ -248,7 +252,7 @@ def step_host(spec: ModelSpec, hw: HardwareSpec, par: ParallelConfig) -> tuple[f
             + (_all_reduce(host, 4.0 * mla_layers * spec.num_heads, True) if mla_layers else 0.0)
             + (_all_reduce(host, 8.0 * moe_layers * spec.num_experts * (1 + HIST_BINS), True) if moe_layers
                else 0.0))
-    return opt, comm
+    return opt, comm * share
 
 
 def local_ranks(hw: HardwareSpec, par: ParallelConfig) -> int:
@@ -261,5 +265,21 @@ def stretch(hw: HardwareSpec, par: ParallelConfig) -> float:
     return 1.0 if hw.host is None else hw.host.stretch(local_ranks(hw, par))
 
 
+def share_factor(hw: HardwareSpec, par: ParallelConfig) -> float:
+    """Factor on the calibrated host times (measured with all local ranks busy): 1 at the calibrated rank count."""
+    return 1.0 if hw.host is None else hw.host.share_factor(local_ranks(hw, par))
+
+
+HOST_TIMED = ("host", "kda", "ep")
+"""Breakdown parts priced from calibrated host times (``share_factor``); the rest are FLOPs at solo rates."""
+
+
+def time_share(hw: HardwareSpec, par: ParallelConfig, part: dict) -> dict:
+    """One layer's seconds per breakdown part, time-shared: host-timed parts by ``share_factor``, FLOP parts
+    by ``stretch``."""
+    k, share = stretch(hw, par), share_factor(hw, par)
+    return {n: v * (share if n in HOST_TIMED else k) for n, v in part.items()}
+
+
 __all__ = ["StepCensus", "census", "segments", "op_seconds", "kda_seconds", "moe_comm_seconds", "layer_host",
-           "ends_host", "step_host", "stretch", "local_ranks"]
+           "ends_host", "step_host", "stretch", "share_factor", "time_share", "local_ranks", "HOST_TIMED"]

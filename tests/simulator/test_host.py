@@ -6,7 +6,7 @@ import pytest
 from simulator import ParallelConfig, simulate
 from simulator.calibrate import merge_profiles
 from simulator.hardware import HostSpec, load_hardware
-from simulator.host import census, stretch
+from simulator.host import census, share_factor, stretch
 from simulator.specs import load_model
 
 HOST = dict(cores=2, effective_cores=2.0, ranks=4, op_fwd_tiny_us=3.0, op_bwd_tiny_us=3.0, op_nograd_tiny_us=2.0,
@@ -99,16 +99,27 @@ def test_host_spec_rejects_bad_values():
         load_hardware({**CPU, "host": {**HOST, "typo": 1}})
 
 
+HOST_TIMED_KEYS = ("host", "kda", "ep", "dp")
+"""Breakdown parts priced from calibrated host times, measured with all ``ranks`` busy (already time-shared)."""
+
+
 def test_ranks_beyond_the_cores_time_share():
-    """4 ranks on 2 effective cores take twice the host seconds of one rank; on 1 core, four times."""
+    """Host times were calibrated with 4 ranks busy, so they hold at 4 ranks whatever the effective cores and halve
+    at 2 ranks on 2 cores; GEMM FLOPs (a solo rate) take twice as long on 1 effective core as on 2."""
     hw = load_hardware(CPU)
     assert stretch(hw, _tiny(2)) == 1.0 and stretch(hw, _tiny(4)) == 2.0
+    assert share_factor(hw, _tiny(4)) == 1.0 and share_factor(hw, _tiny(2)) == 0.5
     two = simulate("k3-tiny", CPU, _tiny(4), 4)
     one = simulate("k3-tiny", {**CPU, "host": {**HOST, "effective_cores": 1.0}}, _tiny(4), 4)
-    assert two.feasible and one.step_time_s == pytest.approx(2 * two.step_time_s, rel=1e-9)
-    assert sum(two.breakdown.values()) == pytest.approx(two.step_time_s, rel=1e-9)
-    assert two.breakdown["host"] > 0 and two.breakdown["ep"] > 0 and two.breakdown["kda"] > 0
+    assert two.feasible and sum(two.breakdown.values()) == pytest.approx(two.step_time_s, rel=1e-9)
+    assert two.breakdown["gemm"] > 0 and one.breakdown["gemm"] == pytest.approx(2 * two.breakdown["gemm"])
+    for key in HOST_TIMED_KEYS:
+        assert two.breakdown[key] > 0 and one.breakdown[key] == pytest.approx(two.breakdown[key], rel=1e-9), key
+    # the optimizer is no-grad ops (host-timed) plus Newton-Schulz FLOPs (stretched)
+    assert two.breakdown["optimizer"] < one.breakdown["optimizer"] < 2 * two.breakdown["optimizer"]
     assert two.breakdown["elementwise"] == 0  # the per-op cost holds the data movement
+    half = simulate("k3-tiny", CPU, _tiny(2), 2)  # 2 ranks on 2 effective cores: no sharing left
+    assert half.breakdown["host"] == pytest.approx(two.breakdown["host"] * 0.5 * 2, rel=0.25)
 
 
 def test_host_costs_follow_the_profile():
