@@ -7,8 +7,9 @@ times are fwd+bwd medians of the slowest rank. Per stage (dispatch, expert compu
 push, combine) the forward alone is timed, each stage between barriers. ``*_busy_s`` is the slowest rank's own
 thread CPU time for fwd+bwd: what the layer would take with one core per rank and free communication, the
 number to read when ranks outnumber cores (then wall time only measures the total work of all ranks).
-Peak bytes are modelled from the live tensors whose size can depend on the routing (receive rows and expert
-activations) plus static buffers; torch has no CPU allocator statistics to read.
+Peak bytes are measured (``moonep.memory.PeakBytes``, one untimed fwd+bwd per layer, the largest rank): bytes
+of every tensor storage the call allocates, alive at once, plus for ours the static ``Buffer`` and the replica
+weight/grad pools, which exist before the call.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from .autograd import combine, dispatch
 from .baseline import classic_combine, classic_dispatch, classic_experts, classic_moe
 from .buffer import Buffer
 from .experts import GroupedExperts
+from .memory import peak_bytes
 from .moe import MoE
 
 
@@ -114,9 +116,10 @@ def bench_rank(comm, maxvios: list[float], S: int, H: int, F: int, E: int, K: in
         st_ours = _stage_times(comm, _our_stages(moe, x, idx, w), iters)
         st_base = _stage_times(comm, _classic_stages(comm, moe, x, idx, w, E), iters)
         plan = moe.last_plan
-        act = lambda rows: rows * (H + 2 * F + 2 * H) * 4  # noqa: E731 recv, a13, y, z (fp32)
         rows = comm.all_reduce(torch.tensor([stats["rows"]]), "max")
         weights_per_copy = (H * 2 * F + F * H) * 4
+        static = moe.buffer.nbytes + 2 * epn * weights_per_copy  # Buffer + replica slot pools (weights, grads)
+        peaks = comm.all_reduce(torch.tensor([static + peak_bytes(ours), peak_bytes(base)]), "max").tolist()
         results.append({
             "maxvio": v, "maxvio_measured": round(measured, 4), "cap": int(plan.plan.caps.max()),
             "ours_max_rows": int(plan.plan.caps.max()), "baseline_max_rows": int(rows),
@@ -124,8 +127,7 @@ def bench_rank(comm, maxvios: list[float], S: int, H: int, F: int, E: int, K: in
             "baseline_busy_s": busy_base,
             **{f"{who}_{stage}_s": t for who, ts in (("ours", st_ours), ("baseline", st_base))
                for stage, t in zip(("dispatch", "expert", "combine"), ts)},
-            "ours_peak_bytes": moe.buffer.nbytes + act(plan.nvs) + 2 * epn * weights_per_copy,  # slot pools
-            "baseline_peak_bytes": act(int(rows)) + 2 * stats["token_bytes"],
+            "ours_peak_bytes": int(peaks[0]), "baseline_peak_bytes": int(peaks[1]),
             "ours_replicas": plan.plan.num_replicas,
             "ours_weight_bytes": 2 * plan.plan.num_replicas * weights_per_copy,  # push fwd + grad reduce bwd
             "ours_token_bytes": sum(plan.send_uniq_splits) * H * 4, "baseline_token_bytes": stats["token_bytes"],
