@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
 PYTHON ?= python3
 
-.PHONY: test demo roundtrip bench clean
+.PHONY: test demo roundtrip bench gpu-check clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,14 @@ test: $(VENV)/.dev
 
 bench: $(VENV)/.dev
 	$(VENV)/bin/moonep bench collectives --world-size 4 --json out/bench_collectives.json
+
+# Every check that needs a GPU (they skip elsewhere), in one short run, with the Python that has a CUDA torch
+# (and nvidia-ml-py / nvshmem4py for those checks): `make gpu-check GPU_PY=python3`.
+GPU_PY ?= $(PY)
+GPU_TESTS = tests/k3/test_device.py tests/cp_kda/test_chunk.py tests/collectives/test_nvshmem.py \
+	tests/planner/test_plan.py tests/tools/test_telemetry.py
+gpu-check:
+	TQDM_DISABLE=1 MPLBACKEND=Agg $(GPU_PY) -m pytest -q -rs $(GPU_TESTS)
 
 clean:
 	rm -rf $(VENV) out .pytest_cache

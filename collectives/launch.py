@@ -78,6 +78,36 @@ def external_launcher() -> str | None:
     return "mpi" if mpi_env_rank() is not None else None
 
 
+LOCAL_RANK_ENV = ("LOCAL_RANK", "MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK")
+"""Where torchrun, MPICH and Open MPI put a rank's index among the job's ranks on its host."""
+
+
+def local_rank(rank: int) -> int:
+    """This process's index among the job's ranks on its host: from the launcher's environment, else ``rank``
+    (our launcher runs every rank on one host)."""
+    for key in LOCAL_RANK_ENV:
+        if os.environ.get(key, "").isdigit():
+            return int(os.environ[key])
+    return rank
+
+
+def rank_device(comm: Communicator, device: str):
+    """The ``torch.device`` for this rank's tensors: ``"cpu"``, or ``"cuda"`` = GPU ``local rank % visible
+    GPUs`` (made current; the torch backend moves CUDA tensors over NCCL, MPI stages them through host memory).
+    ValueError when CUDA is asked for and absent."""
+    import torch
+
+    if device == "cpu":
+        return torch.device("cpu")
+    if device != "cuda":
+        raise ValueError(f"device: expected 'cpu' or 'cuda', got {device!r}")
+    if not torch.cuda.is_available():
+        raise ValueError("device: 'cuda' asked for, but torch sees no CUDA device")
+    index = local_rank(comm.rank) % torch.cuda.device_count()
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
 def launch(fn: Callable[..., Any], world_size: int, backend: str = "torch", *, timeout: float = 60.0,
            threads_per_rank: int = 1, validate: bool = True, trace_dir: str | None = None,
            job_timeout: float | None = None, **kwargs) -> Any:

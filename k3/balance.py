@@ -32,7 +32,7 @@ def qb_histogram(scores: torch.Tensor, bias: torch.Tensor, K: int, nb: int = NUM
     r = (alpha - scores).double()
     lo, hi = float(bias.min()) - 1.0, float(bias.max()) + 1.0
     idx = ((r - lo) / (hi - lo) * nb).floor().long().clamp_(0, nb - 1)
-    flat = idx + torch.arange(E)[None, :] * nb
+    flat = idx + torch.arange(E, device=idx.device)[None, :] * nb
     return torch.bincount(flat.flatten(), minlength=E * nb).view(E, nb)
 
 
@@ -44,9 +44,9 @@ def qb_bias(hist: torch.Tensor, bias: torch.Tensor, K: int) -> torch.Tensor:
     m = int(hist[0].sum())
     target = math.ceil(m * K / E)
     cum = hist.cumsum(-1)
-    b_hat = torch.empty(E, dtype=torch.float64)
+    b_hat = torch.empty(E, dtype=torch.float64, device=hist.device)
     for j in range(E):
-        b = int(torch.searchsorted(cum[j], torch.tensor(target)))                # first bin reaching the rank
+        b = int(torch.searchsorted(cum[j], torch.tensor(target, device=cum.device)))  # first bin reaching the rank
         b = min(b, nb - 1)
         before = int(cum[j, b - 1]) if b > 0 else 0
         inside = max(int(hist[j, b]), 1)

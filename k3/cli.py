@@ -9,6 +9,8 @@ def register(commands, bench) -> None:
     p.add_argument("--preset", default="tiny", choices=("tiny", "small", "full"))
     p.add_argument("--world-size", type=int, default=4, help="local ranks (ignored under torchrun/mpiexec)")
     p.add_argument("--cp", type=int, default=1, help="context-parallel size: each sequence split over this many ranks")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                   help="cuda: one GPU per rank (local rank %% visible GPUs; NCCL), e.g. under torchrun")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--data", default=None, help="text folder (default: this Python's standard library)")
@@ -44,7 +46,8 @@ def _train(args: argparse.Namespace) -> int:
     from .train import TrainConfig, train
 
     try:
-        tc = TrainConfig(preset=args.preset, world_size=args.world_size, cp=args.cp, steps=args.steps,
+        tc = TrainConfig(preset=args.preset, world_size=args.world_size, cp=args.cp, device=args.device,
+                         steps=args.steps,
                          seed=args.seed, data=args.data, run_dir=args.run_dir or f"out/k3-{args.preset}",
                          resume=args.resume, balance=args.balance, optimizer=args.optimizer,
                          progress=not args.no_progress, trace_dir=args.trace_dir,

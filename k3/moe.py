@@ -57,8 +57,8 @@ def situ_experts(x, cu_ends, w1, w3, w2, beta, linear_beta):
     for g, end in enumerate(cu_ends):
         if end > start:
             xs = x[start:end]
-            y = y.index_copy(0, torch.arange(start, end), situ_glu(xs @ w1[g].t(), xs @ w3[g].t(), beta,
-                                                                   linear_beta) @ w2[g].t())
+            rows = torch.arange(start, end, device=x.device)
+            y = y.index_copy(0, rows, situ_glu(xs @ w1[g].t(), xs @ w3[g].t(), beta, linear_beta) @ w2[g].t())
         start = end
     return y
 

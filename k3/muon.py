@@ -101,7 +101,9 @@ class PerHeadMuon(torch.optim.Optimizer):
         for group in self.param_groups:
             for p in group["params"]:
                 prefix = names[id(p)] + "."
-                st = {k[len(prefix):]: v.clone() for k, v in tensors.items() if k.startswith(prefix)}
+                # tensors follow their parameter's device; the 0-dim AdamW step count stays a host scalar
+                st = {k[len(prefix):]: v.to(p.device if v.dim() else v.device, copy=True)
+                      for k, v in tensors.items() if k.startswith(prefix)}
                 if st:
                     self.state[p] = st
 

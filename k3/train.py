@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from collectives.faults import DataDelay, LinkDelay, Slowdown, check_fault_ranks, faults_at
+from collectives.launch import rank_device
 
 from .balance import update_router_biases
 from .checkpoint import load_checkpoint, save_checkpoint
@@ -77,6 +78,8 @@ class TrainConfig:
     """Init and data seed."""
     world_size: int = 4
     """Local ranks to launch (ignored under torchrun / mpiexec)."""
+    device: str = "cpu"
+    """``cpu``, or ``cuda``: each rank on GPU ``local rank % visible GPUs`` (NCCL under the torch backend)."""
     cp: int = 1
     """Context-parallel size: each sequence is split over ``cp`` consecutive ranks (KDA via cp_kda, MLA by
     gathering keys/values); world_size / cp data-parallel groups."""
@@ -113,6 +116,10 @@ class TrainConfig:
                              f"{self.world_size // self.cp}")
         if self.seq_len % self.cp or self.seq_len // self.cp < 3:
             raise ValueError(f"seq_len: {self.seq_len} must split into cp={self.cp} slices of >= 3 tokens")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device: expected cpu or cuda, got {self.device!r}")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device: cuda asked for, but torch sees no CUDA device")
         if self.balance not in ("qb", "sign", "none"):
             raise ValueError(f"balance: expected qb, sign or none, got {self.balance!r}")
 
@@ -136,12 +143,14 @@ class Trainer:
         self.cp_rank, self.dp_rank = comm.rank % tc.cp, comm.rank // tc.cp
         self.rows, self.T_l = tc.global_batch // (R // tc.cp), tc.seq_len // tc.cp
         self.cp_comm = comm.split(self.dp_rank) if tc.cp > 1 else None
-        self.model = build_model(self.cfg, seed=tc.seed, ep_size=R, ep_rank=comm.rank)
+        self.device = rank_device(comm, tc.device)
+        # built on the host (the seeded init is the same on any device), then moved
+        self.model = build_model(self.cfg, seed=tc.seed, ep_size=R, ep_rank=comm.rank).to(self.device)
         import moonep
 
         c = self.cfg
         self.buffer = moonep.Buffer(comm, self.rows * self.T_l, c.routed_expert_hidden_size,
-                                    c.num_experts_per_token, c.num_experts, dtype=torch.float32)
+                                    c.num_experts_per_token, c.num_experts, dtype=torch.float32, device=self.device)
         self.model.set_parallel(ep_buffer=self.buffer, cp_comm=self.cp_comm)
         params = dict(self.model.named_parameters())
         self.experts = {n: p for n, p in params.items() if n.endswith(EXPERT_SUFFIXES)}
@@ -161,7 +170,7 @@ class Trainer:
     def local(self, full: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Global batch [G, seq_len + 1] -> this rank's (inputs, targets) [rows, T_l]: its data-parallel rows
         and its context-parallel token slice."""
-        rows = full[self.dp_rank * self.rows:(self.dp_rank + 1) * self.rows]
+        rows = full[self.dp_rank * self.rows:(self.dp_rank + 1) * self.rows].to(self.device)
         a = self.cp_rank * self.T_l
         return rows[:, a:a + self.T_l], rows[:, a + 1:a + 1 + self.T_l]
 
@@ -169,7 +178,7 @@ class Trainer:
         """One all-reduce of the replicated grads and the loss; returns the global loss sum."""
         flat = [loss_sum.detach().reshape(1)]
         for p in self.replicated.values():
-            flat.append(torch.zeros(p.numel()) if p.grad is None else p.grad.reshape(-1))
+            flat.append(torch.zeros(p.numel(), device=p.device) if p.grad is None else p.grad.reshape(-1))
         packed = torch.cat(flat)
         if self.comm.world_size > 1:
             self.comm.all_reduce(packed)
@@ -181,7 +190,7 @@ class Trainer:
         return float(packed[0])
 
     def _clip(self) -> float:
-        sq = torch.zeros(1, dtype=torch.float64)
+        sq = torch.zeros(1, dtype=torch.float64, device=self.device)
         for p in self.experts.values():
             if p.grad is not None:
                 sq += p.grad.double().pow(2).sum()
@@ -242,7 +251,7 @@ class Trainer:
 
     @torch.no_grad()
     def validate(self) -> float:
-        tc, total = self.tc, torch.zeros(1, dtype=torch.float64)
+        tc, total = self.tc, torch.zeros(1, dtype=torch.float64, device=self.device)
         with self.clock.phase("evaluate"):
             for i in range(tc.val_batches):
                 inputs, targets = self.local(batch(self.corpus.val, tc.seed + 1, i, tc.global_batch, tc.seq_len))

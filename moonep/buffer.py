@@ -250,7 +250,7 @@ class Buffer:
             got = torch.empty(len(rows), inp.shape[1], dtype=buf.dtype, device=buf.device)
             self.comm.all_to_all_single(got, inp, out_splits, in_splits, validate=False)
             if rows:
-                grad.view(epn, -1).index_add_(0, torch.tensor(rows), got.to(grad.dtype))
+                grad.view(epn, -1).index_add_(0, torch.tensor(rows, device=grad.device), got.to(grad.dtype))
             flat[slots] = 0
 
 

@@ -7,7 +7,7 @@ import types
 
 import pytest
 
-from tools.telemetry import Sampler, open_source
+from tools.telemetry import THROTTLE_BITS, Sampler, open_source
 
 
 class FakeNVMLError(Exception):
@@ -78,3 +78,29 @@ def test_sampler_checks_arguments():
         Sampler(0, None, interval_s=0)
     with pytest.raises(ValueError, match="prefer"):
         Sampler(0, None, prefer="gpu")
+
+
+def _real_nvml() -> bool:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        pynvml.nvmlShutdown()
+        return True
+    except Exception:  # ImportError, NVMLError (no driver / no GPU)
+        return False
+
+
+@pytest.mark.skipif(not _real_nvml(), reason="needs nvidia-ml-py and a GPU driver (runs when a GPU is lent)")
+def test_real_nvml_samples_a_gpu(tmp_path):
+    """The real library on a real GPU: the sampler picks NVML and the clocks and temperature read sane values."""
+    s = Sampler(0, tmp_path, interval_s=0.02, device_index=0, prefer="nvml")
+    s.start()
+    time.sleep(0.2)
+    s.close()
+    lines = [json.loads(x) for x in (tmp_path / "telemetry_rank0.jsonl").read_text().splitlines()]
+    assert s.source == "nvml" and len(lines) >= 3 and {x["source"] for x in lines} == {"nvml"}
+    first = lines[0]
+    assert 0 < first["sm_clock_mhz"] <= (first["max_sm_clock_mhz"] or 10_000)
+    assert first["mem_clock_mhz"] > 0 and 0 < first["temperature_c"] < 120
+    assert first["throttle_names"] is None or set(first["throttle_names"]) <= set(THROTTLE_BITS.values())
