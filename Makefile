@@ -36,8 +36,9 @@ test: $(VENV)/.dev
 bench: $(VENV)/.dev
 	$(VENV)/bin/moonep bench collectives --world-size 4 --json out/bench_collectives.json
 
-# Every check that needs a GPU (they skip elsewhere), in one short run, with the Python that has a CUDA torch
-# (and nvidia-ml-py / nvshmem4py for those checks): `make gpu-check GPU_PY=python3`.
+# The test files holding every check that needs a GPU (those skip elsewhere), in one short run, with a Python
+# that has a CUDA torch, this package's dependencies and pytest/hypothesis (nvidia-ml-py and nvshmem4py for
+# those checks): `make gpu-check GPU_PY=python3`.
 GPU_PY ?= $(PY)
 GPU_TESTS = tests/k3/test_device.py tests/cp_kda/test_chunk.py tests/collectives/test_nvshmem.py \
 	tests/planner/test_plan.py tests/tools/test_telemetry.py

@@ -80,21 +80,29 @@ def external_launcher() -> str | None:
 
 LOCAL_RANK_ENV = ("LOCAL_RANK", "MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK")
 """Where torchrun, MPICH and Open MPI put a rank's index among the job's ranks on its host."""
+LOCAL_SIZE_ENV = ("LOCAL_WORLD_SIZE", "MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "MOONEP_LOCAL_RANK_OF")
+"""Where torchrun, MPICH, Open MPI and our own launcher put the number of the job's ranks on this host."""
+
+
+def _env_int(keys: tuple[str, ...]) -> int | None:
+    for key in keys:
+        if os.environ.get(key, "").isdigit():
+            return int(os.environ[key])
+    return None
 
 
 def local_rank(rank: int) -> int:
     """This process's index among the job's ranks on its host: from the launcher's environment, else ``rank``
     (our launcher runs every rank on one host)."""
-    for key in LOCAL_RANK_ENV:
-        if os.environ.get(key, "").isdigit():
-            return int(os.environ[key])
-    return rank
+    found = _env_int(LOCAL_RANK_ENV)
+    return rank if found is None else found
 
 
 def rank_device(comm: Communicator, device: str):
-    """The ``torch.device`` for this rank's tensors: ``"cpu"``, or ``"cuda"`` = GPU ``local rank % visible
-    GPUs`` (made current; the torch backend moves CUDA tensors over NCCL, MPI stages them through host memory).
-    ValueError when CUDA is asked for and absent."""
+    """The ``torch.device`` for this rank's tensors: ``"cpu"``, or ``"cuda"`` = GPU ``local rank`` (made
+    current). The torch backend moves CUDA tensors over NCCL, which takes one GPU per rank, so more local ranks
+    than visible GPUs is a ValueError (on every rank); the MPI backend stages CUDA tensors through host memory
+    and may share a GPU (``local rank % GPUs``). ValueError too when CUDA is asked for and absent."""
     import torch
 
     if device == "cpu":
@@ -103,7 +111,11 @@ def rank_device(comm: Communicator, device: str):
         raise ValueError(f"device: expected 'cpu' or 'cuda', got {device!r}")
     if not torch.cuda.is_available():
         raise ValueError("device: 'cuda' asked for, but torch sees no CUDA device")
-    index = local_rank(comm.rank) % torch.cuda.device_count()
+    gpus, local = torch.cuda.device_count(), _env_int(LOCAL_SIZE_ENV) or comm.world_size
+    if comm.backend == "torch" and local > gpus:
+        raise ValueError(f"device: {local} ranks on this host but {gpus} visible GPU(s); NCCL needs one GPU per "
+                         f"rank: run at most {gpus} ranks per host, or use the mpi backend")
+    index = local_rank(comm.rank) % gpus
     torch.cuda.set_device(index)
     return torch.device("cuda", index)
 

@@ -10,7 +10,7 @@ def register(commands, bench) -> None:
     p.add_argument("--world-size", type=int, default=4, help="local ranks (ignored under torchrun/mpiexec)")
     p.add_argument("--cp", type=int, default=1, help="context-parallel size: each sequence split over this many ranks")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
-                   help="cuda: one GPU per rank (local rank %% visible GPUs; NCCL), e.g. under torchrun")
+                   help="cuda: one GPU per rank (NCCL), e.g. under torchrun --nproc_per_node=<GPUs>")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--data", default=None, help="text folder (default: this Python's standard library)")

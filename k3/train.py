@@ -6,8 +6,9 @@
 EP spans all ranks (each holds E/R routed experts); every other parameter is replicated and its gradient summed
 over ranks (data parallel). The global batch (``global_batch`` rows of ``seq_len`` + 1 bytes) is fixed by the
 preset and split across ranks, and the loss is the global token mean, so results do not depend on the world
-size up to summation order. fp32 on CPU; Per-Head Muon + QK-Clip (AdamW for embeddings, head, norms, router,
-biases, AttnRes queries, KDA conv/decay parameters), or AdamW everywhere with ``optimizer="adamw"``.
+size up to summation order. fp32, on CPU by default (``device="cuda"``: one GPU per rank); Per-Head Muon +
+QK-Clip (AdamW for embeddings, head, norms, router, biases, AttnRes queries, KDA conv/decay parameters), or
+AdamW everywhere with ``optimizer="adamw"``.
 
 Tracing (``trace_dir`` or ``$MOONEP_TRACE_DIR``) adds, next to the collectives' own records, one ``kind="data"``
 record per step and ``kind="compute"`` records per phase with ``cpu_s`` (thread CPU time): ``forward``,
@@ -79,7 +80,7 @@ class TrainConfig:
     world_size: int = 4
     """Local ranks to launch (ignored under torchrun / mpiexec)."""
     device: str = "cpu"
-    """``cpu``, or ``cuda``: each rank on GPU ``local rank % visible GPUs`` (NCCL under the torch backend)."""
+    """``cpu``, or ``cuda``: each rank on its own GPU (``collectives.rank_device``; NCCL needs one GPU per rank)."""
     cp: int = 1
     """Context-parallel size: each sequence is split over ``cp`` consecutive ranks (KDA via cp_kda, MLA by
     gathering keys/values); world_size / cp data-parallel groups."""
@@ -142,8 +143,8 @@ class Trainer:
         tc.check_fault_ranks(R)
         self.cp_rank, self.dp_rank = comm.rank % tc.cp, comm.rank // tc.cp
         self.rows, self.T_l = tc.global_batch // (R // tc.cp), tc.seq_len // tc.cp
+        self.device = rank_device(comm, tc.device)  # before any sub-group, so NCCL binds the right GPU
         self.cp_comm = comm.split(self.dp_rank) if tc.cp > 1 else None
-        self.device = rank_device(comm, tc.device)
         # built on the host (the seeded init is the same on any device), then moved
         self.model = build_model(self.cfg, seed=tc.seed, ep_size=R, ep_rank=comm.rank).to(self.device)
         import moonep

@@ -199,7 +199,8 @@ def shared_timer(comm, seconds: float):
     """Seconds per call of ``fn`` while every rank of ``comm`` runs it: each rank loops ``fn`` for about
     ``seconds`` of CPU time (the same count on all ranks), wall time per call averaged over ranks. That is the
     time one rank of a job sees when all local ranks do this work at once, time sharing included, measured
-    directly rather than as a solo cost times a separately measured stretch (whose noises multiply)."""
+    directly rather than as a solo cost times a separately measured stretch (whose noises multiply). Ranks that
+    finish first free their cores for the rest, so the tail reads slightly less contention than a job sees."""
     import torch
 
     def timer(fn) -> float:
@@ -374,7 +375,7 @@ def calibrate_host(sizes: CalibrationSizes, repeats: int, ranks: dict) -> dict:
         m.update(_op_costs(sizes, solo_timer(repeats)))
     per_mb = lambda key: max(0.0, m.get(f"{key}_big", 0.0) - m.get(f"{key}_small", 0.0)) / (BIG / 1e6)  # noqa: E731
     (tf, tb, tn), (af, ab, _) = m["ops_tiny"], m["ops_act"]
-    return {"cores": len(os.sched_getaffinity(0)), "effective_cores": m["effective_cores"],
+    return {"timing": "shared_wall", "cores": len(os.sched_getaffinity(0)), "effective_cores": m["effective_cores"],
             "ranks": m["world_size"], "op_fwd_tiny_us": tf, "op_bwd_tiny_us": tb, "op_nograd_tiny_us": tn,
             "op_fwd_us": af, "op_bwd_us": ab, "ref_elements": sizes.tokens * sizes.hidden,
             "kda_us": m["kda"], "kda_tiny_us": m["kda_tiny"],

@@ -72,13 +72,17 @@ class HostSpec:
     time sharing at ``ranks`` ranks is in the numbers; ``effective_cores`` rescales them to another rank count.
     """
 
+    timing: str
+    """How the times were taken; only ``"shared_wall"`` (wall time per rank, all ``ranks`` busy at once) is read.
+    Profiles calibrated before it existed held solo CPU times and are refused (calibrate again)."""
     cores: int
     """CPU cores the calibrating process could run on (``os.sched_getaffinity``)."""
     effective_cores: float
     """Measured: throughput of ``ranks`` concurrently busy local ranks, in units of one rank alone (at most
     ``ranks``; below ``cores`` when other work shares the machine)."""
     ranks: int
-    """Local ranks the concurrent and collective measurements used."""
+    """Local ranks the concurrent and collective measurements used. Calibrate at the job's local rank count:
+    carrying the times to more ranks assumes no more cores than ``effective_cores`` (at most ``ranks``)."""
     op_fwd_tiny_us: float
     """Host time per framework op of a forward under autograd, on tiny tensors (pure per-op overhead)."""
     op_bwd_tiny_us: float
@@ -113,20 +117,24 @@ class HostSpec:
     """Extra all-reduce wall time per MB of the reduced buffer."""
 
     def __post_init__(self):
+        if self.timing != "shared_wall":
+            raise ValueError(f"HostSpec.timing must be 'shared_wall', got {self.timing!r}: the profile is from an "
+                             "older `moonep simulate calibrate` (solo CPU times); calibrate again")
         if not isinstance(self.cores, int) or self.cores < 1 or not isinstance(self.ranks, int) or self.ranks < 1:
             raise ValueError(f"HostSpec.cores and ranks must be positive integers, got {self.cores!r}, {self.ranks!r}")
         if not 0 < self.effective_cores <= self.ranks + 1e-9:
             raise ValueError(f"HostSpec.effective_cores must be in (0, ranks={self.ranks}], "
                              f"got {self.effective_cores!r}")
         for f in fields(self):
-            if f.name not in ("cores", "ranks", "effective_cores") and not getattr(self, f.name) >= 0:
+            if f.name not in ("timing", "cores", "ranks", "effective_cores") and not getattr(self, f.name) >= 0:
                 raise ValueError(f"HostSpec.{f.name} must be >= 0, got {getattr(self, f.name)!r}")
         if min(self.ref_elements, self.kda_elements, self.kda_tiny_elements) < 1 or \
                 self.kda_elements <= self.kda_tiny_elements:
             raise ValueError("HostSpec: ref_elements, kda_*elements must be >= 1 and kda_elements > kda_tiny_elements")
 
     def stretch(self, local_ranks: int) -> float:
-        """Wall seconds per second of one rank's host work when ``local_ranks`` ranks share this machine."""
+        """Wall seconds per second of one rank's busy work (measured alone) when ``local_ranks`` ranks share this
+        machine: applied to FLOPs at the solo GEMM rate; the host times go through ``share_factor``."""
         return max(1.0, local_ranks / self.effective_cores)
 
     def share_factor(self, local_ranks: int) -> float:

@@ -9,8 +9,8 @@ from simulator.hardware import HostSpec, load_hardware
 from simulator.host import census, share_factor, stretch
 from simulator.specs import load_model
 
-HOST = dict(cores=2, effective_cores=2.0, ranks=4, op_fwd_tiny_us=3.0, op_bwd_tiny_us=3.0, op_nograd_tiny_us=2.0,
-            op_fwd_us=12.0, op_bwd_us=8.0, ref_elements=16384, kda_us=10000.0, kda_tiny_us=5000.0,
+HOST = dict(timing="shared_wall", cores=2, effective_cores=2.0, ranks=4, op_fwd_tiny_us=3.0, op_bwd_tiny_us=3.0,
+            op_nograd_tiny_us=2.0, op_fwd_us=12.0, op_bwd_us=8.0, ref_elements=16384, kda_us=10000.0, kda_tiny_us=5000.0,
             kda_elements=8192, kda_tiny_elements=512, a2a_call_us=500.0, all_reduce_call_us=800.0,
             checked_all_reduce_call_us=1500.0, all_gather_call_us=700.0, a2a_us_per_mb=200.0,
             all_reduce_us_per_mb=300.0)
@@ -95,6 +95,8 @@ def test_host_spec_rejects_bad_values():
         HostSpec(**{**HOST, "effective_cores": 5.0})
     with pytest.raises(ValueError, match="a2a_call_us"):
         HostSpec(**{**HOST, "a2a_call_us": -1.0})
+    with pytest.raises(ValueError, match="older `moonep simulate calibrate`"):
+        HostSpec(**{**HOST, "timing": "solo_cpu"})
     with pytest.raises(ValueError, match="unknown HostSpec"):
         load_hardware({**CPU, "host": {**HOST, "typo": 1}})
 
@@ -118,8 +120,11 @@ def test_ranks_beyond_the_cores_time_share():
     # the optimizer is no-grad ops (host-timed) plus Newton-Schulz FLOPs (stretched)
     assert two.breakdown["optimizer"] < one.breakdown["optimizer"] < 2 * two.breakdown["optimizer"]
     assert two.breakdown["elementwise"] == 0  # the per-op cost holds the data movement
-    half = simulate("k3-tiny", CPU, _tiny(2), 2)  # 2 ranks on 2 effective cores: no sharing left
-    assert half.breakdown["host"] == pytest.approx(two.breakdown["host"] * 0.5 * 2, rel=0.25)
+    # the same costs calibrated at 2 ranks (no sharing in them) cost twice as much at 4 local ranks
+    at2 = simulate("k3-tiny", {**CPU, "host": {**HOST, "ranks": 2}}, _tiny(4), 4)
+    for key in HOST_TIMED_KEYS:
+        assert at2.breakdown[key] == pytest.approx(2 * two.breakdown[key], rel=1e-9), key
+    assert at2.breakdown["gemm"] == pytest.approx(two.breakdown["gemm"], rel=1e-9)
 
 
 def test_host_costs_follow_the_profile():
