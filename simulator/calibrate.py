@@ -195,29 +195,40 @@ def solo_timer(repeats: int):
     return lambda fn: _timed(fn, repeats, time.process_time)
 
 
+def _agreed_count(comm, fn, seconds: float, minimum: int) -> int:
+    """How many calls of ``fn`` take about ``seconds`` of CPU time on this rank (after a warm-up call); the
+    largest over ranks, so that every rank runs the same count."""
+    import torch
+
+    fn()
+    t0 = time.process_time()
+    fn()
+    count = torch.tensor([max(minimum, round(seconds / max(time.process_time() - t0, 1e-6)))], dtype=torch.int64)
+    comm.all_reduce(count, op="max", validate=False)
+    return int(count)
+
+
+def _wall_per_call(comm, fn, count: int) -> float:
+    """Seconds per call of ``fn`` looped ``count`` times by every rank at once after a barrier: wall time,
+    mean over ranks."""
+    import torch
+
+    comm.barrier()
+    t0 = time.perf_counter()
+    for _ in range(count):
+        fn()
+    wall = torch.tensor([(time.perf_counter() - t0) / count], dtype=torch.float64)
+    comm.all_reduce(wall, validate=False)
+    return float(wall) / comm.world_size
+
+
 def shared_timer(comm, seconds: float):
     """Seconds per call of ``fn`` while every rank of ``comm`` runs it: each rank loops ``fn`` for about
     ``seconds`` of CPU time (the same count on all ranks), wall time per call averaged over ranks. That is the
     time one rank of a job sees when all local ranks do this work at once, time sharing included, measured
     directly rather than as a solo cost times a separately measured stretch (whose noises multiply). Ranks that
     finish first free their cores for the rest, so the tail reads slightly less contention than a job sees."""
-    import torch
-
-    def timer(fn) -> float:
-        fn()
-        t0 = time.process_time()
-        fn()
-        count = torch.tensor([max(3, round(seconds / max(time.process_time() - t0, 1e-6)))], dtype=torch.int64)
-        comm.all_reduce(count, op="max", validate=False)
-        comm.barrier()
-        t0 = time.perf_counter()
-        for _ in range(int(count)):
-            fn()
-        wall = torch.tensor([(time.perf_counter() - t0) / int(count)], dtype=torch.float64)
-        comm.all_reduce(wall, validate=False)
-        return float(wall) / comm.world_size
-
-    return timer
+    return lambda fn: _wall_per_call(comm, fn, _agreed_count(comm, fn, seconds, 3))
 
 
 def measure_ops(tokens: int, width: int, timer) -> tuple[float, float, float]:
@@ -266,16 +277,8 @@ def _per_call_us(comm, fn, repeats: int) -> float:
     Wall, not CPU time: with ranks time-sharing cores a call lasts until every peer has been scheduled to do its
     part (measured here at 4 ranks on 2 cores: 2.6-2.8x a call's CPU time, against 2.2x for busy work), and that
     is what a training step waits for."""
-    import torch
-
     fn()
-    comm.barrier()
-    t0 = time.perf_counter()
-    for _ in range(repeats):
-        fn()
-    t = torch.tensor([(time.perf_counter() - t0) / repeats * 1e6], dtype=torch.float64)
-    comm.all_reduce(t, validate=False)
-    return float(t) / comm.world_size
+    return _wall_per_call(comm, fn, repeats) * 1e6
 
 
 def _collective_costs(comm, repeats: int, big: int) -> dict:
@@ -311,12 +314,8 @@ def _effective_cores(comm, sizes: CalibrationSizes, rounds: int) -> float:
     def step():
         blocks(x).sum().backward()
 
-    step()
-    t0 = time.process_time()
-    step()
-    count = torch.tensor([max(1, round(PROBE_SECONDS / max(time.process_time() - t0, 1e-6)))], dtype=torch.int64)
-    comm.all_reduce(count, op="max", validate=False)  # every rank does the same work
-    work = lambda: [step() for _ in range(int(count))]  # noqa: E731
+    count = _agreed_count(comm, step, PROBE_SECONDS, 1)  # every rank does the same work
+    work = lambda: [step() for _ in range(count)]  # noqa: E731
     ratios = []
     for _ in range(rounds):
         comm.barrier()
