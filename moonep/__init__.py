@@ -6,6 +6,8 @@ and its ``SigmoidTopKRouter``. Adapters live in ``moonep.compat``. See ``moonep/
 """
 from __future__ import annotations
 
+from moonep._lazy import lazy_exports
+
 __version__ = "0.1.0"
 
 _LAZY = {
@@ -19,18 +21,5 @@ _LAZY = {
 
 __all__ = ["__version__", *_LAZY]
 
-
-def __getattr__(name: str):
-    """PEP 562: resolve the public names on first use (torch is imported only then)."""
-    if name not in _LAZY:
-        raise AttributeError(f"module 'moonep' has no attribute {name!r}")
-    import importlib
-
-    module, attr = _LAZY[name]
-    value = getattr(importlib.import_module(module), attr)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+# PEP 562: the public names resolve on first use (torch is imported only then)
+__getattr__, __dir__ = lazy_exports("moonep", _LAZY, globals())

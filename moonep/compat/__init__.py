@@ -6,6 +6,8 @@ Megatron names are also importable from here, resolved on first use (torch is im
 """
 from __future__ import annotations
 
+from moonep._lazy import lazy_exports
+
 _LAZY = {
     "MoonEPTokenDispatcher": ("moonep.compat.megatron", "MoonEPTokenDispatcher"),
     "MoonEPDispatcherConfig": ("moonep.compat.megatron", "MoonEPDispatcherConfig"),
@@ -14,18 +16,5 @@ _LAZY = {
 
 __all__ = list(_LAZY)
 
-
-def __getattr__(name: str):
-    """PEP 562: resolve the adapter names on first use."""
-    if name not in _LAZY:
-        raise AttributeError(f"module 'moonep.compat' has no attribute {name!r}")
-    import importlib
-
-    module, attr = _LAZY[name]
-    value = getattr(importlib.import_module(module), attr)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+# PEP 562: the adapter names resolve on first use
+__getattr__, __dir__ = lazy_exports("moonep.compat", _LAZY, globals())
