@@ -149,9 +149,10 @@ def _pairing(bal, caps, node, num_nodes, state, donor, gift, err):
     """Stage B, passes (3)-(5). bal [R] (sums to 0) -> donor [R] (-1 = none), gift [R], updated in place.
 
     Every pass uses the proof's step (a donor holding enough own rows fills the receiver completely), so the
-    balance proof holds for each. Passes (1) sticky and (2) topology cross-node run before (``_sticky_pairs``,
-    ``_topology.cross_pass``); (3) pairs inside each node; (4) topology: ``_topology.concentrate`` gathers
-    each node's leftover deficits on few ranks; (5) the global pass. state: ``_topology.cross_state``.
+    balance proof holds for each. Passes (1) sticky, (G) topology gathering and (2) topology cross-node run
+    before (``_sticky_pairs``, ``_topology.concentrate``, ``_topology.cross_pass``); (3) pairs inside each
+    node; (4) topology: ``_topology.concentrate`` gathers each node's leftover deficits on few ranks; (5) the
+    global pass. state: ``_topology.cross_state``.
     """
     for n in range(num_nodes):
         if not _local_pass(bal, caps, node, n, donor, gift, err):
@@ -408,6 +409,7 @@ def plan_arrays(T, keep, alloc, send, caps_in, slots, tp, prev_donor, prev_copy,
         _sticky_pairs(bal, caps, prev_donor, donor, gift, err)
     state = _topology.cross_state(T, alloc, epn, node, num_nodes if num_nodes > 1 else 0, weight_rows)
     if num_nodes > 1 and err[0] == OK:
+        _topology.concentrate(bal, caps, node, num_nodes, donor, gift)
         _topology.cross_pass(bal, caps, state, donor, gift)
     if err[0] == OK:
         _pairing(bal, caps, node, num_nodes, state, donor, gift, err)

@@ -9,10 +9,10 @@ node-first matching reaches this). So a replica of a hot expert on a node that h
 them locally: worth it when the gift is larger than the weight copy (many tokens per rank), never when it is
 not (few tokens per rank, where what counts is how few replicas cross nodes).
 
-Passes, in the order ``_kernel._pairing`` runs them: ``cross_pass`` after the sticky pass (pairs with a
-positive gain); the node-local pairs (``_kernel``); ``concentrate`` (a node's leftover deficit on few ranks,
-so few receivers need a donor from another node); the global pass, whose cross-node pairs ``cross_fill``
-gives to the donor with the best gain. Every step fills its receiver completely from one donor that holds
+Passes, in the order ``_kernel`` runs them after the sticky pass: ``concentrate`` (each node's deficits on
+few ranks, so cross-node receivers are few and large); ``cross_pass`` (pairs with a positive gain); the
+node-local pairs (``_kernel``); ``concentrate`` again (a node's leftover deficit); the global pass, whose
+cross-node pairs ``cross_fill`` gives to the donor with the best gain. Every step fills its receiver completely from one donor that holds
 enough own rows, the step of the proof in ``planner/README.md``, so exact balance holds unchanged. A
 cross-node pair's experts are handed over at once (the split of stage C for that pair) and the receiver's
 gift is set to 0 so that stage C does not hand them over again.
@@ -73,19 +73,49 @@ def gain_bound(h, u, q, state):
 def hand_over(h, u, q, state, take):
     """Donor h gives q slots to receiver u (on another node); returns the gain in routed rows.
 
-    gain = inter-node rows saved (change of ``cross(e)``) minus ``weight_rows`` per expert copied to u.
-    Experts one at a time (all of its remaining slots, up to q), the one saving the most inter-node rows
-    first, less ``weight_rows`` if it cannot cover q alone (then another copy follows); ties: most remaining
+    gain = inter-node rows saved (change of ``cross(e)``) minus ``weight_rows`` per expert copied to u. Moving
+    t slots of e saves ``min(t, p) - max(0, t - d)`` rows (p: rows of e that h's node computes beyond its
+    own sources, d: rows of e that u's node routes but does not compute): +1 a slot up to min(p, d), 0 up to
+    max(p, d), -1 beyond. So the receiver takes (1) from each expert whose copy pays (min(p, d) > weight_rows,
+    best first) just those slots, (2) the free slots of the experts it copies anyway, (3) for the rest of q
+    more slots of those experts (one row each) while that is cheaper than another copy, else another expert:
+    the one saving the most, less ``weight_rows`` if it cannot cover the rest alone, ties most remaining
     slots, lowest index (stage C's order, so without savings this gives what stage C gives). take=False only
     evaluates; take=True also moves the slots in alloc [E, R] and on_node [N, E] (state: ``cross_state``).
     """
     epn, node, src, on_node, alloc, weight_rows, used = state
     nh = node[h]
     nu = node[u]
+    t = np.zeros(epn, np.int64)
     for j in range(epn):
         used[j] = False
-    gain = 0
-    while q > 0:
+    while q > 0:  # (1) copies that pay for themselves
+        best = -1
+        best_k = weight_rows
+        for j in range(epn):
+            e = h * epn + j
+            if used[j] or alloc[e, h] <= 0:
+                continue
+            k = min(max(0, on_node[nh, e] - src[nh, e]), max(0, src[nu, e] - on_node[nu, e]), alloc[e, h], q)
+            if k > best_k:
+                best, best_k = j, k
+        if best < 0:
+            break
+        used[best] = True
+        t[best] = best_k
+        q -= best_k
+    for j in range(epn):  # (2) slots that save nothing and cost nothing on experts copied anyway
+        if used[j] and q > 0:
+            e = h * epn + j
+            flat = min(max(on_node[nh, e] - src[nh, e], src[nu, e] - on_node[nu, e]), alloc[e, h]) - t[j]
+            add = min(max(0, flat), q)
+            t[j] += add
+            q -= add
+    while q > 0:  # (3) the rest: more rows of copied experts, or another copy
+        spare = 0
+        for j in range(epn):
+            if used[j]:
+                spare += alloc[h * epn + j, h] - t[j]
         best = -1
         best_score = 0
         for j in range(epn):
@@ -99,18 +129,28 @@ def hand_over(h, u, q, state, take):
             if best < 0 or score > best_score or (score == best_score and r > alloc[h * epn + best, h]):
                 best = j
                 best_score = score
+        if spare >= q and (best < 0 or q <= weight_rows - best_score):
+            for j in range(epn):  # each further row of a copied expert crosses nodes once
+                if used[j] and q > 0:
+                    add = min(alloc[h * epn + j, h] - t[j], q)
+                    t[j] += add
+                    q -= add
+            break
         if best < 0:  # cannot happen: the pair was checked feasible (a donor holds what it gives)
             break
-        e = h * epn + best
-        t = min(alloc[e, h], q)
-        gain += _saved(on_node[nh, e], src[nh, e], on_node[nu, e], src[nu, e], t) - weight_rows
         used[best] = True
-        q -= t
-        if take:
-            alloc[e, h] -= t
-            alloc[e, u] += t
-            on_node[nh, e] -= t
-            on_node[nu, e] += t
+        t[best] = min(alloc[h * epn + best, h], q)
+        q -= t[best]
+    gain = 0
+    for j in range(epn):
+        if used[j]:
+            e = h * epn + j
+            gain += _saved(on_node[nh, e], src[nh, e], on_node[nu, e], src[nu, e], t[j]) - weight_rows
+            if take:
+                alloc[e, h] -= t[j]
+                alloc[e, u] += t[j]
+                on_node[nh, e] -= t[j]
+                on_node[nu, e] += t[j]
     return gain
 
 
@@ -156,11 +196,12 @@ def cross_pass(bal, caps, state, donor, gift):
 
 @njit(cache=True)
 def concentrate(bal, caps, node, num_nodes, donor, gift):
-    """Stage B, pass (4): gather each node's leftover deficits on few ranks (first-fit decreasing).
+    """Stage B, passes (G) and (4): gather each node's deficits on few ranks (first-fit decreasing).
 
-    After the node-local pairs a node holds only deficits or only surpluses. Each deficit rank left would need
-    its own donor from another node (at least one replica crossing nodes each), so the node's ranks fill each
-    other first: taking deficits largest first, a rank joins the first collector that still holds enough own
+    Run first, it gives the cross-node pass receivers short by up to a whole rank, so a hot expert's node
+    demand lands on few, full replicas. Run after the node-local pairs, a node holds only deficits or only
+    surpluses, and each deficit rank left would need its own donor from another node (at least one replica
+    crossing nodes each). Either way the node's ranks fill each other first: taking deficits largest first, a rank joins the first collector that still holds enough own
     rows to fill it (caps[c] + bal[c] >= -bal[u], checked: the proof's step with a donor whose balance is
     negative), else opens a collector. A collector gives its own rows inside the node and takes its gathered
     deficit (<= caps) from one donor later, so cross-node receivers drop from the deficit ranks to about

@@ -37,7 +37,9 @@ def _pairs(bal: list[int], caps: list[int], prev_donor, node, num_nodes: int, to
             best = max(cands, key=lambda u: (bal[prev_donor[u]], -u))
             step(prev_donor[best], best)
     give = _giver(*topo_args, node, num_nodes) if num_nodes > 1 else None
-    if give is not None:
+    if give is not None:  # gather each node's deficits first, so cross-node receivers take large, full gifts
+        for n in range(num_nodes):
+            _concentrate([r for r in range(R) if node[r] == n], bal, caps, step)
         _cross_pairs(bal, caps, node, give, take)
     for n in range(num_nodes):  # pairs inside each node: smallest deficit first, so its donors retire many
         members = [r for r in range(R) if node[r] == n]
@@ -97,28 +99,47 @@ def _giver(T, alloc, epn: int, weight_rows: int, node, num_nodes: int):
         on[node[h]][e] -= t
         on[node[u]][e] += t
 
+    def saved(e: int, h: int, u: int, t: int) -> int:  # inter-node rows saved by moving t slots of e
+        before = cross(e)
+        move(e, h, u, t)
+        after = cross(e)
+        move(e, u, h, t)
+        return before - after
+
     def give(h: int, u: int, q: int, take: bool) -> int:
-        gain, left, undo = 0, [j for j in range(epn) if alloc[h * epn + j][h] > 0], []
-        while q > 0 and left:
-            def score(j: int) -> tuple[int, int, int]:
-                e = h * epn + j
-                t = min(alloc[e][h], q)
-                before = cross(e)
-                move(e, h, u, t)
-                after = cross(e)
-                move(e, u, h, t)
-                return (before - after - (weight_rows if alloc[e][h] < q else 0), alloc[e][h], -j)
-            j = max(left, key=score)
-            left.remove(j)
-            e = h * epn + j
-            t = min(alloc[e][h], q)
-            before = cross(e)
-            move(e, h, u, t)
-            undo.append((e, t))
-            gain += before - cross(e) - weight_rows
-            q -= t
-        for e, t in ([] if take else undo):
-            move(e, u, h, t)
+        own = [h * epn + j for j in range(epn)]
+        over = [max(0, on[node[h]][e] - src[node[h]][e]) for e in own]  # h's node computes beyond its sources
+        short = [max(0, src[node[u]][e] - on[node[u]][e]) for e in own]  # u's node routes but does not compute
+        t = [0] * epn
+        while q > 0:  # (1) copies that pay for themselves, the largest first
+            k, j = max(((min(over[j], short[j], alloc[e][h], q), -j) for j, e in enumerate(own)
+                        if not t[j] and alloc[e][h] > 0), default=(0, 0))
+            if k <= weight_rows:
+                break
+            t[-j] = k
+            q -= k
+        for j, e in enumerate(own):  # (2) free slots of experts copied anyway
+            add = min(max(0, min(max(over[j], short[j]), alloc[e][h]) - t[j]), q) if t[j] else 0
+            t[j] += add
+            q -= add
+        while q > 0:  # (3) more rows of copied experts (one crossing each) or another copy
+            spare = sum(alloc[e][h] - t[j] for j, e in enumerate(own) if t[j])
+            fresh = [(saved(e, h, u, min(alloc[e][h], q)) - (weight_rows if alloc[e][h] < q else 0),
+                      alloc[e][h], -j) for j, e in enumerate(own) if not t[j] and alloc[e][h] > 0]
+            best = max(fresh, default=None)
+            if spare >= q and (best is None or q <= weight_rows - best[0]):
+                for j, e in enumerate(own):
+                    add = min(alloc[e][h] - t[j], q) if t[j] else 0
+                    t[j] += add
+                    q -= add
+                break
+            j = -best[2]
+            t[j] = min(alloc[own[j]][h], q)
+            q -= t[j]
+        gain = sum(saved(e, h, u, t[j]) - weight_rows for j, e in enumerate(own) if t[j])
+        for j, e in enumerate(own):
+            if take and t[j]:
+                move(e, h, u, t[j])
         return gain
 
     return give

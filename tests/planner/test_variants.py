@@ -87,8 +87,7 @@ def test_topology_plan_cuts_inter_node_bytes_on_two_nodes(R, rpn, seeds):
     """The issue's goal on skewed 2-node cases (zipf 1.2, S=256): >= 30 % fewer inter-node bytes than the plain
     plan, identical exact balance. 2 x 8 ranks on the bench's four seeds is the case the node-local passes alone
     missed (x0.76): gathering each node's deficits on few ranks leaves few cross-node receivers, each fed the
-    expert its node routes to most. (S=4096 gives x0.86 on 2 x 8 ranks, above what any plan can reach there by
-    much less than 30 %: see README.)"""
+    expert its node routes to most. (S=4096: see test_topology_plan_with_many_tokens_per_rank.)"""
     node = np.arange(R) // rpn
     plain = topo = 0
     for seed in range(seeds):
@@ -99,6 +98,25 @@ def test_topology_plan_cuts_inter_node_bytes_on_two_nodes(R, rpn, seeds):
         plain += internode(p, node)["bytes"]
         topo += internode(q, node)["bytes"]
     assert topo <= 0.7 * plain, topo / plain
+
+
+def test_topology_plan_with_many_tokens_per_rank():
+    """S=4096 on 2 x 8 ranks, the bench's four seeds: <= 0.80 x the plain plan's inter-node bytes (x0.78; the
+    previous release, which gathered deficits only after the node-local pairs and handed whole experts over,
+    gave x0.86). Gathering first makes cross-node receivers large, and a hand-over takes from an expert only
+    the rows that pay for its copy, so a replica does not drag its home node's own rows across. No plan with
+    these caps does better than x0.697 (README, mixed-integer bound)."""
+    R, rpn = 16, 8
+    node = np.arange(R) // rpn
+    plain = topo = 0
+    for seed in range(4):
+        T = zipf_counts(R, 8 * R, 8, 4096, 1.2, seed)
+        p, q = plan(T), plan(T, topology=rpn)
+        verify(q, T, routes=False)
+        assert np.array_equal(q.recv_counts, p.recv_counts)
+        plain += internode(p, node)["bytes"]
+        topo += internode(q, node)["bytes"]
+    assert topo <= 0.80 * plain, topo / plain
 
 
 def test_cross_node_pass_localises_routed_rows_with_many_tokens():
@@ -122,13 +140,14 @@ def test_cross_node_pass_equals_twin_on_a_skewed_load():
 
     from .test_reference import assert_same
 
-    T = zipf_counts(8, 64, 8, 2048, 1.2, 3)
-    q = plan(T, topology=4)
-    node = np.arange(8) // 4
-    cross = [(h, u) for u, h in enumerate(q.donor.tolist()) if h >= 0 and node[h] != node[u]]
-    assert cross  # the pass made at least one cross-node pair
-    assert_same(q, plan_reference(T, node=node, num_nodes=2))
-    verify(q, T)
+    for R, rpn, S, seed in ((8, 4, 2048, 3), (16, 8, 4096, 0)):  # the second: slot-sized hand-overs
+        T = zipf_counts(R, 8 * R, 8, S, 1.2, seed)
+        q = plan(T, topology=rpn)
+        node = np.arange(R) // rpn
+        cross = [(h, u) for u, h in enumerate(q.donor.tolist()) if h >= 0 and node[h] != node[u]]
+        assert cross  # the pass made at least one cross-node pair
+        assert_same(q, plan_reference(T, node=node, num_nodes=R // rpn))
+        verify(q, T)
 
 
 def test_self_first_matching_keeps_own_rows_home():
