@@ -17,7 +17,10 @@ wall time one rank sees while all ``world_size`` local ranks do the same work at
   uses it only to carry those times to another number of local ranks, and to stretch GEMM FLOPs (whose rate
   is measured alone).
 
-This is the only simulator module that imports torch, collectives and cp_kda (lazily): it measures them.
+``calibrate`` launches ``measure_in_group`` on fresh ranks and turns rank 0's measurements into a profile
+with ``profile_from``; a job can call ``measure_in_group`` between its own steps instead, so that the profile
+and the steps see the same machine (the 20% test does). This is the only simulator module that imports torch,
+collectives and cp_kda (lazily): it measures them.
 """
 from __future__ import annotations
 
@@ -354,7 +357,7 @@ def _op_costs(sizes: CalibrationSizes, timer) -> dict:
 def _ranks_body(comm, sizes: CalibrationSizes, repeats: int, nbytes: int, host: bool) -> dict:
     """Everything measured on ``world_size`` ranks, in one launch: all-to-all bandwidth, and on CPU the
     collectives' and the per-op and KDA costs with all ranks busy at once, then the effective cores (which
-    only rescale those costs to another rank count; module level for ``collectives.launch``)."""
+    only rescale those costs to another rank count)."""
     import torch
 
     torch.set_num_threads(1)
@@ -366,16 +369,15 @@ def _ranks_body(comm, sizes: CalibrationSizes, repeats: int, nbytes: int, host: 
     return out
 
 
-def calibrate_host(sizes: CalibrationSizes, repeats: int, ranks: dict) -> dict:
-    """The ``host`` block of a CPU profile (fields of ``hardware.HostSpec``) from ``_ranks_body``'s result
-    (empty for one rank: then everything is measured here)."""
-    m = {"effective_cores": 1.0, "world_size": 1, **ranks}
-    if "ops_act" not in m:
-        m.update(_op_costs(sizes, solo_timer(repeats)))
+def calibrate_host(m: dict) -> dict:
+    """The ``host`` block of a CPU profile (fields of ``hardware.HostSpec``) from ``measure_in_group``'s (or a
+    one-rank ``calibrate``'s) measurements."""
     per_mb = lambda key: max(0.0, m.get(f"{key}_big", 0.0) - m.get(f"{key}_small", 0.0)) / (BIG / 1e6)  # noqa: E731
     (tf, tb, tn), (af, ab, _) = m["ops_tiny"], m["ops_act"]
-    return {"timing": "shared_wall", "cores": len(os.sched_getaffinity(0)), "effective_cores": m["effective_cores"],
-            "ranks": m["world_size"], "op_fwd_tiny_us": tf, "op_bwd_tiny_us": tb, "op_nograd_tiny_us": tn,
+    sizes = CalibrationSizes(**m["sizes"])
+    return {"timing": "shared_wall", "cores": len(os.sched_getaffinity(0)),
+            "effective_cores": m.get("effective_cores", 1.0), "ranks": m["world_size"],
+            "op_fwd_tiny_us": tf, "op_bwd_tiny_us": tb, "op_nograd_tiny_us": tn,
             "op_fwd_us": af, "op_bwd_us": ab, "ref_elements": sizes.tokens * sizes.hidden,
             "kda_us": m["kda"], "kda_tiny_us": m["kda_tiny"],
             "kda_elements": sizes.tokens * sizes.kda_heads * sizes.kda_head_dim,
@@ -385,6 +387,39 @@ def calibrate_host(sizes: CalibrationSizes, repeats: int, ranks: dict) -> dict:
             "a2a_us_per_mb": per_mb("a2a"), "all_reduce_us_per_mb": per_mb("ar")}
 
 
+def _kernel_rates(sizes: CalibrationSizes, repeats: int, quick: bool, device: str) -> dict:
+    """Dense GEMM (at the job's size on CPU), causal attention and copy rates, each measured alone."""
+    if device == "cuda":
+        gemm = measure_gemm(8192, 8192, 8192, repeats, device)
+    else:
+        gemm = measure_gemm(sizes.tokens, sizes.hidden, sizes.hidden, repeats, device)
+    return {"gemm_tflops": gemm,
+            "attention_tflops": measure_attention(256 if quick else 2048, 4 if quick else 16, repeats, device),
+            "copy_tbps": measure_copy((16 if quick else 256) * 2**20, repeats, device)}
+
+
+def _settings(sizes: CalibrationSizes, quick: bool, device: str, world_size: int) -> dict:
+    return {"device": device, "quick": quick, "sizes": asdict(sizes), "world_size": world_size}
+
+
+def measure_in_group(comm, *, sizes: CalibrationSizes, quick: bool = False) -> dict:
+    """Everything ``calibrate`` measures, from inside a running group of ``comm.world_size`` ranks: the kernel
+    rates on rank 0 alone (the others wait at a barrier), then ``_ranks_body`` on all ranks at once.
+
+    ``calibrate`` launches it on fresh ranks; a job can also call it between its own steps, so that profile and
+    steps see the same machine (``profile_from`` turns rank 0's dict into a profile). Sets one intra-op thread.
+    """
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    repeats = 5 if quick else 15
+    comm.barrier()
+    rates = _kernel_rates(sizes, repeats, quick, device) if comm.rank == 0 else {}
+    comm.barrier()
+    out = _ranks_body(comm, sizes, repeats, (1 if quick else 32) * 2**20, device == "cpu")
+    return {**out, **rates, **_settings(sizes, quick, device, comm.world_size)}
+
+
 def calibrate(*, world_size: int = 2, quick: bool = False, backend: str = "torch",
               sizes: CalibrationSizes | None = None) -> dict:
     """Measure and return a hardware profile dict loadable by ``hardware.load_hardware``."""
@@ -392,42 +427,47 @@ def calibrate(*, world_size: int = 2, quick: bool = False, backend: str = "torch
 
     sizes = sizes or CalibrationSizes()
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    reps = 5 if quick else 15
+    repeats = 5 if quick else 15
     threads = torch.get_num_threads()
     if device == "cpu":
         torch.set_num_threads(1)  # as the training ranks run (idle pool threads would also bill CPU time)
     try:
-        if device == "cuda":
-            gemm = measure_gemm(8192, 8192, 8192, reps, device)
-        else:
-            gemm = measure_gemm(sizes.tokens, sizes.hidden, sizes.hidden, reps, device)
-        attn = measure_attention(256 if quick else 2048, 4 if quick else 16, reps, device)
-        copy = measure_copy((16 if quick else 256) * 2**20, reps, device)
-        ranks = {}
         if world_size > 1:
             from collectives import launch
 
-            ranks = launch(_ranks_body, world_size, backend=backend, timeout=120.0, sizes=sizes, repeats=reps,
-                           nbytes=(1 if quick else 32) * 2**20, host=device == "cpu")
-            ranks["world_size"] = world_size
-        host = calibrate_host(sizes, reps, ranks) if device == "cpu" else None
+            measured = launch(measure_in_group, world_size, backend=backend, timeout=120.0, sizes=sizes,
+                              quick=quick)
+        else:  # one rank: everything alone, in this process
+            measured = {**_kernel_rates(sizes, repeats, quick, device), **_settings(sizes, quick, device, 1)}
+            if device == "cpu":
+                measured.update(_op_costs(sizes, solo_timer(repeats)))
     finally:
         torch.set_num_threads(threads)
-    a2a = ranks.get("a2a_gbps", 0.0)
+    return profile_from(measured, backend=backend)
+
+
+def profile_from(measured: dict, backend: str = "torch") -> dict:
+    """A hardware profile (loadable by ``hardware.load_hardware``) from ``measure_in_group``'s rank-0 dict."""
+    import torch
+
+    device, world_size = measured["device"], measured["world_size"]
+    gemm, attn, a2a = measured["gemm_tflops"], measured["attention_tflops"], measured.get("a2a_gbps", 0.0)
     name = torch.cuda.get_device_name(0) if device == "cuda" else platform.processor() or platform.machine()
     mem_gib = (torch.cuda.get_device_properties(0).total_memory / 2**30 if device == "cuda" else 16.0)
     link = max(a2a, 1e-3)
     return {
         "name": f"calibrated {device}: {name}", "bf16_tflops": gemm, "fp8_tflops": 0.0, "hbm_gib": mem_gib,
-        "hbm_tbps": copy, "nvlink_gbps": link, "nic_gbps": link,
+        "hbm_tbps": measured["copy_tbps"], "nvlink_gbps": link, "nic_gbps": link,
         "gpus_per_node": max(8, world_size) if device == "cpu" else max(1, world_size),
-        "nvlink_latency_us": 10.0, "nic_latency_us": 20.0, "reserved_gib": 0.5, "host": host,
+        "nvlink_latency_us": 10.0, "nic_latency_us": 20.0, "reserved_gib": 0.5,
+        "host": calibrate_host(measured) if device == "cpu" else None,
         "efficiency": {"gemm": 1.0, "grouped_gemm": 1.0 if device == "cpu" else 0.8,
                        "attention": min(1.0, attn / gemm), "kda": 0.3, "hbm": 1.0, "nvlink": 1.0, "network": 1.0,
                        "flash_attention": True, "gemm_half_gflop": 0.0},
-        "measured": {"device": device, "gemm_tflops": gemm, "attention_tflops": attn, "copy_tbps": copy,
-                     "all_to_all_gbps_per_rank": a2a, "world_size": world_size, "backend": backend,
-                     "quick": quick, "sizes": asdict(sizes)},
+        "measured": {"device": device, "gemm_tflops": gemm, "attention_tflops": attn,
+                     "copy_tbps": measured["copy_tbps"], "all_to_all_gbps_per_rank": a2a,
+                     "world_size": world_size, "backend": backend, "quick": measured["quick"],
+                     "sizes": measured["sizes"]},
     }
 
 
