@@ -12,8 +12,9 @@ not (few tokens per rank, where what counts is how few replicas cross nodes).
 Passes, in the order ``_kernel`` runs them after the sticky pass: ``concentrate`` (each node's deficits on
 few ranks, so cross-node receivers are few and large); ``cross_pass`` (pairs with a positive gain); the
 node-local pairs (``_kernel``); ``concentrate`` again (a node's leftover deficit); the global pass, whose
-cross-node pairs ``cross_fill`` gives to the donor with the best gain. Every step fills its receiver completely from one donor that holds
-enough own rows, the step of the proof in ``planner/README.md``, so exact balance holds unchanged. A
+cross-node pairs ``cross_fill`` gives to the donor with the best gain. Every step fills its receiver
+completely from one donor that holds enough own rows, the step of the proof in ``planner/README.md``, so exact
+balance holds unchanged. A
 cross-node pair's experts are handed over at once (the split of stage C for that pair) and the receiver's
 gift is set to 0 so that stage C does not hand them over again.
 """
@@ -70,6 +71,77 @@ def gain_bound(h, u, q, state):
 
 
 @njit(cache=True)
+def _paying_rows(h, u, q, state, t):
+    """Steps (1)-(2) of ``hand_over``: the rows of each expert whose copy pays, then the free rows of the copied
+    experts; t [epn] (zeros in) gets the slots per expert, used [epn] marks the copies. Returns q left."""
+    epn, node, src, on_node, alloc, weight_rows, used = state
+    nh = node[h]
+    nu = node[u]
+    while q > 0:  # (1) the largest paying copy first (ties: lowest index)
+        best = -1
+        best_k = weight_rows
+        for j in range(epn):
+            e = h * epn + j
+            if used[j] or alloc[e, h] <= 0:
+                continue
+            k = min(max(0, on_node[nh, e] - src[nh, e]), max(0, src[nu, e] - on_node[nu, e]), alloc[e, h], q)
+            if k > best_k:
+                best, best_k = j, k
+        if best < 0:
+            break
+        used[best] = True
+        t[best] = best_k
+        q -= best_k
+    for j in range(epn):  # (2) rows that save nothing and cost nothing on experts copied anyway
+        if used[j] and q > 0:
+            e = h * epn + j
+            flat = min(max(on_node[nh, e] - src[nh, e], src[nu, e] - on_node[nu, e]), alloc[e, h]) - t[j]
+            add = min(max(0, flat), q)
+            t[j] += add
+            q -= add
+    return q
+
+
+@njit(cache=True)
+def _remaining_rows(h, u, q, state, t):
+    """Step (3) of ``hand_over``: the last q slots, as more rows of copied experts (each crosses nodes once)
+    while that is cheaper than another copy, else another expert (``hand_over``'s order); updates t, used."""
+    epn, node, src, on_node, alloc, weight_rows, used = state
+    nh = node[h]
+    nu = node[u]
+    while q > 0:
+        spare = 0
+        for j in range(epn):
+            if used[j]:
+                spare += alloc[h * epn + j, h] - t[j]
+        best = -1
+        best_score = 0
+        for j in range(epn):
+            e = h * epn + j
+            r = alloc[e, h]
+            if used[j] or r <= 0:
+                continue
+            score = _saved(on_node[nh, e], src[nh, e], on_node[nu, e], src[nu, e], min(r, q))
+            if r < q:  # a partial expert leaves slots that need another copy
+                score -= weight_rows
+            if best < 0 or score > best_score or (score == best_score and r > alloc[h * epn + best, h]):
+                best = j
+                best_score = score
+        if spare >= q and (best < 0 or q <= weight_rows - best_score):
+            for j in range(epn):
+                if used[j] and q > 0:
+                    add = min(alloc[h * epn + j, h] - t[j], q)
+                    t[j] += add
+                    q -= add
+            return
+        if best < 0:  # cannot happen: the pair was checked feasible (a donor holds what it gives)
+            return
+        used[best] = True
+        t[best] = min(alloc[h * epn + best, h], q)
+        q -= t[best]
+
+
+@njit(cache=True)
 def hand_over(h, u, q, state, take):
     """Donor h gives q slots to receiver u (on another node); returns the gain in routed rows.
 
@@ -89,58 +161,7 @@ def hand_over(h, u, q, state, take):
     t = np.zeros(epn, np.int64)
     for j in range(epn):
         used[j] = False
-    while q > 0:  # (1) copies that pay for themselves
-        best = -1
-        best_k = weight_rows
-        for j in range(epn):
-            e = h * epn + j
-            if used[j] or alloc[e, h] <= 0:
-                continue
-            k = min(max(0, on_node[nh, e] - src[nh, e]), max(0, src[nu, e] - on_node[nu, e]), alloc[e, h], q)
-            if k > best_k:
-                best, best_k = j, k
-        if best < 0:
-            break
-        used[best] = True
-        t[best] = best_k
-        q -= best_k
-    for j in range(epn):  # (2) slots that save nothing and cost nothing on experts copied anyway
-        if used[j] and q > 0:
-            e = h * epn + j
-            flat = min(max(on_node[nh, e] - src[nh, e], src[nu, e] - on_node[nu, e]), alloc[e, h]) - t[j]
-            add = min(max(0, flat), q)
-            t[j] += add
-            q -= add
-    while q > 0:  # (3) the rest: more rows of copied experts, or another copy
-        spare = 0
-        for j in range(epn):
-            if used[j]:
-                spare += alloc[h * epn + j, h] - t[j]
-        best = -1
-        best_score = 0
-        for j in range(epn):
-            e = h * epn + j
-            r = alloc[e, h]
-            if used[j] or r <= 0:
-                continue
-            score = _saved(on_node[nh, e], src[nh, e], on_node[nu, e], src[nu, e], min(r, q))
-            if r < q:  # a partial expert leaves slots that need another copy
-                score -= weight_rows
-            if best < 0 or score > best_score or (score == best_score and r > alloc[h * epn + best, h]):
-                best = j
-                best_score = score
-        if spare >= q and (best < 0 or q <= weight_rows - best_score):
-            for j in range(epn):  # each further row of a copied expert crosses nodes once
-                if used[j] and q > 0:
-                    add = min(alloc[h * epn + j, h] - t[j], q)
-                    t[j] += add
-                    q -= add
-            break
-        if best < 0:  # cannot happen: the pair was checked feasible (a donor holds what it gives)
-            break
-        used[best] = True
-        t[best] = min(alloc[h * epn + best, h], q)
-        q -= t[best]
+    _remaining_rows(h, u, _paying_rows(h, u, q, state, t), state, t)
     gain = 0
     for j in range(epn):
         if used[j]:
@@ -201,11 +222,11 @@ def concentrate(bal, caps, node, num_nodes, donor, gift):
     Run first, it gives the cross-node pass receivers short by up to a whole rank, so a hot expert's node
     demand lands on few, full replicas. Run after the node-local pairs, a node holds only deficits or only
     surpluses, and each deficit rank left would need its own donor from another node (at least one replica
-    crossing nodes each). Either way the node's ranks fill each other first: taking deficits largest first, a rank joins the first collector that still holds enough own
-    rows to fill it (caps[c] + bal[c] >= -bal[u], checked: the proof's step with a donor whose balance is
-    negative), else opens a collector. A collector gives its own rows inside the node and takes its gathered
-    deficit (<= caps) from one donor later, so cross-node receivers drop from the deficit ranks to about
-    deficit / caps. Ties: lowest rank. O(R * collectors).
+    crossing nodes each). Either way the node's ranks fill each other first: taking deficits largest first, a
+    rank joins the first collector that still holds enough own rows to fill it (caps[c] + bal[c] >= -bal[u],
+    checked: the proof's step with a donor whose balance is negative), else opens a collector. A collector
+    gives its own rows inside the node and takes its gathered deficit (<= caps) from one donor later, so
+    cross-node receivers drop from the deficit ranks to about deficit / caps. Ties: lowest rank. O(R * collectors).
     """
     R = bal.shape[0]
     items = np.empty(R, np.int64)
