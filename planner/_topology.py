@@ -14,9 +14,8 @@ few ranks, so cross-node receivers are few and large); ``cross_pass`` (pairs wit
 node-local pairs (``_kernel``); ``concentrate`` again (a node's leftover deficit); the global pass, whose
 cross-node pairs ``cross_fill`` gives to the donor with the best gain. Every step fills its receiver
 completely from one donor that holds enough own rows, the step of the proof in ``planner/README.md``, so exact
-balance holds unchanged. A
-cross-node pair's experts are handed over at once (the split of stage C for that pair) and the receiver's
-gift is set to 0 so that stage C does not hand them over again.
+balance holds unchanged. A cross-node pair's slots are handed over at once, chosen by ``hand_over`` (not
+stage C's order), and the receiver's gift is set to 0 so that stage C does not hand any over again.
 """
 from __future__ import annotations
 

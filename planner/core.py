@@ -156,10 +156,11 @@ def plan(tokens_per_expert: Any, *, caps: Any = None, slots_per_rank: int | None
     previous: last step's plan of the same shape: keep its (donor, receiver) pairs and replicas where the
         exact balance allows (sticky plan: fewer expert weights move).
     topology: ``ranks_per_node`` int or an object with num_nodes, ranks_per_node, node_of(rank) (optional
-        weight_rows: an expert copy's cost in routed rows, default 3*2048): first the cross-node pairs whose
-        locally fed rows outweigh their weight copy, then pairs inside a node, then a short node's deficits
-        gathered on few ranks, each filled by the donor whose expert its node feeds best; each destination
-        is fed by its own rank's, then its own node's sources first.
+        weight_rows: an expert copy's cost in routed rows, default 3*2048): first each node's deficits
+        gathered on few ranks, then the cross-node pairs whose locally fed rows outweigh their weight copies
+        (taking only the rows that pay), then pairs inside a node, then a short node's leftover deficits
+        gathered, each filled by the donor whose experts its node feeds best; each destination is fed by its
+        own rank's, then its own node's sources first.
     """
     T = as_counts(tokens_per_expert, "tokens_per_expert", 2, check_sign=False)  # the kernel checks signs
     R, E, epn = check_shape(T)

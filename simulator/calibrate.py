@@ -17,9 +17,10 @@ wall time one rank sees while all ``world_size`` local ranks do the same work at
   uses it only to carry those times to another number of local ranks, and to stretch GEMM FLOPs (whose rate
   is measured alone).
 
-``calibrate`` launches ``measure_in_group`` on fresh ranks and turns rank 0's measurements into a profile
-with ``profile_from``; a job can call ``measure_in_group`` between its own steps instead, so that the profile
-and the steps see the same machine (the 20% test does). This is the only simulator module that imports torch,
+``calibrate`` measures the kernel rates in its own process, launches ``measure_in_group`` (without them) on
+fresh ranks and turns the measurements into a profile with ``profile_from``; a job can call
+``measure_in_group`` between its own steps instead, so that the profile and the steps see the same machine
+(the 20% test does). This is the only simulator module that imports torch,
 collectives and cp_kda (lazily): it measures them.
 """
 from __future__ import annotations
@@ -402,21 +403,28 @@ def _settings(sizes: CalibrationSizes, quick: bool, device: str, world_size: int
     return {"device": device, "quick": quick, "sizes": asdict(sizes), "world_size": world_size}
 
 
-def measure_in_group(comm, *, sizes: CalibrationSizes, quick: bool = False) -> dict:
+def measure_in_group(comm, *, sizes: CalibrationSizes, quick: bool = False, kernel_rates: bool = True) -> dict:
     """Everything ``calibrate`` measures, from inside a running group of ``comm.world_size`` ranks: the kernel
-    rates on rank 0 alone (the others wait at a barrier), then ``_ranks_body`` on all ranks at once.
+    rates on rank 0 alone (the others wait at a barrier, within the group's timeout; ``kernel_rates=False``
+    skips them), then ``_ranks_body`` on all ranks at once, with one intra-op thread (restored after).
 
     ``calibrate`` launches it on fresh ranks; a job can also call it between its own steps, so that profile and
-    steps see the same machine (``profile_from`` turns rank 0's dict into a profile). Sets one intra-op thread.
+    steps see the same machine (``profile_from`` turns rank 0's dict into a profile).
     """
     import torch
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     repeats = 5 if quick else 15
-    comm.barrier()
-    rates = _kernel_rates(sizes, repeats, quick, device) if comm.rank == 0 else {}
-    comm.barrier()
-    out = _ranks_body(comm, sizes, repeats, (1 if quick else 32) * 2**20, device == "cpu")
+    threads = torch.get_num_threads()
+    rates = {}
+    try:
+        if kernel_rates:
+            comm.barrier()
+            rates = _kernel_rates(sizes, repeats, quick, device) if comm.rank == 0 else {}
+            comm.barrier()
+        out = _ranks_body(comm, sizes, repeats, (1 if quick else 32) * 2**20, device == "cpu")
+    finally:
+        torch.set_num_threads(threads)
     return {**out, **rates, **_settings(sizes, quick, device, comm.world_size)}
 
 
@@ -431,16 +439,15 @@ def calibrate(*, world_size: int = 2, quick: bool = False, backend: str = "torch
     threads = torch.get_num_threads()
     if device == "cpu":
         torch.set_num_threads(1)  # as the training ranks run (idle pool threads would also bill CPU time)
-    try:
+    try:  # kernel rates here, alone and without a collective timeout (a large model's GEMM takes a while)
+        measured = {**_kernel_rates(sizes, repeats, quick, device), **_settings(sizes, quick, device, 1)}
         if world_size > 1:
             from collectives import launch
 
-            measured = launch(measure_in_group, world_size, backend=backend, timeout=120.0, sizes=sizes,
-                              quick=quick)
-        else:  # one rank: everything alone, in this process
-            measured = {**_kernel_rates(sizes, repeats, quick, device), **_settings(sizes, quick, device, 1)}
-            if device == "cpu":
-                measured.update(_op_costs(sizes, solo_timer(repeats)))
+            measured.update(launch(measure_in_group, world_size, backend=backend, timeout=120.0, sizes=sizes,
+                                   quick=quick, kernel_rates=False))
+        elif device == "cpu":  # one rank: the host costs alone, in this process
+            measured.update(_op_costs(sizes, solo_timer(repeats)))
     finally:
         torch.set_num_threads(threads)
     return profile_from(measured, backend=backend)

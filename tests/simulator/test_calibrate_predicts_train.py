@@ -9,7 +9,8 @@ same window.
 One launch at ``moonep train``'s default world size builds the tiny-preset trainer (``k3.train.Trainer``)
 and runs one warm-up step. Then it runs ``ROUNDS`` rounds, each of two parts:
 1. the calibration's own measurements, ``simulator.calibrate.measure_in_group``, as ``moonep simulate
-   calibrate --quick --model k3-tiny`` takes them (the CLI launches that same function on fresh ranks);
+   calibrate --quick --world-size 4 --model k3-tiny --micro-batch 4`` takes them (the CLI launches that same
+   function on fresh ranks, and measures the kernel rates in its own process instead of on rank 0);
 2. ``STEPS`` timed training steps, timed as ``k3.bench`` does (slowest rank, median).
 
 Each round's measurements become the profile the CLI would write (``profile_from``). ``moonep simulate run``
