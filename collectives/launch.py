@@ -98,6 +98,16 @@ def local_rank(rank: int) -> int:
     return rank if found is None else found
 
 
+def check_device(device: str) -> None:
+    """ValueError unless ``device`` is ``"cpu"``, or ``"cuda"`` with a CUDA device visible to torch."""
+    import torch
+
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device: expected cpu or cuda, got {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device: cuda asked for, but torch sees no CUDA device")
+
+
 def rank_device(comm: Communicator, device: str):
     """The ``torch.device`` for this rank's tensors: ``"cpu"``, or ``"cuda"`` = GPU ``local rank`` (made
     current). The torch backend moves CUDA tensors over NCCL, which takes one GPU per rank, so more local ranks
@@ -105,12 +115,9 @@ def rank_device(comm: Communicator, device: str):
     and may share a GPU (``local rank % GPUs``). ValueError too when CUDA is asked for and absent."""
     import torch
 
+    check_device(device)
     if device == "cpu":
         return torch.device("cpu")
-    if device != "cuda":
-        raise ValueError(f"device: expected 'cpu' or 'cuda', got {device!r}")
-    if not torch.cuda.is_available():
-        raise ValueError("device: 'cuda' asked for, but torch sees no CUDA device")
     gpus, local = torch.cuda.device_count(), _env_int(LOCAL_SIZE_ENV) or comm.world_size
     if comm.backend == "torch" and local > gpus:
         raise ValueError(f"device: {local} ranks on this host but {gpus} visible GPU(s); NCCL needs one GPU per "

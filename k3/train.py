@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from collectives.faults import DataDelay, LinkDelay, Slowdown, check_fault_ranks, faults_at
-from collectives.launch import rank_device
+from collectives.launch import check_device, rank_device
 
 from .balance import update_router_biases
 from .checkpoint import load_checkpoint, save_checkpoint
@@ -117,10 +117,7 @@ class TrainConfig:
                              f"{self.world_size // self.cp}")
         if self.seq_len % self.cp or self.seq_len // self.cp < 3:
             raise ValueError(f"seq_len: {self.seq_len} must split into cp={self.cp} slices of >= 3 tokens")
-        if self.device not in ("cpu", "cuda"):
-            raise ValueError(f"device: expected cpu or cuda, got {self.device!r}")
-        if self.device == "cuda" and not torch.cuda.is_available():
-            raise ValueError("device: cuda asked for, but torch sees no CUDA device")
+        check_device(self.device)
         if self.balance not in ("qb", "sign", "none"):
             raise ValueError(f"balance: expected qb, sign or none, got {self.balance!r}")
 

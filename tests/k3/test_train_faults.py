@@ -9,11 +9,10 @@ import time
 import pytest
 import torch
 
-from collectives.faults import DataDelay, LinkDelay, Slowdown
+from collectives.faults import DataDelay, LinkDelay, Slowdown, faults_at
 from collectives.trace import Tracer
 from k3.config import K3Config
 from k3.model import build_model, token_loss_sum
-from collectives.faults import faults_at
 from k3.trace import PhaseClock
 from k3.train import TrainConfig
 
