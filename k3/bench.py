@@ -16,15 +16,11 @@ import time
 import torch
 
 
-def bench_rank(comm, train: dict, steps: int) -> dict:
-    from .train import Trainer, TrainConfig
-
-    torch.set_num_threads(1)
-    tc = TrainConfig(**train)
-    trainer = Trainer(comm, tc)
-    trainer.step(0)  # warm-up: allocations, first plan
+def timed_steps(comm, trainer, first: int, steps: int) -> list[float]:
+    """Seconds of ``trainer.step(first)`` ... ``trainer.step(first + steps - 1)``, each started after a barrier,
+    the slowest rank's time per step (the same list on every rank)."""
     times = []
-    for step in range(1, steps + 1):
+    for step in range(first, first + steps):
         comm.barrier()
         t0 = time.perf_counter()
         trainer.step(step)
@@ -32,6 +28,17 @@ def bench_rank(comm, train: dict, steps: int) -> dict:
         if comm.world_size > 1:
             comm.all_reduce(dt, op="max")
         times.append(float(dt))
+    return times
+
+
+def bench_rank(comm, train: dict, steps: int) -> dict:
+    from .train import Trainer, TrainConfig
+
+    torch.set_num_threads(1)
+    tc = TrainConfig(**train)
+    trainer = Trainer(comm, tc)
+    trainer.step(0)  # warm-up: allocations, first plan
+    times = timed_steps(comm, trainer, 1, steps)
     rss = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0], dtype=torch.float64)
     if comm.world_size > 1:
         comm.all_reduce(rss, op="max")
@@ -55,4 +62,4 @@ def run_bench(preset: str = "tiny", world_sizes=(1, 2, 4), steps: int = 5, max_d
                        "global_batch": tc.global_batch, "seq_len": tc.seq_len}, "results": results}
 
 
-__all__ = ["run_bench", "bench_rank"]
+__all__ = ["run_bench", "bench_rank", "timed_steps"]

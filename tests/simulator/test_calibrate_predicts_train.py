@@ -11,7 +11,7 @@ and runs one warm-up step. Then it runs ``ROUNDS`` rounds, each of two parts:
 1. the calibration's own measurements, ``simulator.calibrate.measure_in_group``, as ``moonep simulate
    calibrate --quick --world-size 4 --model k3-tiny --micro-batch 4`` takes them (the CLI launches that same
    function on fresh ranks, and measures the kernel rates in its own process instead of on rank 0);
-2. ``STEPS`` timed training steps, timed as ``k3.bench`` does (slowest rank, median).
+2. ``STEPS`` training steps timed by ``k3.bench.timed_steps`` (slowest rank; their median).
 
 Each round's measurements become the profile the CLI would write (``profile_from``). ``moonep simulate run``
 predicts the step from it. The assertion: total predicted over total measured is within 20%. Each round's
@@ -20,7 +20,6 @@ ratio is printed too.
 import dataclasses
 import json
 import statistics
-import time
 
 import pytest
 
@@ -35,24 +34,17 @@ def _calibrate_and_train(comm, train: dict, sizes, rounds: int, steps: int) -> l
     """Rank body: warm-up step, then ``rounds`` x (calibration measurements, ``steps`` timed steps)."""
     import torch
 
+    from k3.bench import timed_steps
     from k3.train import Trainer, TrainConfig
     from simulator.calibrate import measure_in_group
 
     torch.set_num_threads(1)
     trainer = Trainer(comm, TrainConfig(**train))
     trainer.step(0)
-    out, step = [], 1
-    for _ in range(rounds):
+    out = []
+    for i in range(rounds):
         measured = measure_in_group(comm, sizes=sizes, quick=True)
-        times = []
-        for _ in range(steps):
-            comm.barrier()
-            t0 = time.perf_counter()
-            trainer.step(step)
-            step += 1
-            dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-            comm.all_reduce(dt, op="max")
-            times.append(float(dt))
+        times = timed_steps(comm, trainer, 1 + i * steps, steps)
         out.append({"measured": measured, "step_s": statistics.median(times), "times": times})
     return out
 
