@@ -20,8 +20,8 @@ wall time one rank sees while all ``world_size`` local ranks do the same work at
 ``calibrate`` measures the kernel rates in its own process, launches ``measure_in_group`` (without them) on
 fresh ranks and turns the measurements into a profile with ``profile_from``; a job can call
 ``measure_in_group`` between its own steps instead, so that the profile and the steps see the same machine
-(the 20% test does). This is the only simulator module that imports torch,
-collectives and cp_kda (lazily): it measures them.
+(the 20% test does). This is the only simulator module that imports torch, collectives and cp_kda (lazily):
+it measures them.
 """
 from __future__ import annotations
 
@@ -356,12 +356,9 @@ def _op_costs(sizes: CalibrationSizes, timer) -> dict:
 
 
 def _ranks_body(comm, sizes: CalibrationSizes, repeats: int, nbytes: int, host: bool) -> dict:
-    """Everything measured on ``world_size`` ranks, in one launch: all-to-all bandwidth, and on CPU the
+    """What ``measure_in_group`` measures on all ranks at once: all-to-all bandwidth, and on CPU the
     collectives' and the per-op and KDA costs with all ranks busy at once, then the effective cores (which
     only rescale those costs to another rank count)."""
-    import torch
-
-    torch.set_num_threads(1)
     out = {"a2a_gbps": _a2a_rank(comm, nbytes, repeats)}
     if host:
         out.update(_collective_costs(comm, repeats * 6, BIG))
@@ -406,7 +403,8 @@ def _settings(sizes: CalibrationSizes, quick: bool, device: str, world_size: int
 def measure_in_group(comm, *, sizes: CalibrationSizes, quick: bool = False, kernel_rates: bool = True) -> dict:
     """Everything ``calibrate`` measures, from inside a running group of ``comm.world_size`` ranks: the kernel
     rates on rank 0 alone (the others wait at a barrier, within the group's timeout; ``kernel_rates=False``
-    skips them), then ``_ranks_body`` on all ranks at once, with one intra-op thread (restored after).
+    skips them), then ``_ranks_body`` on all ranks at once; all of it with one intra-op thread (the caller's
+    count is restored after).
 
     ``calibrate`` launches it on fresh ranks; a job can also call it between its own steps, so that profile and
     steps see the same machine (``profile_from`` turns rank 0's dict into a profile).
@@ -416,6 +414,7 @@ def measure_in_group(comm, *, sizes: CalibrationSizes, quick: bool = False, kern
     device = "cuda" if torch.cuda.is_available() else "cpu"
     repeats = 5 if quick else 15
     threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the training ranks run, and as ``calibrate`` takes the kernel rates
     rates = {}
     try:
         if kernel_rates:
