@@ -396,6 +396,11 @@ def _kernel_rates(sizes: CalibrationSizes, repeats: int, quick: bool, device: st
             "copy_tbps": measure_copy((16 if quick else 256) * 2**20, repeats, device)}
 
 
+def _repeats(quick: bool) -> int:
+    """Timed repeats of each measurement (``--quick``: a smoke run)."""
+    return 5 if quick else 15
+
+
 def _settings(sizes: CalibrationSizes, quick: bool, device: str, world_size: int) -> dict:
     return {"device": device, "quick": quick, "sizes": asdict(sizes), "world_size": world_size}
 
@@ -412,7 +417,7 @@ def measure_in_group(comm, *, sizes: CalibrationSizes, quick: bool = False, kern
     import torch
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    repeats = 5 if quick else 15
+    repeats = _repeats(quick)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the training ranks run, and as ``calibrate`` takes the kernel rates
     rates = {}
@@ -434,7 +439,7 @@ def calibrate(*, world_size: int = 2, quick: bool = False, backend: str = "torch
 
     sizes = sizes or CalibrationSizes()
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    repeats = 5 if quick else 15
+    repeats = _repeats(quick)
     threads = torch.get_num_threads()
     if device == "cpu":
         torch.set_num_threads(1)  # as the training ranks run (idle pool threads would also bill CPU time)
