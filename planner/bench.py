@@ -17,7 +17,7 @@ from . import _kernel
 from .core import plan
 from .eplb import gpu_loads, rebalance_experts
 from .metrics import EXPERT_BYTES, ROW_BYTES, balance, internode, internode_bound, new_copies
-from .synthetic import drifting_trace, zipf_counts
+from .synthetic import drifting_trace, router_counts, zipf_counts
 from .verify import verify
 
 FULL_CASES = ((8, 256), (64, 896), (256, 4096), (1024, 16384))
@@ -82,19 +82,36 @@ def sticky_section(quick: bool, seed: int) -> dict:
             "balance": worst_balance}
 
 
-def topology_section(quick: bool, seed: int, timed: bool = True) -> list[dict]:
-    """Inter-node routed rows and replica weights: plain plan vs topology-aware plan, skewed zipf loads.
+TOPOLOGY_LOADS = {"zipf": zipf_counts, "router": router_counts}
+"""the two skewed loads: zipf counts (a hot expert may get more slots than a rank has tokens) and the counts
+of zipf top-k lists (what a router produces)."""
 
-    timed=False skips the latencies (``plan_us_*`` = None) for callers that only want the ratios."""
+
+def topology_grid(quick: bool) -> list[tuple[str, int, int, int, int]]:
+    """(load, R, E, K, S) rows of the topology section, 8 ranks per node; E = 896, K = 16 is K3's layer."""
+    if quick:
+        return [("zipf", 16, 128, 8, 256), ("router", 16, 128, 8, 256)]
+    shapes = [(16, 128, 8), (32, 256, 8), (64, 512, 8)]
+    rows = [(load, R, E, K, S) for load in TOPOLOGY_LOADS for S in (256, 4096) for R, E, K in shapes]
+    return rows + [("router", 64, 896, 16, S) for S in (256, 4096)]
+
+
+def topology_section(quick: bool, seed: int, timed: bool = True,
+                     grid: list[tuple[str, int, int, int, int]] | None = None) -> list[dict]:
+    """Inter-node routed rows and replica weights: plain plan vs topology-aware plan, skewed loads.
+
+    ``bytes_ratio_bound``: ``metrics.internode_bound`` over the same loads, as a ratio of the plain plan's
+    bytes; no plan with these caps (any pairing rule) goes below it. timed=False skips the latencies
+    (``plan_us_*`` = None) for callers that only want the ratios; grid: rows to run (default
+    ``topology_grid(quick)``)."""
     rows = []
-    grid = ((16, 8, 256),) if quick else ((16, 8, 256), (32, 8, 256), (64, 8, 256), (16, 8, 4096), (32, 8, 4096),
-                                          (64, 8, 4096))
-    for R, rpn, S in grid:
+    rpn = 8
+    for load, R, E, K, S in topology_grid(quick) if grid is None else grid:
         node = np.arange(R) // rpn
         acc = np.zeros(5, np.int64)
         worst = 1.0
         for s in range(2 if quick else 4):
-            T = zipf_counts(R, 8 * R, 8, S, 1.2, seed + s)
+            T = TOPOLOGY_LOADS[load](R, E, K, S, 1.2, seed + s)
             p, q = plan(T), plan(T, topology=rpn)
             verify(q, T, routes=False)
             worst = max(worst, balance(q))
@@ -107,8 +124,8 @@ def topology_section(quick: bool, seed: int, timed: bool = True) -> list[dict]:
         if timed:  # latency on the last load: what the topology passes add
             budget = 0.05 if quick else 0.3
             plain_us = round(median_us(lambda T=T: plan(T), budget)[0], 1)
-            topo_us = round(median_us(lambda T=T, rpn=rpn: plan(T, topology=rpn), budget)[0], 1)
-        rows.append({"R": R, "nodes": R // rpn, "E": 8 * R, "K": 8, "S": S, "skew": 1.2,
+            topo_us = round(median_us(lambda T=T: plan(T, topology=rpn), budget)[0], 1)
+        rows.append({"load": load, "R": R, "nodes": R // rpn, "E": E, "K": K, "S": S, "skew": 1.2,
                      "routed_rows_plain": int(acc[0]), "routed_rows_topology": int(acc[1]),
                      "weight_copies_plain": int(acc[2]), "weight_copies_topology": int(acc[3]),
                      "routed_ratio": round(acc[1] / max(acc[0], 1), 4),
@@ -152,7 +169,8 @@ def format_report(result: dict) -> str:
                  f"{s['copies_per_step_plain']:.1f}, sticky {s['copies_per_step_sticky']:.1f} "
                  f"-> ratio {s['copies_ratio']:.3f} (goal <= 0.5), balance {s['balance']:.4f}")
     for t in result["topology"]:
-        lines.append(f"topology (R={t['R']}, {t['nodes']} nodes, S={t['S']}): inter-node routed rows x"
+        lines.append(f"topology ({t['load']}, R={t['R']}, {t['nodes']} nodes, E={t['E']}, K={t['K']}, S={t['S']}): "
+                     f"inter-node routed rows x"
                      f"{t['routed_ratio']:.3f}, weight copies x{t['weight_ratio']:.3f}, bytes x"
                      f"{t['bytes_ratio']:.3f} (goal <= 0.7; no plan below x{t['bytes_ratio_bound']:.3f}), "
                      f"balance {t['balance']:.4f}, plan {t['plan_us_plain']:.0f} / {t['plan_us_topology']:.0f} us")

@@ -20,7 +20,8 @@ def register(commands, bench) -> None:
     p.add_argument("--tokens", type=int, default=4096, help="tokens per rank S (synthetic load)")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--load", help="JSON file: [R, E] counts, or {\"tokens_per_expert\": [R, E]}")
-    src.add_argument("--synthetic", help="zipf:SKEW, e.g. zipf:1.2 (hot experts shared by all ranks)")
+    src.add_argument("--synthetic", help="zipf:SKEW (slot counts) or router:SKEW (counts of top-k lists, K distinct "
+                     "experts per token), e.g. router:1.2; hot experts shared by all ranks")
     p.add_argument("--nodes", type=int, help="split the ranks into this many nodes: topology-aware plan")
     p.add_argument("--token-padding", type=int, default=1, help="pad segments to this many rows")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic load")
@@ -55,7 +56,7 @@ def _load_counts(args):
 
     import numpy as np
 
-    from .synthetic import parse_synthetic, zipf_counts
+    from .synthetic import synthetic_counts
 
     if args.load:
         with open(args.load) as f:
@@ -71,7 +72,7 @@ def _load_counts(args):
         return T
     if args.ranks is None or args.experts is None:
         raise ValueError("--synthetic needs --ranks and --experts")
-    return zipf_counts(args.ranks, args.experts, args.topk, args.tokens, parse_synthetic(args.synthetic), args.seed)
+    return synthetic_counts(args.synthetic, args.ranks, args.experts, args.topk, args.tokens, args.seed)
 
 
 def plan_command(args: argparse.Namespace) -> int:

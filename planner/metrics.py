@@ -97,19 +97,67 @@ def internode_bound(tokens_per_expert: Any, node: np.ndarray, caps: Any = None,
                     weight_rows: int = WEIGHT_ROWS) -> int:
     """Lower bound on ``routed_rows + weight_rows * weight_copies`` of ``internode`` for ANY plan with these caps.
 
-    Expert e's slots routed by node n (``src``, n not e's home node) either cross nodes or are computed on n by
-    replicas there, each an inter-node weight copy holding at most max(caps) rows; so they cost at least
-    ``min_k max(0, src - k*max(caps)) + k*weight_rows``, summed over (e, n). Node balance, the one-donor rule
-    and slot limits are ignored, so every plan (this planner's or any other) costs at least this.
+    Two facts every plan obeys, whatever its pairing rules:
+    1. Expert e's slots routed by node n (n not e's home node) either cross nodes or are computed by replicas on
+       n, each an inter-node weight copy holding at most max(caps) rows. So node n sends at least
+       ``x_n(k) = foreign_n - (its k largest cap-sized chunks)`` rows out when it holds k such copies.
+    2. Node balance: node n computes exactly C_n = sum of its caps and routes O_n slots, so the rows entering
+       it are ``X_n - (O_n - C_n)`` when X_n leave it; both cross, so the total is at least
+       ``2 X_n - (O_n - C_n)``. (With two nodes what leaves one enters the other.)
+    The bound is ``min over copies k [max(sum_n x_n, max_n 2 x_n - delta_n) + weight_rows * sum_n k_n]``,
+    solved exactly by ``_balanced_minimum``. The one-donor rule and slot limits are ignored, so every plan
+    (this planner's or any other) costs at least this.
     """
     T = as_counts(tokens_per_expert, "tokens_per_expert", 2)
     R, E, epn = check_shape(T)
     node = np.asarray(node, dtype=np.int64)
     total = int(T.sum())
-    cap = max(1, -(-total // R) if caps is None else int(np.max(caps)))
-    src = np.zeros((int(node.max()) + 1, E), np.int64)
+    if caps is None:
+        caps = np.full(R, total // R, np.int64)
+        caps[: total % R] += 1
+    caps = np.asarray(caps, dtype=np.int64)
+    cap = max(1, int(caps.max()))
+    N = int(node.max()) + 1
+    src = np.zeros((N, E), np.int64)
     np.add.at(src, node, T)  # [nodes, E]: slots of e routed by each node's ranks
     src[node[np.arange(E) // epn], np.arange(E)] = 0  # a home node's own slots never need to cross
-    k = src // cap
-    cost = np.minimum.reduce([src, src - k * cap + k * weight_rows, (k + (src % cap > 0)) * weight_rows])
-    return int(cost.sum())
+    delta = np.bincount(node, T.sum(1), N).astype(np.int64) - np.bincount(node, caps, N).astype(np.int64)
+    chunks = [_chunks(src[n], cap) for n in range(N)]
+    return _balanced_minimum([int(src[n].sum()) for n in range(N)], chunks, delta, weight_rows)
+
+
+def _chunks(src: np.ndarray, cap: int) -> np.ndarray:
+    """[c] the rows one more replica can take, best first: each count split into cap-sized pieces, descending."""
+    full = np.repeat(np.full(src.shape[0], cap, np.int64), src // cap)
+    return np.sort(np.concatenate([full, src[src % cap > 0] % cap]))[::-1]
+
+
+def _balanced_minimum(foreign: list[int], chunks: list[np.ndarray], delta: np.ndarray, w: int) -> int:
+    """min over k [max(sum_n x_n(k_n), max_n 2 x_n(k_n) - delta_n) + w * sum_n k_n], x_n(k) = foreign_n -
+    (sum of chunks[n][:k]).
+
+    For each level tau that max_n (2 x_n - delta_n) can take: every node takes at least the copies that bring
+    its term to <= tau, then the largest remaining chunks (of all nodes) while one lowers max(sum x, tau) by
+    more than w. Taking largest chunks first is optimal because each node's chunks are sorted; the smallest
+    value over tau is the exact minimum (at the optimum's own tau the relaxation is tight).
+    """
+    N = len(foreign)
+    x = [f - np.concatenate([[0], np.cumsum(c)]) for f, c in zip(foreign, chunks)]  # x[n][k]
+    term = [2 * x[n] - delta[n] for n in range(N)]  # non-increasing in k
+    node_of = np.concatenate([np.full(c.shape[0], n) for n, c in enumerate(chunks)] + [np.zeros(0, np.int64)])
+    index = np.concatenate([np.arange(c.shape[0]) for c in chunks] + [np.zeros(0, np.int64)])
+    order = np.argsort(-np.concatenate(list(chunks) + [np.zeros(0, np.int64)]), kind="stable")
+    size = np.concatenate(list(chunks) + [np.zeros(0, np.int64)])[order]
+    node_of, index = node_of[order], index[order]
+    best = None
+    for tau in np.unique(np.concatenate(term)):
+        kmin = np.array([int(np.searchsorted(-t, -tau)) for t in term])  # first k with term <= tau
+        if any(k >= len(t) for k, t in zip(kmin, term)):
+            continue
+        left = sum(int(x[n][kmin[n]]) for n in range(N))
+        extra = size[index >= kmin[node_of]]  # chunks still free, largest first
+        after = left - np.concatenate([[0], np.cumsum(extra)])  # sum x after m more copies
+        value = np.maximum(after, tau) + w * (int(kmin.sum()) + np.arange(after.shape[0]))
+        value = int(value.min())
+        best = value if best is None else min(best, value)
+    return int(best)

@@ -23,7 +23,8 @@ def _probs(logits: np.ndarray) -> np.ndarray:
 def zipf_counts(R: int, E: int, K: int, S: int, skew: float, seed: int = 0) -> np.ndarray:
     """[R, E] counts: each rank routes exactly S*K slots, drawn multinomially from a zipf(skew) popularity.
 
-    Counts only (a token may pick one expert twice, which the planner allows); use zipf_topk for real lists.
+    Counts only (a token may pick one expert twice, which the planner allows; at skew 1.2 the hottest expert gets
+    more slots than a rank has tokens): use zipf_topk / router_counts for what a top-k router produces.
     """
     rng = np.random.default_rng(seed)
     p = _probs(zipf_logits(E, skew, rng))
@@ -31,12 +32,24 @@ def zipf_counts(R: int, E: int, K: int, S: int, skew: float, seed: int = 0) -> n
 
 
 def zipf_topk(R: int, E: int, K: int, S: int, skew: float, seed: int = 0) -> np.ndarray:
-    """[R, S, K] expert ids: K distinct experts per token (Gumbel top-k over the zipf popularity)."""
+    """[R, S, K] expert ids: K distinct experts per token (Gumbel top-k over the zipf popularity).
+
+    Drawn rank by rank, so memory is O(S * E), not O(R * S * E)."""
     rng = np.random.default_rng(seed)
     logits = zipf_logits(E, skew, rng)
     K = min(K, E)
-    scores = logits + rng.gumbel(size=(R, S, E))
-    return np.argpartition(-scores, K - 1, axis=-1)[..., :K].astype(np.int64)
+    out = np.empty((R, S, K), np.int64)
+    for r in range(R):
+        scores = logits + rng.gumbel(size=(S, E))
+        out[r] = np.argpartition(-scores, K - 1, axis=-1)[:, :K]
+    return out
+
+
+def router_counts(R: int, E: int, K: int, S: int, skew: float, seed: int = 0) -> np.ndarray:
+    """[R, E] counts of ``zipf_topk``'s lists: what a top-k router produces (no rank sends one expert more than
+    S slots), unlike ``zipf_counts``, whose hottest expert can get more slots than a rank has tokens."""
+    topk = zipf_topk(R, E, K, S, skew, seed)
+    return np.stack([np.bincount(topk[r].ravel(), minlength=E) for r in range(R)]).astype(np.int64)
 
 
 def drifting_trace(R: int, E: int, K: int, S: int, steps: int, skew: float = 1.2, drift: float = 0.05,
@@ -52,15 +65,24 @@ def drifting_trace(R: int, E: int, K: int, S: int, steps: int, skew: float = 1.2
         logits = logits + drift * rng.standard_normal(E)
 
 
-def parse_synthetic(spec: str) -> float:
-    """'zipf:1.2' -> 1.2 (the skew); ValueError otherwise."""
+SYNTHETIC_KINDS = ("zipf", "router")
+
+
+def parse_synthetic(spec: str) -> tuple[str, float]:
+    """'zipf:1.2' -> ('zipf', 1.2); 'router:1.2' -> ('router', 1.2) (counts of top-k lists); ValueError else."""
     kind, _, value = spec.partition(":")
-    if kind != "zipf":
-        raise ValueError(f"--synthetic must look like zipf:1.2, got {spec!r}")
+    if kind not in SYNTHETIC_KINDS:
+        raise ValueError(f"--synthetic must look like zipf:1.2 or router:1.2, got {spec!r}")
     try:
         skew = float(value or "1.0")
     except ValueError:
-        raise ValueError(f"--synthetic must look like zipf:1.2, got {spec!r}") from None
+        raise ValueError(f"--synthetic must look like zipf:1.2 or router:1.2, got {spec!r}") from None
     if skew < 0:
         raise ValueError(f"zipf skew must be >= 0, got {skew}")
-    return skew
+    return kind, skew
+
+
+def synthetic_counts(spec: str, R: int, E: int, K: int, S: int, seed: int = 0) -> np.ndarray:
+    """[R, E] counts for a ``parse_synthetic`` spec: ``zipf_counts`` or ``router_counts``."""
+    kind, skew = parse_synthetic(spec)
+    return (zipf_counts if kind == "zipf" else router_counts)(R, E, K, S, skew, seed)

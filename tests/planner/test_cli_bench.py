@@ -53,6 +53,15 @@ def test_plan_command_synthetic_with_plot_and_json(tmp_path, capsys):
     assert "balance max/mean" in capsys.readouterr().out
 
 
+def test_plan_command_router_load(tmp_path):
+    """--synthetic router:SKEW plans the counts of top-k lists: no rank sends an expert more than S slots."""
+    js = tmp_path / "plan.json"
+    assert run(["plan", "--ranks", "4", "--experts", "16", "--topk", "4", "--tokens", "32", "--synthetic",
+                "router:2.0", "--json", str(js)]) == 0
+    data = json.loads(js.read_text())
+    assert data["total_rows"] == 4 * 32 * 4 and max(data["after"]) - min(data["after"]) <= 1
+
+
 def test_plan_command_load_file_and_bad_input(tmp_path, capsys):
     """--load reads [R, E]; a bad file or shape mismatch exits 2 with a message, not a traceback."""
     counts = tmp_path / "counts.json"
@@ -63,3 +72,5 @@ def test_plan_command_load_file_and_bad_input(tmp_path, capsys):
     assert run(["plan", "--load", str(counts), "--ranks", "4"]) == 0
     assert run(["plan", "--load", str(counts), "--ranks", "2"]) == 2
     assert run(["plan", "--synthetic", "zipf:1", "--ranks", "4"]) == 2  # --experts missing
+    assert run(["plan", "--synthetic", "uniform:1", "--ranks", "4", "--experts", "8"]) == 2
+    assert "zipf:1.2 or router:1.2" in capsys.readouterr().err

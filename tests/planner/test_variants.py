@@ -72,14 +72,25 @@ def test_int_topology_equals_object_topology():
 
 
 def test_topology_plan_cuts_inter_node_bytes_where_weights_dominate():
-    """Goal regime of the issue: 8 nodes, few tokens per rank, zipf(1.2): >= 30 % fewer inter-node bytes.
-
-    (With many tokens per rank routed rows dominate and the gain is small; see planner/README.md.)
+    """Goal of the issue on every skewed load of the bench with few tokens per rank (S = 256; zipf counts and
+    router top-k counts; 2, 4 and 8 nodes; K3's E = 896, K = 16): >= 30 % fewer inter-node bytes, exact balance.
     """
+    from planner.bench import topology_grid, topology_section
+
+    grid = [g for g in topology_grid(quick=False) if g[-1] == 256]
+    rows = topology_section(quick=False, seed=0, timed=False, grid=grid)
+    assert len(rows) == 7 and all(r["bytes_ratio"] <= 0.7 and r["balance"] == 1.0 for r in rows), rows
+
+
+def test_no_plan_reaches_the_goal_on_router_loads_with_many_tokens():
+    """S = 4096 router loads on 2 and 4 nodes: the bound for ANY plan with these caps is above x0.70 of the
+    plain plan's bytes, so the >= 30 % goal is out of reach there; the planner stays within 0.08 of it."""
     from planner.bench import topology_section
 
-    rows = [r for r in topology_section(quick=False, seed=0, timed=False) if r["nodes"] == 8 and r["S"] == 256]
-    assert rows and all(r["bytes_ratio"] <= 0.7 and r["balance"] == 1.0 for r in rows), rows
+    rows = topology_section(quick=False, seed=0, timed=False,
+                            grid=[("router", 16, 128, 8, 4096), ("router", 32, 256, 8, 4096)])
+    for r in rows:
+        assert 0.7 < r["bytes_ratio_bound"] <= r["bytes_ratio"] <= r["bytes_ratio_bound"] + 0.08, r
 
 
 @pytest.mark.parametrize("R, rpn, seeds", [(32, 16, 2), (16, 8, 4)], ids=["2x16", "2x8"])
@@ -105,7 +116,7 @@ def test_topology_plan_with_many_tokens_per_rank():
     previous release, which gathered deficits only after the node-local pairs and handed whole experts over,
     gave x0.86). Gathering first makes cross-node receivers large, and a hand-over takes from an expert only
     the rows that pay for its copy, so a replica does not drag its home node's own rows across. No plan with
-    these caps does better than x0.697 (README, mixed-integer bound)."""
+    these caps does better than x0.695 (``metrics.internode_bound``; README)."""
     R, rpn = 16, 8
     node = np.arange(R) // rpn
     plain = topo = 0
@@ -202,6 +213,75 @@ def test_internode_bound_is_below_every_plan(case: Case, nodes: int, weight_rows
         assert cost["routed_rows"] + weight_rows * cost["weight_copies"] >= bound
 
 
+def test_internode_bound_counts_the_rows_node_balance_forces_across():
+    """Only rank 0 (node 0) routes, to its own expert: no slot of node 1 wants another node, but node 1 must
+    compute half the rows, so 5 rows cross (the bound), plus the copy that computes them (the plan)."""
+    T = np.array([[10, 0], [0, 0]])
+    node = np.array([0, 1])
+    assert internode_bound(T, node, weight_rows=3) == 5
+    cost = internode(plan(T, topology=Topo(2, 1, 3)), node)
+    assert cost == {"routed_rows": 5, "weight_copies": 1, "bytes": cost["bytes"]}
+
+
+def _relaxed_optimum(T: np.ndarray, w: int) -> int:
+    """Exact min of routed rows crossing + w * copies over all plans with default caps, one rank per node and
+    no one-donor rule: every set of copies, each routed by a networkx min-cost flow (the bound's own problem)."""
+    import itertools
+
+    import networkx as nx
+
+    R, E = T.shape
+    epn = E // R
+    total = int(T.sum())
+    caps = [total // R + (r < total % R) for r in range(R)]
+    options = [(e, d) for e in range(E) for d in range(R) if d != e // epn]
+    best = None
+    for chosen in itertools.product((0, 1), repeat=len(options)):
+        holds = {(e, e // epn) for e in range(E)} | {o for o, c in zip(options, chosen) if c}
+        g = nx.DiGraph()
+        for d in range(R):
+            g.add_node(("rank", d), demand=caps[d])
+        for r in range(R):
+            for e in range(E):
+                g.add_node(("slots", r, e), demand=-int(T[r, e]))
+                for d in range(R):
+                    if (e, d) in holds:
+                        g.add_edge(("slots", r, e), ("rank", d), weight=int(r != d))
+        try:
+            cost = nx.min_cost_flow_cost(g) + w * sum(chosen)
+        except nx.NetworkXUnfeasible:
+            continue
+        best = cost if best is None else min(best, cost)
+    return best
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.sampled_from([(2, 2), (2, 4), (3, 3)]), st.integers(0, 2**31 - 1), st.sampled_from([0, 2, 7]))
+def test_internode_bound_is_below_the_exact_optimum_without_the_one_donor_rule(shape, seed: int, w: int):
+    """On tiny loads (one rank per node) the bound never exceeds the exact optimum over ALL placements of
+    copies, and never falls below the node-by-node bound it strengthens."""
+    R, E = shape
+    rng = np.random.default_rng(seed)
+    T = rng.integers(0, 12, size=(R, E)) * (rng.random((R, E)) < 0.7)
+    node = np.arange(R)
+    bound = internode_bound(T, node, weight_rows=w)
+    assert bound <= _relaxed_optimum(T, w)
+    assert bound >= _per_node_bound(T, w)
+
+
+def _per_node_bound(T: np.ndarray, w: int) -> int:
+    """The bound without node balance: each (expert, non-home node) pair on its own."""
+    R, E = T.shape
+    cap = max(1, -(-int(T.sum()) // R))
+    total = 0
+    for e in range(E):
+        for n in range(R):
+            if n != e // (E // R):
+                s = int(T[n, e])
+                total += min(s + k * (w - cap) if s >= k * cap else k * w for k in range(s // cap + 2))
+    return total
+
+
 @settings(max_examples=60, deadline=None)
 @given(cases(max_R=10), st.sampled_from([0, 5, 3 * 2048]), st.data())
 def test_gain_bound_is_never_below_the_hand_over_gain(case: Case, weight_rows: int, data):
@@ -231,3 +311,18 @@ def test_gain_bound_is_never_below_the_hand_over_gain(case: Case, weight_rows: i
                 continue
             for q in {min(1, held), held // 2, held} - {0}:  # a donor never gives more than it holds
                 assert _topology.gain_bound(h, u, q, state) >= _topology.hand_over(h, u, q, state, False)
+
+
+def test_router_counts_are_counts_of_distinct_top_k_lists():
+    """router_counts = per-rank bincount of zipf_topk's lists: each token names K distinct experts, so no rank
+    sends one expert more than S slots, while zipf_counts at the same skew does (why the bench has both)."""
+    from planner.synthetic import router_counts, synthetic_counts, zipf_topk
+
+    R, E, K, S = 4, 32, 4, 64
+    topk = zipf_topk(R, E, K, S, 1.2, 3)
+    assert all(len(set(row)) == K for row in topk.reshape(-1, K).tolist())
+    T = router_counts(R, E, K, S, 1.2, 3)
+    assert np.array_equal(T, np.stack([np.bincount(topk[r].ravel(), minlength=E) for r in range(R)]))
+    assert np.array_equal(T, synthetic_counts("router:1.2", R, E, K, S, 3))
+    assert T.sum(1).tolist() == [S * K] * R and T.max() <= S
+    assert zipf_counts(R, E, K, S, 1.2, 3).max() > S
