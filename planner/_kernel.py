@@ -163,6 +163,42 @@ def _pairing(bal, caps, node, num_nodes, state, donor, gift, err):
 
 
 @njit(cache=True)
+def _ordered_pairing(T, alloc, epn, bal, caps, node, num_nodes, weight_rows, donor, gift, err, gather_first):
+    """Stage B with a topology, from the state after the sticky pass; returns the inter-node cost it leaves."""
+    state = _topology.cross_state(T, alloc, epn, node, num_nodes, weight_rows)
+    if gather_first:
+        _topology.concentrate(bal, caps, node, num_nodes, donor, gift)
+    _topology.cross_pass(bal, caps, state, donor, gift)
+    _pairing(bal, caps, node, num_nodes, state, donor, gift, err)
+    return _topology.internode_cost(state)
+
+
+@njit(cache=True)
+def _topology_pairing(T, alloc, epn, bal, caps, node, num_nodes, weight_rows, donor, gift, err):
+    """Stage B with a topology: both pass orders, keeping the one that leaves fewer inter-node bytes.
+
+    Gathering each node's deficits first (G) gives large receivers, so a node that routes a hot expert more
+    than a replica's worth gets it on few full replicas (zipf counts); without it receivers stay small, so
+    more nodes each get a replica of the hot experts they route a little to (896 experts, top-16). Every
+    cross-node move is in alloc after stage B (cross-node pairs are handed over at once), so the cost compared
+    is the plan's final ``metrics.internode`` cost in routed rows (sticky cross-node pairs, split in stage C,
+    count for neither). Ties and an infeasible second order keep gathering first.
+    """
+    bal2, donor2, gift2, alloc2 = bal.copy(), donor.copy(), gift.copy(), alloc.copy()
+    cost = _ordered_pairing(T, alloc, epn, bal, caps, node, num_nodes, weight_rows, donor, gift, err, True)
+    if err[0] != OK:
+        return
+    err2 = np.zeros(3, np.int64)
+    cost2 = _ordered_pairing(T, alloc2, epn, bal2, caps, node, num_nodes, weight_rows, donor2, gift2, err2,
+                             False)
+    if err2[0] == OK and cost2 < cost:
+        bal[:] = bal2
+        donor[:] = donor2
+        gift[:] = gift2
+        alloc[:, :] = alloc2
+
+
+@njit(cache=True)
 def _split(cnt, epn, donor, gift, prev_copy, alloc):
     """Stage C. Fill alloc [E, R] (diagonal blocks preset to cnt): donor h gives gift[u] slots to each receiver u.
 
@@ -407,12 +443,11 @@ def plan_arrays(T, keep, alloc, send, caps_in, slots, tp, prev_donor, prev_copy,
         alloc[e, e // epn] = cnt[e]
     if prev_donor.shape[0] == R:
         _sticky_pairs(bal, caps, prev_donor, donor, gift, err)
-    state = _topology.cross_state(T, alloc, epn, node, num_nodes if num_nodes > 1 else 0, weight_rows)
     if num_nodes > 1 and err[0] == OK:
-        _topology.concentrate(bal, caps, node, num_nodes, donor, gift)
-        _topology.cross_pass(bal, caps, state, donor, gift)
-    if err[0] == OK:
-        _pairing(bal, caps, node, num_nodes, state, donor, gift, err)
+        _topology_pairing(T, alloc, epn, bal, caps, node, num_nodes, weight_rows, donor, gift, err)
+    elif err[0] == OK:
+        _pairing(bal, caps, node, num_nodes, _topology.cross_state(T, alloc, epn, node, 0, weight_rows), donor,
+                 gift, err)
     if err[0] != OK:
         return T, caps, alloc, donor, copy, cu, send, flows, err
     _split(cnt, epn, donor, gift, prev_copy, alloc)

@@ -12,7 +12,8 @@ not (few tokens per rank, where what counts is how few replicas cross nodes).
 Passes, in the order ``_kernel`` runs them after the sticky pass: ``concentrate`` (each node's deficits on
 few ranks, so cross-node receivers are few and large); ``cross_pass`` (pairs with a positive gain); the
 node-local pairs (``_kernel``); ``concentrate`` again (a node's leftover deficit); the global pass, whose
-cross-node pairs ``cross_fill`` gives to the donor with the best gain. Every step fills its receiver
+cross-node pairs ``cross_fill`` gives to the donor with the best gain. ``_kernel`` also runs them without the
+first ``concentrate`` and keeps the order with the lower ``internode_cost``. Every step fills its receiver
 completely from one donor that holds enough own rows, the step of the proof in ``planner/README.md``, so exact
 balance holds unchanged. A cross-node pair's slots are handed over at once, chosen by ``hand_over`` (not
 stage C's order), and the receiver's gift is set to 0 so that stage C does not hand any over again.
@@ -41,6 +42,24 @@ def cross_state(T, alloc, epn, node, num_nodes, weight_rows):
             for d in range(R):
                 on_node[node[d], e] += alloc[e, d]
     return epn, node, src, on_node, alloc, weight_rows, np.zeros(epn, np.bool_)
+
+
+@njit(cache=True)
+def internode_cost(state):
+    """Routed rows crossing nodes (``sum_n max(0, on_node - src)``, what stage E reaches) plus ``weight_rows``
+    per replica on another node than its expert's home."""
+    epn, node, src, on_node, alloc, weight_rows, used = state
+    N, E = src.shape
+    cost = 0
+    for n in range(N):
+        for e in range(E):
+            cost += max(0, on_node[n, e] - src[n, e])
+    for e in range(E):
+        home = node[e // epn]
+        for d in range(alloc.shape[1]):
+            if alloc[e, d] > 0 and node[d] != home:
+                cost += weight_rows
+    return cost
 
 
 @njit(cache=True)

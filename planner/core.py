@@ -159,8 +159,9 @@ def plan(tokens_per_expert: Any, *, caps: Any = None, slots_per_rank: int | None
         weight_rows: an expert copy's cost in routed rows, default 3*2048): first each node's deficits
         gathered on few ranks, then the cross-node pairs whose locally fed rows outweigh their weight copies
         (taking only the rows that pay), then pairs inside a node, then a short node's leftover deficits
-        gathered, each filled by the donor whose experts its node feeds best; each destination is fed by its
-        own rank's, then its own node's sources first.
+        gathered, each filled by the donor whose experts its node feeds best; the same without the first
+        gathering, keeping the order with fewer inter-node bytes; each destination is fed by its own rank's,
+        then its own node's sources first.
     """
     T = as_counts(tokens_per_expert, "tokens_per_expert", 2, check_sign=False)  # the kernel checks signs
     R, E, epn = check_shape(T)

@@ -12,10 +12,39 @@ def _pairs(bal: list[int], caps: list[int], prev_donor, node, num_nodes: int, to
     """Stage B: donor[u] (-1 = none) and gift[u]; a step fills the receiver completely.
 
     topo_args = (T, alloc, epn, weight_rows) for the topology passes (their cross-node pairs split in alloc).
+    With a topology both pass orders run from the state after the sticky pass, and the one leaving fewer
+    inter-node bytes is kept (ties, or an infeasible second order: gathering first).
     """
     R = len(bal)
     donor, gift = [-1] * R, [0] * R
+    step, _ = _steps(bal, caps, donor, gift, None)
+    if prev_donor is not None:  # sticky pass: keep last step's pairs while both sides still qualify
+        while True:
+            cands = [u for u in range(R) if prev_donor[u] >= 0 and bal[u] < 0 and bal[prev_donor[u]] > 0]
+            if not cands:
+                break
+            best = max(cands, key=lambda u: (bal[prev_donor[u]], -u))
+            step(prev_donor[best], best)
+    if num_nodes <= 1:
+        _ordered_pairs(bal, caps, node, num_nodes, donor, gift, None, False)
+        return donor, gift
+    T, alloc, epn, weight_rows = topo_args
+    other = (list(bal), list(donor), list(gift), [row[:] for row in alloc])
+    cost = _ordered_pairs(bal, caps, node, num_nodes, donor, gift, _giver(T, alloc, epn, weight_rows, node,
+                                                                           num_nodes), True)
+    try:
+        cost2 = _ordered_pairs(other[0], caps, node, num_nodes, other[1], other[2],
+                               _giver(T, other[3], epn, weight_rows, node, num_nodes), False)
+    except ValueError:
+        return donor, gift
+    if cost2 < cost:
+        for mine, theirs in zip((bal, donor, gift, alloc), other):
+            mine[:] = theirs
+    return donor, gift
 
+
+def _steps(bal, caps, donor, gift, give):
+    """step(h, u): the proof's step (h fills u completely); take(h, u): a cross-node pair handed over at once."""
     def step(h: int, u: int) -> None:
         if caps[h] + bal[h] < -bal[u]:
             raise ValueError(f"caps are too uneven for a one-donor plan: rank {u} needs {-bal[u]} rows "
@@ -24,22 +53,24 @@ def _pairs(bal: list[int], caps: list[int], prev_donor, node, num_nodes: int, to
         bal[h] += bal[u]
         bal[u] = 0
 
-    def take(h: int, u: int) -> None:  # a cross-node pair: h's experts handed over at once (gift 0)
+    def take(h: int, u: int) -> None:  # h's experts handed over at once (gift 0: stage C skips u)
         give(h, u, -bal[u], True)
         step(h, u)
         gift[u] = 0
 
-    if prev_donor is not None:  # sticky pass: keep last step's pairs while both sides still qualify
-        while True:
-            cands = [u for u in range(R) if prev_donor[u] >= 0 and bal[u] < 0 and bal[prev_donor[u]] > 0]
-            if not cands:
-                break
-            best = max(cands, key=lambda u: (bal[prev_donor[u]], -u))
-            step(prev_donor[best], best)
-    give = _giver(*topo_args, node, num_nodes) if num_nodes > 1 else None
+    return step, take
+
+
+def _ordered_pairs(bal, caps, node, num_nodes: int, donor, gift, giver, gather_first: bool) -> int:
+    """Stage B after the sticky pass; with a topology (giver = ``_giver``'s (give, cost)) returns the
+    inter-node cost it leaves."""
+    R = len(bal)
+    give, cost = giver if giver is not None else (None, None)
+    step, take = _steps(bal, caps, donor, gift, give)
     if give is not None:  # gather each node's deficits first, so cross-node receivers take large, full gifts
-        for n in range(num_nodes):
-            _concentrate([r for r in range(R) if node[r] == n], bal, caps, step)
+        if gather_first:
+            for n in range(num_nodes):
+                _concentrate([r for r in range(R) if node[r] == n], bal, caps, step)
         _cross_pairs(bal, caps, node, give, take)
     for n in range(num_nodes):  # pairs inside each node: smallest deficit first, so its donors retire many
         members = [r for r in range(R) if node[r] == n]
@@ -50,7 +81,7 @@ def _pairs(bal: list[int], caps: list[int], prev_donor, node, num_nodes: int, to
         for n in range(num_nodes):
             _concentrate([r for r in range(R) if node[r] == n], bal, caps, step)
     _global_pass(bal, caps, node, num_nodes, step, give, take)
-    return donor, gift
+    return cost() if give is not None else 0
 
 
 def _global_pass(bal, caps, node, num_nodes: int, step, give, take) -> None:
@@ -84,8 +115,9 @@ def _concentrate(members: list[int], bal, caps, step) -> None:
 
 
 def _giver(T, alloc, epn: int, weight_rows: int, node, num_nodes: int):
-    """give(h, u, q, take) -> gain: donor h's q slots to u on another node, the experts that save the most
-    inter-node rows first (less weight_rows each); take=True also moves them in alloc."""
+    """(give, cost). give(h, u, q, take) -> gain: donor h's q slots to u on another node, the experts that save
+    the most inter-node rows first (less weight_rows each); take=True also moves them in alloc. cost(): the
+    inter-node cost of alloc now (routed rows crossing + weight_rows per replica off its home node)."""
     R, E = len(T), len(alloc)
     src = [[sum(T[r][e] for r in range(R) if node[r] == n) for e in range(E)] for n in range(num_nodes)]
     on = [[sum(alloc[e][d] for d in range(R) if node[d] == n) for e in range(E)] for n in range(num_nodes)]
@@ -142,7 +174,12 @@ def _giver(T, alloc, epn: int, weight_rows: int, node, num_nodes: int):
                 move(e, h, u, t[j])
         return gain
 
-    return give
+    def cost() -> int:  # routed rows crossing nodes + weight_rows per replica on another node than its home
+        copies = sum(1 for e in range(E) for d in range(R)
+                     if alloc[e][d] > 0 and node[d] != node[e // epn])
+        return sum(cross(e) for e in range(E)) + weight_rows * copies
+
+    return give, cost
 
 
 def _cross_pairs(bal, caps, node, give, take) -> None:
