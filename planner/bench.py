@@ -92,8 +92,8 @@ def topology_grid(quick: bool) -> list[tuple[str, int, int, int, int]]:
     if quick:
         return [("zipf", 16, 128, 8, 256), ("router", 16, 128, 8, 256)]
     shapes = [(16, 128, 8), (32, 256, 8), (64, 512, 8)]
-    rows = [(load, R, E, K, S) for load in TOPOLOGY_LOADS for S in (256, 4096) for R, E, K in shapes]
-    return rows + [("router", 64, 896, 16, S) for S in (256, 4096)]
+    rows = [(load, R, E, K, S) for load in TOPOLOGY_LOADS for S in (256, 1024, 4096) for R, E, K in shapes]
+    return rows + [("router", 64, 896, 16, S) for S in (256, 1024, 4096)]
 
 
 def topology_section(quick: bool, seed: int, timed: bool = True,
