@@ -57,6 +57,23 @@ def positive_int(value: Any, name: str) -> int:
     return int(value)
 
 
+def default_caps(total: int, R: int) -> list[int]:
+    """[R] the planner's default caps: floor/ceil of total / R, the first ``total % R`` ranks one more."""
+    return [total // R + (1 if r < total % R else 0) for r in range(R)]
+
+
+def caps_for(caps: Any, total: int, R: int) -> list[int]:
+    """Caller caps checked against the load (shape [R], sum = total), or ``default_caps``; ValueError else."""
+    if caps is None:
+        return default_caps(total, R)
+    caps = [int(c) for c in np.asarray(caps).reshape(-1).tolist()]
+    if len(caps) != R:
+        raise ValueError(f"caps must have shape [R]=[{R}], got {len(caps)} values")
+    if sum(caps) != total:
+        raise ValueError(f"caps must sum to the total routed slots: sum(caps)={sum(caps)}, total={total}")
+    return caps
+
+
 WEIGHT_ROWS = 3 * 2048
 """default cost of one expert weight copy in routed rows: a bf16 gate/up/down FFN (3 x H x H') weighs as
 much as 3*H' rows of H bf16 values, whatever H is; H' = 2048 as in the bench's bytes model."""

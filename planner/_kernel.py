@@ -181,21 +181,21 @@ def _topology_pairing(T, alloc, epn, bal, caps, node, num_nodes, weight_rows, do
     than a replica's worth gets it on few full replicas (zipf counts); without it receivers stay small, so
     more nodes each get a replica of the hot experts they route a little to (896 experts, top-16). Every
     cross-node move is in alloc after stage B (cross-node pairs are handed over at once), so the cost compared
-    is the plan's final ``metrics.internode`` cost in routed rows (sticky cross-node pairs, split in stage C,
-    count for neither). Ties and an infeasible second order keep gathering first.
+    is the plan's final ``metrics.internode`` cost in routed rows when there is no sticky plan (sticky
+    cross-node pairs are split in stage C, after the choice). Ties keep gathering first; an order that hits an
+    infeasible step (uneven caller caps) loses; if both do, err holds gathering first's.
     """
     bal2, donor2, gift2, alloc2 = bal.copy(), donor.copy(), gift.copy(), alloc.copy()
     cost = _ordered_pairing(T, alloc, epn, bal, caps, node, num_nodes, weight_rows, donor, gift, err, True)
-    if err[0] != OK:
-        return
     err2 = np.zeros(3, np.int64)
     cost2 = _ordered_pairing(T, alloc2, epn, bal2, caps, node, num_nodes, weight_rows, donor2, gift2, err2,
                              False)
-    if err2[0] == OK and cost2 < cost:
+    if err2[0] == OK and (err[0] != OK or cost2 < cost):
         bal[:] = bal2
         donor[:] = donor2
         gift[:] = gift2
         alloc[:, :] = alloc2
+        err[:] = err2
 
 
 @njit(cache=True)

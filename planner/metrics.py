@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from ._inputs import WEIGHT_ROWS, as_counts, check_shape
+from ._inputs import WEIGHT_ROWS, as_counts, caps_for, check_shape
 from .core import Plan
 
 ROW_BYTES = 7168 * 2
@@ -44,12 +44,7 @@ def min_migration(tokens_per_expert: Any, caps: Any = None) -> int:
 
     load = home_loads(tokens_per_expert)
     R = load.shape[0]
-    total = int(load.sum())
-    if caps is None:
-        caps = [total // R + (1 if r < total % R else 0) for r in range(R)]
-    caps = [int(c) for c in caps]
-    if sum(caps) != total:
-        raise ValueError(f"caps must sum to the total routed slots: sum(caps)={sum(caps)}, total={total}")
+    caps = caps_for(caps, int(load.sum()), R)
     g = nx.DiGraph()
     for h in range(R):
         g.add_node(("home", h), demand=-int(load[h]))
@@ -111,11 +106,7 @@ def internode_bound(tokens_per_expert: Any, node: np.ndarray, caps: Any = None,
     T = as_counts(tokens_per_expert, "tokens_per_expert", 2)
     R, E, epn = check_shape(T)
     node = np.asarray(node, dtype=np.int64)
-    total = int(T.sum())
-    if caps is None:
-        caps = np.full(R, total // R, np.int64)
-        caps[: total % R] += 1
-    caps = np.asarray(caps, dtype=np.int64)
+    caps = np.asarray(caps_for(caps, int(T.sum()), R), dtype=np.int64)
     cap = max(1, int(caps.max()))
     N = int(node.max()) + 1
     src = np.zeros((N, E), np.int64)
@@ -146,11 +137,12 @@ def _balanced_minimum(foreign: list[int], chunks: list[np.ndarray], delta: np.nd
     N = len(foreign)
     x = [f - np.concatenate([[0], np.cumsum(c)]) for f, c in zip(foreign, chunks)]  # x[n][k]
     term = [2 * x[n] - delta[n] for n in range(N)]  # non-increasing in k
-    node_of = np.concatenate([np.full(c.shape[0], n) for n, c in enumerate(chunks)] + [np.zeros(0, np.int64)])
-    index = np.concatenate([np.arange(c.shape[0]) for c in chunks] + [np.zeros(0, np.int64)])
-    order = np.argsort(-np.concatenate(list(chunks) + [np.zeros(0, np.int64)]), kind="stable")
-    size = np.concatenate(list(chunks) + [np.zeros(0, np.int64)])[order]
-    node_of, index = node_of[order], index[order]
+    empty = [np.zeros(0, np.int64)]
+    size = np.concatenate(list(chunks) + empty)
+    order = np.argsort(-size, kind="stable")  # all nodes' chunks, largest first
+    size = size[order]
+    node_of = np.concatenate([np.full(c.shape[0], n) for n, c in enumerate(chunks)] + empty)[order]
+    index = np.concatenate([np.arange(c.shape[0]) for c in chunks] + empty)[order]
     best = None
     for tau in np.unique(np.concatenate(term)):
         kmin = np.array([int(np.searchsorted(-t, -tau)) for t in term])  # first k with term <= tau

@@ -7,13 +7,16 @@ from __future__ import annotations
 
 import numpy as np
 
+from ._inputs import default_caps
+
 
 def _pairs(bal: list[int], caps: list[int], prev_donor, node, num_nodes: int, topo_args):
     """Stage B: donor[u] (-1 = none) and gift[u]; a step fills the receiver completely.
 
     topo_args = (T, alloc, epn, weight_rows) for the topology passes (their cross-node pairs split in alloc).
     With a topology both pass orders run from the state after the sticky pass, and the one leaving fewer
-    inter-node bytes is kept (ties, or an infeasible second order: gathering first).
+    inter-node bytes is kept (ties: gathering first); an order that hits an infeasible step (uneven caller
+    caps) loses, and if both do, gathering first's error is raised.
     """
     R = len(bal)
     donor, gift = [-1] * R, [0] * R
@@ -29,16 +32,21 @@ def _pairs(bal: list[int], caps: list[int], prev_donor, node, num_nodes: int, to
         _ordered_pairs(bal, caps, node, num_nodes, donor, gift, None, False)
         return donor, gift
     T, alloc, epn, weight_rows = topo_args
-    other = (list(bal), list(donor), list(gift), [row[:] for row in alloc])
-    cost = _ordered_pairs(bal, caps, node, num_nodes, donor, gift, _giver(T, alloc, epn, weight_rows, node,
-                                                                           num_nodes), True)
+    second = (list(bal), list(donor), list(gift), [row[:] for row in alloc])
     try:
-        cost2 = _ordered_pairs(other[0], caps, node, num_nodes, other[1], other[2],
-                               _giver(T, other[3], epn, weight_rows, node, num_nodes), False)
+        _ordered_pairs(bal, caps, node, num_nodes, donor, gift, _giver(*topo_args, node, num_nodes), True)
+        cost = _internode_cost(T, alloc, epn, weight_rows, node, num_nodes)
+    except ValueError as first_error:
+        cost, failure = None, first_error
+    try:
+        _ordered_pairs(second[0], caps, node, num_nodes, second[1], second[2],
+                       _giver(T, second[3], epn, weight_rows, node, num_nodes), False)
     except ValueError:
+        if cost is None:
+            raise failure from None
         return donor, gift
-    if cost2 < cost:
-        for mine, theirs in zip((bal, donor, gift, alloc), other):
+    if cost is None or _internode_cost(T, second[3], epn, weight_rows, node, num_nodes) < cost:
+        for mine, theirs in zip((bal, donor, gift, alloc), second):
             mine[:] = theirs
     return donor, gift
 
@@ -61,11 +69,9 @@ def _steps(bal, caps, donor, gift, give):
     return step, take
 
 
-def _ordered_pairs(bal, caps, node, num_nodes: int, donor, gift, giver, gather_first: bool) -> int:
-    """Stage B after the sticky pass; with a topology (giver = ``_giver``'s (give, cost)) returns the
-    inter-node cost it leaves."""
+def _ordered_pairs(bal, caps, node, num_nodes: int, donor, gift, give, gather_first: bool) -> None:
+    """Stage B after the sticky pass; give: ``_giver``'s function with a topology, else None."""
     R = len(bal)
-    give, cost = giver if giver is not None else (None, None)
     step, take = _steps(bal, caps, donor, gift, give)
     if give is not None:  # gather each node's deficits first, so cross-node receivers take large, full gifts
         if gather_first:
@@ -81,7 +87,6 @@ def _ordered_pairs(bal, caps, node, num_nodes: int, donor, gift, giver, gather_f
         for n in range(num_nodes):
             _concentrate([r for r in range(R) if node[r] == n], bal, caps, step)
     _global_pass(bal, caps, node, num_nodes, step, give, take)
-    return cost() if give is not None else 0
 
 
 def _global_pass(bal, caps, node, num_nodes: int, step, give, take) -> None:
@@ -115,9 +120,8 @@ def _concentrate(members: list[int], bal, caps, step) -> None:
 
 
 def _giver(T, alloc, epn: int, weight_rows: int, node, num_nodes: int):
-    """(give, cost). give(h, u, q, take) -> gain: donor h's q slots to u on another node, the experts that save
-    the most inter-node rows first (less weight_rows each); take=True also moves them in alloc. cost(): the
-    inter-node cost of alloc now (routed rows crossing + weight_rows per replica off its home node)."""
+    """give(h, u, q, take) -> gain: donor h's q slots to u on another node, the experts that save the most
+    inter-node rows first (less weight_rows each); take=True also moves them in alloc."""
     R, E = len(T), len(alloc)
     src = [[sum(T[r][e] for r in range(R) if node[r] == n) for e in range(E)] for n in range(num_nodes)]
     on = [[sum(alloc[e][d] for d in range(R) if node[d] == n) for e in range(E)] for n in range(num_nodes)]
@@ -174,12 +178,17 @@ def _giver(T, alloc, epn: int, weight_rows: int, node, num_nodes: int):
                 move(e, h, u, t[j])
         return gain
 
-    def cost() -> int:  # routed rows crossing nodes + weight_rows per replica on another node than its home
-        copies = sum(1 for e in range(E) for d in range(R)
-                     if alloc[e][d] > 0 and node[d] != node[e // epn])
-        return sum(cross(e) for e in range(E)) + weight_rows * copies
+    return give
 
-    return give, cost
+
+def _internode_cost(T, alloc, epn: int, weight_rows: int, node, num_nodes: int) -> int:
+    """Routed rows crossing nodes (sum over experts and nodes of max(0, computed - routed there)) plus
+    weight_rows per replica on another node than its expert's home, recounted from T and alloc."""
+    R, E = len(T), len(alloc)
+    rows = sum(max(0, sum(alloc[e][d] for d in range(R) if node[d] == n) -
+                   sum(T[r][e] for r in range(R) if node[r] == n)) for e in range(E) for n in range(num_nodes))
+    copies = sum(1 for e in range(E) for d in range(R) if alloc[e][d] > 0 and node[d] != node[e // epn])
+    return rows + weight_rows * copies
 
 
 def _cross_pairs(bal, caps, node, give, take) -> None:
@@ -281,6 +290,17 @@ def _flows(T, alloc, cnt, epn: int, node, num_nodes: int):
     return send, sorted(flows)
 
 
+def initial_state(T: list[list[int]], caps=None):
+    """(cnt [E], caps [R], bal [R], alloc [E][R] with every expert at home) before stage B."""
+    R, E = len(T), len(T[0])
+    epn = E // R
+    cnt = [sum(T[r][e] for r in range(R)) for e in range(E)]
+    caps = default_caps(sum(cnt), R) if caps is None else [int(c) for c in caps]
+    bal = [sum(cnt[h * epn:(h + 1) * epn]) - caps[h] for h in range(R)]
+    alloc = [[cnt[e] if d == e // epn else 0 for d in range(R)] for e in range(E)]
+    return cnt, caps, bal, alloc
+
+
 def plan_reference(T, caps=None, slots=None, token_padding=1, prev_donor=None, prev_copy=None, node=None,
                    num_nodes=0, weight_rows=3 * 2048):
     """Same contract as ``planner._kernel.plan_arrays`` but raises ValueError directly.
@@ -292,18 +312,10 @@ def plan_reference(T, caps=None, slots=None, token_padding=1, prev_donor=None, p
     R, E = len(T), len(T[0])
     epn = E // R
     slots = epn if slots is None else slots
-    cnt = [sum(T[r][e] for r in range(R)) for e in range(E)]
-    total = sum(cnt)
-    if caps is None:
-        caps = [total // R + (1 if r < total % R else 0) for r in range(R)]
-    caps = [int(c) for c in caps]
-    bal = [sum(cnt[h * epn:(h + 1) * epn]) - caps[h] for h in range(R)]
+    cnt, caps, bal, alloc = initial_state(T, caps)
     pd = None if prev_donor is None else [int(v) for v in prev_donor]
     pc = None if prev_copy is None else [[int(v) for v in row] for row in np.asarray(prev_copy).tolist()]
     nd = None if node is None else [int(v) for v in node]
-    alloc = [[0] * R for _ in range(E)]
-    for e in range(E):
-        alloc[e][e // epn] = cnt[e]
     donor, gift = _pairs(bal, caps, pd, nd, num_nodes, (T, alloc, epn, weight_rows))
     _split(cnt, epn, donor, gift, pc, alloc)
     copy, cu = _layout(alloc, epn, slots, token_padding, donor, pc)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -108,21 +109,17 @@ def test_route_equals_twin(R, epn, K, S, skew, topo, seed):
 
 def _order_costs(T, rpn: int, weight_rows: int) -> tuple[int, int]:
     """Inter-node cost (rows + weight_rows per copy) after stage B of the twin, gathering first and not."""
-    from planner.reference import _giver, _ordered_pairs
+    from planner.reference import _giver, _internode_cost, _ordered_pairs, initial_state
 
     R, E = T.shape
-    epn = E // R
     node = [r // rpn for r in range(R)]
     Tl = T.tolist()
     costs = []
     for gather_first in (True, False):
-        cnt = T.sum(0).tolist()
-        total = sum(cnt)
-        caps = [total // R + (r < total % R) for r in range(R)]
-        bal = [sum(cnt[h * epn:(h + 1) * epn]) - caps[h] for h in range(R)]
-        alloc = [[cnt[e] if d == e // epn else 0 for d in range(R)] for e in range(E)]
-        costs.append(_ordered_pairs(bal, caps, node, R // rpn, [-1] * R, [0] * R,
-                                    _giver(Tl, alloc, epn, weight_rows, node, R // rpn), gather_first))
+        _, caps, bal, alloc = initial_state(Tl)
+        give = _giver(Tl, alloc, E // R, weight_rows, node, R // rpn)
+        _ordered_pairs(bal, caps, node, R // rpn, [-1] * R, [0] * R, give, gather_first)
+        costs.append(_internode_cost(Tl, alloc, E // R, weight_rows, node, R // rpn))
     return costs[0], costs[1]
 
 
@@ -144,3 +141,21 @@ def test_topology_plan_keeps_the_cheaper_pass_order():
         assert c["routed_rows"] + 3 * 2048 * c["weight_copies"] == min(first, second)
         winners.append(second < first)
     assert winners == [True, True, False], winners
+
+
+def test_an_order_that_hits_uneven_caps_gives_way_to_the_other():
+    """Uneven caller caps can make a step infeasible in one pass order only: gathering first fails here (the
+    plain plan does not), so the plan keeps the other order; compiled and twin agree and the plan verifies."""
+    T = np.diag([71, 16, 61, 22, 60, 121, 88, 101, 64, 20])
+    caps = [58, 52, 28, 100, 71, 43, 76, 42, 82, 72]
+    topo = Topo(2, 5, 3 * 2048)
+    p = plan(T, caps=caps, topology=topo)
+    verify(p, T)
+    assert_same(p, plan_reference(T, caps, node=topo.nodes(), num_nodes=2, weight_rows=3 * 2048))
+    from planner.reference import _giver, _ordered_pairs, initial_state
+
+    Tl = T.tolist()
+    _, c, bal, alloc = initial_state(Tl, caps)
+    with pytest.raises(ValueError, match="too uneven"):
+        _ordered_pairs(bal, c, topo.nodes().tolist(), 2, [-1] * 10, [0] * 10,
+                       _giver(Tl, alloc, 1, 3 * 2048, topo.nodes().tolist(), 2), True)

@@ -230,10 +230,11 @@ def _relaxed_optimum(T: np.ndarray, w: int) -> int:
 
     import networkx as nx
 
+    from planner._inputs import default_caps
+
     R, E = T.shape
     epn = E // R
-    total = int(T.sum())
-    caps = [total // R + (r < total % R) for r in range(R)]
+    caps = default_caps(int(T.sum()), R)
     options = [(e, d) for e in range(E) for d in range(R) if d != e // epn]
     best = None
     for chosen in itertools.product((0, 1), repeat=len(options)):
