@@ -17,7 +17,7 @@ from . import _kernel
 from .core import plan
 from .eplb import gpu_loads, rebalance_experts
 from .metrics import EXPERT_BYTES, ROW_BYTES, balance, internode, internode_bound, new_copies
-from .synthetic import drifting_trace, router_counts, zipf_counts
+from .synthetic import SYNTHETIC_LOADS, drifting_trace, zipf_counts
 from .verify import verify
 
 FULL_CASES = ((8, 256), (64, 896), (256, 4096), (1024, 16384))
@@ -82,17 +82,12 @@ def sticky_section(quick: bool, seed: int) -> dict:
             "balance": worst_balance}
 
 
-TOPOLOGY_LOADS = {"zipf": zipf_counts, "router": router_counts}
-"""the two skewed loads: zipf counts (a hot expert may get more slots than a rank has tokens) and the counts
-of zipf top-k lists (what a router produces)."""
-
-
 def topology_grid(quick: bool) -> list[tuple[str, int, int, int, int]]:
     """(load, R, E, K, S) rows of the topology section, 8 ranks per node; E = 896, K = 16 is K3's layer."""
     if quick:
         return [("zipf", 16, 128, 8, 256), ("router", 16, 128, 8, 256)]
     shapes = [(16, 128, 8), (32, 256, 8), (64, 512, 8)]
-    rows = [(load, R, E, K, S) for load in TOPOLOGY_LOADS for S in (256, 1024, 4096) for R, E, K in shapes]
+    rows = [(load, R, E, K, S) for load in SYNTHETIC_LOADS for S in (256, 1024, 4096) for R, E, K in shapes]
     return rows + [("router", 64, 896, 16, S) for S in (256, 1024, 4096)]
 
 
@@ -111,7 +106,7 @@ def topology_section(quick: bool, seed: int, timed: bool = True,
         acc = np.zeros(5, np.int64)
         worst = 1.0
         for s in range(2 if quick else 4):
-            T = TOPOLOGY_LOADS[load](R, E, K, S, 1.2, seed + s)
+            T = SYNTHETIC_LOADS[load](R, E, K, S, 1.2, seed + s)
             p, q = plan(T), plan(T, topology=rpn)
             verify(q, T, routes=False)
             worst = max(worst, balance(q))

@@ -65,13 +65,15 @@ def drifting_trace(R: int, E: int, K: int, S: int, steps: int, skew: float = 1.2
         logits = logits + drift * rng.standard_normal(E)
 
 
-SYNTHETIC_KINDS = ("zipf", "router")
+SYNTHETIC_LOADS = {"zipf": zipf_counts, "router": router_counts}
+"""load name -> generator (R, E, K, S, skew, seed) -> [R, E] counts: zipf slot counts (a hot expert may get
+more slots than a rank has tokens) and the counts of zipf top-k lists (what a router produces)."""
 
 
 def parse_synthetic(spec: str) -> tuple[str, float]:
     """'zipf:1.2' -> ('zipf', 1.2); 'router:1.2' -> ('router', 1.2) (counts of top-k lists); ValueError else."""
     kind, _, value = spec.partition(":")
-    if kind not in SYNTHETIC_KINDS:
+    if kind not in SYNTHETIC_LOADS:
         raise ValueError(f"--synthetic must look like zipf:1.2 or router:1.2, got {spec!r}")
     try:
         skew = float(value or "1.0")
@@ -83,6 +85,6 @@ def parse_synthetic(spec: str) -> tuple[str, float]:
 
 
 def synthetic_counts(spec: str, R: int, E: int, K: int, S: int, seed: int = 0) -> np.ndarray:
-    """[R, E] counts for a ``parse_synthetic`` spec: ``zipf_counts`` or ``router_counts``."""
+    """[R, E] counts for a ``parse_synthetic`` spec (``SYNTHETIC_LOADS``)."""
     kind, skew = parse_synthetic(spec)
-    return (zipf_counts if kind == "zipf" else router_counts)(R, E, K, S, skew, seed)
+    return SYNTHETIC_LOADS[kind](R, E, K, S, skew, seed)
