@@ -13,9 +13,9 @@ Passes, in the order ``_kernel`` runs them after the sticky pass: ``concentrate`
 few ranks, so cross-node receivers are few and large); ``cross_pass`` (pairs with a positive gain); the
 node-local pairs (``_kernel``); ``concentrate`` again (a node's leftover deficit); the global pass, whose
 cross-node pairs ``cross_fill`` gives to the donor with the best gain. ``_kernel`` also runs them without the
-first ``concentrate`` and keeps the order with the lower ``internode_cost``. Every step fills its receiver
-completely from one donor that holds enough own rows, the step of the proof in ``planner/README.md``, so exact
-balance holds unchanged. A cross-node pair's slots are handed over at once, chosen by ``hand_over`` (not
+first ``concentrate``, and with it again pricing a copy at 1.25 ``weight_rows``, and keeps the plan with the
+lowest ``internode_cost``. Every step fills its receiver completely from one donor that holds enough own rows,
+the step of the proof in ``planner/README.md``, so exact balance holds unchanged. A cross-node pair's slots are handed over at once, chosen by ``hand_over`` (not
 stage C's order), and the receiver's gift is set to 0 so that stage C does not hand any over again.
 """
 from __future__ import annotations
@@ -45,10 +45,10 @@ def cross_state(T, alloc, epn, node, num_nodes, weight_rows):
 
 
 @njit(cache=True)
-def internode_cost(state):
+def internode_cost(state, weight_rows):
     """Routed rows crossing nodes (``sum_n max(0, on_node - src)``, what stage E reaches) plus ``weight_rows``
-    per replica on another node than its expert's home."""
-    epn, node, src, on_node, alloc, weight_rows, used = state
+    per replica on another node than its expert's home (the true copy cost, not the state's decision price)."""
+    epn, node, src, on_node, alloc, _, used = state
     N, E = src.shape
     cost = 0
     for n in range(N):

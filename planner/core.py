@@ -160,8 +160,8 @@ def plan(tokens_per_expert: Any, *, caps: Any = None, slots_per_rank: int | None
         gathered on few ranks, then the cross-node pairs whose locally fed rows outweigh their weight copies
         (taking only the rows that pay), then pairs inside a node, then a short node's leftover deficits
         gathered, each filled by the donor whose experts its node feeds best; the same without the first
-        gathering, keeping the order with fewer inter-node bytes; each destination is fed by its own rank's,
-        then its own node's sources first.
+        gathering, and with it again pricing a copy at 1.25 weight_rows, keeping the plan with the fewest
+        inter-node bytes; each destination is fed by its own rank's, then its own node's sources first.
     """
     T = as_counts(tokens_per_expert, "tokens_per_expert", 2, check_sign=False)  # the kernel checks signs
     R, E, epn = check_shape(T)

@@ -10,13 +10,19 @@ import numpy as np
 from ._inputs import default_caps
 
 
+CANDIDATES = ((0, True), (0, False), (1, True))
+"""Stage B's candidates with a topology, (copy margin in quarters of weight_rows, gather first), as
+``planner._kernel.CANDIDATES``."""
+
+
 def _pairs(bal: list[int], caps: list[int], prev_donor, node, num_nodes: int, topo_args):
     """Stage B: donor[u] (-1 = none) and gift[u]; a step fills the receiver completely.
 
     topo_args = (T, alloc, epn, weight_rows) for the topology passes (their cross-node pairs split in alloc).
-    With a topology both pass orders run from the state after the sticky pass, and the one leaving fewer
-    inter-node bytes is kept (ties: gathering first); an order that hits an infeasible step (uneven caller
-    caps) loses, and if both do, gathering first's error is raised.
+    With a topology, the CANDIDATES run from the state after the sticky pass: gathering first or not with a
+    copy priced at weight_rows, then gathering first with a copy priced at 1.25 weight_rows. The one leaving
+    the fewest inter-node bytes (at weight_rows) is kept; ties keep the earlier; a candidate that hits an
+    infeasible step (uneven caller caps) loses, and if all do, the first one's error is raised.
     """
     R = len(bal)
     donor, gift = [-1] * R, [0] * R
@@ -32,22 +38,23 @@ def _pairs(bal: list[int], caps: list[int], prev_donor, node, num_nodes: int, to
         _ordered_pairs(bal, caps, node, num_nodes, donor, gift, None, False)
         return donor, gift
     T, alloc, epn, weight_rows = topo_args
-    second = (list(bal), list(donor), list(gift), [row[:] for row in alloc])
-    try:
-        _ordered_pairs(bal, caps, node, num_nodes, donor, gift, _giver(*topo_args, node, num_nodes), True)
-        cost = _internode_cost(T, alloc, epn, weight_rows, node, num_nodes)
-    except ValueError as first_error:
-        cost, failure = None, first_error
-    try:
-        _ordered_pairs(second[0], caps, node, num_nodes, second[1], second[2],
-                       _giver(T, second[3], epn, weight_rows, node, num_nodes), False)
-    except ValueError:
-        if cost is None:
-            raise failure from None
-        return donor, gift
-    if cost is None or _internode_cost(T, second[3], epn, weight_rows, node, num_nodes) < cost:
-        for mine, theirs in zip((bal, donor, gift, alloc), second):
-            mine[:] = theirs
+    start = (list(bal), list(donor), list(gift), [row[:] for row in alloc])
+    best, failure = None, None
+    for margin, gather_first in CANDIDATES:
+        cand = (list(start[0]), list(start[1]), list(start[2]), [row[:] for row in start[3]])
+        give = _giver(T, cand[3], epn, weight_rows + weight_rows * margin // 4, node, num_nodes)
+        try:
+            _ordered_pairs(cand[0], caps, node, num_nodes, cand[1], cand[2], give, gather_first)
+        except ValueError as error:
+            failure = failure or error
+            continue
+        cost = _internode_cost(T, cand[3], epn, weight_rows, node, num_nodes)
+        if best is None or cost < best[0]:
+            best = (cost, cand)
+    if best is None:
+        raise failure
+    for mine, theirs in zip((bal, donor, gift, alloc), best[1]):
+        mine[:] = theirs
     return donor, gift
 
 
