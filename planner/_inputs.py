@@ -74,6 +74,13 @@ def caps_for(caps: Any, total: int, R: int) -> list[int]:
     return caps
 
 
+TOPOLOGY_CANDIDATES = ((0, True), (0, False), (1, True))
+"""Stage B's candidates with a topology, in the order tried: (copy margin, gather first). Margin 0 takes a
+cross-node copy when the rows it saves outweigh ``weight_rows``, margin 1 only beyond ``1.25 * weight_rows``
+(quarters of ``weight_rows``); the cheapest finished plan at the true price is kept. The fourth pair,
+(1, False), is left out: on the bench's 21 topology rows it moved 4 by at most 0.003 of the plain plan's
+bytes, for a third more latency (planner/README.md). Read by the kernel and its twin."""
+
 WEIGHT_ROWS = 3 * 2048
 """default cost of one expert weight copy in routed rows: a bf16 gate/up/down FFN (3 x H x H') weighs as
 much as 3*H' rows of H bf16 values, whatever H is; H' = 2048 as in the bench's bytes model."""

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _jit, _topology
+from . import _inputs, _jit, _topology
+from ._inputs import TOPOLOGY_CANDIDATES
 from ._jit import HAS_NUMBA, njit, refresh_cache
 
 __all__ = ["HAS_NUMBA", "plan_arrays"]
@@ -162,13 +163,6 @@ def _pairing(bal, caps, node, num_nodes, state, donor, gift, err):
     _global_pass(bal, caps, node, num_nodes, state, donor, gift, err)
 
 
-CANDIDATES = ((0, True), (0, False), (1, True))
-"""Stage B's candidates with a topology, in the order tried: (copy margin, gather first). Margin 0 takes a
-cross-node copy when the rows it saves outweigh ``weight_rows``, margin 1 only beyond ``1.25 * weight_rows``
-(quarters of ``weight_rows``). The fourth pair, (1, False), is left out: on the bench's 21 topology rows it
-moved 4 by at most 0.003 of the plain plan's bytes, for a third more latency (planner/README.md)."""
-
-
 @njit(cache=True)
 def _ordered_pairing(T, alloc, epn, bal, caps, node, num_nodes, weight_rows, donor, gift, err, gather_first,
                      margin):
@@ -185,7 +179,7 @@ def _ordered_pairing(T, alloc, epn, bal, caps, node, num_nodes, weight_rows, don
 
 @njit(cache=True)
 def _topology_pairing(T, alloc, epn, bal, caps, node, num_nodes, weight_rows, donor, gift, err):
-    """Stage B with a topology: the ``CANDIDATES``, keeping the plan that leaves the fewest inter-node bytes.
+    """Stage B with a topology: the ``TOPOLOGY_CANDIDATES``, keeping the plan that leaves the fewest inter-node bytes.
 
     Gathering each node's deficits first (G) gives large receivers, so a node that routes a hot expert more
     than a replica's worth gets it on few full replicas (zipf counts); without it receivers stay small, so
@@ -199,13 +193,13 @@ def _topology_pairing(T, alloc, epn, bal, caps, node, num_nodes, weight_rows, do
     that hits an infeasible step (uneven caller caps) loses; if all do, err holds the first's.
     """
     bal0, donor0, gift0, alloc0 = bal.copy(), donor.copy(), gift.copy(), alloc.copy()
-    margin, gather_first = CANDIDATES[0]  # the first candidate runs in place
+    margin, gather_first = TOPOLOGY_CANDIDATES[0]  # the first candidate runs in place
     best = _ordered_pairing(T, alloc, epn, bal, caps, node, num_nodes, weight_rows, donor, gift, err,
                             gather_first, margin)
     if err[0] != OK:
         best = -1
-    for i in range(1, len(CANDIDATES)):
-        margin, gather_first = CANDIDATES[i]
+    for i in range(1, len(TOPOLOGY_CANDIDATES)):
+        margin, gather_first = TOPOLOGY_CANDIDATES[i]
         bal2, donor2, gift2, alloc2 = bal0.copy(), donor0.copy(), gift0.copy(), alloc0.copy()
         err2 = np.zeros(3, np.int64)
         cost = _ordered_pairing(T, alloc2, epn, bal2, caps, node, num_nodes, weight_rows, donor2, gift2, err2,
@@ -478,4 +472,5 @@ def plan_arrays(T, keep, alloc, send, caps_in, slots, tp, prev_donor, prev_copy,
 
 
 # plan_arrays and _pairing contain _topology's compiled code, but numba's cache only watches this file
-refresh_cache(globals(), [__file__, _topology.__file__, _jit.__file__], "_kernel.sources.sha256")
+refresh_cache(globals(), [__file__, _topology.__file__, _jit.__file__, _inputs.__file__],
+              "_kernel.sources.sha256")  # _inputs: TOPOLOGY_CANDIDATES is compiled in

@@ -7,19 +7,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._inputs import default_caps
-
-
-CANDIDATES = ((0, True), (0, False), (1, True))
-"""Stage B's candidates with a topology, (copy margin in quarters of weight_rows, gather first), as
-``planner._kernel.CANDIDATES``."""
+from ._inputs import TOPOLOGY_CANDIDATES, default_caps
 
 
 def _pairs(bal: list[int], caps: list[int], prev_donor, node, num_nodes: int, topo_args):
     """Stage B: donor[u] (-1 = none) and gift[u]; a step fills the receiver completely.
 
     topo_args = (T, alloc, epn, weight_rows) for the topology passes (their cross-node pairs split in alloc).
-    With a topology, the CANDIDATES run from the state after the sticky pass: gathering first or not with a
+    With a topology, the TOPOLOGY_CANDIDATES run from the state after the sticky pass: gathering first or not with a
     copy priced at weight_rows, then gathering first with a copy priced at 1.25 weight_rows. The one leaving
     the fewest inter-node bytes (at weight_rows) is kept; ties keep the earlier; a candidate that hits an
     infeasible step (uneven caller caps) loses, and if all do, the first one's error is raised.
@@ -40,7 +35,7 @@ def _pairs(bal: list[int], caps: list[int], prev_donor, node, num_nodes: int, to
     T, alloc, epn, weight_rows = topo_args
     start = (list(bal), list(donor), list(gift), [row[:] for row in alloc])
     best, failure = None, None
-    for margin, gather_first in CANDIDATES:
+    for margin, gather_first in TOPOLOGY_CANDIDATES:
         cand = (list(start[0]), list(start[1]), list(start[2]), [row[:] for row in start[3]])
         give = _giver(T, cand[3], epn, weight_rows + weight_rows * margin // 4, node, num_nodes)
         try:

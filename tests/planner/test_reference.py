@@ -110,13 +110,14 @@ def test_route_equals_twin(R, epn, K, S, skew, topo, seed):
 def _candidate_costs(T, rpn: int, weight_rows: int) -> dict:
     """Inter-node cost (rows + weight_rows per copy) after stage B of the twin, per stage-B candidate
     (copy margin, gather first), each run on its own."""
-    from planner.reference import CANDIDATES, _giver, _internode_cost, _ordered_pairs, initial_state
+    from planner._inputs import TOPOLOGY_CANDIDATES
+    from planner.reference import _giver, _internode_cost, _ordered_pairs, initial_state
 
     R, E = T.shape
     node = [r // rpn for r in range(R)]
     Tl = T.tolist()
     costs = {}
-    for margin, gather_first in CANDIDATES:
+    for margin, gather_first in TOPOLOGY_CANDIDATES:
         _, caps, bal, alloc = initial_state(Tl)
         give = _giver(Tl, alloc, E // R, weight_rows + weight_rows * margin // 4, node, R // rpn)
         _ordered_pairs(bal, caps, node, R // rpn, [-1] * R, [0] * R, give, gather_first)
