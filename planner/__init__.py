@@ -5,7 +5,8 @@ share; ``verify`` re-derives every guarantee; ``rebalance_experts`` is the DeepS
 balancer. See ``planner/README.md`` for the theorem and its proof.
 """
 from .core import Plan, plan
+from .device import TensorPlan
 from .eplb import rebalance_experts
 from .verify import PlanVerificationError, verify
 
-__all__ = ["Plan", "PlanVerificationError", "plan", "rebalance_experts", "verify"]
+__all__ = ["Plan", "PlanVerificationError", "TensorPlan", "plan", "rebalance_experts", "verify"]

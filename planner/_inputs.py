@@ -10,6 +10,11 @@ from typing import Any
 import numpy as np
 
 
+def is_tensor(x: Any) -> bool:
+    """Whether ``x`` is a torch tensor (recognised without importing torch)."""
+    return hasattr(x, "detach") and hasattr(x, "cpu") and hasattr(x, "numpy") and hasattr(x, "device")
+
+
 def to_numpy(x: Any) -> np.ndarray:
     """Array view of ``x``; torch tensors (any device) are detached and copied to host memory."""
     if isinstance(x, np.ndarray):

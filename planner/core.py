@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from . import _kernel
-from ._inputs import as_counts, check_shape, positive_int, to_numpy, topology_nodes
+from ._inputs import as_counts, check_shape, is_tensor, positive_int, to_numpy, topology_nodes
 
 
 @dataclass(frozen=True, eq=False)
@@ -146,10 +146,12 @@ class Plan:
 
 
 def plan(tokens_per_expert: Any, *, caps: Any = None, slots_per_rank: int | None = None, token_padding: int = 1,
-         previous: Plan | None = None, topology: Any = None) -> Plan:
+         previous: Plan | None = None, topology: Any = None, defer_errors: bool = False) -> Plan:
     """Plan one MoE layer's step so that every rank computes exactly ``caps[r]`` routed rows.
 
-    tokens_per_expert: [R, E] non-negative integer counts (numpy, list, or torch on any device); E % R == 0.
+    tokens_per_expert: [R, E] non-negative integer counts (numpy or a list: a ``Plan``; a torch integer tensor
+        on any device: a ``planner.device.TensorPlan`` on that device, made without a host copy — on CUDA by
+        the numba-cuda kernel); E % R == 0.
     caps: [R] rows per rank summing to the total; default floor/ceil of total / R (first total % R ranks +1).
     slots_per_rank: replica slots per rank, default epn (the bound that makes every plan fit).
     token_padding: segments are padded to multiples of this (the grouped-GEMM tile).
@@ -162,7 +164,13 @@ def plan(tokens_per_expert: Any, *, caps: Any = None, slots_per_rank: int | None
         gathered, each filled by the donor whose experts its node feeds best; the same without the first
         gathering, and with it again pricing a copy at 1.25 weight_rows, keeping the plan with the fewest
         inter-node bytes; each destination is fed by its own rank's, then its own node's sources first.
+        Host planner only: a tensor of counts with a topology is refused.
+    defer_errors: tensor counts only: leave an invalid plan's error in ``TensorPlan.err`` instead of raising
+        (raising reads the device; a caller that reads the plan's tables anyway checks ``err`` in that read).
     """
+    if is_tensor(tokens_per_expert):
+        return _plan_tensor(tokens_per_expert, caps, slots_per_rank, token_padding, previous, topology,
+                            defer_errors)
     T = as_counts(tokens_per_expert, "tokens_per_expert", 2, check_sign=False)  # the kernel checks signs
     R, E, epn = check_shape(T)
     slots = epn if slots_per_rank is None else positive_int(slots_per_rank, "slots_per_rank")
@@ -190,6 +198,29 @@ def plan(tokens_per_expert: Any, *, caps: Any = None, slots_per_rank: int | None
     return make_plan(counts, caps_out, alloc, donor, copy, send, cu, flows, tp, epn)
 
 
+def _plan_tensor(T, caps, slots_per_rank, token_padding, previous, topology, defer_errors):
+    """``plan`` for tensor counts: checks that need no tensor data here, the rest in the kernel's ``err``."""
+    from .device import plan_tensor
+
+    if T.dim() != 2:
+        raise ValueError(f"tokens_per_expert must be 2-D [R, E], got shape {tuple(T.shape)}")
+    if T.dtype.is_floating_point or T.dtype.is_complex or str(T.dtype) == "torch.bool":
+        raise ValueError(f"tokens_per_expert as a tensor must hold integer counts, got dtype {T.dtype}")
+    R, E, epn = check_shape(np.empty(tuple(T.shape), np.int8))
+    slots = epn if slots_per_rank is None else positive_int(slots_per_rank, "slots_per_rank")
+    tp = positive_int(token_padding, "token_padding")
+    if topology is not None:
+        raise ValueError("topology-aware plans run on the host planner: pass the counts as a numpy array")
+    if caps is not None:
+        caps = as_counts(caps, "caps", 1)
+        if caps.shape[0] != R:
+            raise ValueError(f"caps must have shape [R]=[{R}], got {tuple(caps.shape)}")
+    if previous is not None and (tuple(previous.alloc.shape) != (E, R) or previous.slots_per_rank != slots):
+        raise ValueError(f"previous plan has shape E={previous.num_experts}, R={previous.num_ranks}, "
+                         f"slots={previous.slots_per_rank}; this plan needs E={E}, R={R}, slots={slots}")
+    return plan_tensor(T, caps, slots, tp, previous, defer_errors)
+
+
 def raise_error(err: np.ndarray, slots: int) -> None:
     """Turn the kernel's error triple into a ValueError that names the problem."""
     code, a, b = (int(v) for v in err)
@@ -206,10 +237,11 @@ def raise_error(err: np.ndarray, slots: int) -> None:
         raise ValueError(f"rank {a} needs {b} replica slots but slots_per_rank={slots}")
 
 
-def make_plan(T, caps, alloc, donor, copy, send, cu, flows, tp: int, epn: int) -> Plan:
-    """Freeze the kernel's arrays into a Plan (no copies)."""
+def make_plan(T, caps, alloc, donor, copy, send, cu, flows, tp: int, epn: int, freeze: bool = True) -> Plan:
+    """The kernel's arrays as a Plan (no copies), frozen read-only unless ``freeze=False`` (the tensor path
+    wraps the same arrays as tensors, which must stay writable)."""
     arrays = [T, caps, alloc, donor, copy, caps.copy(), send, cu, flows]
-    for a in arrays:
+    for a in arrays if freeze else ():
         a.setflags(write=False)
     slots = copy.shape[1]
     capacity = -(-(int(caps.max()) + (tp - 1) * (epn + slots)) // tp) * tp

@@ -68,15 +68,20 @@ def test_deterministic(case: Case):
             assert np.array_equal(getattr(a, f), getattr(b, f)), f
 
 
+@pytest.mark.gpu  # also runs without a GPU (the CUDA half then does not)
 def test_torch_tensor_input_matches_numpy():
-    """A torch tensor (the all-gathered counts) plans exactly like the numpy array."""
-    torch = pytest.importorskip("torch")
+    """A torch tensor (the all-gathered counts) plans exactly like the numpy array, as tensors on its device."""
+    import torch
+
     T = zipf_counts(8, 32, 4, 64, 1.3, 3)
     a, b = plan(T), plan(torch.from_numpy(T).to(torch.int32))
+    assert isinstance(b.alloc, torch.Tensor) and b.alloc.device.type == "cpu"
+    b = b.to_plan()
     assert np.array_equal(a.alloc, b.alloc) and np.array_equal(a.send_counts, b.send_counts)
     if torch.cuda.is_available():
         c = plan(torch.from_numpy(T).cuda())
-        assert np.array_equal(a.alloc, c.alloc)
+        assert c.alloc.device.type == "cuda"
+        assert np.array_equal(a.alloc, c.to_plan().alloc)
 
 
 def test_numpy_input_does_not_import_torch():

@@ -1,0 +1,393 @@
+"""The planner as one numba-cuda kernel: one launch, one block, the CPU kernel's algorithm (plain and sticky plans).
+
+Written in the subset of Python that numba's CUDA target compiles: no allocation (every table and scratch
+array is passed in, sized by the caller from (R, E, slots) alone), integer loops, ``cuda.atomic``. The same
+stage names as ``planner._kernel``; each stage gives the CPU kernel's result, tie-breaks included (the tests
+compare every field under numba's CUDA simulator and compile this file to PTX for sm_90):
+
+  A. totals (all threads: experts, then (rank, home) pairs, strided over the block);
+  B. pairing (thread 0: the sticky pass and the global pass are sequential by nature, O(R) per step);
+  C. split (one thread per donor: a donor's receivers and experts are its own);
+  D. layout (one thread per rank);
+  E. flows and route pieces (one thread per expert, after a count pass and thread 0's prefix sums).
+
+Why stage E needs no sort: without a topology each split expert's sources are matched to its destinations in
+rank order, so the (src, dst) pairs come out increasing; experts are visited in id order, so the flow table is
+already in the CPU kernel's (expert, src, dst) order, and the route pieces (contiguous runs of the global slot
+sequence, see ``Plan._pieces``) come out sorted by their start.
+"""
+from __future__ import annotations
+
+from numba import cuda
+
+from .device import NO_ERROR_POS, OVERFLOW
+
+# err[0] codes, as in planner._kernel (by value: compiling this file must not compile the CPU kernel)
+OK, NEGATIVE, CAPS_SUM, INFEASIBLE, TOO_MANY_REPLICAS, TOO_LARGE = 0, 1, 2, 3, 4, 5
+INT32_MAX = 2**31 - 1
+
+
+@cuda.jit(device=True)
+def _totals(T, keep, send, cnt, errpos, epn, tid, nt):
+    """Stage A: cnt [E], keep [R, E] (int32 copy of T), send [R, R]; errpos[0] = first bad flat index."""
+    R, E = T.shape
+    for e in range(tid, E, nt):
+        c = 0
+        for r in range(R):
+            v = T[r, e]
+            if v < 0 or v > INT32_MAX:
+                cuda.atomic.min(errpos, 0, r * E + e)
+            if v > INT32_MAX:
+                v = 0  # the plan is refused anyway; keep the int32 store in range
+            keep[r, e] = v
+            c += v
+        cnt[e] = c
+    for p in range(tid, R * R, nt):
+        r = p // R
+        h = p - r * R
+        s = 0
+        for j in range(epn):
+            v = T[r, h * epn + j]
+            if v <= INT32_MAX:
+                s += v
+        send[r, h] = s
+
+
+@cuda.jit(device=True)
+def _caps(cnt, caps_in, has_caps, caps, err):
+    """caps [R]: caps_in when given (CAPS_SUM unless it sums to the total), else floor/ceil of total / R."""
+    R = caps.shape[0]
+    total = 0
+    for e in range(cnt.shape[0]):
+        total += cnt[e]
+    if has_caps:
+        s = 0
+        for r in range(R):
+            caps[r] = caps_in[r]
+            s += caps_in[r]
+        if s != total and err[0] == OK:
+            err[0] = CAPS_SUM
+            err[1] = s
+            err[2] = total
+    else:
+        for r in range(R):
+            caps[r] = total // R + (1 if r < total % R else 0)
+    for r in range(R):
+        if caps[r] > INT32_MAX and err[0] == OK:
+            err[0] = TOO_LARGE
+            err[1] = r
+            err[2] = -1
+
+
+@cuda.jit(device=True)
+def _pair(h, u, bal, caps, donor, gift, err):
+    """Donor h fills receiver u completely; False (and err) when h does not hold enough own rows."""
+    amount = -bal[u]
+    if caps[h] + bal[h] < amount:
+        err[0] = INFEASIBLE
+        err[1] = h
+        err[2] = u
+        return False
+    donor[u] = h
+    gift[u] = amount
+    bal[h] += bal[u]
+    bal[u] = 0
+    return True
+
+
+@cuda.jit(device=True)
+def _pairing(bal, caps, prev_donor, sticky, donor, gift, err):
+    """Stage B: the sticky pass (largest donor balance first), then the global pass (largest deficit first,
+    filled by the largest donor; lowest index on ties)."""
+    R = bal.shape[0]
+    while sticky:
+        best = -1
+        for u in range(R):
+            h = prev_donor[u]
+            if h >= 0 and bal[u] < 0 and bal[h] > 0 and (best < 0 or bal[h] > bal[prev_donor[best]]):
+                best = u
+        if best < 0:
+            break
+        if not _pair(prev_donor[best], best, bal, caps, donor, gift, err):
+            return
+    while True:
+        h = -1
+        u = -1
+        for r in range(R):
+            if bal[r] > 0 and (h < 0 or bal[r] > bal[h]):
+                h = r
+            if bal[r] < 0 and (u < 0 or bal[r] < bal[u]):
+                u = r
+        if h < 0 or u < 0:
+            return
+        if not _pair(h, u, bal, caps, donor, gift, err):
+            return
+
+
+@cuda.jit(device=True)
+def _split(h, epn, donor, gift, prev_copy, sticky, alloc, rem, recv):
+    """Stage C for donor h: gift[u] slots of h's experts to each receiver u (rem [R, epn], recv [R, R] scratch
+    rows of h). Sticky plans first refill the slots a receiver already holds; then the largest receiver quota
+    takes the largest remaining expert (lowest index on ties)."""
+    R = donor.shape[0]
+    n = 0
+    for u in range(R):
+        if donor[u] == h:
+            recv[h, n] = u
+            n += 1
+    if n == 0:
+        return
+    for j in range(epn):
+        rem[h, j] = alloc[h * epn + j, h]
+    # the quotas are gift's entries of h's receivers: a receiver has one donor, so they are h's to consume
+    if sticky:
+        for i in range(n):
+            u = recv[h, i]
+            for b in range(prev_copy.shape[1]):
+                e = prev_copy[u, b]
+                if e >= h * epn and e < (h + 1) * epn:
+                    t = min(rem[h, e - h * epn], gift[u])
+                    alloc[e, u] += t
+                    alloc[e, h] -= t
+                    rem[h, e - h * epn] -= t
+                    gift[u] -= t
+    while True:
+        u = recv[h, 0]
+        for i in range(1, n):
+            if gift[recv[h, i]] > gift[u]:
+                u = recv[h, i]
+        if gift[u] <= 0:
+            return
+        j = 0
+        for jj in range(1, epn):
+            if rem[h, jj] > rem[h, j]:
+                j = jj
+        t = min(rem[h, j], gift[u])
+        alloc[h * epn + j, u] += t
+        alloc[h * epn + j, h] -= t
+        rem[h, j] -= t
+        gift[u] -= t
+
+
+@cuda.jit(device=True)
+def _layout(d, alloc, epn, tp, donor, prev_copy, sticky, copy, cu, lay_err):
+    """Stage D for rank d: experts_to_copy[d] (-1 = empty) and padded cu_seqlens[d]; lay_err[d] = the replica
+    count at d's last slot overflow (0 = none), so that thread 0 can report what the CPU kernel reports."""
+    slots = copy.shape[1]
+    h = donor[d]
+    if h >= 0:
+        n = 0
+        if sticky:
+            for b in range(slots):
+                e = prev_copy[d, b]
+                if e >= h * epn and e < (h + 1) * epn and alloc[e, d] > 0:
+                    copy[d, b] = e
+                    n += 1
+        b = 0
+        for e in range(h * epn, (h + 1) * epn):
+            if alloc[e, d] <= 0:
+                continue
+            held = False
+            if sticky:
+                for bb in range(slots):
+                    if copy[d, bb] == e:
+                        held = True
+            if held:
+                continue
+            while b < slots and copy[d, b] >= 0:
+                b += 1
+            n += 1
+            if b >= slots:
+                lay_err[d] = n
+                continue
+            copy[d, b] = e
+    off = 0
+    for g in range(epn + slots):
+        c = 0
+        if g < epn:
+            c = alloc[d * epn + g, d]
+        elif copy[d, g - epn] >= 0:
+            c = alloc[copy[d, g - epn], d]
+        off += (c + tp - 1) // tp * tp
+        cu[d, g] = off
+
+
+@cuda.jit(device=True)
+def _count_flows(e, T, alloc):
+    """Flows of split expert e: steps of the north-west-corner matching of its sources with its destinations."""
+    R = T.shape[0]
+    s = 0
+    d = 0
+    a = 0
+    b = 0
+    n = 0
+    while True:
+        while s < R and a == 0:
+            a = T[s, e]
+            if a == 0:
+                s += 1
+        while d < R and b == 0:
+            b = alloc[e, d]
+            if b == 0:
+                d += 1
+        if s >= R or d >= R:
+            return n
+        t = min(a, b)
+        a -= t
+        b -= t
+        n += 1
+        if a == 0:
+            s += 1
+        if b == 0:
+            d += 1
+
+
+@cuda.jit(device=True)
+def _seg_start(cu, d, g):
+    """First row of segment g on rank d (segments: own experts, then replica slots)."""
+    return 0 if g == 0 else cu[d, g - 1]
+
+
+@cuda.jit(device=True)
+def _emit_expert(e, T, alloc, cnt, epn, copy, cu, base, f0, p0, split, flows, pieces, send):
+    """Stage E for expert e: its flows from row f0 and its route pieces from row p0; corrects send.
+
+    A piece is (end, start, dest, first dest row) of a run of the global slot sequence (experts in id order,
+    an expert's slots by source rank, then by appearance).
+    """
+    R = T.shape[0]
+    home = e // epn
+    if not split:
+        pieces[p0, 0] = base + cnt[e]
+        pieces[p0, 1] = base
+        pieces[p0, 2] = home
+        pieces[p0, 3] = _seg_start(cu, home, e - home * epn)
+        return
+    for r in range(R):
+        cuda.atomic.add(send, (r, home), -T[r, e])
+    s = 0
+    d = 0
+    a = 0
+    b = 0
+    n = 0
+    done = 0  # slots of e already assigned: the next piece's start
+    row = 0  # rows of e already placed on destination d: d advances only once its rows are full
+    while True:
+        while s < R and a == 0:
+            a = T[s, e]
+            if a == 0:
+                s += 1
+        while d < R and b == 0:
+            b = alloc[e, d]
+            row = 0
+            if b == 0:
+                d += 1
+        if s >= R or d >= R:
+            return
+        t = min(a, b)
+        flows[f0 + n, 0] = e
+        flows[f0 + n, 1] = s
+        flows[f0 + n, 2] = d
+        flows[f0 + n, 3] = t
+        cuda.atomic.add(send, (s, d), t)
+        g = e - d * epn
+        if d != home:
+            for j in range(copy.shape[1]):
+                if copy[d, j] == e:
+                    g = epn + j
+        pieces[p0 + n, 0] = base + done + t
+        pieces[p0 + n, 1] = base + done
+        pieces[p0 + n, 2] = d
+        pieces[p0 + n, 3] = _seg_start(cu, d, g) + row
+        done += t
+        row += t
+        a -= t
+        b -= t
+        n += 1
+        if a == 0:
+            s += 1
+        if b == 0:
+            d += 1
+
+
+@cuda.jit(device=True)
+def _prefix(E, split, nflow, base_out, foff, poff, cnt, totals):
+    """Thread 0: exclusive prefix sums over experts of slots (base), flows and pieces; totals = (F, P)."""
+    b = 0
+    f = 0
+    p = 0
+    for e in range(E):
+        base_out[e] = b
+        foff[e] = f
+        poff[e] = p
+        b += cnt[e]
+        if split[e]:
+            f += nflow[e]
+            p += nflow[e]
+        else:
+            p += 1
+    totals[0] = f
+    totals[1] = p
+
+
+@cuda.jit
+def plan_kernel(T, caps_in, has_caps, tp, prev_donor, prev_copy, sticky,
+                keep, alloc, send, caps, donor, copy, cu, flows, pieces, totals, err,
+                cnt, bal, gift, rem, recv, lay_err, split, nflow, base, foff, poff, errpos):
+    """All stages in one block. Inputs: T [R, E] int64, caps_in [R] (read when has_caps), prev_donor [R] and
+    prev_copy [R, slots] (read when sticky). Outputs (the caller zeroes alloc, send, totals, err, lay_err and
+    fills donor, copy with -1, errpos with NO_ERROR_POS): keep [R, E] int32, alloc [E, R] int32, send [R, R],
+    caps [R], donor [R], copy [R, slots], cu [R, epn + slots], flows [flow_rows, 4], pieces
+    [E + flow_rows, 4], totals [2] = (flows, pieces), err [3]. The rest is scratch: cnt, split, nflow, base,
+    foff, poff [E]; bal, gift, lay_err [R]; rem [R, epn]; recv [R, R]; errpos [1]."""
+    tid = cuda.threadIdx.x
+    nt = cuda.blockDim.x
+    R, E = T.shape
+    epn = E // R
+    _totals(T, keep, send, cnt, errpos, epn, tid, nt)
+    cuda.syncthreads()
+    if tid == 0:
+        if errpos[0] != NO_ERROR_POS:
+            r = errpos[0] // E
+            err[0] = NEGATIVE if T[r, errpos[0] - r * E] < 0 else TOO_LARGE
+            err[1] = r
+            err[2] = errpos[0] - r * E
+        _caps(cnt, caps_in, has_caps, caps, err)
+        if err[0] == OK:
+            for h in range(R):
+                g = 0
+                for j in range(epn):
+                    g += cnt[h * epn + j]
+                bal[h] = g - caps[h]
+            for e in range(E):
+                alloc[e, e // epn] = cnt[e]
+            _pairing(bal, caps, prev_donor, sticky, donor, gift, err)
+    cuda.syncthreads()
+    if err[0] != OK:
+        return  # every thread sees thread 0's verdict after the barrier
+    for h in range(tid, R, nt):
+        _split(h, epn, donor, gift, prev_copy, sticky, alloc, rem, recv)
+    cuda.syncthreads()
+    for d in range(tid, R, nt):
+        _layout(d, alloc, epn, tp, donor, prev_copy, sticky, copy, cu, lay_err)
+    for e in range(tid, E, nt):
+        split[e] = 1 if alloc[e, e // epn] != cnt[e] else 0
+        nflow[e] = _count_flows(e, keep, alloc) if split[e] else 0
+    cuda.syncthreads()
+    if tid == 0:
+        for d in range(R - 1, -1, -1):  # the CPU kernel's sequential loop leaves the last overflow's report
+            if lay_err[d] > 0 and err[0] == OK:
+                err[0] = TOO_MANY_REPLICAS
+                err[1] = d
+                err[2] = lay_err[d]
+        _prefix(E, split, nflow, base, foff, poff, cnt, totals)
+        if totals[0] > flows.shape[0]:
+            err[0] = OVERFLOW
+            err[1] = totals[0]
+            err[2] = flows.shape[0]
+    cuda.syncthreads()
+    if err[0] != OK:
+        return  # a refused plan (too few slots: a replica has no segment to route to) gets no flows
+    for e in range(tid, E, nt):
+        _emit_expert(e, keep, alloc, cnt, epn, copy, cu, base[e], foff[e], poff[e], split[e], flows, pieces,
+                     send)

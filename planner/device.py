@@ -1,0 +1,255 @@
+"""``TensorPlan``: a plan whose tables are tensors on the counts' device, made without a host copy.
+
+``planner.plan(counts)`` returns one when ``counts`` is a torch tensor (``planner.Plan``, numpy, otherwise):
+- CUDA: the numba-cuda kernel of ``planner._device_kernel`` (one launch, one block) on torch's current stream;
+  tensors cross into numba through ``__cuda_array_interface__``;
+- CPU: the compiled CPU kernel on a zero-copy numpy view of the counts, its tables wrapped as tensors;
+- meta: the tables' shapes only (nothing is computed): for checking that code downstream has static shapes.
+
+Every table's shape depends on (R, E, slots) alone, never on the counts: the flow table and the route pieces
+are padded to static bounds and ``totals`` = (flows, pieces) says how many rows are real. Errors are not raised
+by default until read: ``plan(..., defer_errors=True)`` keeps them in ``err`` [3] (code, a, b) so that a caller
+can fold them into the one host read it makes anyway (``raise_error(err.tolist(), slots)`` raises the same
+ValueError as the numpy path). Topology-aware plans run on the host planner only (numpy counts).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+import numpy as np
+
+from . import _kernel
+
+INT64_MAX = 2**63 - 1
+OVERFLOW = 6
+"""err[0] of a flow table too small for the plan (impossible within ``flow_rows``; the kernel checks anyway)."""
+NO_ERROR_POS = 2**62
+"""the kernel's first-bad-count position before any bad count was seen."""
+SIM_THREADS = 4  # threads per block under numba's CUDA simulator (Python threads: few, but more than one)
+GPU_THREADS = 256
+
+
+@dataclass(frozen=True, eq=False)
+class TensorPlan:
+    """The fields of ``planner.Plan`` as tensors on one device, with static shapes (see the module docstring)."""
+
+    tokens_per_expert: Any
+    """[R, E] int32 the input counts."""
+    caps: Any
+    """[R] int64 rows each rank computes."""
+    alloc: Any
+    """[E, R] int32 routed slots of expert e computed on rank d."""
+    donor: Any
+    """[R] int64 the one home rank whose experts rank d computes as replicas; -1 = none."""
+    experts_to_copy: Any
+    """[R, slots] int64 expert id held in replica slot b of rank d; -1 = empty slot."""
+    send_counts: Any
+    """[R_src, R_dst] int64 rows rank r sends to rank d."""
+    cu_seqlens: Any
+    """[R, epn + slots] int64 cumulative padded segment ends (own experts in id order, then slots)."""
+    flows: Any
+    """[flow_rows, 4] int64 (expert, src, dst, rows) of every split expert, sorted; rows past totals[0] are 0."""
+    pieces: Any
+    """[E + flow_rows, 4] int64 (end, start, dest, first dest row) of the runs of the global slot sequence,
+    sorted by start; rows past totals[1] hold INT64_MAX (``Plan._pieces`` explains the sequence)."""
+    totals: Any
+    """[2] int64 real rows of flows and of pieces."""
+    err: Any
+    """[3] int64 (code, a, b); code 0 = a valid plan (``planner.core.raise_error`` names the others)."""
+    token_padding: int
+    """every non-empty segment is padded up to a multiple of this many rows."""
+
+    @property
+    def recv_counts(self):
+        """[R] real rows rank d receives (= caps)."""
+        return self.caps
+
+    @property
+    def device(self):
+        """The device every table lives on."""
+        return self.alloc.device
+
+    @property
+    def num_ranks(self) -> int:
+        """R."""
+        return int(self.alloc.shape[1])
+
+    @property
+    def num_experts(self) -> int:
+        """E."""
+        return int(self.alloc.shape[0])
+
+    @property
+    def experts_per_rank(self) -> int:
+        """epn = E / R."""
+        return self.num_experts // self.num_ranks
+
+    @property
+    def slots_per_rank(self) -> int:
+        """replica slots per rank."""
+        return int(self.experts_to_copy.shape[1])
+
+    @property
+    def num_replicas(self) -> int:
+        """Expert copies this plan needs (occupied replica slots over all ranks; a host read)."""
+        return int((self.experts_to_copy >= 0).sum())
+
+    def raise_if_invalid(self) -> None:
+        """Raise the ValueError of an invalid plan (reads ``err``: one host read, a sync on a GPU)."""
+        _raise(self.err.tolist(), self.slots_per_rank)
+
+    def to_plan(self):
+        """The same plan as a numpy ``planner.Plan`` (copies every table to the host; for tests and tools)."""
+        from .core import make_plan
+
+        self.raise_if_invalid()
+        nf = int(self.totals[0])
+        host = {f.name: getattr(self, f.name).cpu().numpy().copy() for f in fields(self)
+                if f.name not in ("token_padding", "pieces", "totals", "err")}
+        return make_plan(host["tokens_per_expert"], host["caps"], host["alloc"], host["donor"],
+                         host["experts_to_copy"], host["send_counts"], host["cu_seqlens"], host["flows"][:nf],
+                         self.token_padding, self.experts_per_rank)
+
+
+def flow_rows(R: int, E: int, slots: int) -> int:
+    """Static rows of the flow table: >= any plain or sticky plan's flows.
+
+    A split expert's north-west-corner matching emits at most (its non-zero sources) + (its destinations) - 1
+    flows; at most min(E, R*slots) experts split (each one fills a replica slot) and all destinations together
+    are the split experts' homes plus at most R*slots replicas.
+    """
+    return min(E, R * slots) * (R + 1) + R * slots
+
+
+def _raise(err: list[int], slots: int) -> None:
+    from .core import raise_error
+
+    if err[0] == OVERFLOW:
+        raise AssertionError(f"device planner: {err[1]} flows exceed the static table of {err[2]} rows")
+    raise_error(np.asarray(err), slots)
+
+
+def plan_tensor(T, caps, slots: int, tp: int, previous, defer_errors: bool) -> TensorPlan:
+    """``planner.plan`` for a torch tensor of counts [R, E] (shape, dtype and options already checked)."""
+    import torch
+
+    R, E = T.shape
+    prev_donor, prev_copy = _previous_tables(previous, T.device, R, slots)
+    if T.device.type == "cuda":
+        out = _run_device_kernel(T, caps, slots, tp, prev_donor, prev_copy, GPU_THREADS)
+    elif T.device.type == "meta":
+        out = _empty_tables(torch, T.device, R, E, slots, tp)
+    else:
+        out = _run_cpu_kernel(T, caps, slots, tp, previous)
+    if not defer_errors and T.device.type != "meta":
+        out.raise_if_invalid()
+    return out
+
+
+def _previous_tables(previous, device, R: int, slots: int):
+    """(prev_donor [R], prev_copy [R, slots]) of a sticky plan on ``device``, or (None, None)."""
+    if previous is None:
+        return None, None
+    import torch
+
+    tables = (previous.donor, previous.experts_to_copy)  # a numpy Plan's arrays are read-only: copy those
+    return tuple(t.to(device, torch.int64) if isinstance(t, torch.Tensor) else
+                 torch.tensor(np.asarray(t, np.int64), device=device) for t in tables)
+
+
+def _empty_tables(torch, device, R: int, E: int, slots: int, tp: int, fill: bool = False) -> TensorPlan:
+    """Output tables of the right shapes and dtypes (filled with the kernel's start values when ``fill``)."""
+    epn, F = E // R, flow_rows(R, E, slots)
+    i64, i32 = torch.int64, torch.int32
+    new = (lambda shape, dt, v: torch.full(shape, v, dtype=dt, device=device)) if fill else \
+        (lambda shape, dt, v: torch.empty(shape, dtype=dt, device=device))
+    return TensorPlan(tokens_per_expert=new((R, E), i32, 0), caps=new((R,), i64, 0), alloc=new((E, R), i32, 0),
+                      donor=new((R,), i64, -1), experts_to_copy=new((R, slots), i64, -1),
+                      send_counts=new((R, R), i64, 0), cu_seqlens=new((R, epn + slots), i64, 0),
+                      flows=new((F, 4), i64, 0), pieces=new((E + F, 4), i64, INT64_MAX), totals=new((2,), i64, 0),
+                      err=new((3,), i64, 0), token_padding=tp)
+
+
+def _run_cpu_kernel(T, caps, slots: int, tp: int, previous) -> TensorPlan:
+    """The compiled CPU kernel on a zero-copy view of ``T``; its tables become tensors (no copy), padded."""
+    import torch
+
+    from .core import make_plan
+
+    R, E = T.shape
+    Tn = T.detach().contiguous().to(torch.int64).numpy()  # the kernel's zero-copy entry (int64 input: a view)
+    caps_in = np.zeros(0, np.int64) if caps is None else np.ascontiguousarray(caps, dtype=np.int64)
+    prev_donor = np.zeros(0, np.int64) if previous is None else np.asarray(previous.donor, np.int64)
+    prev_copy = np.zeros((0, slots), np.int64) if previous is None else np.asarray(previous.experts_to_copy,
+                                                                                     np.int64)
+    keep, alloc, send = np.empty((R, E), np.int32), np.zeros((E, R), np.int32), np.zeros((R, R), np.int64)
+    counts, caps_out, alloc, donor, copy, cu, send, flows, err = _kernel.plan_arrays(
+        Tn, keep, alloc, send, caps_in, slots, tp, prev_donor, prev_copy, np.zeros(0, np.int64), 0, 0)
+    F = flow_rows(R, E, slots)
+    flows_pad, pieces_pad = np.zeros((F, 4), np.int64), np.full((E + F, 4), INT64_MAX, np.int64)
+    totals = np.zeros(2, np.int64)
+    if err[0] == 0:
+        flows_pad[:flows.shape[0]] = flows
+        end, start, dest, row0 = make_plan(counts, caps_out, alloc, donor, copy, send, cu, flows, tp,
+                                           E // R, freeze=False)._pieces
+        pieces_pad[:end.size] = np.stack((end, start, dest, row0), axis=1)
+        totals[:] = flows.shape[0], end.size
+    # the kernel's own output arrays become the tensors (no copy); they are not shared with anyone else
+    t = torch.from_numpy
+    out = TensorPlan(tokens_per_expert=t(counts), caps=t(caps_out), alloc=t(alloc), donor=t(donor),
+                     experts_to_copy=t(copy), send_counts=t(send), cu_seqlens=t(cu), flows=t(flows_pad),
+                     pieces=t(pieces_pad), totals=t(totals), err=t(err), token_padding=tp)
+    return out
+
+
+def _run_device_kernel(T, caps, slots: int, tp: int, prev_donor, prev_copy, threads: int) -> TensorPlan:
+    """Launch ``plan_kernel`` on T's device (CUDA, or the CPU under numba's CUDA simulator)."""
+    import torch
+    from numba import cuda  # numba-cuda: imported on first use (the `gpu` and `dev` extras install it)
+
+    from ._device_kernel import plan_kernel
+
+    R, E = T.shape
+    dev = T.device
+    out = _empty_tables(torch, dev, R, E, slots, tp, fill=True)
+    i64 = dict(dtype=torch.int64, device=dev)
+    sticky = prev_donor is not None
+    if not sticky:
+        prev_donor, prev_copy = torch.full((R,), -1, **i64), torch.full((R, slots), -1, **i64)
+    caps_in = torch.zeros(R, **i64) if caps is None else torch.as_tensor(caps, **i64)
+    scratch = [torch.zeros(E, **i64), torch.zeros(R, **i64), torch.zeros(R, **i64),
+               torch.zeros(R, E // R, **i64), torch.zeros(R, R, **i64), torch.zeros(R, **i64),
+               torch.zeros(E, **i64), torch.zeros(E, **i64), torch.zeros(E, **i64), torch.zeros(E, **i64),
+               torch.zeros(E, **i64), torch.full((1,), NO_ERROR_POS, **i64)]
+    args = [T.detach().contiguous().to(torch.int64), caps_in, caps is not None, tp, prev_donor, prev_copy,
+            sticky, out.tokens_per_expert, out.alloc, out.send_counts, out.caps, out.donor, out.experts_to_copy,
+            out.cu_seqlens, out.flows, out.pieces, out.totals, out.err, *scratch]
+    if dev.type == "cuda":
+        stream = cuda.external_stream(torch.cuda.current_stream(dev).cuda_stream)
+        # sync=False: the tensors were made on this stream, and the kernel runs on it; numba's default would
+        # synchronise the stream each array interface names (a host wait per argument)
+        args = [cuda.as_cuda_array(a, sync=False) if isinstance(a, torch.Tensor) else a for a in args]
+        with torch.cuda.device(dev):
+            plan_kernel[1, threads, stream](*args)
+    else:  # numba's CUDA simulator: kernels take numpy arrays (views of the CPU tensors: results land in them)
+        args = [a.numpy() if isinstance(a, torch.Tensor) else a for a in args]
+        plan_kernel[1, threads](*args)
+    return out
+
+
+def plan_with_device_kernel(tokens_per_expert, *, caps=None, slots_per_rank: int | None = None,
+                            token_padding: int = 1, previous=None, threads: int | None = None) -> TensorPlan:
+    """Run the numba-cuda kernel whatever the counts' device: the CPU runs it under numba's CUDA simulator
+    (``NUMBA_ENABLE_CUDASIM=1`` set before numba is imported). For tests and for comparing with the CPU kernel;
+    ``planner.plan`` picks the kernel by device. Errors are raised."""
+    import torch
+
+    T = torch.as_tensor(tokens_per_expert)
+    R, E = T.shape
+    slots = E // R if slots_per_rank is None else int(slots_per_rank)
+    prev_donor, prev_copy = _previous_tables(previous, T.device, R, slots)
+    nt = threads or (GPU_THREADS if T.device.type == "cuda" else SIM_THREADS)
+    out = _run_device_kernel(T, caps, slots, token_padding, prev_donor, prev_copy, nt)
+    out.raise_if_invalid()
+    return out
