@@ -43,7 +43,9 @@ class K3Router(nn.Module):
         topk_idx = torch.topk(scores.detach() + self.e_score_correction_bias, self.K, dim=-1).indices
         w = scores.gather(1, topk_idx)
         self.last_scores = scores.detach()
-        self.last_counts = torch.bincount(topk_idx.flatten(), minlength=scores.shape[1])
+        # a scatter, not bincount: bincount sizes its output from the data (a host sync on a GPU)
+        self.last_counts = torch.zeros(scores.shape[1], dtype=torch.int64, device=x.device).scatter_add_(
+            0, topk_idx.flatten(), torch.ones_like(topk_idx.flatten()))
         return topk_idx, w / (w.sum(-1, keepdim=True) + 1e-20) * self.scale
 
 
@@ -76,7 +78,7 @@ class GroupedSiTUExperts(torch.autograd.Function):
         slots = [torch.zeros_like(t) for t in (w1, w3, w2)]
         buffer.prefetch_weight(plan, [w1.detach(), w3.detach(), w2.detach()], slots)
         full = [torch.cat([t.detach(), s]) for t, s in zip((w1, w3, w2), slots)]   # [2*epn, ...]
-        ends = plan.cu_seqlens.tolist()
+        ends = list(plan.cu_host)  # host copy from the dispatch's one read: no sync here
         with torch.no_grad():
             z = situ_experts(x, ends, *full, *acts) * w[:, None].to(x.dtype)
         ctx.buffer, ctx.plan, ctx.acts, ctx.ends, ctx.epn = buffer, plan, acts, ends, epn

@@ -71,25 +71,47 @@ def _dispatch_problem(buf, hidden, topk_weights, topk_idx, tpe, total, reuse):
     p = _tensor_problem(topk_idx, "topk_idx", (s, buf.K), None, buf.device, integer=True)
     if p:
         return 3, p, s
-    if topk_idx.numel() and (int(topk_idx.min()) < -1 or int(topk_idx.max()) >= buf.E):
-        bad = topk_idx[(topk_idx < -1) | (topk_idx >= buf.E)][0].item()
-        return 4, f"topk_idx holds expert id {bad}, outside [-1, E={buf.E}) (-1 means no expert)", s
     if topk_weights is not None:
         p = _tensor_problem(topk_weights, "topk_weights", (s, buf.K), None, buf.device, floating=True)
         if p:
             return 5, p, s
-        if not bool(torch.isfinite(topk_weights[topk_idx >= 0]).all()):
-            return 6, "topk_weights holds NaN or infinite values on routed slots", s
     if tpe is not None:
         p = _tensor_problem(tpe, "tokens_per_expert", (buf.E,), None, buf.device, integer=True)
         if p:
             return 7, p, s
-        want = torch.bincount(topk_idx[topk_idx >= 0].reshape(-1).long(), minlength=buf.E)
-        if not torch.equal(tpe.long().cpu(), want.cpu()):
-            return 7, "tokens_per_expert does not match the histogram of topk_idx (ids -1 excluded)", s
     if total is not None and (isinstance(total, bool) or not isinstance(total, int) or total < s):
         return 8, f"total_num_tokens must be an int >= s={s}, got {total!r}", s
     return 0, "", s
+
+
+def routed_ids(buf, topk_idx: torch.Tensor) -> torch.Tensor:
+    """topk_idx [s, K] as int64 with ids outside [0, E) set to -1 (``data_code`` reports them; the layout
+    never sees an id it cannot place, so every rank reaches the step's host read)."""
+    idx = topk_idx.long()
+    return torch.where((idx >= 0) & (idx < buf.E), idx, -1)
+
+
+def data_code(buf, topk_idx, topk_weights, tpe, counts: torch.Tensor) -> torch.Tensor:
+    """The checks that need tensor data, as a device scalar (0, 4, 6 or 7; the first failing check wins):
+    it travels with the counts and is read with the step's split table, not on its own."""
+    idx = topk_idx.long()
+    code = torch.zeros((), dtype=torch.int64, device=idx.device)
+    if tpe is not None:
+        code = torch.where((tpe.long() != counts).any(), 7, code)
+    if topk_weights is not None:
+        bad = ~torch.isfinite(topk_weights) & (idx >= 0)
+        code = torch.where(bad.any(), 6, code)
+    return torch.where(((idx < -1) | (idx >= buf.E)).any(), 4, code)
+
+
+def data_detail(buf, topk_idx, topk_weights) -> str:
+    """The failing rank's own words for a ``data_code`` (read only on the error path)."""
+    bad = topk_idx[(topk_idx < -1) | (topk_idx >= buf.E)]
+    if bad.numel():
+        return f"topk_idx holds expert id {bad[0].item()}, outside [-1, E={buf.E}) (-1 means no expert)"
+    if topk_weights is not None and not bool(torch.isfinite(topk_weights[topk_idx >= 0]).all()):
+        return PROBLEMS[6]
+    return "tokens_per_expert does not match the histogram of topk_idx (ids -1 excluded)"
 
 
 def raise_agreed(op: str, rank: int, codes: list[int], detail: str) -> None:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .experts import swiglu_backward, swiglu_forward
+from .experts import segments, swiglu_backward, swiglu_forward
 
 
 class _AllToAll(torch.autograd.Function):
@@ -37,14 +37,14 @@ class _LocalExperts(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w13, w2, cu):
-        y, a13 = swiglu_forward(x, w13, w2, cu)
+        y, a13 = swiglu_forward(x, w13, w2, segments(cu))
         ctx.save_for_backward(x, w13, w2, cu, a13)
         return y
 
     @staticmethod
     def backward(ctx, dy):
         x, w13, w2, cu, a13 = ctx.saved_tensors
-        dx, dw13, dw2 = swiglu_backward(x, w13, w2, cu, a13, dy.contiguous())
+        dx, dw13, dw2 = swiglu_backward(x, w13, w2, segments(cu), a13, dy.contiguous())
         return dx, dw13.to(w13.dtype), dw2.to(w2.dtype), None
 
 

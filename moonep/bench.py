@@ -7,7 +7,9 @@ times are fwd+bwd medians of the slowest rank. Per stage (dispatch, expert compu
 push, combine) the forward alone is timed, each stage between barriers. ``*_busy_s`` is the slowest rank's own
 thread CPU time for fwd+bwd: what the layer would take with one core per rank and free communication, the
 number to read when ranks outnumber cores (then wall time only measures the total work of all ranks).
-Peak bytes are measured (``moonep.memory.PeakBytes``, one untimed fwd+bwd per layer, the largest rank): bytes
+``ours_host_reads_per_layer``: reads of tensor data into Python during one fwd+bwd (``moonep.hostreads``; the
+CPU planner kernel's zero-copy entry exempt), the slowest rank's; each is a host sync on a GPU. Peak bytes are
+measured (``moonep.memory.PeakBytes``, one untimed fwd+bwd per layer, the largest rank): bytes
 of every tensor storage the call allocates, alive at once, plus for ours the static ``Buffer`` and the replica
 weight/grad pools, which exist before the call.
 """
@@ -23,6 +25,7 @@ from .autograd import combine, dispatch
 from .baseline import classic_combine, classic_dispatch, classic_experts, classic_moe
 from .buffer import Buffer
 from .experts import GroupedExperts
+from .hostreads import PLANNER_CPU_ENTRY, HostReads
 from .memory import peak_bytes
 from .moe import MoE
 
@@ -112,6 +115,8 @@ def bench_rank(comm, maxvios: list[float], S: int, H: int, F: int, E: int, K: in
             classic_moe(comm, x, idx, w.clone().requires_grad_(), moe.w13, moe.w2, E, stats).sum().backward()
 
         ours(), base()  # warm-up (and fills stats / last_plan)
+        with HostReads(exempt=(PLANNER_CPU_ENTRY,)) as reads:  # one layer fwd+bwd: the budget is 1
+            ours()
         (t_ours, busy_ours), (t_base, busy_base) = _median_time(comm, ours, iters), _median_time(comm, base, iters)
         st_ours = _stage_times(comm, _our_stages(moe, x, idx, w), iters)
         st_base = _stage_times(comm, _classic_stages(comm, moe, x, idx, w, E), iters)
@@ -119,7 +124,8 @@ def bench_rank(comm, maxvios: list[float], S: int, H: int, F: int, E: int, K: in
         rows = comm.all_reduce(torch.tensor([stats["rows"]]), "max")
         weights_per_copy = (H * 2 * F + F * H) * 4
         static = moe.buffer.nbytes + 2 * epn * weights_per_copy  # Buffer + replica slot pools (weights, grads)
-        peaks = comm.all_reduce(torch.tensor([static + peak_bytes(ours), peak_bytes(base)]), "max").tolist()
+        peaks = comm.all_reduce(torch.tensor([static + peak_bytes(ours), peak_bytes(base), reads.count]),
+                                "max").tolist()
         results.append({
             "maxvio": v, "maxvio_measured": round(measured, 4), "cap": int(plan.plan.caps.max()),
             "ours_max_rows": int(plan.plan.caps.max()), "baseline_max_rows": int(rows),
@@ -128,6 +134,7 @@ def bench_rank(comm, maxvios: list[float], S: int, H: int, F: int, E: int, K: in
             **{f"{who}_{stage}_s": t for who, ts in (("ours", st_ours), ("baseline", st_base))
                for stage, t in zip(("dispatch", "expert", "combine"), ts)},
             "ours_peak_bytes": int(peaks[0]), "baseline_peak_bytes": int(peaks[1]),
+            "ours_host_reads_per_layer": int(peaks[2]),
             "ours_replicas": plan.plan.num_replicas,
             "ours_weight_bytes": 2 * plan.plan.num_replicas * weights_per_copy,  # push fwd + grad reduce bwd
             "ours_token_bytes": sum(plan.send_uniq_splits) * H * 4, "baseline_token_bytes": stats["token_bytes"],

@@ -4,26 +4,42 @@ Axes: ``s`` tokens on this rank (``s <= S``), ``H`` hidden, ``K`` top-k, ``E`` e
 ``epn = E / R`` experts owned per rank (rank r owns ``[r*epn, (r+1)*epn)``) = replica slots per rank,
 ``nvs`` receive rows = ``align_up(ceil(total_tokens*K/R) + (tp-1)*2*epn, tp)``.
 
-Data path of a fresh dispatch (three collectives, none of them a separate count exchange):
-1. all-gather ``[E + 3]`` int64 per rank: this rank's ``tokens_per_expert`` plus an error code, ``s`` and
-   ``total_num_tokens`` — bad input on any rank fails on every rank here, before any row moves;
-2. the same ``planner.plan`` on every rank; all-to-all of the per-slot side table (row, unique index, weight)
-   with the plan's exact ``send_counts`` (``validate=False``: the splits come from the shared plan);
-3. all-to-all of one row per (token, destination rank), expanded locally into the expert-grouped rows.
+Everything lives on the Buffer's device (its communicator's, or ``device=``): counts, the plan (the planner's
+device kernel on CUDA), the layout (``moonep.layout``), rows and weights. A fresh dispatch reads tensor data
+into Python ONCE: the step's split table (the Python split lists that a split-list transport — NCCL, gloo,
+MPI — needs for every exchange of the step, forward and backward), read together with the error codes so
+that bad input on any rank fails on every rank before any row moves. Its four collectives:
+1. all-gather ``[E + 3]`` int64 per rank: ``tokens_per_expert`` plus an error code, ``s`` and
+   ``total_num_tokens``; the same ``planner.plan`` on every rank, then this rank's send layout;
+2. all-gather ``[R + 1]``: the unique (token, destination) rows this rank sends to each rank, and a layout
+   check; then the one host read;
+3. all-to-all of the per-slot side table (int32: row, unique index, routing weight bits) with the plan's
+   exact ``send_counts`` (``validate=False``: the splits come from the shared plan);
+4. all-to-all of one row per (token, destination rank), expanded locally into the expert-grouped rows.
 """
 from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import torch
 
 import planner
 
 from . import _checks
-from .layout import CommPlan, empty_rows, nvs_rows, recv_layout, send_layout
+from .layout import CommPlan, nvs_rows, recv_layout, replica_maps, row_sources, send_layout
 
 _BACKENDS = ("auto", "collectives", "nvshmem")
+INT32_MAX = 2**31 - 1
+
+
+def resolve_device(comm, device: Any) -> torch.device:
+    """The Buffer's device: ``device`` ("cuda" = the current CUDA device), else the communicator's, else CPU."""
+    if device is None:
+        device = getattr(comm, "device", None) or "cpu"
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 class Buffer:
@@ -34,8 +50,10 @@ class Buffer:
     segment is padded to a multiple of this (the grouped-GEMM tile). dtype: the hidden rows' dtype.
     backend: "auto"/"collectives" = the communicator's all_to_all_single (gloo, NCCL or MPI, whatever comm is);
     "nvshmem" needs a GPU communicator built with the nvshmem backend (not available on CPU).
+    device: where the buffers live; default the communicator's device ("cuda" = the current CUDA device).
     check_combine: check the arguments of plan-reuse calls (combine, dispatch with ``plan=``) so that bad input
-    raises on every rank; costs one small all-reduce per call (dispatch's checks ride on its count all-gather).
+    raises on every rank; costs one small all-reduce and one host read per call (dispatch's checks ride on its
+    one read). ``moonep.MoE`` turns it off: it builds those arguments itself.
     """
 
     def __init__(self, comm, S: int, H: int, K: int, E: int, *, token_padding: int = 1,
@@ -53,16 +71,19 @@ class Buffer:
             raise ValueError("backend='nvshmem' needs a communicator from collectives' nvshmem backend (GPU)")
         self.comm, self.S, self.H, self.K, self.E, self.R = comm, S, H, K, E, R
         self.rank, self.epn, self.tp, self.dtype = comm.rank, E // R, token_padding, dtype
-        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.device = resolve_device(comm, device)
         self.check_combine = check_combine
         self.max_rows = nvs_rows(R * S, K, R, self.epn, token_padding)
+        if max(self.max_rows, S * K) > INT32_MAX:
+            raise ValueError(f"receive rows {self.max_rows} or slots S*K={S * K} exceed the int32 side table")
         # receive rows (expert-grouped) and the two wire buffers: sizes never depend on the routing
-        self._recv = torch.zeros(self.max_rows, H, dtype=dtype, device=self.device)
-        self._recv_w = torch.zeros(self.max_rows, dtype=torch.float32, device=self.device)
-        self._wire_out = torch.empty(S * min(K, R), H, dtype=dtype, device=self.device)
-        self._wire_in = torch.empty(S * K, H, dtype=dtype, device=self.device)
-        self._meta_out = torch.empty(S * K, 3, dtype=torch.float64, device=self.device)
-        self._meta_in = torch.empty(S * K, 3, dtype=torch.float64, device=self.device)
+        dev = self.device
+        self._recv = torch.zeros(self.max_rows, H, dtype=dtype, device=dev)
+        self._recv_w = torch.zeros(self.max_rows, dtype=torch.float32, device=dev)
+        self._wire_out = torch.empty(S * min(K, R), H, dtype=dtype, device=dev)
+        self._wire_in = torch.zeros(1 + S * K, H, dtype=dtype, device=dev)  # row 0: the zero row (row_sources)
+        self._meta_out = torch.empty(S * K, 3, dtype=torch.int32, device=dev)
+        self._meta_in = torch.empty(S * K, 3, dtype=torch.int32, device=dev)
 
     @property
     def nbytes(self) -> int:
@@ -89,52 +110,105 @@ class Buffer:
             return self._redispatch(plan, hidden, topk_weights, zero_copy)
         code, detail, s = _checks.dispatch_problem(self, hidden, topk_weights, topk_idx, tokens_per_expert,
                                                    total_num_tokens, reuse=False)
-        counts = torch.zeros(self.E + 3, dtype=torch.int64, device=self.device)
+        idx = _checks.routed_ids(self, topk_idx) if code == 0 else torch.full((0, self.K), -1, device=self.device)
+        counts = torch.zeros(self.E + 4, dtype=torch.int64, device=self.device)  # the last entry takes -1 ids
+        counts.scatter_add_(0, torch.where(idx >= 0, idx, self.E + 3).reshape(-1), torch.ones_like(idx).reshape(-1))
+        counts = counts[:self.E + 3]
         if code == 0:
-            idx = topk_idx.reshape(-1).long()
-            counts[:self.E] = torch.bincount(idx[idx >= 0], minlength=self.E)
-        counts[self.E:] = torch.tensor([code, s, -1 if total_num_tokens is None else total_num_tokens])
+            counts[self.E] = _checks.data_code(self, topk_idx, topk_weights, tokens_per_expert, counts[:self.E])
+        else:
+            counts[self.E] = code
+        counts[self.E + 1] = s
+        counts[self.E + 2] = -1 if total_num_tokens is None else total_num_tokens
         gathered = torch.empty(self.R * (self.E + 3), dtype=torch.int64, device=self.device)
         self.comm.all_gather(gathered, counts, validate=False)
-        g = gathered.view(self.R, self.E + 3).cpu().numpy()
-        _checks.raise_agreed("dispatch", self.rank, g[:, self.E].tolist(), detail)
-        total = _checks.check_totals(self.rank, g[:, self.E + 1].tolist(), g[:, self.E + 2].tolist())
-        global_plan = planner.plan(g[:, :self.E], token_padding=self.tp)
-        idx_np = topk_idx.detach().cpu().numpy().astype(np.int64)
-        cp = self._exchange_meta(global_plan, idx_np, topk_weights, s, total)
+        g = gathered.view(self.R, self.E + 3)
+        gp = planner.plan(g[:, :self.E], token_padding=self.tp, defer_errors=True)
+        lay = send_layout(gp, self.rank, idx)
+        mine = torch.cat((lay.uniq_splits, (lay.slot_splits != gp.send_counts[self.rank]).any().long()[None]))
+        uniq = torch.empty(self.R * (self.R + 1), dtype=torch.int64, device=self.device)
+        self.comm.all_gather(uniq, mine, validate=False)
+        uniq = uniq.view(self.R, self.R + 1)
+        step = self._read_step(g, gp, uniq)  # the one host read
+        code_detail = detail or (_checks.data_detail(self, topk_idx, topk_weights) if step["codes"][self.rank]
+                                 else "")
+        _checks.raise_agreed("dispatch", self.rank, step["codes"], code_detail)
+        total = _checks.check_totals(self.rank, step["s"], step["totals"])
+        if step["err"][0]:
+            planner.core.raise_error(step["err"], self.epn)
+        if any(step["mismatch"]):
+            raise AssertionError(f"moonep.dispatch: routed slots per destination differ from the plan's "
+                                 f"send_counts on ranks {[r for r, m in enumerate(step['mismatch']) if m]}")
+        cp = self._exchange_meta(gp, lay, step, uniq[:, self.rank], topk_weights, s, total)
         return self._send_rows(cp, hidden, topk_weights is not None, zero_copy) + (cp.cu_seqlens, cp)
 
-    def _exchange_meta(self, gp: planner.Plan, idx: np.ndarray, weights, s: int, total: int) -> CommPlan:
-        """Side-table all-to-all (exact plan counts) -> the receive maps; fills the receive weights."""
-        lay = send_layout(gp, self.rank, idx)
-        n = lay.slot_pos.size
+    def _read_step(self, g: torch.Tensor, gp, uniq: torch.Tensor) -> dict:
+        """THE host read of a dispatch: every rank's (code, s, total), the plan's error and send counts, the
+        unique-row counts, donors, replica counts and this rank's segment ends, in one transfer."""
+        R = self.R
+        parts = (g[:, self.E:].reshape(-1), gp.err, gp.send_counts.reshape(-1), uniq.reshape(-1), gp.donor,
+                 (gp.experts_to_copy >= 0).sum(1), gp.cu_seqlens[self.rank])
+        flat = torch.cat(parts).tolist()
+        cut, out = 0, {}
+        for name, n in (("head", 3 * R), ("err", 3), ("send", R * R), ("uniq", R * (R + 1)), ("donor", R),
+                        ("replicas", R), ("cu", 2 * self.epn)):
+            out[name] = flat[cut:cut + n]
+            cut += n
+        head, u = out.pop("head"), out.pop("uniq")
+        out["codes"], out["s"], out["totals"] = head[0::3], head[1::3], head[2::3]
+        out["send"] = [out["send"][q * R:(q + 1) * R] for q in range(R)]
+        out["uniq"] = [u[q * (R + 1):q * (R + 1) + R] for q in range(R)]
+        out["mismatch"] = [u[q * (R + 1) + R] for q in range(R)]
+        return out
+
+    def _exchange_meta(self, gp, lay, step: dict, recv_uniq_t, weights, s: int, total: int) -> CommPlan:
+        """Side-table all-to-all (exact plan counts) -> the receive maps; fills the receive weights.
+
+        recv_uniq_t: [R] the unique rows each rank sends here, on the device (step["uniq"] holds the host copy).
+        """
+        r, R = self.rank, self.R
+        send_slots, recv_slots = step["send"][r], [step["send"][q][r] for q in range(R)]
+        send_uniq, recv_uniq = step["uniq"][r], [step["uniq"][q][r] for q in range(R)]
+        n, U = sum(send_slots), sum(send_uniq)
         meta = self._meta_out[:n]
-        meta[:, 0] = torch.from_numpy(lay.dest_row)
-        meta[:, 1] = torch.from_numpy(lay.uniq_local)
-        pos = torch.from_numpy(lay.slot_pos).to(self.device)
-        meta[:, 2] = 0.0 if weights is None else weights.detach().reshape(-1)[pos].double()
-        rsplits = gp.send_counts[:, self.rank]
-        got = self._meta_in[:int(rsplits.sum())]
-        self.comm.all_to_all_single(got, meta, rsplits.tolist(), lay.slot_splits.tolist(), validate=False)
-        got_np = got[:, :2].cpu().numpy().astype(np.int64)
-        row, uniq, uniq_splits = recv_layout(got_np, rsplits)
-        nvs = nvs_rows(total, self.K, self.R, self.epn, self.tp)
-        dev = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(self.device)  # noqa: E731
-        cp = CommPlan(plan=gp, rank=self.rank, buffer_id=id(self), num_tokens=s, total_num_tokens=total,
-                      nvs=nvs, cu_seqlens=dev(gp.cu_seqlens[self.rank].astype(np.int64)), slot_pos=pos,
-                      send_slot_splits=lay.slot_splits.tolist(), uniq_token=dev(lay.uniq_token),
-                      send_uniq_splits=lay.uniq_splits.tolist(), recv_slot_row=dev(row),
-                      recv_slot_uniq=dev(uniq), recv_slot_splits=rsplits.tolist(),
-                      recv_uniq_splits=uniq_splits.tolist(), empty_rows=dev(empty_rows(row, nvs)))
-        self._weights_from(cp, got[:, 2] if weights is not None else None)
+        meta[:, 0] = lay.dest_row[:n]
+        meta[:, 1] = lay.uniq_local[:n]
+        pos = lay.slot_pos[:n]
+        if weights is None:
+            meta[:, 2] = 0
+        else:  # fp32 bits in an int32 column: integer tables travel as integers, weights exactly
+            meta[:, 2] = weights.detach().reshape(-1).index_select(0, pos).float().view(torch.int32)
+        got = self._meta_in[:sum(recv_slots)]
+        self.comm.all_to_all_single(got, meta, recv_slots, send_slots, validate=False)
+        row, uniq = recv_layout(got[:, 0], got[:, 1], gp.send_counts[:, r], recv_uniq_t)
+        push_rows, my_slots = replica_maps(gp, r)
+        push = [step["replicas"][d] if step["donor"][d] == r else 0 for d in range(R)]
+        mine = [step["replicas"][r] if step["donor"][r] == q else 0 for q in range(R)]
+        nvs = nvs_rows(total, self.K, R, self.epn, self.tp)
+        cp = CommPlan(plan=gp, rank=r, buffer_id=id(self), num_tokens=s, total_num_tokens=total,
+                      nvs=nvs, cu_seqlens=gp.cu_seqlens[r], row_source=row_sources(row, uniq, nvs),
+                      cu_host=tuple(step["cu"]), slot_pos=pos, send_slot_splits=send_slots,
+                      uniq_token=lay.uniq_token[:U], send_uniq_splits=send_uniq, recv_slot_row=row,
+                      recv_slot_uniq=uniq, recv_slot_splits=recv_slots, recv_uniq_splits=recv_uniq,
+                      push_rows=push_rows[:sum(push)], push_splits=push, my_slots=my_slots[:sum(mine)],
+                      slot_splits=mine)
+        if weights is not None:
+            self._weights_from(cp, got[:, 2].contiguous().view(torch.float32))
         return cp
+
+    def _zero_unwritten(self, view: torch.Tensor, cp: CommPlan) -> None:
+        """Zero the receive rows no slot writes: with tp = 1 the slots fill a prefix, else padding interleaves."""
+        if self.tp == 1:
+            view[cp.recv_slot_row.numel():].zero_()
+        else:
+            view.zero_()
 
     def _weights_from(self, cp: CommPlan, per_slot: torch.Tensor | None) -> None:
         """Scatter received per-slot weights [n_recv] into the [nvs] weight rows (empty rows zero)."""
         if per_slot is None:
             return
         w = self._recv_w[:cp.nvs]
-        w.index_fill_(0, cp.empty_rows, 0.0)
+        self._zero_unwritten(w, cp)
         w.index_copy_(0, cp.recv_slot_row, per_slot.to(torch.float32))
 
     def _send_rows(self, cp: CommPlan, hidden: torch.Tensor, with_weights: bool, zero_copy: bool):
@@ -142,11 +216,11 @@ class Buffer:
         U = cp.uniq_token.numel()
         src = self._wire_out[:U]
         torch.index_select(hidden, 0, cp.uniq_token, out=src)
-        got = self._wire_in[:sum(cp.recv_uniq_splits)]
+        U_in = sum(cp.recv_uniq_splits)
+        got = self._wire_in[1:1 + U_in]  # behind the zero row
         self.comm.all_to_all_single(got, src, cp.recv_uniq_splits, cp.send_uniq_splits, validate=False)
         out = self._recv[:cp.nvs]
-        out.index_fill_(0, cp.empty_rows, 0)
-        out.index_copy_(0, cp.recv_slot_row, got.index_select(0, cp.recv_slot_uniq))
+        torch.index_select(self._wire_in[:1 + U_in], 0, cp.row_source, out=out)  # the epilogue, in one pass
         weights = self._recv_w[:cp.nvs] if with_weights else None
         if zero_copy:
             return out, weights
@@ -160,7 +234,8 @@ class Buffer:
                 code, detail = 11, f"plan was made for s={cp.num_tokens} tokens by another Buffer/rank"
             self._agree("dispatch", code, detail)
         if topk_weights is not None:
-            per_slot = self._slots_forward(cp, topk_weights.detach().reshape(-1)[cp.slot_pos].float())
+            per_slot = self._slots_forward(cp, topk_weights.detach().reshape(-1).index_select(0, cp.slot_pos)
+                                           .float())
             self._weights_from(cp, per_slot)
         return self._send_rows(cp, hidden, topk_weights is not None, zero_copy) + (cp.cu_seqlens, cp)
 
@@ -190,13 +265,14 @@ class Buffer:
             code, detail = _checks.combine_problem(self, plan, expert_out, recv_weights)
             self._agree("combine", code, detail)
         cp = plan
-        # prologue: a token's slots on this rank are summed into its one unique row before it travels home
-        U_in = sum(cp.recv_uniq_splits)
-        uniq = self._wire_in[:U_in]
-        uniq.zero_()
-        uniq.index_add_(0, cp.recv_slot_uniq, expert_out.index_select(0, cp.recv_slot_row))
+        # prologue: a token's slots on this rank are summed into its one unique row before it travels home;
+        # unfilled rows sum into the zero row, which is zeroed again for the next dispatch
+        ext = self._wire_in[:1 + sum(cp.recv_uniq_splits)]
+        ext.zero_()
+        ext.index_add_(0, cp.row_source, expert_out)
         back = self._wire_out[:cp.uniq_token.numel()]
-        self.comm.all_to_all_single(back, uniq, cp.send_uniq_splits, cp.recv_uniq_splits, validate=False)
+        self.comm.all_to_all_single(back, ext[1:], cp.send_uniq_splits, cp.recv_uniq_splits, validate=False)
+        ext[0].zero_()
         out = torch.zeros(cp.num_tokens, self.H, dtype=self.dtype, device=self.device)
         out.index_add_(0, cp.uniq_token, back)
         if recv_weights is None:
@@ -216,19 +292,12 @@ class Buffer:
         prefetch_buffers: [epn, ...] replica slots (same structure); slot b of rank d receives expert
         ``plan.plan.experts_to_copy[d, b]`` (unused slots are left untouched). Collective: every rank calls it.
         """
-        locs, bufs = _as_list(local_weights), _as_list(prefetch_buffers)
-        gp, r, epn = plan.plan, self.rank, self.epn
-        recv = [d for d in range(self.R) if gp.donor[d] == r]  # ranks that compute replicas of my experts
-        send_rows = [int(e) - r * epn for d in recv for e in gp.experts_to_copy[d] if e >= 0]
-        in_splits = [int((gp.experts_to_copy[d] >= 0).sum()) if gp.donor[d] == r else 0 for d in range(self.R)]
-        my_slots = np.nonzero(gp.experts_to_copy[r] >= 0)[0]
-        out_splits = [len(my_slots) if gp.donor[r] == j else 0 for j in range(self.R)]
-        for loc, buf in zip(locs, bufs):
-            inp = loc.detach().reshape(epn, -1)[send_rows].to(buf.dtype)
-            got = torch.empty(len(my_slots), inp.shape[1], dtype=buf.dtype, device=buf.device)
-            self.comm.all_to_all_single(got, inp, out_splits, in_splits, validate=False)
-            if len(my_slots):
-                buf.view(buf.shape[0], -1)[torch.from_numpy(my_slots)] = got
+        for loc, buf in zip(_as_list(local_weights), _as_list(prefetch_buffers)):
+            inp = loc.detach().reshape(self.epn, -1).index_select(0, plan.push_rows).to(buf.dtype)
+            got = torch.empty(plan.my_slots.numel(), inp.shape[1], dtype=buf.dtype, device=buf.device)
+            self.comm.all_to_all_single(got, inp, plan.slot_splits, plan.push_splits, validate=False)
+            if plan.my_slots.numel():
+                buf.view(buf.shape[0], -1).index_copy_(0, plan.my_slots, got)
 
     def reduce_grad(self, plan: CommPlan, local_grads, reduce_buffers) -> None:
         """Sum the replica slots' weight-gradients into their home experts' grads; zero the consumed slots.
@@ -236,26 +305,18 @@ class Buffer:
         local_grads: [epn, ...] (or a sequence); reduce_buffers: [epn, ...] slot grads (same structure).
         Collective: every rank calls it, after every rank wrote its slot grads.
         """
-        grads, bufs = _as_list(local_grads), _as_list(reduce_buffers)
-        gp, r, epn = plan.plan, self.rank, self.epn
-        my_slots = np.nonzero(gp.experts_to_copy[r] >= 0)[0]
-        in_splits = [len(my_slots) if gp.donor[r] == j else 0 for j in range(self.R)]
-        recv = [d for d in range(self.R) if gp.donor[d] == r]
-        rows = [int(e) - r * epn for d in recv for e in gp.experts_to_copy[d] if e >= 0]
-        out_splits = [int((gp.experts_to_copy[d] >= 0).sum()) if gp.donor[d] == r else 0 for d in range(self.R)]
-        slots = torch.from_numpy(my_slots)
-        for grad, buf in zip(grads, bufs):
+        for grad, buf in zip(_as_list(local_grads), _as_list(reduce_buffers)):
             flat = buf.view(buf.shape[0], -1)
-            inp = flat[slots].contiguous()
-            got = torch.empty(len(rows), inp.shape[1], dtype=buf.dtype, device=buf.device)
-            self.comm.all_to_all_single(got, inp, out_splits, in_splits, validate=False)
-            if rows:
-                grad.view(epn, -1).index_add_(0, torch.tensor(rows, device=grad.device), got.to(grad.dtype))
-            flat[slots] = 0
+            inp = flat.index_select(0, plan.my_slots)
+            got = torch.empty(plan.push_rows.numel(), inp.shape[1], dtype=buf.dtype, device=buf.device)
+            self.comm.all_to_all_single(got, inp, plan.push_splits, plan.slot_splits, validate=False)
+            if plan.push_rows.numel():
+                grad.view(self.epn, -1).index_add_(0, plan.push_rows, got.to(grad.dtype))
+            flat.index_fill_(0, plan.my_slots, 0)
 
 
 def _as_list(x) -> list[torch.Tensor]:
     return [x] if isinstance(x, torch.Tensor) else list(x)
 
 
-__all__ = ["Buffer", "CommPlan"]
+__all__ = ["Buffer", "CommPlan", "resolve_device"]

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as Fn
 
 from .buffer import Buffer
-from .layout import CommPlan
+from .layout import CommPlan, segments_of
 
 _POOLS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
@@ -43,7 +43,7 @@ class ExpertPool:
 def pool_for(buffer: Buffer, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> ExpertPool:
     """The process-wide pool of ``buffer``'s communicator for one projection (created on first use)."""
     pools = _POOLS.setdefault(buffer.comm, {})
-    key = (name, tuple(shape), dtype, buffer.epn)
+    key = (name, tuple(shape), dtype, buffer.epn, buffer.device)
     if key not in pools:
         pools[key] = ExpertPool(buffer.epn, tuple(shape), dtype, buffer.device)
     return pools[key]
@@ -61,16 +61,15 @@ def group_view(own: torch.Tensor, slots: torch.Tensor) -> list[torch.Tensor]:
     return list(own.unbind(0)) + list(slots.unbind(0))
 
 
-def segments(cu: torch.Tensor) -> list[tuple[int, int, int]]:
-    """(group, start, end) of the non-empty segments of cu_seqlens [2*epn]."""
-    ends = cu.tolist()
-    starts = [0] + ends[:-1]
-    return [(g, a, b) for g, (a, b) in enumerate(zip(starts, ends)) if b > a]
+def segments(cu: torch.Tensor) -> tuple[tuple[int, int, int], ...]:
+    """(group, start, end) of the non-empty segments of cu_seqlens [G] (reads cu: for callers without a
+    CommPlan, whose ``segments`` came with the step's one host read)."""
+    return segments_of(cu.tolist())
 
 
-def swiglu_forward(x, w13, w2, cu):
+def swiglu_forward(x, w13, w2, segs):
     """Grouped SwiGLU. x [n, H], w13 / w2: per-group weights ([G, H, 2F] / [G, F, H] tensors or lists of G
-    views), cu [G] -> (y [n, H], saved activations a13 [n, 2F]).
+    views), segs: (group, start, end) of the non-empty segments -> (y [n, H], saved activations a13 [n, 2F]).
 
     Rows past the last segment (padding) give 0. A loop over segments on CPU writing straight into the outputs
     (no zero-fill of rows that are computed anyway); one grouped GEMM call on GPU would do.
@@ -79,7 +78,7 @@ def swiglu_forward(x, w13, w2, cu):
     y = x.new_empty(n, w2[0].shape[1])
     a13 = x.new_empty(n, 2 * F)
     end = 0
-    for g, a, b in segments(cu):
+    for g, a, b in segs:
         torch.mm(x[a:b], w13[g], out=a13[a:b])
         torch.mm(Fn.silu(a13[a:b, :F]) * a13[a:b, F:], w2[g], out=y[a:b])
         end = b
@@ -88,7 +87,7 @@ def swiglu_forward(x, w13, w2, cu):
     return y, a13
 
 
-def swiglu_backward(x, w13, w2, cu, a13, dy, dw13=None, dw2=None):
+def swiglu_backward(x, w13, w2, segs, a13, dy, dw13=None, dw2=None):
     """Grads of ``swiglu_forward``: (dx [n, H], dw13, dw2) with dy [n, H].
 
     ``dw13`` / ``dw2``: per-group outputs to overwrite (tensors or lists of views, any float dtype; default new
@@ -100,7 +99,7 @@ def swiglu_backward(x, w13, w2, cu, a13, dy, dw13=None, dw2=None):
         dw13 = torch.empty(G, *w13[0].shape, dtype=torch.float32, device=x.device)
         dw2 = torch.empty(G, *w2[0].shape, dtype=torch.float32, device=x.device)
     used, end = set(), 0
-    for g, a, b in segments(cu):
+    for g, a, b in segs:
         gate, up = a13[a:b, :F], a13[a:b, F:]
         sg = torch.sigmoid(gate)
         act = gate * sg
@@ -128,7 +127,7 @@ class GroupedExperts(torch.autograd.Function):
                  pool_for(buffer, "w2", tuple(w2.shape[1:]), w2.dtype))
         push_replicas(buffer, plan, key, pools, (w13, w2))
         y, a13 = swiglu_forward(x, group_view(w13.detach(), pools[0].weights),
-                                group_view(w2.detach(), pools[1].weights), plan.cu_seqlens)
+                                group_view(w2.detach(), pools[1].weights), plan.segments)
         ctx.buffer, ctx.plan, ctx.key, ctx.pools = buffer, plan, key, pools
         ctx.save_for_backward(x, w, w13, w2, a13, y)
         return y * w[:, None].to(y.dtype)
@@ -144,7 +143,7 @@ class GroupedExperts(torch.autograd.Function):
         own13 = torch.empty(w13.shape, dtype=torch.float32, device=w13.device)
         own2 = torch.empty(w2.shape, dtype=torch.float32, device=w2.device)
         dx, _, _ = swiglu_backward(x, group_view(w13, pools[0].weights), group_view(w2, pools[1].weights),
-                                   plan.cu_seqlens, a13, dy, group_view(own13, pools[0].grads),
+                                   plan.segments, a13, dy, group_view(own13, pools[0].grads),
                                    group_view(own2, pools[1].grads))
         buffer.reduce_grad(plan, [own13, own2], [pools[0].grads, pools[1].grads])
         return None, None, None, dx, dw, own13.to(w13.dtype), own2.to(w2.dtype)

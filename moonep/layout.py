@@ -1,23 +1,150 @@
-"""``CommPlan``: one rank's view of one MoE layer's step — the global ``planner.Plan`` plus the row maps.
+"""The EP layout on the device: row maps of one rank for one MoE layer's step, and the ``CommPlan`` holding them.
 
-Axes: ``s`` tokens on this rank, ``K`` top-k, ``R`` ranks, ``E`` experts, ``epn = E / R``, ``nvs`` receive rows
-(static: depends on S-independent geometry and the global token count only), ``n`` this rank's routed
-(valid) slots, ``U`` unique (token, destination rank) pairs.
+Axes: ``s`` tokens on this rank, ``K`` top-k, ``N = s*K`` slots, ``R`` ranks, ``E`` experts, ``epn = E / R``,
+``slots`` replica slots per rank, ``nvs`` receive rows, ``n`` this rank's routed (valid) slots, ``U`` unique
+(token, destination rank) pairs, ``n_recv`` slots this rank receives.
 
 Wire dedup: the planner counts routed (token, expert) *slots* (``send_counts``); a token routed to several
 experts on one destination crosses the wire once. The sender ships one row per (token, destination) and a
 small per-slot side table (destination row, index of its unique row, routing weight) whose row counts are the
 plan's exact ``send_counts``; the receiver expands the unique rows into the slots (the "epilogue") and, in
 combine, sums a token's slots on that rank back into one row before it travels home (the "prologue").
+
+Every function here is tensor ops on the plan's device with output shapes that depend on (s, K, E, R, slots)
+only: no numpy, no ``.tolist()``, no ``nonzero`` / ``unique`` / boolean-mask indexing. Selections whose size
+depends on the routing ("the valid slots", "the occupied replica slots") are stable sorts that move the chosen
+entries to the front; the caller cuts the front with a count from the one host read of the step
+(``Buffer.dispatch``). The numpy twin the tests compare against is ``moonep.reference``.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 import planner
+
+
+def nvs_rows(total_tokens: int, K: int, R: int, epn: int, tp: int) -> int:
+    """Static receive rows: align_up(ceil(total*K/R) + (tp-1)*2*epn, tp) (>= any plan's padded layout)."""
+    rows = -(-total_tokens * K // R) + (tp - 1) * 2 * epn
+    return -(-rows // tp) * tp
+
+
+def _exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:
+    return torch.cumsum(x, 0) - x
+
+
+def _front(mask: torch.Tensor) -> torch.Tensor:
+    """Indices [len(mask)] with the True entries first, each part in index order (a stable compaction)."""
+    return torch.argsort((~mask).to(torch.int8), stable=True)
+
+
+def route_slots(plan: planner.TensorPlan, rank: int, topk_idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Destination (rank, row) of every slot of ``rank``: the device twin of ``planner.Plan.route``.
+
+    topk_idx: [s, K] expert ids (-1 = no expert). Returns (dest [N], row [N]) int64, flat t*K + k order;
+    masked slots get dest = R, row = 0. A slot's key in the global slot sequence is its expert's base, plus
+    the expert's slots on lower ranks, plus its occurrence among this rank's slots of that expert (token-major);
+    the plan's pieces (runs of that sequence, sorted) give its destination.
+    """
+    R, E = plan.num_ranks, plan.num_experts
+    flat = topk_idx.reshape(-1).long()
+    valid = flat >= 0
+    e = torch.where(valid, flat, E)
+    order = torch.argsort(e, stable=True)
+    ranked = e[order]
+    occurrence = torch.empty_like(flat)
+    occurrence.scatter_(0, order, torch.arange(flat.numel(), device=flat.device) - torch.searchsorted(ranked, ranked))
+    load = plan.alloc.sum(1, dtype=torch.int64)
+    below = plan.tokens_per_expert[:rank].sum(0, dtype=torch.int64)
+    ec = e.clamp(max=E - 1)
+    key = (_exclusive_cumsum(load) + below)[ec] + occurrence
+    pieces = plan.pieces
+    piece = torch.searchsorted(pieces[:, 0].contiguous(), key, right=True).clamp_(max=pieces.shape[0] - 1)
+    dest = torch.where(valid, pieces[piece, 2], R)
+    row = torch.where(valid, pieces[piece, 3] + key - pieces[piece, 1], 0)
+    return dest, row
+
+
+@dataclass(frozen=True)
+class SendLayout:
+    """Send side of one rank: [N] tables in send order (the first n entries are the routed slots)."""
+
+    slot_pos: torch.Tensor
+    """[N] flat slot index t*K + k, by destination rank, token-major inside."""
+    dest_row: torch.Tensor
+    """[N] row on the destination."""
+    uniq_local: torch.Tensor
+    """[N] index of the slot's unique row within its destination's chunk."""
+    uniq_token: torch.Tensor
+    """[N] token of each unique row in send order (the first U entries are real)."""
+    slot_splits: torch.Tensor
+    """[R] routed slots per destination."""
+    uniq_splits: torch.Tensor
+    """[R] unique rows per destination."""
+
+
+def send_layout(plan: planner.TensorPlan, rank: int, topk_idx: torch.Tensor) -> SendLayout:
+    """Order this rank's slots by destination and find the unique (token, destination) rows.
+
+    topk_idx: [s, K] int expert ids, -1 = no expert (masked out before routing).
+    """
+    R, K = plan.num_ranks, topk_idx.shape[1]
+    dest, row = route_slots(plan, rank, topk_idx)
+    pos = torch.argsort(dest, stable=True)  # by destination, token-major inside; masked slots last (dest = R)
+    d = dest[pos]
+    tok = pos // K
+    first = torch.ones_like(d, dtype=torch.bool)
+    first[1:] = (d[1:] != d[:-1]) | (tok[1:] != tok[:-1])  # a new (destination, token) pair
+    uniq_global = torch.cumsum(first, 0) - 1
+    counts = torch.zeros(2, R + 1, dtype=torch.int64, device=d.device)
+    counts[0].scatter_add_(0, d, torch.ones_like(d))
+    counts[1].scatter_add_(0, d, first.long())
+    slot_splits, uniq_splits = counts[0, :R], counts[1, :R]
+    uniq_local = uniq_global - _exclusive_cumsum(uniq_splits)[d.clamp(max=R - 1)]
+    N = d.numel()
+    uniq_token = torch.zeros(N + 1, dtype=torch.int64, device=d.device)  # the last entry takes masked slots
+    uniq_token.scatter_(0, torch.where(first & (d < R), uniq_global, N), tok)
+    return SendLayout(pos, row[pos], uniq_local, uniq_token[:N], slot_splits, uniq_splits)
+
+
+def recv_layout(dest_row: torch.Tensor, uniq_local: torch.Tensor, slot_splits: torch.Tensor,
+                uniq_splits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Receive side from the received side table, chunks by source rank.
+
+    dest_row, uniq_local: [n_recv] (row in this rank's receive view, unique index within the source's chunk);
+    slot_splits / uniq_splits: [R] slots / unique rows received from each source. Returns (row [n_recv],
+    index of the slot's unique row among all received unique rows [n_recv]).
+    """
+    n = dest_row.numel()
+    src = torch.searchsorted(torch.cumsum(slot_splits, 0), torch.arange(n, device=dest_row.device), right=True)
+    before = _exclusive_cumsum(uniq_splits)
+    return dest_row.long(), uniq_local.long() + before[src.clamp_(max=before.numel() - 1)]
+
+
+def row_sources(row: torch.Tensor, uniq: torch.Tensor, nvs: int) -> torch.Tensor:
+    """[nvs] 1 + the received unique row each receive row is copied from; 0 for rows no slot fills (padding
+    and tail): they read, or in combine sum into, a zero row kept in front of the received unique rows.
+
+    row, uniq: [n_recv] from ``recv_layout``. One gather (dispatch) and one scatter-add (combine) over the
+    [nvs] rows then move each row once, with no separate zero-fill of the unfilled ones.
+    """
+    return torch.zeros(nvs, dtype=torch.int64, device=row.device).scatter_(0, row, uniq + 1)
+
+
+def replica_maps(plan: planner.TensorPlan, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which weights move for the replicas, as static index tables.
+
+    Returns (push_rows [R*slots]: local expert rows this rank sends, receivers in rank order, slot order
+    inside — the first sum(pushed) are real; my_slots [slots]: this rank's occupied replica slots first).
+    """
+    epn = plan.experts_per_rank
+    copy = plan.experts_to_copy
+    mine = (plan.donor == rank)[:, None] & (copy >= 0)
+    flat = copy.reshape(-1)
+    push_rows = (flat[_front(mine.reshape(-1))] - rank * epn).clamp_(0, epn - 1)
+    return push_rows, _front(copy[rank] >= 0)
 
 
 @dataclass(frozen=True, eq=False)
@@ -25,11 +152,12 @@ class CommPlan:
     """Everything dispatch, combine, prefetch_weight and reduce_grad need for one layer and one step.
 
     Built by ``Buffer.dispatch`` (identical global ``plan`` on every rank); reused, unchanged, by combine, the
-    backward re-dispatch, ``prefetch_weight`` and ``reduce_grad``.
+    backward re-dispatch, ``prefetch_weight`` and ``reduce_grad``. Index tensors live on the Buffer's device;
+    the split lists and segments are host ints from the step's one read.
     """
 
-    plan: planner.Plan
-    """the global plan (same on every rank): alloc [E, R], experts_to_copy [R, epn], send_counts [R, R], ..."""
+    plan: planner.TensorPlan
+    """the global plan (same on every rank): alloc [E, R], experts_to_copy [R, slots], send_counts [R, R], ..."""
     rank: int
     """the rank this CommPlan belongs to."""
     buffer_id: int
@@ -42,6 +170,8 @@ class CommPlan:
     """rows of the receive views [nvs, H] this step: align_up(ceil(total*K/R) + (tp-1)*2*epn, tp)."""
     cu_seqlens: torch.Tensor
     """[2*epn] int64 padded segment ends: own experts in id order, then replica slots."""
+    cu_host: tuple[int, ...]
+    """[2*epn] host copy of cu_seqlens, from the step's one read (per-group GEMM bounds without a sync)."""
     slot_pos: torch.Tensor
     """[n] flat index t*K + k of each routed slot, in send order (destination rank, then token-major)."""
     send_slot_splits: list[int]
@@ -56,18 +186,31 @@ class CommPlan:
     """[n_recv] index of each received slot's unique row among the received unique rows."""
     recv_slot_splits: list[int]
     """[R] routed slots received from each rank (= plan.send_counts[:, rank])."""
+    row_source: torch.Tensor
+    """[nvs] 1 + the received unique row of each receive row, 0 = an unfilled row (``row_sources``)."""
     recv_uniq_splits: list[int]
     """[R] unique rows received from each rank."""
-    empty_rows: torch.Tensor
-    """[nvs - n_recv] rows of the [nvs] view that hold no routed slot (padding and tail): zero-filled."""
+    push_rows: torch.Tensor
+    """[sum(push_splits)] local expert rows whose weights this rank sends to the ranks replicating them."""
+    push_splits: list[int]
+    """[R] expert weights this rank sends to each rank (prefetch_weight; reduce_grad receives as many)."""
+    my_slots: torch.Tensor
+    """[sum(slot_splits)] this rank's occupied replica slots, in slot order."""
+    slot_splits: list[int]
+    """[R] replica weights this rank receives from each rank (all from its donor)."""
 
     def __post_init__(self) -> None:
         if sum(self.send_slot_splits) != self.slot_pos.numel():
             raise ValueError("send_slot_splits must sum to the number of routed slots")
         if sum(self.recv_slot_splits) != self.recv_slot_row.numel():
             raise ValueError("recv_slot_splits must sum to the number of received slots")
-        if int(self.cu_seqlens[-1]) > self.nvs:
-            raise ValueError(f"padded layout {int(self.cu_seqlens[-1])} rows exceeds nvs={self.nvs}")
+        if self.cu_host[-1] > self.nvs:
+            raise ValueError(f"padded layout {self.cu_host[-1]} rows exceeds nvs={self.nvs}")
+
+    @property
+    def segments(self) -> tuple[tuple[int, int, int], ...]:
+        """(group, start, end) of the non-empty segments of this rank's layout."""
+        return segments_of(list(self.cu_host))
 
     @property
     def experts_per_rank(self) -> int:
@@ -76,78 +219,11 @@ class CommPlan:
 
     @property
     def real_rows(self) -> int:
-        """routed rows this rank computes (= plan.caps[rank])."""
+        """routed rows this rank computes (= plan.caps[rank]; a host read)."""
         return int(self.plan.caps[self.rank])
 
 
-@dataclass(frozen=True)
-class SendLayout:
-    """Send side of one rank (pure function of the plan and its topk_idx)."""
-
-    slot_pos: np.ndarray
-    """[n] flat slot index t*K + k in send order."""
-    dest_row: np.ndarray
-    """[n] row on the destination, in send order."""
-    uniq_local: np.ndarray
-    """[n] index of the slot's unique row within its destination's chunk."""
-    uniq_token: np.ndarray
-    """[U] token of each unique row in send order."""
-    slot_splits: np.ndarray
-    """[R] slots per destination."""
-    uniq_splits: np.ndarray
-    """[R] unique rows per destination."""
-
-
-def nvs_rows(total_tokens: int, K: int, R: int, epn: int, tp: int) -> int:
-    """Static receive rows: align_up(ceil(total*K/R) + (tp-1)*2*epn, tp) (>= any plan's padded layout)."""
-    rows = -(-total_tokens * K // R) + (tp - 1) * 2 * epn
-    return -(-rows // tp) * tp
-
-
-def send_layout(plan: planner.Plan, rank: int, topk_idx: np.ndarray) -> SendLayout:
-    """Order this rank's routed slots by destination and find the unique (token, destination) rows.
-
-    topk_idx: [s, K] int expert ids, -1 = no expert (masked out before routing).
-    """
-    s, K = topk_idx.shape
-    flat = topk_idx.reshape(-1)
-    valid = np.nonzero(flat >= 0)[0]
-    # route() wants a histogram-exact id list in token-major order: the valid ids in flat order keep it
-    dest_rank, dest_row = plan.route(rank, flat[valid].reshape(-1, 1))
-    dest_rank, dest_row = dest_rank.reshape(-1), dest_row.reshape(-1)
-    order = np.argsort(dest_rank, kind="stable")  # by destination, token-major inside
-    pos, d, row = valid[order], dest_rank[order], dest_row[order]
-    tok = pos // K
-    first = np.ones(pos.size, bool)
-    first[1:] = (d[1:] != d[:-1]) | (tok[1:] != tok[:-1])  # a new (destination, token) pair
-    uniq_global = np.cumsum(first) - 1
-    R = plan.num_ranks
-    uniq_splits = np.bincount(d[first], minlength=R)
-    uniq_before = np.concatenate(([0], np.cumsum(uniq_splits)[:-1]))
-    slot_splits = np.bincount(d, minlength=R)
-    if not np.array_equal(slot_splits, plan.send_counts[rank]):
-        raise AssertionError(f"rank {rank}: routed slots per destination {slot_splits.tolist()} differ from "
-                             f"the plan's send_counts {plan.send_counts[rank].tolist()}")
-    return SendLayout(pos, row, uniq_global - uniq_before[d], tok[first], slot_splits, uniq_splits)
-
-
-def recv_layout(meta: np.ndarray, splits: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Receive side from the per-slot side table.
-
-    meta: [n_recv, 2] int (destination row, unique index within the source's chunk), chunks by source rank.
-    Returns (row [n_recv], global unique index [n_recv], unique rows per source [R]).
-    """
-    src = np.repeat(np.arange(splits.size), splits)
-    uniq_local = meta[:, 1]
-    uniq_splits = np.zeros(splits.size, np.int64)
-    if uniq_local.size:
-        np.maximum.at(uniq_splits, src, uniq_local + 1)  # indices 0..u-1 all occur in a chunk
-    before = np.concatenate(([0], np.cumsum(uniq_splits)[:-1]))
-    return meta[:, 0], uniq_local + before[src], uniq_splits
-
-
-def empty_rows(rows: np.ndarray, nvs: int) -> np.ndarray:
-    """Rows of [0, nvs) not in ``rows`` (padding and tail)."""
-    mask = np.ones(nvs, bool)
-    mask[rows] = False
-    return np.nonzero(mask)[0]
+def segments_of(cu: list[int]) -> tuple[tuple[int, int, int], ...]:
+    """(group, start, end) of the non-empty segments of host cu_seqlens [G]."""
+    starts = [0] + cu[:-1]
+    return tuple((g, a, b) for g, (a, b) in enumerate(zip(starts, cu)) if b > a)

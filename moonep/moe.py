@@ -70,7 +70,10 @@ class MoE(nn.Module):
                  shared_F: int = 0, token_padding: int = 1, buffer: Buffer | None = None,
                  dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
-        self.buffer = buffer or Buffer(comm, S, H, K, E, token_padding=token_padding, dtype=dtype)
+        # combine's arguments come from this layer's own expert step: checking them would cost a host read
+        self.buffer = buffer or Buffer(comm, S, H, K, E, token_padding=token_padding, dtype=dtype,
+                                       check_combine=False)
+        self._owns_buffer = buffer is None
         b = self.buffer
         if (b.H, b.K, b.E, b.S) != (H, K, E, S):
             raise ValueError(f"buffer geometry (H, K, E, S)={(b.H, b.K, b.E, b.S)} differs from "
@@ -85,8 +88,17 @@ class MoE(nn.Module):
         self._key = ("moe", next(_LAYER_IDS))  # owner key for the shared weight pools
         self.last_plan = None
 
+    def _buffer_on(self, device: torch.device) -> Buffer:
+        """The Buffer on the input's device: an owned Buffer follows the data (rebuilt once after a move)."""
+        b = self.buffer
+        if b.device != device and self._owns_buffer:
+            self.buffer = b = Buffer(b.comm, b.S, b.H, b.K, b.E, token_padding=b.tp, dtype=b.dtype,
+                                     device=device, check_combine=b.check_combine)
+        return b
+
     def forward(self, x: torch.Tensor, *, total_num_tokens: int | None = None) -> torch.Tensor:
         shape = x.shape
+        self._buffer_on(x.device)
         x2 = x.reshape(-1, self.H)
         topk_idx, topk_weights = self.router(x2)
         recv, recv_w, _, plan = dispatch(self.buffer, x2, topk_weights.float(), topk_idx,

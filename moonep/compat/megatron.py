@@ -130,21 +130,23 @@ class MoonEPTokenDispatcher:
         """Collective: agree on the inputs (one all-gather of [code, s]), then MoonEP's balanced dispatch.
 
         Returns (rows [nvs, H], row probs [nvs] fp32): grouped by (own expert, then replica slot), padded."""
-        mine = torch.tensor([self._code, hidden_states.shape[0] if self._code == 0 else 0], dtype=torch.int64)
-        every = torch.empty(self.comm.world_size * 2, dtype=torch.int64)
+        dev = hidden_states.device if isinstance(hidden_states, torch.Tensor) else self.comm.device
+        mine = torch.zeros(2, dtype=torch.int64, device=dev)
+        mine[0], mine[1] = self._code, hidden_states.shape[0] if self._code == 0 else 0
+        every = torch.empty(self.comm.world_size * 2, dtype=torch.int64, device=dev)
         self.comm.all_gather(every, mine, validate=False)
         codes, sizes = every.view(-1, 2).t().tolist()
         _raise_agreed(self.comm.rank, codes, self._detail)
-        self._ensure_buffer(max(sizes), hidden_states.dtype)
+        self._ensure_buffer(max(sizes), hidden_states.dtype, hidden_states.device)
         rows, row_probs, cu, self.plan = ep.dispatch(self.buffer, hidden_states, probs, self.topk_idx,
                                                      total_num_tokens=sum(sizes))
-        self.cu_seqlens, self.num_rows = cu, int(cu[-1])
+        self.cu_seqlens, self.num_rows = cu, self.plan.cu_host[-1]  # host copy from dispatch's one read
         return rows, row_probs
 
     def dispatch_postprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor):
         """Local: -> (tokens [n, H] grouped by the 2*epn local groups, tokens_per_expert [2*epn] int64 on CPU,
         permuted_probs [n] fp32); n = rows up to the last segment (padding rows have zero tokens and probs)."""
-        cu = self.cu_seqlens.cpu()
+        cu = torch.tensor(self.plan.cu_host, dtype=torch.int64)  # Megatron wants these on the CPU
         tokens_per_expert = torch.diff(cu, prepend=cu.new_zeros(1))
         return hidden_states[:self.num_rows], tokens_per_expert, probs[:self.num_rows]
 
@@ -181,17 +183,18 @@ class MoonEPTokenDispatcher:
         raise ValueError("MoonEPTokenDispatcher does not overlap shared experts; set moe_shared_expert_overlap="
                          "False")
 
-    def _ensure_buffer(self, s_max: int, dtype: torch.dtype) -> None:
-        """Build (or grow) an owned Buffer; every rank sees the same s_max, so they all decide alike.
+    def _ensure_buffer(self, s_max: int, dtype: torch.dtype, device: torch.device) -> None:
+        """Build (or grow, or move) an owned Buffer on the tokens' device; every rank sees the same s_max, so
+        they all decide alike.
 
-        A shared Buffer (``buffer=``) is never replaced: too many tokens or another dtype is refused by its
-        dispatch on every rank."""
+        A shared Buffer (``buffer=``) is never replaced: too many tokens, another dtype or device is refused by
+        its dispatch on every rank."""
         b, need = self.buffer, self.max_tokens or s_max
-        if b is not None and (not self._owns_buffer or (b.dtype == dtype and b.S >= need)):
+        if b is not None and (not self._owns_buffer or (b.dtype == dtype and b.S >= need and b.device == device)):
             return
         S = self.max_tokens or max(s_max, 1, 0 if b is None else b.S)
         self.buffer = Buffer(self.comm, S, self.hidden_size, self.topk, self.num_experts,
-                             token_padding=self.token_padding, dtype=dtype)
+                             token_padding=self.token_padding, dtype=dtype, device=device)
 
 
 class _SlotWeights(torch.autograd.Function):

@@ -92,6 +92,7 @@ def test_bench_quick_schema(tmp_path):
     for e in report["results"]:
         assert keys <= set(e)
         assert e["ours_max_rows"] == e["cap"]
+        assert e["ours_host_reads_per_layer"] == 1  # the step's split table, nothing else (the budget)
         assert e["baseline_max_rows"] >= e["cap"]
     lo, hi = report["results"]
     assert hi["baseline_max_rows"] > lo["baseline_max_rows"]
