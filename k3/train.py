@@ -235,7 +235,8 @@ class Trainer:
             self.opt_steps += 1
             max_logits = qk_clip(self.model, self.comm, tc.qk_clip_tau) if tc.qk_clip_tau else []
             # The bias computed from this step's batch steers the NEXT step's routing (never its own batch).
-            violations = update_router_biases(self.model.moe_layers(), self.comm, tc.balance)
+            # update_router_biases never reads the device; the log row is where its [Lm] result is read back.
+            violations = update_router_biases(self.model.moe_layers(), self.comm, tc.balance).tolist()
         seconds = time.perf_counter() - t0
         return {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": count / seconds,
                 "max_violation": max(violations), "max_violation_per_layer": violations,
