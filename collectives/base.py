@@ -134,6 +134,14 @@ class Communicator(abc.ABC):
         """Where the validation header lives (a backend whose group only moves CUDA tensors overrides this)."""
         return torch.device("cpu")
 
+    @property
+    def device(self) -> torch.device:
+        """Where this group's data lives by default: the device an EP ``Buffer`` over it allocates on.
+
+        CPU unless the backend moves CUDA tensors (NCCL in the group, NVSHMEM): then the current CUDA device.
+        """
+        return torch.device("cpu")
+
     def close(self) -> None:
         """Release backend resources of this communicator (collective over the group where the backend needs it)."""
         if self.tracer is not None:

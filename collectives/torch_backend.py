@@ -1,8 +1,22 @@
 """``torch`` backend: torch.distributed, gloo for CPU tensors and NCCL for CUDA tensors.
 
-Every call is posted with ``async_op=True`` and waited on with this call's timeout, so a dead or stuck peer
-turns into a ``CollectiveError`` after ``timeout`` seconds. When a rank fails under ``collectives.launch`` it
-writes ``moonep/failed/<rank>`` into the rendezvous store; a timed-out peer reads those keys to name it.
+Every call is posted with ``async_op=True``; how it is waited on depends on where the tensor lives
+(``_blocks_host``):
+
+- CPU tensors (gloo): ``work.wait(timeout=...)`` with this call's timeout, so a dead or stuck peer turns into a
+  ``CollectiveError`` after ``timeout`` seconds. The host thread blocks, which is what a CPU collective is.
+- CUDA tensors (NCCL): ``work.wait()`` *without* a timeout, which does not block the host: it makes the current
+  CUDA stream wait on the NCCL stream, so the collective is stream-ordered like any kernel. (A timeout would make
+  ProcessGroupNCCL poll the work from the host until the GPU finished, a host sync on every exchange.) Timeouts
+  then come from the process group's own timeout and watchdog (``init_process_group(timeout=...)``, set by
+  ``init_torch`` and by ``split`` to the communicator's ``timeout``); a per-call ``timeout`` is not enforced for
+  CUDA tensors. When the watchdog or an abort makes the work raise, the ``CollectiveError`` names the op as for
+  gloo; with NCCL's default async error handling the watchdog may instead end the process, which
+  ``collectives.launch`` then reports as a dead rank. An error can surface at a later wait than the op's own,
+  since the host no longer waits for each op to finish.
+
+When a rank fails under ``collectives.launch`` it writes ``moonep/failed/<rank>`` into the rendezvous store; a
+timed-out peer reads those keys to name it.
 """
 from __future__ import annotations
 
@@ -34,6 +48,13 @@ def _movable(t: torch.Tensor) -> torch.Tensor:
 _GLOO_NATIVE = (torch.float32, torch.float64, torch.int32, torch.int64, torch.int8, torch.uint8)
 
 
+def _blocks_host(tensor: torch.Tensor) -> bool:
+    """True when the collective on ``tensor`` is waited for on the host with a bounded ``work.wait(timeout)``
+    (CPU tensors: gloo); False for CUDA tensors, whose NCCL work is waited for on the stream (module docstring).
+    Anything that is not CUDA (cpu, meta, ...) keeps the bounded host wait: only NCCL is stream-ordered."""
+    return tensor.device.type != "cuda"
+
+
 class TorchCommunicator(Communicator):
     """A ``Communicator`` over a ``torch.distributed`` process group (default group unless ``group`` given)."""
 
@@ -53,11 +74,17 @@ class TorchCommunicator(Communicator):
         self.owns_world = False  # set by init_torch: closing the world communicator ends torch.distributed
 
     # ---------------------------------------------------------------- waiting
-    def _wait(self, work, op: str, timeout: float) -> None:
+    def _wait(self, work, op: str, timeout: float, tensor: torch.Tensor) -> None:
+        """Wait for ``work`` on ``tensor``: bounded and on the host for CPU tensors, stream-ordered for CUDA."""
+        host = _blocks_host(tensor)
         try:
-            work.wait(timeout=timedelta(seconds=timeout))
-        except Exception as exc:  # gloo raises RuntimeError for timeouts and for closed peer connections
-            raise self._failure(op, timeout, exc) from exc
+            if host:
+                work.wait(timeout=timedelta(seconds=timeout))
+            else:  # no timeout: the current stream waits on NCCL's; the group's watchdog bounds the op
+                work.wait()
+        except Exception as exc:  # gloo: timeouts, closed peer connections; NCCL: watchdog timeout or abort
+            # NCCL's limit is the process group's timeout (this communicator's), not this call's.
+            raise self._failure(op, timeout if host else self.timeout, exc) from exc
 
     def _failure(self, op: str, timeout: float, exc: BaseException) -> CollectiveError:
         failed = self.failed_ranks()
@@ -96,12 +123,12 @@ class TorchCommunicator(Communicator):
     def _all_to_all_single(self, out, inp, out_splits, in_splits, timeout):
         work = dist.all_to_all_single(_movable(out), _movable(inp), out_splits, in_splits, group=self.group,
                                       async_op=True)
-        self._wait(work, "all_to_all_single", timeout)
+        self._wait(work, "all_to_all_single", timeout, inp)
         return out
 
     def _all_gather(self, out, inp, timeout):
         work = _all_gather_single(_movable(out), _movable(inp), group=self.group, async_op=True)
-        self._wait(work, "all_gather", timeout)
+        self._wait(work, "all_gather", timeout, inp)
         return out
 
     def _all_reduce(self, tensor, op, timeout):
@@ -110,7 +137,7 @@ class TorchCommunicator(Communicator):
         on_gloo = tensor.device.type == "cpu"
         target = tensor.float() if on_gloo and tensor.dtype in (torch.bfloat16, torch.float16) else tensor
         work = dist.all_reduce(target, op=_REDUCE[op], group=self.group, async_op=True)
-        self._wait(work, "all_reduce", timeout)
+        self._wait(work, "all_reduce", timeout, target)
         if target is not tensor:  # gloo has no half-precision reductions: reduce in fp32, round once
             tensor.copy_(target)
         return tensor
@@ -123,28 +150,37 @@ class TorchCommunicator(Communicator):
             out.copy_(full[self.rank * n:(self.rank + 1) * n])
             return out
         work = _reduce_scatter_single(out, inp, op=_REDUCE[op], group=self.group, async_op=True)
-        self._wait(work, "reduce_scatter", timeout)
+        self._wait(work, "reduce_scatter", timeout, inp)
         return out
 
     def _broadcast(self, tensor, src, timeout):
         work = dist.broadcast(_movable(tensor), src=self.group_ranks[src], group=self.group, async_op=True)
-        self._wait(work, "broadcast", timeout)
+        self._wait(work, "broadcast", timeout, tensor)
         return tensor
 
     def _barrier(self, timeout):
-        # A tiny all-reduce rather than dist.barrier: NCCL's barrier guesses a device, this never does.
+        # A tiny all-reduce rather than dist.barrier: NCCL's barrier guesses a device, this never does. On a CUDA
+        # flag (an NCCL-only group) the wait is stream-ordered like every CUDA collective here.
         flag = torch.zeros(1, device=self._device())
-        self._wait(dist.all_reduce(flag, group=self.group, async_op=True), "barrier", timeout)
+        self._wait(dist.all_reduce(flag, group=self.group, async_op=True), "barrier", timeout, flag)
 
     def _send(self, tensor, dst, timeout):
-        self._wait(dist.isend(_movable(tensor), self.group_ranks[dst], group=self.group), "send", timeout)
+        self._wait(dist.isend(_movable(tensor), self.group_ranks[dst], group=self.group), "send", timeout, tensor)
 
     def _recv(self, tensor, src, timeout):
-        self._wait(dist.irecv(_movable(tensor), self.group_ranks[src], group=self.group), "recv", timeout)
+        self._wait(dist.irecv(_movable(tensor), self.group_ranks[src], group=self.group), "recv", timeout, tensor)
         return tensor
 
     def _header_device(self) -> torch.device:
         return self._device()
+
+    @property
+    def device(self) -> torch.device:
+        """The current CUDA device when the group moves CUDA tensors (NCCL, alone or beside gloo as in
+        ``cpu:gloo,cuda:nccl``), else the CPU: where an EP Buffer over this group allocates."""
+        if "nccl" in str(dist.get_backend(self.group)) and torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
 
     def _device(self) -> torch.device:
         if self._has_gloo or not torch.cuda.is_available():

@@ -10,6 +10,11 @@ Sources, chosen once at ``start``:
 - ``nvml`` (``pip install nvidia-ml-py``; imported lazily): SM and memory clocks and the SM maximum,
   temperature, power, the clock-event (throttle) reasons bitmask with names, volatile uncorrected ECC errors,
   PCIe replay counter, NVLink replay errors summed over links. A counter the GPU does not support is null.
+  The GPU is the one the rank uses: CUDA device ``device_index`` (default ``LOCAL_RANK``) is looked up in NVML by
+  its PCI bus id from ``torch.cuda.get_device_properties`` (else by UUID), never by NVML index, because NVML
+  numbers all GPUs in its own order while CUDA numbers the visible ones (``CUDA_VISIBLE_DEVICES`` reorders and
+  hides, ``CUDA_DEVICE_ORDER`` defaults to fastest first). Only without CUDA in torch is the index used as an
+  NVML index. ``gpu`` in each record says which GPU was sampled and how it was found.
 - ``cpu`` when pynvml is missing or NVML fails (``ImportError`` / ``pynvml.NVMLError``; the reason is kept in
   every record): this process's CPU seconds and CPU share since the last sample, and the 1-minute load average.
 
@@ -28,6 +33,42 @@ THROTTLE_BITS = {0x1: "gpu_idle", 0x2: "applications_clocks", 0x4: "sw_power_cap
                  0x100: "display_clock"}
 
 
+def pci_bus_id(domain: int, bus: int, device: int, function: int = 0) -> str:
+    """The ``domain:bus:device.function`` string NVML's ``busId`` holds and ``nvmlDeviceGetHandleByPciBusId``
+    accepts: hexadecimal, 8-digit domain, 2-digit bus and device (``00000000:1B:00.0``)."""
+    if not (0 <= domain <= 0xFFFFFFFF and 0 <= bus <= 0xFF and 0 <= device <= 0x1F and 0 <= function <= 7):
+        raise ValueError(f"not a PCI address: domain={domain} bus={bus} device={device} function={function}")
+    return f"{domain:08X}:{bus:02X}:{device:02X}.{function:X}"
+
+
+def _cuda_properties(index: int):
+    """torch's properties of CUDA device ``index``, or None without a CUDA torch or device (then NVML indexes)."""
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return None
+        return torch.cuda.get_device_properties(index)
+    except Exception:  # a CPU build, a driver problem: fall back rather than fail the training job
+        return None
+
+
+def _nvml_handle(nv, index: int) -> tuple[object, str]:
+    """(NVML handle, how it was found) for CUDA device ``index``: by PCI bus id, else UUID, else NVML index."""
+    props = _cuda_properties(index)
+    if props is not None:
+        fields = [getattr(props, f, None) for f in ("pci_domain_id", "pci_bus_id", "pci_device_id")]
+        if None not in fields:  # the fields exist in torch builds that expose cudaDeviceProp's PCI location
+            bus_id = pci_bus_id(*(int(f) for f in fields))
+            return nv.nvmlDeviceGetHandleByPciBusId(bus_id), f"pci {bus_id}"
+        uuid = getattr(props, "uuid", None)
+        if uuid is not None and hasattr(nv, "nvmlDeviceGetHandleByUUID"):
+            text = str(uuid)
+            text = text if text.startswith(("GPU-", "MIG-")) else f"GPU-{text}"  # NVML's spelling of a UUID
+            return nv.nvmlDeviceGetHandleByUUID(text), f"uuid {text}"
+    return nv.nvmlDeviceGetHandleByIndex(index), f"nvml index {index} (no CUDA device in torch to match)"
+
+
 class _NvmlSource:
     name = "nvml"
 
@@ -36,7 +77,7 @@ class _NvmlSource:
 
         self.nv = pynvml
         pynvml.nvmlInit()
-        self.handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        self.handle, self.gpu = _nvml_handle(pynvml, index)
         self.max_sm = self._try(pynvml.nvmlDeviceGetMaxClockInfo, self.handle, pynvml.NVML_CLOCK_SM)
 
     def _try(self, fn, *args):
@@ -53,7 +94,8 @@ class _NvmlSource:
         power = self._try(nv.nvmlDeviceGetPowerUsage, h)
         ecc = self._try(nv.nvmlDeviceGetTotalEccErrors, h, getattr(nv, "NVML_MEMORY_ERROR_TYPE_UNCORRECTED", 1),
                         getattr(nv, "NVML_VOLATILE_ECC", 0)) if hasattr(nv, "nvmlDeviceGetTotalEccErrors") else None
-        return {"sm_clock_mhz": self._try(nv.nvmlDeviceGetClockInfo, h, nv.NVML_CLOCK_SM),
+        return {"gpu": self.gpu,
+                "sm_clock_mhz": self._try(nv.nvmlDeviceGetClockInfo, h, nv.NVML_CLOCK_SM),
                 "mem_clock_mhz": self._try(nv.nvmlDeviceGetClockInfo, h, nv.NVML_CLOCK_MEM),
                 "max_sm_clock_mhz": self.max_sm,
                 "temperature_c": self._try(nv.nvmlDeviceGetTemperature, h, nv.NVML_TEMPERATURE_GPU),

@@ -7,7 +7,8 @@ import types
 
 import pytest
 
-from tools.telemetry import THROTTLE_BITS, Sampler, open_source
+from tools import telemetry
+from tools.telemetry import THROTTLE_BITS, Sampler, open_source, pci_bus_id
 
 
 class FakeNVMLError(Exception):
@@ -43,6 +44,43 @@ def test_nvml_fields_and_throttle_names(monkeypatch):
     assert sample["sm_clock_mhz"] == 1410 and sample["max_sm_clock_mhz"] == 1980 and sample["power_w"] == 512.0
     assert sample["throttle_names"] == ["sw_power_cap", "hw_thermal"]
     assert sample["ecc_uncorrected"] is None  # unsupported counters are null, not errors
+
+
+def test_pci_bus_id_is_nvml_spelling():
+    assert pci_bus_id(0, 0x1B, 0) == "00000000:1B:00.0"
+    assert pci_bus_id(0x10002, 0xFF, 0x1F, 7) == "00010002:FF:1F.7"
+    with pytest.raises(ValueError, match="PCI"):
+        pci_bus_id(0, 0x100, 0)  # a bus is one byte
+    with pytest.raises(ValueError, match="PCI"):
+        pci_bus_id(0, 0, 32)  # 5 bits of device
+
+
+def _props(**fields):
+    return types.SimpleNamespace(**fields)
+
+
+def test_nvml_picks_the_cuda_device_by_pci_bus_id(monkeypatch):
+    """Catches: sampling NVML GPU <cuda index> when CUDA_VISIBLE_DEVICES=3,1 makes cuda:0 NVML's GPU 3."""
+    nv = fake_pynvml()
+    asked = []
+    nv.nvmlDeviceGetHandleByPciBusId = lambda bus: asked.append(bus) or ("gpu", bus)
+    nv.nvmlDeviceGetHandleByIndex = lambda i: pytest.fail("an NVML index is not the CUDA device")
+    monkeypatch.setitem(sys.modules, "pynvml", nv)
+    monkeypatch.setattr(telemetry, "_cuda_properties",
+                        lambda i: _props(pci_domain_id=0, pci_bus_id=0x9A + i, pci_device_id=0, uuid="ab-cd"))
+    sample = open_source(1).sample()
+    assert asked == ["00000000:9B:00.0"] and sample["gpu"] == "pci 00000000:9B:00.0"
+
+
+def test_nvml_falls_back_to_uuid_then_index(monkeypatch):
+    """A torch without the PCI fields matches by UUID; a torch without CUDA leaves only the NVML index."""
+    nv = fake_pynvml()
+    nv.nvmlDeviceGetHandleByUUID = lambda u: ("gpu", u)
+    monkeypatch.setitem(sys.modules, "pynvml", nv)
+    monkeypatch.setattr(telemetry, "_cuda_properties", lambda i: _props(uuid="58f1dc6f-0000"))
+    assert open_source(0).sample()["gpu"] == "uuid GPU-58f1dc6f-0000"
+    monkeypatch.setattr(telemetry, "_cuda_properties", lambda i: None)
+    assert open_source(2).sample()["gpu"].startswith("nvml index 2")
 
 
 def test_falls_back_on_nvml_error_and_missing_module(monkeypatch):
@@ -91,6 +129,7 @@ def _real_nvml() -> bool:
         return False
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not _real_nvml(), reason="needs nvidia-ml-py and a GPU driver (runs when a GPU is lent)")
 def test_real_nvml_samples_a_gpu(tmp_path):
     """The real library on a real GPU: the sampler picks NVML and the clocks and temperature read sane values."""
@@ -104,3 +143,32 @@ def test_real_nvml_samples_a_gpu(tmp_path):
     assert 0 < first["sm_clock_mhz"] <= (first["max_sm_clock_mhz"] or 10_000)
     assert first["mem_clock_mhz"] > 0 and 0 < first["temperature_c"] < 120
     assert first["throttle_names"] is None or set(first["throttle_names"]) <= set(THROTTLE_BITS.values())
+
+
+def _real_nvml_and_cuda() -> bool:
+    try:
+        import torch
+
+        return _real_nvml() and torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _real_nvml_and_cuda(), reason="needs nvidia-ml-py, a GPU driver and a CUDA torch")
+def test_real_nvml_samples_the_cuda_device_not_the_nvml_index():
+    """The NVML handle picked for cuda:<last> is that device: same UUID as torch reports for it."""
+    import pynvml
+    import torch
+
+    index = torch.cuda.device_count() - 1
+    source = open_source(index, prefer="nvml")
+    try:
+        assert source.name == "nvml", getattr(source, "reason", "")
+        nvml_uuid = pynvml.nvmlDeviceGetUUID(source.handle)
+        nvml_uuid = nvml_uuid.decode() if isinstance(nvml_uuid, bytes) else nvml_uuid
+        torch_uuid = str(torch.cuda.get_device_properties(index).uuid)
+        assert nvml_uuid.removeprefix("GPU-") == torch_uuid.removeprefix("GPU-"), (source.gpu, nvml_uuid, torch_uuid)
+        assert source.gpu.startswith(("pci ", "uuid ")), source.gpu
+    finally:
+        source.close()
