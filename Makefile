@@ -36,14 +36,34 @@ test: $(VENV)/.dev
 bench: $(VENV)/.dev
 	$(VENV)/bin/moonep bench collectives --world-size 4 --json out/bench_collectives.json
 
-# The test files holding every check that needs a GPU (those skip elsewhere), in one short run, with a Python
-# that has a CUDA torch, this package's dependencies and pytest/hypothesis (nvidia-ml-py and nvshmem4py for
-# those checks): `make gpu-check GPU_PY=python3`.
+# make gpu-check: every check that needs a GPU, on the real GPU, in one short run. It fails (non-zero) when CUDA is
+# absent and when any test skips (tests/conftest.py turns skips into failures under MOONEP_GPU_CHECK=1), so a green
+# run means every GPU check ran. CUDA is checked first, before anything is installed. Then it installs into
+# GPU_PY's environment what the checks need: this package with its dev extra (pytest, hypothesis), nvidia-ml-py,
+# flash-linear-attention, and numba-cuda and nvshmem4py built for torch's CUDA major (cu12 or cu13, from
+# torch.version.cuda). GPU_PY must have a CUDA build of torch (`make gpu-check GPU_PY=/path/to/python`).
 GPU_PY ?= $(PY)
 GPU_TESTS = tests/k3/test_device.py tests/cp_kda/test_chunk.py tests/collectives/test_nvshmem.py \
-	tests/planner/test_plan.py tests/tools/test_telemetry.py
+	tests/planner/test_plan.py tests/tools/test_telemetry.py tests/planner/test_device_plan.py \
+	tests/moonep/test_device_path.py
+GPU_PIP = nvidia-ml-py flash-linear-attention
 gpu-check:
-	TQDM_DISABLE=1 MPLBACKEND=Agg $(GPU_PY) -m pytest -q -rs $(GPU_TESTS)
+	@command -v "$(GPU_PY)" >/dev/null || { echo "gpu-check: no Python $(GPU_PY); pass GPU_PY=..." >&2; exit 1; }
+	@$(GPU_PY) -c "import torch" 2>/dev/null || { echo "gpu-check: CUDA is absent: $(GPU_PY) has no torch" \
+	  "(install a CUDA build of torch there)" >&2; exit 1; }
+	@$(GPU_PY) -c "import sys, torch; sys.exit(0) if torch.cuda.is_available() else sys.exit( \
+	  'gpu-check: CUDA is absent: torch.cuda.is_available() is False for $(GPU_PY) (torch ' + torch.__version__ \
+	  + ', CUDA ' + str(torch.version.cuda) + '); run it on a GPU machine with a CUDA build of torch')"
+	@cu=$$($(GPU_PY) -c "import torch; print(str(torch.version.cuda).split('.')[0])") && \
+	  case "$$cu" in 12|13) ;; *) echo "gpu-check: torch is built for CUDA $$cu; nvshmem4py has cu12 and cu13 only" >&2; \
+	  exit 1;; esac && \
+	  echo "gpu-check: installing the GPU check dependencies for CUDA $$cu" && \
+	  $(GPU_PY) -m pip install --quiet -e ".[dev]" $(GPU_PIP) "numba-cuda[cu$$cu]" "nvshmem4py-cu$$cu"
+	@n=$$($(GPU_PY) -c "import torch; print(torch.cuda.device_count())") && \
+	  if [ "$$n" -gt 1 ]; then sel="gpu and not single_gpu"; else sel="gpu and not multi_gpu"; fi && \
+	  echo "gpu-check: $$n GPU(s): running the tests marked '$$sel'" && \
+	  NUMBA_ENABLE_CUDASIM=0 MOONEP_GPU_CHECK=1 TQDM_DISABLE=1 MPLBACKEND=Agg $(GPU_PY) -m pytest -q -rs \
+	  -m "$$sel" --continue-on-collection-errors $(GPU_TESTS)
 
 clean:
 	rm -rf $(VENV) out .pytest_cache

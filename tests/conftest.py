@@ -5,12 +5,24 @@ found among 4 ranks time-sharing 2 cores, 100 clean steps without an alarm, a ca
 20%). On a shared CI machine they fail now and then for reasons outside the code, so ``make test`` skips them,
 saying so in its summary; run them with ``MOONEP_HOST_NOISE_TESTS=1 make test`` (or pytest) on a machine you
 trust. Their measured pass rates are in tools/README.md and simulator/README.md.
+
+Without a GPU, numba-cuda kernels run under numba's CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``, set below).
+
+``MOONEP_GPU_CHECK=1`` (set by ``make gpu-check``): every skip is turned into a failure carrying the skip reason.
+The GPU checks skip wherever their GPU, library or driver is missing, so on the machine meant to run them a skip
+means a check silently did not happen.
 """
 import os
 
 import pytest
 
 HOST_NOISE_ENV = "MOONEP_HOST_NOISE_TESTS"
+GPU_CHECK_ENV = "MOONEP_GPU_CHECK"
+
+# The device planner's numba-cuda kernel runs under numba's CUDA simulator unless a run asks for the real GPU
+# (`make gpu-check` sets NUMBA_ENABLE_CUDASIM=0). numba reads this once, at import: set it before any test
+# module imports numba.
+os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -20,3 +32,35 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "host_noise" in item.keywords:
             item.add_marker(skip)
+
+
+def _skip_reason(longrepr) -> str:
+    """The reason of a skip report: pytest keeps it as (path, line, "Skipped: reason")."""
+    if isinstance(longrepr, tuple) and len(longrepr) == 3:
+        return str(longrepr[2])
+    return str(longrepr)
+
+
+def _fail_skip(report, where: str) -> None:
+    report.outcome = "failed"
+    report.longrepr = (f"{where} skipped under {GPU_CHECK_ENV}=1, where every GPU check must run "
+                       f"({_skip_reason(report.longrepr)})")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Under MOONEP_GPU_CHECK=1 a skipped test (at setup, e.g. skipif, or in its body) is a failed one."""
+    outcome = yield
+    report = outcome.get_result()
+    # wasxfail: an expected failure is reported as skipped too, but it ran; only real skips fail the check
+    if os.environ.get(GPU_CHECK_ENV) == "1" and report.skipped and not hasattr(report, "wasxfail"):
+        _fail_skip(report, item.nodeid)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    """Under MOONEP_GPU_CHECK=1 a module that skips itself (importorskip at import, allow_module_level) fails."""
+    outcome = yield
+    report = outcome.get_result()
+    if os.environ.get(GPU_CHECK_ENV) == "1" and report.skipped:
+        _fail_skip(report, collector.nodeid)

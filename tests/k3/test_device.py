@@ -38,6 +38,7 @@ def test_local_rank_comes_from_the_launcher(monkeypatch):
     assert local_rank(5) == 1
 
 
+@pytest.mark.gpu
 @needs_cuda
 def test_cuda_training_matches_cpu(tmp_path):
     """Model, MoonEP buffer, KDA, optimizer and balancing on the GPU give the CPU's losses (fp32: torch keeps
@@ -51,6 +52,7 @@ def test_cuda_training_matches_cpu(tmp_path):
     assert abs(cpu["val_loss"] - gpu["val_loss"]) <= 1e-4 * abs(cpu["val_loss"])
 
 
+@pytest.mark.gpu
 @needs_cuda
 def test_cuda_resume_equals_uninterrupted(tmp_path):
     """Checkpoints hold host copies; a resumed GPU run puts the optimizer state back on the GPU."""
@@ -60,6 +62,8 @@ def test_cuda_resume_equals_uninterrupted(tmp_path):
     assert resumed["start"] == 2 and resumed["losses"] == straight["losses"][2:]
 
 
+@pytest.mark.gpu
+@pytest.mark.multi_gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices (NCCL: one GPU per rank)")
 def test_two_gpu_ranks_match_cpu(tmp_path):
     """At 2 ranks the planner makes replicas: weight prefetch, grad reduce and the all-to-alls run over NCCL."""
@@ -69,6 +73,8 @@ def test_two_gpu_ranks_match_cpu(tmp_path):
         assert abs(a - b) <= 1e-4 * abs(a), (cpu["losses"], gpu["losses"])
 
 
+@pytest.mark.gpu
+@pytest.mark.single_gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() > 1,
                     reason="needs exactly one CUDA device")
 def test_more_ranks_than_gpus_is_a_clear_error(tmp_path):
