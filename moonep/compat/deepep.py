@@ -61,7 +61,7 @@ class Buffer:
         idx = topk_idx.long()
         valid = idx >= 0
         rank_of = torch.where(valid, idx // (num_experts // R), torch.full_like(idx, R))
-        in_rank = torch.zeros(idx.shape[0], R + 1, dtype=torch.bool)
+        in_rank = torch.zeros(idx.shape[0], R + 1, dtype=torch.bool, device=idx.device)
         in_rank.scatter_(1, rank_of, True)
         in_rank = in_rank[:, :R].contiguous()
         per_expert = torch.bincount(idx[valid], minlength=num_experts).to(torch.int32)
@@ -85,14 +85,15 @@ class Buffer:
         send_counts = num_tokens_per_rank.to(torch.int64)
         if int(send_counts.sum()) != order.numel():
             raise ValueError("num_tokens_per_rank does not match is_token_in_rank")
-        matrix = torch.empty(R, R, dtype=torch.int64)
+        matrix = torch.empty(R, R, dtype=torch.int64, device=x.device)
         self.comm.all_gather(matrix, send_counts.view(1, -1))  # matrix[i, j]: rows rank i sends to rank j
         recv_counts = matrix[:, self.rank].clone()
         if num_tokens_per_expert is None:
             raise ValueError("num_tokens_per_expert (from get_dispatch_layout) is needed to localise expert ids")
         epn = int(num_tokens_per_expert.numel()) // R
         recv_x = self._exchange(x[order], send_counts, recv_counts)
-        recv_src_idx = self._exchange(torch.arange(T, dtype=torch.int64)[order], send_counts, recv_counts)
+        recv_src_idx = self._exchange(torch.arange(T, dtype=torch.int64, device=x.device)[order], send_counts,
+                                      recv_counts)
         recv_idx = self._exchange(topk_idx.long()[order], send_counts, recv_counts)
         local = recv_idx - self.rank * epn
         recv_idx = torch.where((recv_idx >= 0) & (local >= 0) & (local < epn), local, torch.full_like(local, -1))
@@ -115,17 +116,17 @@ class Buffer:
         if x.shape[0] != int(recv_counts.sum()):
             raise ValueError(f"combine got {x.shape[0]} rows, the handle dispatched {int(recv_counts.sum())}")
         back = self._exchange(x, recv_counts, send_counts)
-        out = torch.zeros(T, *x.shape[1:], dtype=x.dtype).index_add_(0, order, back)
+        out = torch.zeros(T, *x.shape[1:], dtype=x.dtype, device=x.device).index_add_(0, order, back)
         for b in (bias if isinstance(bias, (tuple, list)) else [bias] if bias is not None else []):
             out += b
         weights = None
         if topk_weights is not None:
             w = self._exchange(topk_weights.float(), recv_counts, send_counts)
-            weights = torch.zeros(T, w.shape[1]).index_add_(0, order, w)
+            weights = torch.zeros(T, w.shape[1], device=w.device).index_add_(0, order, w)
         return out, weights, EventOverlap()
 
     def _exchange(self, rows: torch.Tensor, send_counts, recv_counts) -> torch.Tensor:
-        out = torch.empty(int(recv_counts.sum()), *rows.shape[1:], dtype=rows.dtype)
+        out = torch.empty(int(recv_counts.sum()), *rows.shape[1:], dtype=rows.dtype, device=rows.device)
         # splits are consistent by construction (exchanged counts): skip the argument header
         self.comm.all_to_all_single(out, rows.contiguous(), recv_counts.tolist(), send_counts.tolist(),
                                     validate=False)
