@@ -31,8 +31,10 @@ from simulator.specs import ModelSpec
 # Framework ops per sublayer call, (forward, backward), of the k3 implementation (k3/*.py on moonep and
 # cp_kda), counted with TorchDispatchMode at T = 64; the KDA kernel (kda_gate + kda_chunk) and collectives are
 # excluded. "kda" includes its three cp_kda.short_conv calls; the AttnRes backward grows by one op per source.
-FWD_OPS = {"norm": 7, "attn_res": 15, "kda": 205, "mla": 84, "mha": 84, "dense": 24, "moe": 154, "ends": 65}
-BWD_OPS = {"norm": 20, "attn_res": 34, "kda": 266, "mla": 132, "mha": 132, "dense": 45, "moe": 176, "ends": 0}
+# "moe" was recounted for the device-resident EP path (planner tables, layout and input checks as tensor ops:
+# about 160 more forward ops a layer than the numpy layout it replaced; fitted at 1 and 2 ranks within 2%).
+FWD_OPS = {"norm": 7, "attn_res": 15, "kda": 205, "mla": 84, "mha": 84, "dense": 24, "moe": 315, "ends": 65}
+BWD_OPS = {"norm": 20, "attn_res": 34, "kda": 266, "mla": 132, "mha": 132, "dense": 45, "moe": 182, "ends": 0}
 MOE_SEGMENT_OPS = (21, 67)
 """Extra (forward, backward) ops per non-empty expert segment of the grouped SiTU-GLU loop."""
 NS5_BLOCK_OPS = 52
@@ -41,8 +43,8 @@ MUON_PARAM_OPS, ADAMW_PARAM_OPS = 7, 13
 """Ops per Muon parameter (momentum, split/cat, update) and per AdamW parameter."""
 SYNC_OPS_PER_PARAM, CLIP_OPS_PER_PARAM = 4, 5
 """Gradient packing for the data-parallel all-reduce (per replicated tensor) and grad-norm clipping."""
-BALANCE_OPS = (39, 13)
-"""Quantile Balancing per MoE layer: fixed ops and ops per expert."""
+BALANCE_OPS = (66, 0)
+"""Quantile Balancing per MoE layer: fixed ops and ops per expert (none: vectorised over experts)."""
 HIST_BINS = 1000
 """Quantile Balancing histogram bins per expert (all-reduced as int64 with the load counts)."""
 
