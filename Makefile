@@ -1,5 +1,6 @@
 # make demo: the main job, K3 (tiny) trained on 4 local CPU ranks with MoonEP (no server, no download).
-# make test: the whole test suite. Both create .venv in the repo root when it is missing.
+# make test: ruff (lint + format check), then the whole test suite. Both create .venv in the repo root when it is
+# missing.
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 # A CPU build of torch that installs offline on our machines. GPU users: put your own CUDA build of torch
@@ -31,6 +32,8 @@ roundtrip: $(VENV)/.core
 	$(VENV)/bin/moonep roundtrip --world-size 4 --json out/roundtrip.json
 
 test: $(VENV)/.dev
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	TQDM_DISABLE=1 MPLBACKEND=Agg $(PY) -m pytest -q
 
 bench: $(VENV)/.dev

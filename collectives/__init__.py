@@ -10,10 +10,25 @@ Everything distributed in the toolkit takes a ``Communicator``; nothing else cal
     if __name__ == "__main__":
         print(launch(work, world_size=4))          # 4 local ranks over gloo; same script under torchrun/mpiexec
 """
+
 from collectives.base import REDUCE_OPS, CollectiveError, Communicator
 from collectives.launch import LaunchError, LaunchOptions, external_launcher, init, launch, local_rank, rank_device
 from collectives.topology import Topology
 from collectives.trace import TRACE_ENV, Tracer, read_trace
 
-__all__ = ["Communicator", "CollectiveError", "REDUCE_OPS", "launch", "init", "LaunchError", "LaunchOptions",
-           "external_launcher", "local_rank", "rank_device", "Topology", "Tracer", "read_trace", "TRACE_ENV"]
+__all__ = [
+    "Communicator",
+    "CollectiveError",
+    "REDUCE_OPS",
+    "launch",
+    "init",
+    "LaunchError",
+    "LaunchOptions",
+    "external_launcher",
+    "local_rank",
+    "rank_device",
+    "Topology",
+    "Tracer",
+    "read_trace",
+    "TRACE_ENV",
+]

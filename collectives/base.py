@@ -11,6 +11,7 @@ row size, split sizes, any local problem) so that a bad argument on one rank is 
 splits are consistent by construction (the EP layer, whose splits come from one shared plan) pass
 ``validate=False`` to skip that header.
 """
+
 from __future__ import annotations
 
 import abc
@@ -28,8 +29,18 @@ REDUCE_OPS = ("sum", "max", "min", "prod")
 
 _OPS = ("all_to_all_single", "all_gather", "all_reduce", "reduce_scatter", "broadcast", "split", "barrier")
 _OP_CODE = {name: i + 1 for i, name in enumerate(_OPS)}
-_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int32, torch.int64,
-           torch.int16, torch.int8, torch.uint8, torch.bool)
+_DTYPES = (
+    torch.float32,
+    torch.float64,
+    torch.bfloat16,
+    torch.float16,
+    torch.int32,
+    torch.int64,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+)
 _DTYPE_CODE = {dt: i + 1 for i, dt in enumerate(_DTYPES)}
 _HEADER = 8  # status, op, dtype, row numel, rows in, rows out, src, reduce op; then in/out splits per peer
 
@@ -85,8 +96,17 @@ class Communicator(abc.ABC):
     split_can_reorder: bool = True
     """Whether ``split``'s ``key`` may order a sub-group differently from parent rank order."""
 
-    def __init__(self, rank: int, world_size: int, group_ranks: Sequence[int], *, timeout: float = 60.0,
-                 validate: bool = True, tracer: Tracer | None = None, global_rank: int | None = None):
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        group_ranks: Sequence[int],
+        *,
+        timeout: float = 60.0,
+        validate: bool = True,
+        tracer: Tracer | None = None,
+        global_rank: int | None = None,
+    ):
         if timeout <= 0:
             raise ValueError(f"timeout must be positive seconds, got {timeout}")
         self.rank = rank
@@ -151,9 +171,16 @@ class Communicator(abc.ABC):
         """Tell peers that this rank failed, so their timeouts can name it. Best effort; backends may ignore."""
 
     # ---------------------------------------------------------------- public API
-    def all_to_all_single(self, out: torch.Tensor, inp: torch.Tensor, out_splits: Sequence[int] | None = None,
-                          in_splits: Sequence[int] | None = None, *, timeout: float | None = None,
-                          validate: bool | None = None) -> torch.Tensor:
+    def all_to_all_single(
+        self,
+        out: torch.Tensor,
+        inp: torch.Tensor,
+        out_splits: Sequence[int] | None = None,
+        in_splits: Sequence[int] | None = None,
+        *,
+        timeout: float | None = None,
+        validate: bool | None = None,
+    ) -> torch.Tensor:
         """Exchange rows: ``inp[rows for peer j]`` goes to peer j, peer i's rows land in ``out`` in rank order.
 
         ``inp [sum(in_splits), ...]``, ``out [sum(out_splits), ...]``; splits count rows along dim 0 and default
@@ -163,43 +190,65 @@ class Communicator(abc.ABC):
         problem, ins, outs = self._local_a2a_problem(out, inp, out_splits, in_splits)
         self._agree("all_to_all_single", problem, out, inp, splits=(ins, outs), validate=validate, timeout=timeout)
         delay = self._link_delay(j for j, n in enumerate(ins) if n) if self.link_delays else 0.0
-        return self._timed("all_to_all_single", inp.numel() * inp.element_size(),
-                           self._all_to_all_single, out, inp, outs, ins, timeout, delay=delay)
+        return self._timed(
+            "all_to_all_single",
+            inp.numel() * inp.element_size(),
+            self._all_to_all_single,
+            out,
+            inp,
+            outs,
+            ins,
+            timeout,
+            delay=delay,
+        )
 
-    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, *, timeout: float | None = None,
-                   validate: bool | None = None) -> torch.Tensor:
+    def all_gather(
+        self, out: torch.Tensor, inp: torch.Tensor, *, timeout: float | None = None, validate: bool | None = None
+    ) -> torch.Tensor:
         """Concatenate every rank's ``inp [n, ...]`` into ``out [world_size * n, ...]`` in rank order."""
         problem = self._pair_problem(out, inp) or self._shape_problem(
-            out, (_rows(inp) * self.world_size, *inp.shape[1:]), "out", "world_size * inp rows")
+            out, (_rows(inp) * self.world_size, *inp.shape[1:]), "out", "world_size * inp rows"
+        )
         self._agree("all_gather", problem, out, inp, validate=validate, timeout=timeout)
         return self._timed("all_gather", out.numel() * out.element_size(), self._all_gather, out, inp, timeout)
 
-    def all_reduce(self, tensor: torch.Tensor, op: str = "sum", *, timeout: float | None = None,
-                   validate: bool | None = None) -> torch.Tensor:
+    def all_reduce(
+        self, tensor: torch.Tensor, op: str = "sum", *, timeout: float | None = None, validate: bool | None = None
+    ) -> torch.Tensor:
         """Reduce ``tensor`` over all ranks in place (``op`` in sum, max, min, prod) and return it."""
         problem = self._tensor_problem(tensor, "tensor") or self._op_problem(op)
         self._agree("all_reduce", problem, tensor, tensor, reduce_op=op, validate=validate, timeout=timeout)
-        return self._timed("all_reduce", tensor.numel() * tensor.element_size(), self._all_reduce, tensor, op,
-                           timeout)
+        return self._timed("all_reduce", tensor.numel() * tensor.element_size(), self._all_reduce, tensor, op, timeout)
 
-    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op: str = "sum", *,
-                       timeout: float | None = None, validate: bool | None = None) -> torch.Tensor:
+    def reduce_scatter(
+        self,
+        out: torch.Tensor,
+        inp: torch.Tensor,
+        op: str = "sum",
+        *,
+        timeout: float | None = None,
+        validate: bool | None = None,
+    ) -> torch.Tensor:
         """Reduce ``inp [world_size * n, ...]`` over ranks; rank r keeps rows ``[r*n, (r+1)*n)`` in ``out [n, ...]``."""
-        problem = (self._pair_problem(out, inp) or self._op_problem(op) or self._shape_problem(
-            inp, (_rows(out) * self.world_size, *out.shape[1:]), "inp", "world_size * out rows"))
+        problem = (
+            self._pair_problem(out, inp)
+            or self._op_problem(op)
+            or self._shape_problem(inp, (_rows(out) * self.world_size, *out.shape[1:]), "inp", "world_size * out rows")
+        )
         self._agree("reduce_scatter", problem, out, inp, reduce_op=op, validate=validate, timeout=timeout)
-        return self._timed("reduce_scatter", inp.numel() * inp.element_size(), self._reduce_scatter, out, inp, op,
-                           timeout)
+        return self._timed(
+            "reduce_scatter", inp.numel() * inp.element_size(), self._reduce_scatter, out, inp, op, timeout
+        )
 
-    def broadcast(self, tensor: torch.Tensor, src: int = 0, *, timeout: float | None = None,
-                  validate: bool | None = None) -> torch.Tensor:
+    def broadcast(
+        self, tensor: torch.Tensor, src: int = 0, *, timeout: float | None = None, validate: bool | None = None
+    ) -> torch.Tensor:
         """Copy rank ``src``'s ``tensor`` into every rank's ``tensor`` (in place) and return it."""
         problem = self._tensor_problem(tensor, "tensor")
         if not 0 <= src < self.world_size:
             problem = problem or f"src={src} is not a rank of this group (world_size={self.world_size})"
         self._agree("broadcast", problem, tensor, tensor, src=src, validate=validate, timeout=timeout)
-        return self._timed("broadcast", tensor.numel() * tensor.element_size(), self._broadcast, tensor, src,
-                           timeout)
+        return self._timed("broadcast", tensor.numel() * tensor.element_size(), self._broadcast, tensor, src, timeout)
 
     def barrier(self, *, timeout: float | None = None) -> None:
         """Wait until every rank of the group has arrived."""
@@ -209,8 +258,9 @@ class Communicator(abc.ABC):
         """Blocking point-to-point send to group rank ``dst`` (pairs with ``recv`` there)."""
         self._p2p_check(tensor, dst, "dst")
         delay = self._link_delay([dst]) if self.link_delays else 0.0
-        self._timed("send", tensor.numel() * tensor.element_size(), self._send, tensor, dst, timeout, delay=delay,
-                    peer=dst)
+        self._timed(
+            "send", tensor.numel() * tensor.element_size(), self._send, tensor, dst, timeout, delay=delay, peer=dst
+        )
 
     def recv(self, tensor: torch.Tensor, src: int, *, timeout: float | None = None) -> torch.Tensor:
         """Blocking point-to-point receive from group rank ``src`` into ``tensor``; returns it."""
@@ -226,13 +276,17 @@ class Communicator(abc.ABC):
         key = self.rank if key is None else int(key)
         header = self._agree("split", problem, None, None, src=-1 if color is None else int(color), extra=key)
         colors, keys = header[:, 6].tolist(), header[:, 7].tolist()
-        groups = {c: [r for _, r in sorted((k, r) for r, (cc, k) in enumerate(zip(colors, keys)) if cc == c)]
-                  for c in set(colors) if c >= 0}
+        groups = {
+            c: [r for _, r in sorted((k, r) for r, (cc, k) in enumerate(zip(colors, keys)) if cc == c)]
+            for c in set(colors)
+            if c >= 0
+        }
         if not self.split_can_reorder and any(m != sorted(m) for m in groups.values()):
-            raise ValueError(f"split on rank {self.rank}: the {self.backend} backend orders a sub-group by parent "
-                             f"rank; a key that reorders ranks is not supported (keys: {keys})")
-        return self._new_group(groups.get(-1 if color is None else int(color), []),
-                               -1 if color is None else int(color))
+            raise ValueError(
+                f"split on rank {self.rank}: the {self.backend} backend orders a sub-group by parent "
+                f"rank; a key that reorders ranks is not supported (keys: {keys})"
+            )
+        return self._new_group(groups.get(-1 if color is None else int(color), []), -1 if color is None else int(color))
 
     def inject_link_delay(self, src: int, dst: int, ms: float) -> None:
         """Fault injection: data this rank sends from global rank ``src`` to ``dst`` arrives ``ms`` later."""
@@ -250,8 +304,10 @@ class Communicator(abc.ABC):
         self.close()
 
     def __repr__(self) -> str:
-        return (f"{type(self).__name__}(rank={self.rank}, world_size={self.world_size}, "
-                f"group_ranks={list(self.group_ranks)})")
+        return (
+            f"{type(self).__name__}(rank={self.rank}, world_size={self.world_size}, "
+            f"group_ranks={list(self.group_ranks)})"
+        )
 
     # ---------------------------------------------------------------- checks
     def _tensor_problem(self, t, name: str) -> str | None:
@@ -290,10 +346,16 @@ class Communicator(abc.ABC):
         if problem:
             return problem, [0] * self.world_size, [0] * self.world_size
         w = self.world_size
-        ins = (_even_splits("in_splits", w, _rows(inp)) if in_splits is None
-               else _check_splits("in_splits", in_splits, w, _rows(inp)))
-        outs = (_even_splits("out_splits", w, _rows(out)) if out_splits is None
-                else _check_splits("out_splits", out_splits, w, _rows(out)))
+        ins = (
+            _even_splits("in_splits", w, _rows(inp))
+            if in_splits is None
+            else _check_splits("in_splits", in_splits, w, _rows(inp))
+        )
+        outs = (
+            _even_splits("out_splits", w, _rows(out))
+            if out_splits is None
+            else _check_splits("out_splits", out_splits, w, _rows(out))
+        )
         for bad in (ins, outs):
             if isinstance(bad, str):
                 return bad, [0] * w, [0] * w
@@ -309,8 +371,20 @@ class Communicator(abc.ABC):
         if problem:
             raise ValueError(f"{'send' if name == 'dst' else 'recv'} on rank {self.rank}: {problem}")
 
-    def _agree(self, op: str, problem: str | None, out, inp, *, splits=None, src: int = 0, reduce_op: str = "sum",
-               extra: int = 0, validate: bool | None = None, timeout: float | None = None) -> torch.Tensor | None:
+    def _agree(
+        self,
+        op: str,
+        problem: str | None,
+        out,
+        inp,
+        *,
+        splits=None,
+        src: int = 0,
+        reduce_op: str = "sum",
+        extra: int = 0,
+        validate: bool | None = None,
+        timeout: float | None = None,
+    ) -> torch.Tensor | None:
         """Check the call on every rank; raise the same ``ValueError`` everywhere if any rank's call is bad.
 
         Returns the gathered header ``[world_size, 8 + 2*world_size]`` (int64) when it was exchanged.
@@ -324,8 +398,18 @@ class Communicator(abc.ABC):
         ok = problem is None
         if ok and inp is not None:
             ins, outs = splits if splits is not None else ([0] * w, [0] * w)
-            mine[:_HEADER] = torch.tensor([0, _OP_CODE[op], _DTYPE_CODE[inp.dtype], _row_numel(inp), _rows(inp),
-                                           _rows(out), src, REDUCE_OPS.index(reduce_op)])
+            mine[:_HEADER] = torch.tensor(
+                [
+                    0,
+                    _OP_CODE[op],
+                    _DTYPE_CODE[inp.dtype],
+                    _row_numel(inp),
+                    _rows(inp),
+                    _rows(out),
+                    src,
+                    REDUCE_OPS.index(reduce_op),
+                ]
+            )
             mine[_HEADER:] = torch.tensor(list(ins) + list(outs), dtype=torch.int64)
         else:
             mine[:_HEADER] = torch.tensor([0 if ok else 1, _OP_CODE[op], 0, 0, 0, 0, src, extra])
@@ -355,11 +439,13 @@ class Communicator(abc.ABC):
             if len(set(header[:, col].tolist())) > 1:
                 return f"ranks disagree on {what}: {header[:, col].tolist()}"
         if op == "all_to_all_single":
-            ins, outs = header[:, _HEADER:_HEADER + w], header[:, _HEADER + w:]
+            ins, outs = header[:, _HEADER : _HEADER + w], header[:, _HEADER + w :]
             if not torch.equal(ins, outs.t()):
                 i, j = next((i, j) for i in range(w) for j in range(w) if ins[i, j] != outs[j, i])
-                return (f"split sizes do not match across ranks: rank {i} sends {int(ins[i, j])} rows to rank {j}, "
-                        f"which expects {int(outs[j, i])}")
+                return (
+                    f"split sizes do not match across ranks: rank {i} sends {int(ins[i, j])} rows to rank {j}, "
+                    f"which expects {int(outs[j, i])}"
+                )
         elif op in ("all_gather", "reduce_scatter") and len(set(header[:, 4].tolist())) > 1:
             return f"ranks disagree on inp rows: {header[:, 4].tolist()}"
         elif op in ("all_reduce", "broadcast") and len(set(header[:, 4].tolist())) > 1:
@@ -389,8 +475,15 @@ class Communicator(abc.ABC):
             ok = True
             return result
         finally:
-            self.tracer.record(op, nbytes, self.group_ranks, t_enter, time.time(), ok,
-                               peer=None if peer is None else self.group_ranks[peer])
+            self.tracer.record(
+                op,
+                nbytes,
+                self.group_ranks,
+                t_enter,
+                time.time(),
+                ok,
+                peer=None if peer is None else self.group_ranks[peer],
+            )
 
 
 def as_timedelta(seconds: float) -> timedelta:

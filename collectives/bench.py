@@ -10,31 +10,32 @@ overhead = median over iterations of (ours / raw) - 1, a paired estimate (the va
 rotating order).
 Bandwidth is per rank: bytes this rank sends (all-to-all) or receives (all-gather) per second.
 """
+
 from __future__ import annotations
 
 import statistics
 import time
 
 import torch
+import torch.distributed as dist
 
 from collectives.base import Communicator
+from collectives.torch_backend import _all_gather_single
 
 KiB, MiB = 1024, 1024 * 1024
-FULL_SIZES = tuple(4 * KiB * 4 ** i for i in range(8))  # 4 KiB, 16 KiB, ..., 64 MiB
+FULL_SIZES = tuple(4 * KiB * 4**i for i in range(8))  # 4 KiB, 16 KiB, ..., 64 MiB
 QUICK_SIZES = (4 * KiB, 64 * KiB, 1 * MiB)
 
 
 def _raw_calls(comm: Communicator):
     """The backend's own all-to-all and all-gather on the same group, bypassing our layer."""
     if comm.backend == "torch":
-        import torch.distributed as dist
-
-        from collectives.torch_backend import _all_gather_single
-
-        return (lambda out, inp: dist.all_to_all_single(out, inp, group=comm.group),
-                lambda out, inp: _all_gather_single(out, inp, group=comm.group))
+        return (
+            lambda out, inp: dist.all_to_all_single(out, inp, group=comm.group),
+            lambda out, inp: _all_gather_single(out, inp, group=comm.group),
+        )
     if comm.backend == "mpi":
-        from mpi4py import MPI
+        from mpi4py import MPI  # optional: mpi4py (the mpi extra); importing it initialises MPI
 
         def a2a(out, inp):
             comm.comm.Alltoall([inp.numpy(), MPI.BYTE], [out.numpy(), MPI.BYTE])
@@ -61,24 +62,35 @@ def _iterations(nbytes: int, quick: bool) -> int:
 
 def bench_collectives(comm: Communicator, sizes=FULL_SIZES, quick: bool = False, progress: bool = True) -> dict:
     """Times raw vs ours (and ours with argument validation) per op and size. Collective: call on every rank."""
-    from tqdm import tqdm
+    from tqdm import tqdm  # heavy: tqdm, kept out of ``import collectives.cli`` (--help); only rank 0 draws a bar
 
     raw_a2a, raw_gather = _raw_calls(comm)
     w = comm.world_size
-    raw_barrier = lambda: raw_gather(torch.empty(w, dtype=torch.uint8), torch.zeros(1, dtype=torch.uint8))
+
+    def raw_barrier():
+        return raw_gather(torch.empty(w, dtype=torch.uint8), torch.zeros(1, dtype=torch.uint8))
+
     rows = []
     # Only rank 0 builds a bar: tqdm's lock is a named semaphore that other ranks would leave behind.
-    for nbytes in (tqdm(sizes, desc="sizes") if progress and comm.rank == 0 else sizes):
+    for nbytes in tqdm(sizes, desc="sizes") if progress and comm.rank == 0 else sizes:
         per_peer = max(1, nbytes // w)
         inp = torch.randint(0, 255, (per_peer * w,), dtype=torch.uint8)
         out = torch.empty_like(inp)
         g_inp = torch.randint(0, 255, (max(1, nbytes // w),), dtype=torch.uint8)
         g_out = torch.empty(g_inp.numel() * w, dtype=torch.uint8)
         cases = {
-            "all_to_all": (lambda: raw_a2a(out, inp), lambda: comm.all_to_all_single(out, inp, validate=False),
-                           lambda: comm.all_to_all_single(out, inp), inp.numel()),
-            "all_gather": (lambda: raw_gather(g_out, g_inp), lambda: comm.all_gather(g_out, g_inp, validate=False),
-                           lambda: comm.all_gather(g_out, g_inp), g_out.numel()),
+            "all_to_all": (
+                lambda: raw_a2a(out, inp),
+                lambda: comm.all_to_all_single(out, inp, validate=False),
+                lambda: comm.all_to_all_single(out, inp),
+                inp.numel(),
+            ),
+            "all_gather": (
+                lambda: raw_gather(g_out, g_inp),
+                lambda: comm.all_gather(g_out, g_inp, validate=False),
+                lambda: comm.all_gather(g_out, g_inp),
+                g_out.numel(),
+            ),
         }
         for op, (raw, ours, checked, moved) in cases.items():
             times = {"raw": [], "ours": [], "ours_validated": []}
@@ -87,7 +99,7 @@ def bench_collectives(comm: Communicator, sizes=FULL_SIZES, quick: bool = False,
             variants = [("raw", raw), ("ours", ours), ("ours_validated", checked)]
             for i in range(_iterations(moved, quick)):
                 # Rotate the order so no variant always runs first (warm caches, a just-woken rank).
-                for name, fn in variants[i % 3:] + variants[:i % 3]:
+                for name, fn in variants[i % 3 :] + variants[: i % 3]:
                     times[name].append(_time(fn, comm, raw_barrier))
             rows.append(_summarise(comm, op, moved, times))
     return _report(comm, rows)
@@ -101,34 +113,52 @@ def _summarise(comm: Communicator, op: str, moved: int, times: dict) -> dict:
     # machine that a ratio of medians would not.
     paired = (stacked[1] / stacked[0]).median().item() - 1.0
     paired_checked = (stacked[2] / stacked[0]).median().item() - 1.0
-    return {"op": op, "bytes": moved, "iterations": stacked.shape[1], "raw_s": raw, "ours_s": ours,
-            "ours_validated_s": checked, "raw_gbps": moved / raw / 1e9, "ours_gbps": moved / ours / 1e9,
-            "overhead": paired, "overhead_validated": paired_checked}
+    return {
+        "op": op,
+        "bytes": moved,
+        "iterations": stacked.shape[1],
+        "raw_s": raw,
+        "ours_s": ours,
+        "ours_validated_s": checked,
+        "raw_gbps": moved / raw / 1e9,
+        "ours_gbps": moved / ours / 1e9,
+        "overhead": paired,
+        "overhead_validated": paired_checked,
+    }
 
 
 def _report(comm: Communicator, rows: list[dict]) -> dict:
     big = [r["overhead"] for r in rows if r["bytes"] >= MiB]
     return {
-        "backend": comm.backend, "world_size": comm.world_size, "threads_per_rank": torch.get_num_threads(),
+        "backend": comm.backend,
+        "world_size": comm.world_size,
+        "threads_per_rank": torch.get_num_threads(),
         "results": rows,
-        "summary": {"goal_overhead_ge_1MiB": 0.05,
-                    "median_overhead_ge_1MiB": statistics.median(big) if big else None,
-                    "max_overhead_ge_1MiB": max(big) if big else None,
-                    "met": bool(big) and statistics.median(big) <= 0.05},
+        "summary": {
+            "goal_overhead_ge_1MiB": 0.05,
+            "median_overhead_ge_1MiB": statistics.median(big) if big else None,
+            "max_overhead_ge_1MiB": max(big) if big else None,
+            "met": bool(big) and statistics.median(big) <= 0.05,
+        },
     }
 
 
 def format_table(report: dict) -> str:
-    lines = [f"backend={report['backend']} world_size={report['world_size']} (per-rank GB/s, median of "
-             f"slowest-rank times)",
-             f"{'op':<11} {'size':>9} {'raw GB/s':>9} {'ours GB/s':>9} {'overhead':>9} {'+validate':>10}"]
+    lines = [
+        f"backend={report['backend']} world_size={report['world_size']} (per-rank GB/s, median of slowest-rank times)",
+        f"{'op':<11} {'size':>9} {'raw GB/s':>9} {'ours GB/s':>9} {'overhead':>9} {'+validate':>10}",
+    ]
     for r in report["results"]:
-        lines.append(f"{r['op']:<11} {_size(r['bytes']):>9} {r['raw_gbps']:>9.3f} {r['ours_gbps']:>9.3f} "
-                     f"{r['overhead']:>+9.1%} {r['overhead_validated']:>+10.1%}")
+        lines.append(
+            f"{r['op']:<11} {_size(r['bytes']):>9} {r['raw_gbps']:>9.3f} {r['ours_gbps']:>9.3f} "
+            f"{r['overhead']:>+9.1%} {r['overhead_validated']:>+10.1%}"
+        )
     s = report["summary"]
     if s["median_overhead_ge_1MiB"] is not None:
-        lines.append(f"overhead at >= 1 MiB: median {s['median_overhead_ge_1MiB']:+.1%}, max "
-                     f"{s['max_overhead_ge_1MiB']:+.1%} (goal <= +5%: {'met' if s['met'] else 'NOT met'})")
+        lines.append(
+            f"overhead at >= 1 MiB: median {s['median_overhead_ge_1MiB']:+.1%}, max "
+            f"{s['max_overhead_ge_1MiB']:+.1%} (goal <= +5%: {'met' if s['met'] else 'NOT met'})"
+        )
     return "\n".join(lines)
 
 
@@ -169,17 +199,28 @@ def round_trip(comm: Communicator, sizes=(64 * KiB, 1 * MiB, 16 * MiB), hidden: 
         timing = torch.tensor([t1 - t0, t2 - t1], dtype=torch.float64)
         comm.all_reduce(timing, op="max")
         sent = tokens.numel() * 2
-        report.append({"bytes_per_rank": sent, "dispatch_s": timing[0].item(), "combine_s": timing[1].item(),
-                       "dispatch_gbps": sent / timing[0].item() / 1e9, "combine_gbps": sent / timing[1].item() / 1e9,
-                       "verified": bool(ok.item())})
+        report.append(
+            {
+                "bytes_per_rank": sent,
+                "dispatch_s": timing[0].item(),
+                "combine_s": timing[1].item(),
+                "dispatch_gbps": sent / timing[0].item() / 1e9,
+                "combine_gbps": sent / timing[1].item() / 1e9,
+                "verified": bool(ok.item()),
+            }
+        )
     return {"backend": comm.backend, "world_size": w, "hidden": hidden, "dtype": "bfloat16", "results": report}
 
 
 def format_round_trip(report: dict) -> str:
-    lines = [f"all-to-all round trip: {report['world_size']} ranks, backend={report['backend']}, "
-             f"bf16 rows of {report['hidden']}, uneven splits",
-             f"{'per rank':>9} {'dispatch GB/s':>14} {'combine GB/s':>13} {'data back intact':>17}"]
+    lines = [
+        f"all-to-all round trip: {report['world_size']} ranks, backend={report['backend']}, "
+        f"bf16 rows of {report['hidden']}, uneven splits",
+        f"{'per rank':>9} {'dispatch GB/s':>14} {'combine GB/s':>13} {'data back intact':>17}",
+    ]
     for r in report["results"]:
-        lines.append(f"{_size(r['bytes_per_rank']):>9} {r['dispatch_gbps']:>14.3f} {r['combine_gbps']:>13.3f} "
-                     f"{'yes' if r['verified'] else 'NO':>17}")
+        lines.append(
+            f"{_size(r['bytes_per_rank']):>9} {r['dispatch_gbps']:>14.3f} {r['combine_gbps']:>13.3f} "
+            f"{'yes' if r['verified'] else 'NO':>17}"
+        )
     return "\n".join(lines)

@@ -1,21 +1,33 @@
 """``moonep bench collectives`` and ``moonep roundtrip`` (the local demo)."""
+
 from __future__ import annotations
 
 import argparse
+import os
+
+from collectives import launch
+from collectives.bench import FULL_SIZES, QUICK_SIZES, bench_collectives, format_round_trip, format_table, round_trip
+from moonep_base import write_json
 
 
 def register(commands, bench) -> None:
-    p = bench.add_parser("collectives", help="all-to-all / all-gather bandwidth: our layer vs the raw backend",
-                         description="All-to-all and all-gather bandwidth over 4 KiB .. 64 MiB, our Communicator "
-                                     "vs the raw backend call on the same ranks, interleaved in one run.")
+    p = bench.add_parser(
+        "collectives",
+        help="all-to-all / all-gather bandwidth: our layer vs the raw backend",
+        description="All-to-all and all-gather bandwidth over 4 KiB .. 64 MiB, our Communicator "
+        "vs the raw backend call on the same ranks, interleaved in one run.",
+    )
     _job_arguments(p)
     p.add_argument("--quick", action="store_true", help="three small sizes, three iterations (smoke run)")
     p.set_defaults(func=_bench)
 
-    p = commands.add_parser("roundtrip", help="demo: local ranks send bf16 rows with uneven splits and back",
-                            description="The smallest real end-to-end job: local ranks over gloo (or MPI) "
-                                        "dispatch rows with uneven splits, return them, verify, and print "
-                                        "a bandwidth table.")
+    p = commands.add_parser(
+        "roundtrip",
+        help="demo: local ranks send bf16 rows with uneven splits and back",
+        description="The smallest real end-to-end job: local ranks over gloo (or MPI) "
+        "dispatch rows with uneven splits, return them, verify, and print "
+        "a bandwidth table.",
+    )
     _job_arguments(p)
     p.add_argument("--hidden", type=int, default=1024, help="row width (bf16 elements)")
     p.set_defaults(func=_roundtrip)
@@ -29,26 +41,18 @@ def _job_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _bench_rank(comm, quick: bool):
-    from collectives.bench import FULL_SIZES, QUICK_SIZES, bench_collectives
-
     return bench_collectives(comm, QUICK_SIZES if quick else FULL_SIZES, quick=quick)
 
 
 def _round_trip_rank(comm, hidden: int):
-    from collectives.bench import round_trip
-
     return round_trip(comm, hidden=hidden)
 
 
 def _run(args, fn, **kwargs):
-    from collectives import launch
-
     return launch(fn, args.world_size, backend=args.backend, timeout=args.timeout, **kwargs)
 
 
 def _emit(args, report, table: str) -> None:
-    from moonep.cli import write_json
-
     if report is None:  # a non-zero rank under torchrun/mpiexec: rank 0 prints
         return
     print(table)
@@ -58,8 +62,6 @@ def _emit(args, report, table: str) -> None:
 
 
 def _is_rank0() -> bool:
-    import os
-
     for key in ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK"):
         if key in os.environ:
             return os.environ[key] == "0"
@@ -67,8 +69,6 @@ def _is_rank0() -> bool:
 
 
 def _bench(args) -> int:
-    from collectives.bench import format_table
-
     report = _run(args, _bench_rank, quick=args.quick)
     if _is_rank0():
         _emit(args, report, format_table(report))
@@ -76,8 +76,6 @@ def _bench(args) -> int:
 
 
 def _roundtrip(args) -> int:
-    from collectives.bench import format_round_trip
-
     report = _run(args, _round_trip_rank, hidden=args.hidden)
     if _is_rank0():
         _emit(args, report, format_round_trip(report))

@@ -8,7 +8,7 @@ late: the signature of a slow link, not of slow compute). Delays come from
 workload (the training loop), not to communication.
 
 The fault *specs* of training jobs live here too, so that both the trainer (``k3``, which may not import
-``tools``) and the synthetic workload (``tools``, which re-exports them from ``tools.inject``) read one grammar
+``tools``) and the synthetic workload (``tools``) read one grammar, from here
 (comma-separated ``key=value`` items; ``;`` separates several specs of one kind):
 
 - ``rank=R,factor=F[,from_step=N]`` (``Slowdown``): rank R's compute takes F x as long from step N (default 0).
@@ -19,6 +19,7 @@ The fault *specs* of training jobs live here too, so that both the trainer (``k3
 Every parser raises ``ValueError`` naming the bad part, so a typo never silently runs a clean job. Applying a
 slowdown or data delay is the job's business (time-based: see ``tools/workload.py`` and ``k3/train.py``).
 """
+
 from __future__ import annotations
 
 import os
@@ -128,9 +129,11 @@ def _fields(part: str, what: str, required: set[str], optional: set[str]) -> dic
         fields[key] = value.strip()
     missing, unknown = required - set(fields), set(fields) - required - optional
     if missing or unknown:
-        raise ValueError(f"{what} {part!r}: needs {sorted(required)}"
-                         f"{' (optional ' + str(sorted(optional)) + ')' if optional else ''}; "
-                         f"missing {sorted(missing)}, unknown {sorted(unknown)}")
+        raise ValueError(
+            f"{what} {part!r}: needs {sorted(required)}"
+            f"{' (optional ' + str(sorted(optional)) + ')' if optional else ''}; "
+            f"missing {sorted(missing)}, unknown {sorted(unknown)}"
+        )
     return fields
 
 
@@ -185,8 +188,12 @@ def parse_link_delay_specs(spec: str) -> list[LinkDelay]:
 
 def check_fault_ranks(world_size: int, slowdowns=(), data_delays=(), link_delays=()) -> None:
     """ValueError naming every injected rank that is not below ``world_size`` (a typo must not run clean)."""
-    bad = [f"{name} rank {s.rank}" for name, specs in (("slowdown", slowdowns), ("data delay", data_delays))
-           for s in specs if s.rank >= world_size]
+    bad = [
+        f"{name} rank {s.rank}"
+        for name, specs in (("slowdown", slowdowns), ("data delay", data_delays))
+        for s in specs
+        if s.rank >= world_size
+    ]
     bad += [f"link delay rank {r}" for d in link_delays for r in (d.src, d.dst) if r >= world_size]
     if bad:
         raise ValueError(f"injected faults outside world_size={world_size}: {', '.join(bad)}")

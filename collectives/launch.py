@@ -11,24 +11,36 @@ and runs ``fn`` in place, so one script works under all three.
 with ``if __name__ == "__main__":``), and its kwargs and result must be picklable: they travel between our own
 processes through files in our own temporary folder, never from a user's file.
 """
+
 from __future__ import annotations
 
 import atexit
+import ctypes
 import multiprocessing as mp
 import multiprocessing.connection
 import os
 import pickle
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Callable
 
+import torch
+import torch.distributed as dist
+
 from collectives.base import CollectiveError, Communicator
+from collectives.mpi_backend import MPICommunicator, mpi_env_rank
+from collectives.nvshmem_backend import NVSHMEMCommunicator
+from collectives.torch_backend import init_torch
+from collectives.trace import tracer_from_env
 
 BACKENDS = ("torch", "mpi", "nvshmem")
 
@@ -73,8 +85,6 @@ def external_launcher() -> str | None:
         return None  # one of our own spawned ranks: launch() must not recurse
     if all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
         return "torchrun"  # checked first: under torchrun, mpi4py would report a singleton world
-    from collectives.mpi_backend import mpi_env_rank
-
     return "mpi" if mpi_env_rank() is not None else None
 
 
@@ -100,8 +110,6 @@ def local_rank(rank: int) -> int:
 
 def check_device(device: str) -> None:
     """ValueError unless ``device`` is ``"cpu"``, or ``"cuda"`` with a CUDA device visible to torch."""
-    import torch
-
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device: expected cpu or cuda, got {device!r}")
     if device == "cuda" and not torch.cuda.is_available():
@@ -113,23 +121,32 @@ def rank_device(comm: Communicator, device: str):
     current). The torch backend moves CUDA tensors over NCCL, which takes one GPU per rank, so more local ranks
     than visible GPUs is a ValueError (on every rank); the MPI backend stages CUDA tensors through host memory
     and may share a GPU (``local rank % GPUs``). ValueError too when CUDA is asked for and absent."""
-    import torch
-
     check_device(device)
     if device == "cpu":
         return torch.device("cpu")
     gpus, local = torch.cuda.device_count(), _env_int(LOCAL_SIZE_ENV) or comm.world_size
     if comm.backend == "torch" and local > gpus:
-        raise ValueError(f"device: {local} ranks on this host but {gpus} visible GPU(s); NCCL needs one GPU per "
-                         f"rank: run at most {gpus} ranks per host, or use the mpi backend")
+        raise ValueError(
+            f"device: {local} ranks on this host but {gpus} visible GPU(s); NCCL needs one GPU per "
+            f"rank: run at most {gpus} ranks per host, or use the mpi backend"
+        )
     index = local_rank(comm.rank) % gpus
     torch.cuda.set_device(index)
     return torch.device("cuda", index)
 
 
-def launch(fn: Callable[..., Any], world_size: int, backend: str = "torch", *, timeout: float = 60.0,
-           threads_per_rank: int = 1, validate: bool = True, trace_dir: str | None = None,
-           job_timeout: float | None = None, **kwargs) -> Any:
+def launch(
+    fn: Callable[..., Any],
+    world_size: int,
+    backend: str = "torch",
+    *,
+    timeout: float = 60.0,
+    threads_per_rank: int = 1,
+    validate: bool = True,
+    trace_dir: str | None = None,
+    job_timeout: float | None = None,
+    **kwargs,
+) -> Any:
     """Run ``fn(comm, **kwargs)`` on ``world_size`` ranks and return rank 0's result.
 
     ``timeout`` bounds each collective; ``job_timeout`` (seconds, default unbounded) bounds the whole job.
@@ -156,8 +173,10 @@ def launch(fn: Callable[..., Any], world_size: int, backend: str = "torch", *, t
 def _launch_spawn(fn, world_size: int, opts: LaunchOptions, kwargs: dict, job_timeout: float | None):
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="moonep-launch-") as tmp:
-        procs = [ctx.Process(target=_spawned_rank, args=(rank, world_size, tmp, fn, kwargs, opts),
-                             name=f"moonep-rank{rank}") for rank in range(world_size)]
+        procs = [
+            ctx.Process(target=_spawned_rank, args=(rank, world_size, tmp, fn, kwargs, opts), name=f"moonep-rank{rank}")
+            for rank in range(world_size)
+        ]
         previous = _exit_on_sigterm()
         try:
             for p in procs:
@@ -173,8 +192,6 @@ def _launch_spawn(fn, world_size: int, opts: LaunchOptions, kwargs: dict, job_ti
 def _exit_on_sigterm():
     """Make SIGTERM unwind this process (so ``finally`` terminates the ranks) instead of killing it outright,
     which would leave the spawned ranks running. Returns the previous handler, or None off the main thread."""
-    import threading
-
     if threading.current_thread() is not threading.main_thread():
         return None
 
@@ -187,8 +204,6 @@ def _exit_on_sigterm():
 def _die_with_parent() -> None:
     """Linux: deliver SIGKILL to this rank if the launching process dies, even by SIGKILL (no orphans)."""
     try:
-        import ctypes
-
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
     except (OSError, AttributeError):  # not Linux/glibc: the parent's SIGTERM handler still cleans up
         pass
@@ -196,12 +211,14 @@ def _die_with_parent() -> None:
 
 def _spawned_rank(rank: int, world_size: int, tmp: str, fn, kwargs: dict, opts: LaunchOptions) -> None:
     _die_with_parent()
-    os.environ.update(MOONEP_LOCAL_RANK_OF=str(world_size), MOONEP_LOOPBACK="1", MASTER_ADDR="127.0.0.1",
-                      OMP_NUM_THREADS=str(opts.threads_per_rank))
+    os.environ.update(
+        MOONEP_LOCAL_RANK_OF=str(world_size),
+        MOONEP_LOOPBACK="1",
+        MASTER_ADDR="127.0.0.1",
+        OMP_NUM_THREADS=str(opts.threads_per_rank),
+    )
     comm = None
     try:
-        import torch
-
         torch.set_num_threads(opts.threads_per_rank)
         comm = _rank_communicator(rank, world_size, tmp, opts)
         result = fn(comm, **kwargs)
@@ -218,16 +235,11 @@ def _spawned_rank(rank: int, world_size: int, tmp: str, fn, kwargs: dict, opts: 
 
 
 def _rank_communicator(rank: int, world_size: int, tmp: str, opts: LaunchOptions) -> Communicator:
-    import torch.distributed as dist
-
-    from collectives.torch_backend import init_torch
-
     store = dist.FileStore(os.path.join(tmp, "store"), world_size)
-    comm = init_torch(rank, world_size, store=store, timeout=opts.timeout, validate=opts.validate,
-                      trace_dir=opts.trace_dir)
+    comm = init_torch(
+        rank, world_size, store=store, timeout=opts.timeout, validate=opts.validate, trace_dir=opts.trace_dir
+    )
     if opts.backend == "nvshmem":
-        from collectives.nvshmem_backend import NVSHMEMCommunicator
-
         return NVSHMEMCommunicator(comm)
     return comm
 
@@ -255,8 +267,11 @@ def _supervise(procs, tmp: str, job_timeout: float | None) -> None:
                 time.sleep(0.2)  # let peers that fail in turn write their files, then name the root cause
                 raise _failure(tmp, rank, procs[rank].exitcode)
         if deadline is not None and time.monotonic() > deadline:
-            raise LaunchError(None, f"the job did not finish within job_timeout={job_timeout}s; "
-                                    f"ranks still running: {sorted(running.values())}")
+            raise LaunchError(
+                None,
+                f"the job did not finish within job_timeout={job_timeout}s; "
+                f"ranks still running: {sorted(running.values())}",
+            )
 
 
 def _failure(tmp: str, first_rank: int, exitcode: int | None) -> LaunchError:
@@ -267,18 +282,21 @@ def _failure(tmp: str, first_rank: int, exitcode: int | None) -> LaunchError:
         for suffix, found in reports.items():
             if name.startswith("rank") and name.endswith(suffix):
                 with open(os.path.join(tmp, name)) as f:
-                    found[int(name[4:-len(suffix)])] = f.read()
+                    found[int(name[4 : -len(suffix)])] = f.read()
     if reports[".err"]:
         rank = min(reports[".err"])
         return LaunchError(rank, reports[".err"][rank])
     if first_rank not in reports[".peer"] and exitcode is not None and exitcode != 0 and first_rank >= 0:
         if exitcode < 0:
             return LaunchError(first_rank, f"killed by signal {signal.Signals(-exitcode).name}")
-        return LaunchError(first_rank, f"exited with status {exitcode} before reporting an error: it failed "
-                                       f"while starting (see its stderr above). Usual causes: the script calling "
-                                       f"launch() lacks an `if __name__ == \"__main__\":` guard, or fn is not "
-                                       f"importable by name (a lambda, a closure, or defined in an interactive "
-                                       f"session)")
+        return LaunchError(
+            first_rank,
+            f"exited with status {exitcode} before reporting an error: it failed "
+            f"while starting (see its stderr above). Usual causes: the script calling "
+            f'launch() lacks an `if __name__ == "__main__":` guard, or fn is not '
+            f"importable by name (a lambda, a closure, or defined in an interactive "
+            f"session)",
+        )
     if reports[".peer"]:
         rank = min(reports[".peer"])
         return LaunchError(rank, reports[".peer"][rank])
@@ -327,10 +345,20 @@ def _launch_mpi(fn, world_size: int, opts: LaunchOptions, kwargs: dict, job_time
                 f.write(os.path.abspath(main_path))
         with open(os.path.join(tmp, "job.pkl"), "wb") as f:
             pickle.dump({"fn": fn, "kwargs": kwargs, "opts": opts}, f)
-        env = dict(os.environ, OMP_NUM_THREADS=str(opts.threads_per_rank),
-                   PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-        cmd = [mpiexec_path(), "-n", str(world_size), sys.executable, "-m", "mpi4py",
-               "-m", "collectives._mpi_rank", tmp]
+        env = dict(
+            os.environ, OMP_NUM_THREADS=str(opts.threads_per_rank), PYTHONPATH=os.pathsep.join(p for p in sys.path if p)
+        )
+        cmd = [
+            mpiexec_path(),
+            "-n",
+            str(world_size),
+            sys.executable,
+            "-m",
+            "mpi4py",
+            "-m",
+            "collectives._mpi_rank",
+            tmp,
+        ]
         try:
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=job_timeout)
         except subprocess.TimeoutExpired as exc:
@@ -360,8 +388,9 @@ def _mpi_failure(tmp: str, proc: subprocess.CompletedProcess) -> LaunchError:
 
 
 # ------------------------------------------------------------------------------------------- join a job
-def init(backend: str | None = None, *, timeout: float = 60.0, validate: bool = True,
-         trace_dir: str | None = None) -> Communicator:
+def init(
+    backend: str | None = None, *, timeout: float = 60.0, validate: bool = True, trace_dir: str | None = None
+) -> Communicator:
     """This process's world communicator under torchrun, mpiexec, or alone (world size 1).
 
     ``backend`` defaults to ``torch`` under torchrun or alone and to ``mpi`` under mpiexec. ``backend="torch"``
@@ -372,45 +401,53 @@ def init(backend: str | None = None, *, timeout: float = 60.0, validate: bool = 
     backend = backend or ("mpi" if launcher == "mpi" else "torch")
     LaunchOptions(backend, timeout)  # argument checks
     if backend == "mpi":
-        from collectives.mpi_backend import MPICommunicator
-        from collectives.trace import tracer_from_env
-        from mpi4py import MPI
+        from mpi4py import MPI  # optional: mpi4py (the mpi extra); importing it initialises MPI
 
-        return MPICommunicator(timeout=timeout, validate=validate,
-                               tracer=tracer_from_env(MPI.COMM_WORLD.Get_rank(), trace_dir))
+        return MPICommunicator(
+            timeout=timeout, validate=validate, tracer=tracer_from_env(MPI.COMM_WORLD.Get_rank(), trace_dir)
+        )
     comm = _init_torch_from(launcher, timeout, validate, trace_dir)
     if backend == "nvshmem":
-        from collectives.nvshmem_backend import NVSHMEMCommunicator
-
         return NVSHMEMCommunicator(comm)
     return comm
 
 
 def _init_torch_from(launcher: str | None, timeout: float, validate: bool, trace_dir: str | None):
-    import torch.distributed as dist
-
-    from collectives.torch_backend import init_torch
-
     if launcher == "torchrun":
-        return init_torch(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), init_method="env://",
-                          timeout=timeout, validate=validate, trace_dir=trace_dir)
+        return init_torch(
+            int(os.environ["RANK"]),
+            int(os.environ["WORLD_SIZE"]),
+            init_method="env://",
+            timeout=timeout,
+            validate=validate,
+            trace_dir=trace_dir,
+        )
     if launcher == "mpi":
-        from datetime import timedelta
-        import socket
-
-        from mpi4py import MPI
+        from mpi4py import MPI  # optional: mpi4py (the mpi extra); importing it initialises MPI
 
         world = MPI.COMM_WORLD
         rank, size = world.Get_rank(), world.Get_size()
         store = None
         if rank == 0:  # port 0: the OS picks a free port, which rank 0 then tells everyone
-            store = dist.TCPStore(socket.gethostname(), 0, size, is_master=True, wait_for_workers=False,
-                                  timeout=timedelta(seconds=timeout))
+            store = dist.TCPStore(
+                socket.gethostname(),
+                0,
+                size,
+                is_master=True,
+                wait_for_workers=False,
+                timeout=timedelta(seconds=timeout),
+            )
         host, port = world.bcast((socket.gethostname(), store.port) if rank == 0 else None, root=0)
         if rank != 0:
             store = dist.TCPStore(host, port, size, is_master=False, timeout=timedelta(seconds=timeout))
         return init_torch(rank, size, store=store, timeout=timeout, validate=validate, trace_dir=trace_dir)
     tmp = tempfile.mkdtemp(prefix="moonep-single-")
     os.environ.setdefault("MOONEP_LOOPBACK", "1")
-    return init_torch(0, 1, store=dist.FileStore(os.path.join(tmp, "store"), 1), timeout=timeout,
-                      validate=validate, trace_dir=trace_dir)
+    return init_torch(
+        0,
+        1,
+        store=dist.FileStore(os.path.join(tmp, "store"), 1),
+        timeout=timeout,
+        validate=validate,
+        trace_dir=trace_dir,
+    )

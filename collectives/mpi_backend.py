@@ -6,6 +6,7 @@ until done or until its timeout, which raises ``CollectiveError``. CPU tensors a
 tensors are staged through host memory (correct everywhere, fast nowhere: use the torch/NCCL backend on GPUs).
 Reductions of bf16/fp16 run in fp32 (MPI has no half-precision types) and are rounded once.
 """
+
 from __future__ import annotations
 
 import os
@@ -15,11 +16,11 @@ import time
 
 import torch
 
-from collectives.base import Communicator, CollectiveError, _row_numel
+from collectives.base import CollectiveError, Communicator, _row_numel
 
 
 def _mpi():
-    from mpi4py import MPI  # lazy: importing mpi4py initialises MPI, which only MPI runs want
+    from mpi4py import MPI  # optional: mpi4py (the mpi extra); importing it initialises MPI, which only MPI runs want
 
     return MPI
 
@@ -34,9 +35,15 @@ def _bytes(t: torch.Tensor):
 
 def _typed(t: torch.Tensor):
     MPI = _mpi()
-    kinds = {torch.float32: MPI.FLOAT, torch.float64: MPI.DOUBLE, torch.int32: MPI.INT32_T,
-             torch.int64: MPI.INT64_T, torch.int16: MPI.INT16_T, torch.int8: MPI.INT8_T,
-             torch.uint8: MPI.UINT8_T}
+    kinds = {
+        torch.float32: MPI.FLOAT,
+        torch.float64: MPI.DOUBLE,
+        torch.int32: MPI.INT32_T,
+        torch.int64: MPI.INT64_T,
+        torch.int16: MPI.INT16_T,
+        torch.int8: MPI.INT8_T,
+        torch.uint8: MPI.UINT8_T,
+    }
     return [t.reshape(-1).numpy(), kinds[t.dtype]]
 
 
@@ -51,8 +58,10 @@ class _Staged:
         self.hosts = tensors
         self.staged = any(t.is_cuda or (upcast and t.dtype in _HALF) for t in tensors)
         if self.staged:  # the common case (CPU, no upcast) passes the tensors' own memory to MPI
-            self.hosts = tuple((t.cpu() if t.is_cuda else t).float() if upcast and t.dtype in _HALF
-                               else (t.cpu() if t.is_cuda else t) for t in tensors)
+            self.hosts = tuple(
+                (t.cpu() if t.is_cuda else t).float() if upcast and t.dtype in _HALF else (t.cpu() if t.is_cuda else t)
+                for t in tensors
+            )
 
     def write_back(self, *which: int) -> None:
         if self.staged:
@@ -66,16 +75,21 @@ class MPICommunicator(Communicator):
 
     backend = "mpi"
 
-    def __init__(self, comm=None, *, timeout: float = 60.0, validate: bool = True, tracer=None,
-                 blocking: bool = True):
+    def __init__(self, comm=None, *, timeout: float = 60.0, validate: bool = True, tracer=None, blocking: bool = True):
         MPI = _mpi()
         self.blocking = blocking
         self.comm = MPI.COMM_WORLD if comm is None else comm
         world_group = MPI.COMM_WORLD.Get_group()
-        group_ranks = MPI.Group.Translate_ranks(self.comm.Get_group(), list(range(self.comm.Get_size())),
-                                                world_group)
-        super().__init__(self.comm.Get_rank(), self.comm.Get_size(), group_ranks, timeout=timeout,
-                         validate=validate, tracer=tracer, global_rank=MPI.COMM_WORLD.Get_rank())
+        group_ranks = MPI.Group.Translate_ranks(self.comm.Get_group(), list(range(self.comm.Get_size())), world_group)
+        super().__init__(
+            self.comm.Get_rank(),
+            self.comm.Get_size(),
+            group_ranks,
+            timeout=timeout,
+            validate=validate,
+            tracer=tracer,
+            global_rank=MPI.COMM_WORLD.Get_rank(),
+        )
 
     def _call(self, name: str, op: str, timeout: float, *args, **kwargs) -> None:
         """Run MPI's ``name`` (blocking spelling, e.g. ``Alltoallv``) within ``timeout`` seconds.
@@ -97,8 +111,11 @@ class MPICommunicator(Communicator):
         while not request.Test():
             os.sched_yield()  # MPI progresses only inside MPI calls; yielding lets oversubscribed peers run
             if time.monotonic() > deadline:
-                raise CollectiveError(f"{op} on rank {self.global_rank} did not complete within its {timeout:g}s "
-                                      f"timeout (a peer is dead, stuck, or called a different collective)", op=op)
+                raise CollectiveError(
+                    f"{op} on rank {self.global_rank} did not complete within its {timeout:g}s "
+                    f"timeout (a peer is dead, stuck, or called a different collective)",
+                    op=op,
+                )
 
     def _all_to_all_single(self, out, inp, out_splits, in_splits, timeout):
         s = _Staged(out, inp)
@@ -107,12 +124,16 @@ class MPICommunicator(Communicator):
         recv = [n * row for n in out_splits]
         BYTE = _mpi().BYTE
         if len(set(in_splits)) == 1 and len(set(out_splits)) == 1:  # MPICH's Alltoall beats Alltoallv here
-            self._call("Alltoall", "all_to_all_single", timeout, [_bytes(s.hosts[1]), BYTE],
-                       [_bytes(s.hosts[0]), BYTE])
+            self._call("Alltoall", "all_to_all_single", timeout, [_bytes(s.hosts[1]), BYTE], [_bytes(s.hosts[0]), BYTE])
             s.write_back(0)
             return out
-        self._call("Alltoallv", "all_to_all_single", timeout, [_bytes(s.hosts[1]), (send, _displs(send)), BYTE],
-                   [_bytes(s.hosts[0]), (recv, _displs(recv)), BYTE])
+        self._call(
+            "Alltoallv",
+            "all_to_all_single",
+            timeout,
+            [_bytes(s.hosts[1]), (send, _displs(send)), BYTE],
+            [_bytes(s.hosts[0]), (recv, _displs(recv)), BYTE],
+        )
         s.write_back(0)
         return out
 
@@ -133,8 +154,9 @@ class MPICommunicator(Communicator):
 
     def _reduce_scatter(self, out, inp, op, timeout):
         s = _Staged(out, inp, upcast=True)
-        self._call("Reduce_scatter_block", "reduce_scatter", timeout, _typed(s.hosts[1]), _typed(s.hosts[0]),
-                   _mpi_op(op))
+        self._call(
+            "Reduce_scatter_block", "reduce_scatter", timeout, _typed(s.hosts[1]), _typed(s.hosts[0]), _mpi_op(op)
+        )
         s.write_back(0)
         return out
 
@@ -163,8 +185,9 @@ class MPICommunicator(Communicator):
             self.comm.Split(MPI.UNDEFINED, 0)
             return None
         sub = self.comm.Split(color, members.index(self.rank))
-        return MPICommunicator(sub, timeout=self.timeout, validate=self.validate, tracer=self.tracer,
-                               blocking=self.blocking)
+        return MPICommunicator(
+            sub, timeout=self.timeout, validate=self.validate, tracer=self.tracer, blocking=self.blocking
+        )
 
     def close(self) -> None:
         super().close()
@@ -205,9 +228,11 @@ class _Watchdog:
             deadline = self._deadline
             if deadline is not None and time.monotonic() > deadline:
                 rank, op, timeout = self._what
-                message = (f"moonep CollectiveError: {op} on rank {rank} did not complete within its {timeout:g}s "
-                           f"timeout (a peer is dead, stuck, or called a different collective); aborting the MPI "
-                           f"job\n")
+                message = (
+                    f"moonep CollectiveError: {op} on rank {rank} did not complete within its {timeout:g}s "
+                    f"timeout (a peer is dead, stuck, or called a different collective); aborting the MPI "
+                    f"job\n"
+                )
                 sys.stderr.write(message)
                 sys.stderr.flush()
                 if self.report_path:  # set by collectives.launch's MPI ranks: the launcher names us from it
@@ -234,10 +259,11 @@ def _mpi_op(op: str):
 
 def mpi_env_rank() -> tuple[int, int] | None:
     """(rank, world size) from an MPI launcher's environment (MPICH/Hydra, Open MPI, Slurm PMI), else None."""
-    import os
-
-    for rank_key, size_key in (("PMI_RANK", "PMI_SIZE"), ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
-                               ("PMIX_RANK", "PMIX_SIZE")):
+    for rank_key, size_key in (
+        ("PMI_RANK", "PMI_SIZE"),
+        ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
+        ("PMIX_RANK", "PMIX_SIZE"),
+    ):
         if rank_key in os.environ and size_key in os.environ:
             return int(os.environ[rank_key]), int(os.environ[size_key])
     return None

@@ -29,6 +29,7 @@ NVSHMEM's own test: ``echo get_server_list | nvidia-cuda-mps-control`` must list
 client has attached), and ``get_active_thread_percentage <pid>`` gives the server's percentage. The daemon must
 have been running when this process initialised CUDA (clients attach then): start it before the job.
 """
+
 from __future__ import annotations
 
 import errno
@@ -52,7 +53,7 @@ def nvshmem_available() -> tuple[bool, str]:
     if not torch.cuda.is_available():
         return False, "no CUDA device is visible (torch.cuda.is_available() is False)"
     try:
-        import nvshmem.core  # noqa: F401
+        import nvshmem.core  # noqa: F401  # optional: nvshmem4py (the gpu extra)
     except Exception as exc:  # ImportError, or a missing host library inside the wheel
         return False, f"nvshmem4py is not importable ({type(exc).__name__}: {exc}); pip install 'moonep[gpu]'"
     return True, ""
@@ -118,15 +119,15 @@ def mps_control(command: str, env: Mapping[str, str]) -> str | None:
     if exe is None:
         return None
     try:
-        done = subprocess.run([exe], input=command + "\n", capture_output=True, text=True, timeout=10,
-                              env=dict(env))
+        done = subprocess.run([exe], input=command + "\n", capture_output=True, text=True, timeout=10, env=dict(env))
     except (OSError, subprocess.SubprocessError):
         return None
     return done.stdout if done.returncode == 0 else None
 
 
-def mps_state(env: Mapping[str, str] | None = None,
-              control: Callable[[str, Mapping[str, str]], str | None] | None = None) -> MpsState:
+def mps_state(
+    env: Mapping[str, str] | None = None, control: Callable[[str, Mapping[str, str]], str | None] | None = None
+) -> MpsState:
     """CUDA MPS as NVSHMEM's init will see it (module docstring); ``env`` defaults to ``os.environ``, ``control``
     to ``mps_control``. Pure but for the filesystem and ``control``: tests pass a tmp ``CUDA_MPS_PIPE_DIRECTORY``
     and a fake control."""
@@ -137,12 +138,18 @@ def mps_state(env: Mapping[str, str] | None = None,
         return MpsState(False, found)
     servers = control("get_server_list", env)
     if servers is None:
-        return MpsState(False, f"{found}, but `nvidia-cuda-mps-control` is not on PATH or failed, and NVSHMEM "
-                               f"asks it for the MPS server list")
+        return MpsState(
+            False,
+            f"{found}, but `nvidia-cuda-mps-control` is not on PATH or failed, and NVSHMEM "
+            f"asks it for the MPS server list",
+        )
     pids = servers.split()
     if not pids:
-        return MpsState(False, f"{found}, but it runs no MPS server: this process is no MPS client (was the "
-                               f"daemon started after CUDA was, or with another CUDA_MPS_PIPE_DIRECTORY?)")
+        return MpsState(
+            False,
+            f"{found}, but it runs no MPS server: this process is no MPS client (was the "
+            f"daemon started after CUDA was, or with another CUDA_MPS_PIPE_DIRECTORY?)",
+        )
     percentage = env.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")  # a client's own limit wins, as in NVSHMEM
     if not percentage:
         answer = control(f"get_active_thread_percentage {pids[-1]}", env)
@@ -182,22 +189,30 @@ def shared_gpu_error(rows: Sequence[Sequence[int]], rank: int, gpu: str, found: 
         return None
     mates, problem = groups[keys[rank]], problems[keys[rank]]
     head = f"{len(mates)} PEs (ranks {', '.join(map(str, mates))}) share GPU {gpu}"
-    limited = ("NVSHMEM would run in its limited mode, in which signal_wait is unsupported and the process exits "
-               "at the first one")
+    limited = (
+        "NVSHMEM would run in its limited mode, in which signal_wait is unsupported and the process exits "
+        "at the first one"
+    )
     if problem == "mps" and not int(rows[rank][1]):
-        return (f"NVSHMEM needs CUDA MPS: {head}, but MPS is not running ({found}); {limited}. Start the MPS "
-                f"control daemon on this host before the job: `nvidia-cuda-mps-control -d` (with the job's "
-                f"CUDA_MPS_PIPE_DIRECTORY, if set; stop it with `echo quit | nvidia-cuda-mps-control`), or give "
-                f"each PE its own GPU.")
+        return (
+            f"NVSHMEM needs CUDA MPS: {head}, but MPS is not running ({found}); {limited}. Start the MPS "
+            f"control daemon on this host before the job: `nvidia-cuda-mps-control -d` (with the job's "
+            f"CUDA_MPS_PIPE_DIRECTORY, if set; stop it with `echo quit | nvidia-cuda-mps-control`), or give "
+            f"each PE its own GPU."
+        )
     if problem == "percentage":
         total = sum(int(rows[m][3]) for m in mates) / 1000
-        return (f"NVSHMEM needs the MPS active thread percentages of PEs sharing a GPU to add up to at most 100: "
-                f"{head} with {total:g}% in all (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, MPS default 100 each); "
-                f"{limited}. Set CUDA_MPS_ACTIVE_THREAD_PERCENTAGE={100 // len(mates)} for every rank before "
-                f"CUDA starts, or NVSHMEM_IGNORE_CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=1 (NVSHMEM warns its "
-                f"synchronizing calls may then deadlock).")
-    return (f"NVSHMEM not started: rank(s) {', '.join(map(str, bad))} share a GPU with other PEs without CUDA MPS "
-            f"set up for NVSHMEM (see their error; start MPS with `nvidia-cuda-mps-control -d`)")
+        return (
+            f"NVSHMEM needs the MPS active thread percentages of PEs sharing a GPU to add up to at most 100: "
+            f"{head} with {total:g}% in all (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, MPS default 100 each); "
+            f"{limited}. Set CUDA_MPS_ACTIVE_THREAD_PERCENTAGE={100 // len(mates)} for every rank before "
+            f"CUDA starts, or NVSHMEM_IGNORE_CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=1 (NVSHMEM warns its "
+            f"synchronizing calls may then deadlock)."
+        )
+    return (
+        f"NVSHMEM not started: rank(s) {', '.join(map(str, bad))} share a GPU with other PEs without CUDA MPS "
+        f"set up for NVSHMEM (see their error; start MPS with `nvidia-cuda-mps-control -d`)"
+    )
 
 
 def _gpu_key(device: int) -> int:
@@ -206,7 +221,7 @@ def _gpu_key(device: int) -> int:
     uuid = getattr(torch.cuda.get_device_properties(device), "uuid", None)
     gpu = str(uuid) if uuid is not None else f"{os.environ.get('CUDA_VISIBLE_DEVICES', '')}/{device}"
     digest = hashlib.blake2b(f"{socket.gethostname()}|{gpu}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & (2 ** 63 - 1)
+    return int.from_bytes(digest, "little") & (2**63 - 1)
 
 
 def require_mps_if_shared(bootstrap: Communicator, device: int) -> None:
@@ -214,8 +229,10 @@ def require_mps_if_shared(bootstrap: Communicator, device: int) -> None:
     once this process has its CUDA context: an MPS server appears in the daemon's list when a client attaches."""
     state = mps_state()
     ignore = os.environ.get("NVSHMEM_IGNORE_CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "").strip().lower() in _TRUE
-    mine = torch.tensor([[_gpu_key(device), int(state.active), device, round(state.thread_percentage * 1000),
-                          int(ignore)]], dtype=torch.int64)
+    mine = torch.tensor(
+        [[_gpu_key(device), int(state.active), device, round(state.thread_percentage * 1000), int(ignore)]],
+        dtype=torch.int64,
+    )
     rows = torch.empty(bootstrap.world_size, mine.shape[1], dtype=torch.int64)
     bootstrap._all_gather(rows, mine, bootstrap.timeout)  # host tensors: gloo under torch, or MPI
     gpu = f"cuda:{device} ({torch.cuda.get_device_name(device)}, host {socket.gethostname()})"
@@ -241,13 +258,20 @@ class NVSHMEMCommunicator(Communicator):
         ok, reason = nvshmem_available()
         if not ok:
             raise RuntimeError(f"NVSHMEM backend unavailable: {reason}")
-        import nvshmem.core as nvshmem
-        from cuda.core import Device
+        import nvshmem.core as nvshmem  # optional: nvshmem4py (the gpu extra)
+        from cuda.core import Device  # optional: cuda-core, installed with nvshmem4py
 
         self.bootstrap = bootstrap
         self._nvshmem = nvshmem
-        super().__init__(bootstrap.rank, bootstrap.world_size, bootstrap.group_ranks, timeout=bootstrap.timeout,
-                         validate=bootstrap.validate, tracer=bootstrap.tracer, global_rank=bootstrap.global_rank)
+        super().__init__(
+            bootstrap.rank,
+            bootstrap.world_size,
+            bootstrap.group_ranks,
+            timeout=bootstrap.timeout,
+            validate=bootstrap.validate,
+            tracer=bootstrap.tracer,
+            global_rank=bootstrap.global_rank,
+        )
         if device is None:
             device = int(os.environ.get("LOCAL_RANK", bootstrap.rank)) % torch.cuda.device_count()
         torch.cuda.set_device(device)
@@ -260,8 +284,9 @@ class NVSHMEMCommunicator(Communicator):
         carrier = torch.from_numpy(uid_bytes.copy())
         bootstrap.broadcast(carrier, src=0)
         uid_bytes[:] = carrier.numpy()
-        nvshmem.init(device=cuda_device, uid=uid, rank=bootstrap.rank, nranks=bootstrap.world_size,
-                     initializer_method="uid")
+        nvshmem.init(
+            device=cuda_device, uid=uid, rank=bootstrap.rank, nranks=bootstrap.world_size, initializer_method="uid"
+        )
         self._inbox = None  # symmetric uint8 receive buffer, grown on demand
         self._outbox = None  # symmetric uint8 send staging (a put's source must be registered memory on IB)
         self._signals = nvshmem.buffer(8 * self.world_size)  # one uint64 per sender, counts ops
@@ -295,7 +320,7 @@ class NVSHMEMCommunicator(Communicator):
         self._outbox = self._nvshmem.bytetensor((nbytes,), dtype=torch.uint8)
 
     def _slice_buffer(self, tensor: torch.Tensor, offset: int, nbytes: int):
-        from cuda.core import Buffer
+        from cuda.core import Buffer  # optional: cuda-core, installed with nvshmem4py
 
         return Buffer.from_handle(int(tensor.data_ptr()) + offset, nbytes)
 
@@ -306,8 +331,11 @@ class NVSHMEMCommunicator(Communicator):
         deadline = time.monotonic() + timeout
         while not event.query():
             if time.monotonic() > deadline:
-                raise CollectiveError(f"{op} on rank {self.global_rank}: NVSHMEM signals did not arrive within "
-                                      f"{timeout:g}s (a peer is dead or stuck)", op=op)
+                raise CollectiveError(
+                    f"{op} on rank {self.global_rank}: NVSHMEM signals did not arrive within "
+                    f"{timeout:g}s (a peer is dead or stuck)",
+                    op=op,
+                )
             time.sleep(0)
 
     def _exchange(self, out, inp, out_splits, in_splits, op: str, timeout: float):
@@ -322,22 +350,29 @@ class NVSHMEMCommunicator(Communicator):
         stream = self._stream()
         nv.barrier_all(stream=stream)  # everyone finished reading the previous contents of its receive buffer
         src = self._outbox
-        src[:sum(in_splits) * row].copy_(inp.reshape(-1).view(torch.uint8))
+        src[: sum(in_splits) * row].copy_(inp.reshape(-1).view(torch.uint8))
         send_off = 0
         for peer in range(self.world_size):
             nbytes = int(matrix[self.rank, peer]) * row
-            recv_off = int(matrix[:self.rank, peer].sum()) * row  # rows of lower ranks land first at the peer
+            recv_off = int(matrix[: self.rank, peer].sum()) * row  # rows of lower ranks land first at the peer
             signal = self._slice_buffer(self._signal_view, 8 * self.rank, 8)
             if nbytes:
-                nv.put_signal(self._slice_buffer(self._inbox, recv_off, nbytes),
-                              self._slice_buffer(src, send_off, nbytes), signal, self._seq,
-                              nv.SignalOp.SIGNAL_SET, remote_pe=peer, stream=stream)
+                nv.put_signal(
+                    self._slice_buffer(self._inbox, recv_off, nbytes),
+                    self._slice_buffer(src, send_off, nbytes),
+                    signal,
+                    self._seq,
+                    nv.SignalOp.SIGNAL_SET,
+                    remote_pe=peer,
+                    stream=stream,
+                )
             else:
                 nv.signal_op(signal, self._seq, nv.SignalOp.SIGNAL_SET, remote_pe=peer, stream=stream)
             send_off += nbytes
         for peer in range(self.world_size):
-            nv.signal_wait(self._slice_buffer(self._signal_view, 8 * peer, 8), self._seq,
-                           nv.ComparisonType.CMP_GE, stream=stream)
+            nv.signal_wait(
+                self._slice_buffer(self._signal_view, 8 * peer, 8), self._seq, nv.ComparisonType.CMP_GE, stream=stream
+            )
         total = sum(out_splits) * row
         out.view(-1).view(torch.uint8).copy_(self._inbox[:total])
         self._sync(op, timeout)

@@ -7,6 +7,7 @@ torchrun and mpiexec number them by default.
 Sources: a JSON file (``Topology.from_json``), command-line flags (``add_arguments`` / ``from_args``), or
 ``Topology.detect`` (NVML when a GPU driver is present, else one CPU node).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -118,9 +119,14 @@ class Topology:
     def from_args(cls, args: argparse.Namespace, world_size: int | None = None) -> "Topology":
         """Topology from ``add_arguments`` flags; without ``--nodes``/``--ranks-per-node`` one node holds all."""
         base = cls.from_json(args.topology).to_dict() if getattr(args, "topology", None) else {}
-        flags = {"num_nodes": "nodes", "ranks_per_node": "ranks_per_node", "intra_bw_gbps": "intra_bw_gbps",
-                 "inter_bw_gbps": "inter_bw_gbps", "intra_latency_us": "intra_latency_us",
-                 "inter_latency_us": "inter_latency_us"}
+        flags = {
+            "num_nodes": "nodes",
+            "ranks_per_node": "ranks_per_node",
+            "intra_bw_gbps": "intra_bw_gbps",
+            "inter_bw_gbps": "inter_bw_gbps",
+            "intra_latency_us": "intra_latency_us",
+            "inter_latency_us": "inter_latency_us",
+        }
         for field, flag in flags.items():
             if getattr(args, flag, None) is not None:
                 base[field] = getattr(args, flag)
@@ -142,20 +148,30 @@ class Topology:
         gpus = _nvml_gpus()
         if gpus is not None and gpus["count"] > 0:
             nvlink = gpus["nvlink_links"] > 0
-            return cls(num_nodes=num_nodes, ranks_per_node=gpus["count"],
-                       intra_bw_gbps=25.0 * gpus["nvlink_links"] if nvlink else 32.0,
-                       name=f"nvml: {gpus['count']} x {gpus['name']}" + (" NVLink" if nvlink else " PCIe"))
+            return cls(
+                num_nodes=num_nodes,
+                ranks_per_node=gpus["count"],
+                intra_bw_gbps=25.0 * gpus["nvlink_links"] if nvlink else 32.0,
+                name=f"nvml: {gpus['count']} x {gpus['name']}" + (" NVLink" if nvlink else " PCIe"),
+            )
         ranks = world_size or os.cpu_count() or 1
         if ranks % num_nodes:
             raise ValueError(f"world size {ranks} does not divide over {num_nodes} nodes")
-        return cls(num_nodes=num_nodes, ranks_per_node=ranks // num_nodes, intra_bw_gbps=5.0,
-                   inter_bw_gbps=1.0, intra_latency_us=20.0, inter_latency_us=50.0, name="cpu (no NVML)")
+        return cls(
+            num_nodes=num_nodes,
+            ranks_per_node=ranks // num_nodes,
+            intra_bw_gbps=5.0,
+            inter_bw_gbps=1.0,
+            intra_latency_us=20.0,
+            inter_latency_us=50.0,
+            name="cpu (no NVML)",
+        )
 
 
 def _nvml_gpus() -> dict | None:
     """GPU count, name and NVLink links of GPU 0, or None when NVML is unavailable."""
     try:
-        import pynvml
+        import pynvml  # optional: nvidia-ml-py (the gpu extra); without NVML the CPU defaults apply
     except ImportError:
         return None
     try:

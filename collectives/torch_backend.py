@@ -18,6 +18,7 @@ Every call is posted with ``async_op=True``; how it is waited on depends on wher
 When a rank fails under ``collectives.launch`` it writes ``moonep/failed/<rank>`` into the rendezvous store; a
 timed-out peer reads those keys to name it.
 """
+
 from __future__ import annotations
 
 import os
@@ -26,10 +27,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from collectives.base import Communicator, CollectiveError, _row_numel
+from collectives.base import CollectiveError, Communicator, _row_numel
+from collectives.trace import tracer_from_env
 
-_REDUCE = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
-           "prod": dist.ReduceOp.PRODUCT}
+_REDUCE = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN, "prod": dist.ReduceOp.PRODUCT}
 # torch >= 2.13 renamed the tensor collectives; keep one spelling for both.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -63,13 +64,22 @@ class TorchCommunicator(Communicator):
 
     def __init__(self, group=None, *, store=None, timeout: float = 60.0, validate: bool = True, tracer=None):
         if not dist.is_initialized():
-            raise RuntimeError("TorchCommunicator needs torch.distributed.init_process_group() first; "
-                               "use collectives.launch() or collectives.init()")
+            raise RuntimeError(
+                "TorchCommunicator needs torch.distributed.init_process_group() first; "
+                "use collectives.launch() or collectives.init()"
+            )
         self.group = group
         self.store = store
         ranks = dist.get_process_group_ranks(group) if group is not None else range(dist.get_world_size())
-        super().__init__(dist.get_rank(group), dist.get_world_size(group), list(ranks), timeout=timeout,
-                         validate=validate, tracer=tracer, global_rank=dist.get_rank())
+        super().__init__(
+            dist.get_rank(group),
+            dist.get_world_size(group),
+            list(ranks),
+            timeout=timeout,
+            validate=validate,
+            tracer=tracer,
+            global_rank=dist.get_rank(),
+        )
         self._has_gloo = "gloo" in str(dist.get_backend(group))
         self.owns_world = False  # set by init_torch: closing the world communicator ends torch.distributed
 
@@ -95,8 +105,9 @@ class TorchCommunicator(Communicator):
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         if "timed out" in reason.lower():
             reason = f"no answer within its {timeout:g}s timeout"
-        return CollectiveError(f"{op} on rank {self.global_rank} failed ({reason}); {who}", op=op,
-                               failed_ranks=list(failed))
+        return CollectiveError(
+            f"{op} on rank {self.global_rank} failed ({reason}); {who}", op=op, failed_ranks=list(failed)
+        )
 
     def failed_ranks(self) -> dict[int, str]:
         """``{global rank: last line of its error}`` for ranks that reported a failure into the store."""
@@ -121,8 +132,9 @@ class TorchCommunicator(Communicator):
 
     # ---------------------------------------------------------------- primitives
     def _all_to_all_single(self, out, inp, out_splits, in_splits, timeout):
-        work = dist.all_to_all_single(_movable(out), _movable(inp), out_splits, in_splits, group=self.group,
-                                      async_op=True)
+        work = dist.all_to_all_single(
+            _movable(out), _movable(inp), out_splits, in_splits, group=self.group, async_op=True
+        )
         self._wait(work, "all_to_all_single", timeout, inp)
         return out
 
@@ -147,7 +159,7 @@ class TorchCommunicator(Communicator):
             full = inp.clone()
             self._all_reduce(full, op, timeout)
             n = out.shape[0]
-            out.copy_(full[self.rank * n:(self.rank + 1) * n])
+            out.copy_(full[self.rank * n : (self.rank + 1) * n])
             return out
         work = _reduce_scatter_single(out, inp, op=_REDUCE[op], group=self.group, async_op=True)
         self._wait(work, "reduce_scatter", timeout, inp)
@@ -193,8 +205,9 @@ class TorchCommunicator(Communicator):
         ranks = [self.group_ranks[m] for m in members]
         # Only members create the group (local synchronization), so colors can be built independently.
         group = dist.new_group(ranks, timeout=timedelta(seconds=self.timeout), use_local_synchronization=True)
-        return TorchCommunicator(group, store=self.store, timeout=self.timeout, validate=self.validate,
-                                 tracer=self.tracer)
+        return TorchCommunicator(
+            group, store=self.store, timeout=self.timeout, validate=self.validate, tracer=self.tracer
+        )
 
     def close(self) -> None:
         """Destroy this communicator's group; the world communicator from ``init_torch`` also ends
@@ -208,21 +221,35 @@ class TorchCommunicator(Communicator):
         self.owns_world = False
 
 
-def init_torch(rank: int, world_size: int, *, store=None, init_method: str | None = None, timeout: float = 60.0,
-               backend: str | None = None, validate: bool = True, trace_dir=None) -> TorchCommunicator:
+def init_torch(
+    rank: int,
+    world_size: int,
+    *,
+    store=None,
+    init_method: str | None = None,
+    timeout: float = 60.0,
+    backend: str | None = None,
+    validate: bool = True,
+    trace_dir=None,
+) -> TorchCommunicator:
     """Initialise torch.distributed (gloo on CPU; ``cpu:gloo,cuda:nccl`` when CUDA is present) and wrap it."""
-    from collectives.trace import tracer_from_env
-
     if backend is None:
         backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
     if _loopback_only():
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group(backend, store=store, init_method=init_method, rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=timeout))
+    dist.init_process_group(
+        backend,
+        store=store,
+        init_method=init_method,
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=timeout),
+    )
     if store is None:
         store = dist.distributed_c10d._get_default_store()
-    comm = TorchCommunicator(None, store=store, timeout=timeout, validate=validate,
-                             tracer=tracer_from_env(rank, trace_dir))
+    comm = TorchCommunicator(
+        None, store=store, timeout=timeout, validate=validate, tracer=tracer_from_env(rank, trace_dir)
+    )
     comm.owns_world = True
     return comm
 

@@ -25,9 +25,11 @@ Workloads add their own records (compute phases, data loading) with ``Tracer.rec
 (for example ``{"op": "forward", "layer": "moe", ...}``). Readers must ignore fields they do not know.
 
 Times are each host's wall clock: ranks on one host compare directly; across hosts the reader must allow for
-clock offset. Lines are buffered and flushed every ``flush_every`` records, at least once a second, and at close, so tracing costs a
+clock offset. Lines are buffered and flushed every ``flush_every`` records, at least once a second, and at close, so
+tracing costs a
 dict and a list append per op; with tracing off the cost is one ``is None`` test.
 """
+
 from __future__ import annotations
 
 import json
@@ -53,18 +55,44 @@ class Tracer:
         self.flush_seconds = 1.0
         self._last_flush = time.time()
 
-    def record(self, op: str, nbytes: int, group: Sequence[int], t_enter: float, t_exit: float,
-               ok: bool = True, peer: int | None = None) -> None:
-        record = {"op": op, "bytes": int(nbytes), "group": list(group), "rank": self.rank, "seq": self._seq,
-                  "t_enter": t_enter, "t_exit": t_exit, "ok": ok, "step": self.step}
+    def record(
+        self,
+        op: str,
+        nbytes: int,
+        group: Sequence[int],
+        t_enter: float,
+        t_exit: float,
+        ok: bool = True,
+        peer: int | None = None,
+    ) -> None:
+        record = {
+            "op": op,
+            "bytes": int(nbytes),
+            "group": list(group),
+            "rank": self.rank,
+            "seq": self._seq,
+            "t_enter": t_enter,
+            "t_exit": t_exit,
+            "ok": ok,
+            "step": self.step,
+        }
         if peer is not None:
             record["peer"] = peer
         self._append(record)
 
     def record_event(self, op: str, t_enter: float, t_exit: float, **fields) -> None:
         """A workload's own record (compute phase, data loading): the op fields plus ``fields``."""
-        record = {"op": op, "bytes": 0, "group": [self.rank], "rank": self.rank, "seq": self._seq,
-                  "t_enter": t_enter, "t_exit": t_exit, "ok": True, "step": self.step}
+        record = {
+            "op": op,
+            "bytes": 0,
+            "group": [self.rank],
+            "rank": self.rank,
+            "seq": self._seq,
+            "t_enter": t_enter,
+            "t_exit": t_exit,
+            "ok": True,
+            "step": self.step,
+        }
         record.update(fields)
         self._append(record)
 

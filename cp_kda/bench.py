@@ -13,12 +13,19 @@ Timings are forward-only for ``chunk_vs_recurrent`` (fp32, one thread, best of `
 backward for ``cp`` (each rank one thread; the slowest rank counts). ``bytes_per_rank`` is the state payload one
 rank contributes to one pass (scan: fp32 [B | M] = 4*H*K*(K+V) bytes; ring: 4*H*K*V per hop).
 """
+
 from __future__ import annotations
 
 import time
 
 import torch
 import torch.nn.functional as F
+
+from collectives import launch
+
+from .chunk import kda_chunk
+from .cp import context_parallel_kda
+from .naive import kda_recurrent
 
 
 def _inputs(T, H, K, V, seed=0, requires_grad=False):
@@ -51,9 +58,6 @@ def _best_wall_cpu(fn, repeats):
 def bench_chunk_vs_recurrent(seq_lens, H, K, V, chunk_size=64, repeats=2):
     """``{str(T): {"chunk", "recurrent", "speedup"}}`` forward seconds, best of ``repeats`` (the recurrence
     is timed once above 8k tokens: it takes tens of seconds there)."""
-    from .chunk import kda_chunk
-    from .naive import kda_recurrent
-
     out = {}
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # one thread, as each CP rank gets: compares algorithms, not thread scaling
@@ -70,18 +74,22 @@ def _time_each(out, seq_lens, H, K, V, chunk_size, repeats, kda_chunk, kda_recur
             xs = _inputs(T, H, K, V)
             chunk, chunk_cpu = _best_wall_cpu(lambda: kda_chunk(*xs, chunk_size=chunk_size), repeats)
             recurrent, rec_cpu = _best_wall_cpu(lambda: kda_recurrent(*xs), repeats if T <= 8192 else 1)
-            out[str(T)] = {"chunk": chunk, "recurrent": recurrent, "speedup": recurrent / chunk,
-                           "chunk_cpu": chunk_cpu, "recurrent_cpu": rec_cpu, "speedup_cpu": rec_cpu / chunk_cpu}
+            out[str(T)] = {
+                "chunk": chunk,
+                "recurrent": recurrent,
+                "speedup": recurrent / chunk,
+                "chunk_cpu": chunk_cpu,
+                "recurrent_cpu": rec_cpu,
+                "speedup_cpu": rec_cpu / chunk_cpu,
+            }
 
 
 def cp_bench_worker(comm, T, H, K, V, strategy, chunk_size, repeats):
     """One rank of the CP benchmark: forward + backward of its slice; returns the slowest rank's seconds."""
-    from .cp import context_parallel_kda
-
     torch.set_num_threads(1)
     n = T // comm.world_size
     xs = _inputs(T, H, K, V)
-    local = [x[:, comm.rank * n:(comm.rank + 1) * n].clone().requires_grad_() for x in xs]
+    local = [x[:, comm.rank * n : (comm.rank + 1) * n].clone().requires_grad_() for x in xs]
     stats = {}
 
     def step():
@@ -98,18 +106,34 @@ def cp_bench_worker(comm, T, H, K, V, strategy, chunk_size, repeats):
 
 def bench_cp(world_sizes, strategies, T, H, K, V, chunk_size=64, repeats=1):
     """One entry per (world size, strategy); world size 1 runs in a spawned rank too, for a fair baseline."""
-    from collectives import launch
-
     entries = []
     for world in world_sizes:
         for strategy in strategies:
             if world == 1 and strategy == "ring":
                 continue  # identical to scan at one rank
-            res = launch(cp_bench_worker, world_size=world, timeout=600, T=T, H=H, K=K, V=V,
-                         strategy=strategy, chunk_size=chunk_size, repeats=repeats)
+            res = launch(
+                cp_bench_worker,
+                world_size=world,
+                timeout=600,
+                T=T,
+                H=H,
+                K=K,
+                V=V,
+                strategy=strategy,
+                chunk_size=chunk_size,
+                repeats=repeats,
+            )
             expected = 4 * H * K * (K + V) if strategy == "scan" else 4 * H * K * V
-            entries.append({"world_size": world, "strategy": strategy, "T": T, "seconds": res["seconds"],
-                            "bytes_per_rank": res["bytes_per_rank"], "expected_bytes_per_rank": expected})
+            entries.append(
+                {
+                    "world_size": world,
+                    "strategy": strategy,
+                    "T": T,
+                    "seconds": res["seconds"],
+                    "bytes_per_rank": res["bytes_per_rank"],
+                    "expected_bytes_per_rank": expected,
+                }
+            )
     return entries
 
 
@@ -136,6 +160,15 @@ def run_bench(quick=False, H=2, K=128, V=128, chunk_size=64):
         summary["speedup_cpu_at_8k"] = cvr["8192"]["speedup_cpu"]
         summary["chunk_32k_over_8k"] = cvr["32768"]["chunk"] / cvr["8192"]["chunk"]
         summary["chunk_cpu_32k_over_8k"] = cvr["32768"]["chunk_cpu"] / cvr["8192"]["chunk_cpu"]
-    config = {"H": H, "K": K, "V": V, "chunk_size": chunk_size, "dtype": "float32", "threads_per_rank": 1,
-              "quick": quick, "cp_T": cp_T, "torch": torch.__version__}
+    config = {
+        "H": H,
+        "K": K,
+        "V": V,
+        "chunk_size": chunk_size,
+        "dtype": "float32",
+        "threads_per_rank": 1,
+        "quick": quick,
+        "cp_T": cp_T,
+        "torch": torch.__version__,
+    }
     return {"config": config, "chunk_vs_recurrent": cvr, "cp": cp, "summary": summary}

@@ -4,6 +4,7 @@ Every failure is a ``ValueError`` whose message starts with the offending argume
 test) can tell at once which tensor was wrong. Axis letters: ``B`` batch, ``T`` tokens, ``H`` heads, ``K`` key
 dim, ``V`` value dim, ``N`` sequences.
 """
+
 from __future__ import annotations
 
 import torch

@@ -15,11 +15,13 @@ Backward (``chunk_bwd``) recomputes the intra-chunk quantities and the chunk-sta
 stored by the forward), runs the state-gradient loop by hand in reverse, then pulls the per-chunk gradients back
 to q, k, v, g, beta through autograd of the (parallel, chunk-local) intra-chunk graph.
 """
+
 from __future__ import annotations
 
 import torch
 
 from .checks import check_kda_inputs, resolve_scale, state_dtype
+from .fla_backend import fla_chunk_kda
 from .intra import intra_chunk
 from .layout import Layout
 
@@ -34,12 +36,12 @@ def state_pass(W, U, Kt, gamma, h0):
     V = U.shape[-1]
     W3, U3, Kt3 = W.reshape(n, N * H, C, K), U.reshape(n, N * H, C, V), Kt.reshape(n, N * H, C, K)
     g3 = gamma.reshape(n, N * H, K, 1)
-    h = W.new_empty(n + 1, N * H, K, V)   # h[c]: state entering chunk c; h[n]: the final state
+    h = W.new_empty(n + 1, N * H, K, V)  # h[c]: state entering chunk c; h[n]: the final state
     Vp = U.new_empty(n, N * H, C, V)
     h[0] = h0.reshape(N * H, K, V)
     for c in range(n):  # three ops per chunk: the loop is the only sequential part, so keep it lean
-        torch.baddbmm(U3[c], W3[c], h[c], alpha=-1, out=Vp[c])                  # V' = U - W S
-        torch.baddbmm(g3[c] * h[c], Kt3[c].mT, Vp[c], out=h[c + 1])             # S' = γ ⊙ S + K̃ᵀ V'
+        torch.baddbmm(U3[c], W3[c], h[c], alpha=-1, out=Vp[c])  # V' = U - W S
+        torch.baddbmm(g3[c] * h[c], Kt3[c].mT, Vp[c], out=h[c + 1])  # S' = γ ⊙ S + K̃ᵀ V'
     return h[:n].view(n, N, H, K, V), Vp.view(n, N, H, C, V), h[n].view(N, H, K, V)
 
 
@@ -100,7 +102,7 @@ def chunk_fwd(q, k, v, g, beta, scale, h0, bounds, chunk_size):
         for sl in _groups(lay, H, q.shape[-1]):
             W, U, QG, Aqk, Kt, gamma = intra_chunk(*_chunks(lay, rows, sl), scale)
             h, Vp, S = state_pass(W, U, Kt, gamma, S)
-            o = (_flat(QG) @ _flat(h)).baddbmm_(_flat(Aqk), _flat(Vp))         # O = QG S + Aqk V'
+            o = (_flat(QG) @ _flat(h)).baddbmm_(_flat(Aqk), _flat(Vp))  # O = QG S + Aqk V'
             lay.chunk_view(o_rows, sl).copy_(o.view(Vp.shape))
         return lay.from_rows(o_rows), S
 
@@ -119,7 +121,7 @@ def _reverse_state_pass(W, Kt, gamma, AtdO, QtdO, dht):
     dVp = AtdO.new_empty(NC, N * H, C, V)
     dS[NC] = dht.reshape(N * H, K, V)
     for c in range(NC - 1, -1, -1):
-        torch.baddbmm(A3[c], Kt3[c], dS[c + 1], out=dVp[c])                     # dV' = Aqkᵀ dO + K̃ dS'
+        torch.baddbmm(A3[c], Kt3[c], dS[c + 1], out=dVp[c])  # dV' = Aqkᵀ dO + K̃ dS'
         torch.baddbmm(torch.addcmul(Q3[c], g3[c], dS[c + 1]), W3[c].mT, dVp[c], alpha=-1, out=dS[c])
     return dS[1:].view(NC, N, H, K, V), dVp.view(NC, N, H, C, V), dS[0].view(N, H, K, V)
 
@@ -139,12 +141,14 @@ def chunk_bwd(q, k, v, g, beta, scale, h0, bounds, chunk_size, do, dht):
         AtdO = Aqk.transpose(-1, -2) @ doc
         QtdO = QG.transpose(-1, -2) @ doc
         dSn, dVp, dh0 = _reverse_state_pass(W, Kt, gamma, AtdO, QtdO, dht)
-        grads_out = (-(dVp @ h.transpose(-1, -2)),            # dW:  V' = U - W S
-                     dVp,                                     # dU
-                     doc @ h.transpose(-1, -2),               # dQG: O = QG S + ...
-                     doc @ Vp.transpose(-1, -2),              # dAqk: O = ... + Aqk V'
-                     Vp @ dSn.transpose(-1, -2),              # dKt: S_next = ... + Kt^T V'
-                     (h * dSn).sum(-1))                       # dgamma: S_next = gamma * S + ...
+        grads_out = (
+            -(dVp @ h.transpose(-1, -2)),  # dW:  V' = U - W S
+            dVp,  # dU
+            doc @ h.transpose(-1, -2),  # dQG: O = QG S + ...
+            doc @ Vp.transpose(-1, -2),  # dAqk: O = ... + Aqk V'
+            Vp @ dSn.transpose(-1, -2),  # dKt: S_next = ... + Kt^T V'
+            (h * dSn).sum(-1),
+        )  # dgamma: S_next = gamma * S + ...
     grads = [torch.zeros_like(c) for c in chunks]
     for sl in _groups(lay, chunks[0].shape[2], chunks[0].shape[-1]):  # recompute each group's graph, pull back
         leaves = [c[sl].requires_grad_(True) for c in chunks]
@@ -175,8 +179,20 @@ class _KDAChunkFunction(torch.autograd.Function):
         return dq, dk, dv, dg, dbeta, (dh0 if h0 is not None else None), None, None, None
 
 
-def kda_chunk(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
-              chunk_size=64, backend="torch", validate=False):
+def kda_chunk(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    scale=None,
+    initial_state=None,
+    output_final_state=False,
+    cu_seqlens=None,
+    chunk_size=64,
+    backend="torch",
+    validate=False,
+):
     """Chunkwise KDA with its own backward; same contract as :func:`cp_kda.kda_recurrent`.
 
     Args:
@@ -188,7 +204,6 @@ def kda_chunk(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
         ``(o [B,T,H,V] in v.dtype, final_state [N,H,K,V] or None)``.
     """
     if backend == "fla":
-        from .fla_backend import fla_chunk_kda
         return fla_chunk_kda(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
     if backend != "torch":
         raise ValueError(f"backend: expected 'torch' or 'fla', got {backend!r}")

@@ -7,6 +7,7 @@ it, oldest first), or zeros. With ``cu_seqlens`` the state resets at every seque
 vectorised over W shifted copies; ``short_conv_naive`` is the token loop it is tested against. Backward is
 autograd for both (the op is cheap and its graph small).
 """
+
 from __future__ import annotations
 
 import torch
@@ -32,8 +33,7 @@ def _check(x, weight, bias, initial_state, cu_seqlens, activation):
     n_seq = B if bounds is None else len(bounds) - 1
     W = weight.shape[1]
     if initial_state is not None and tuple(initial_state.shape) != (n_seq, D, W - 1):
-        raise ValueError(f"initial_state: expected [N,D,W-1] = {(n_seq, D, W - 1)}, got "
-                         f"{tuple(initial_state.shape)}")
+        raise ValueError(f"initial_state: expected [N,D,W-1] = {(n_seq, D, W - 1)}, got {tuple(initial_state.shape)}")
     return bounds
 
 
@@ -48,15 +48,17 @@ def _final_states(x, bounds, W, initial_state):
     spans = [(0, x.shape[1])] if bounds is None else list(zip(bounds[:-1], bounds[1:]))
     rows = []
     for i, (s, e) in enumerate(spans):
-        xs = x[:, s:e] if bounds is None else x[0, s:e].unsqueeze(0)           # [b, L, D]
-        prev = (initial_state[i:i + 1] if bounds is not None else initial_state) if initial_state is not None \
+        xs = x[:, s:e] if bounds is None else x[0, s:e].unsqueeze(0)  # [b, L, D]
+        prev = (
+            (initial_state[i : i + 1] if bounds is not None else initial_state)
+            if initial_state is not None
             else xs.new_zeros(xs.shape[0], xs.shape[2], W - 1)
-        rows.append(torch.cat([prev, xs.transpose(1, 2)], dim=2)[..., -(W - 1):])
+        )
+        rows.append(torch.cat([prev, xs.transpose(1, 2)], dim=2)[..., -(W - 1) :])
     return torch.cat(rows, dim=0)
 
 
-def short_conv(x, weight, bias=None, activation="silu", initial_state=None, output_final_state=False,
-               cu_seqlens=None):
+def short_conv(x, weight, bias=None, activation="silu", initial_state=None, output_final_state=False, cu_seqlens=None):
     """Causal depthwise conv. x ``[B,T,D]``, weight ``[D,W]``, bias ``[D]``, initial_state ``[N,D,W-1]``.
 
     Returns ``(y [B,T,D], final_state [N,D,W-1] or None)``.
@@ -70,21 +72,21 @@ def short_conv(x, weight, bias=None, activation="silu", initial_state=None, outp
         seq = torch.zeros(T, dtype=torch.long, device=x.device)
     else:
         cu = torch.tensor(bounds, device=x.device)
-        seq = torch.searchsorted(cu, pos, right=True) - 1                      # sequence of each token
+        seq = torch.searchsorted(cu, pos, right=True) - 1  # sequence of each token
         start = cu[seq]
     y = torch.zeros_like(x)
     for i in range(W):
-        lag = W - 1 - i                                                        # weight[:, i] reads x[t - lag]
+        lag = W - 1 - i  # weight[:, i] reads x[t - lag]
         src = pos - lag
-        inside = (src >= start).to(x.dtype)[None, :, None]                     # same sequence?
+        inside = (src >= start).to(x.dtype)[None, :, None]  # same sequence?
         term = x[:, src.clamp(min=0)] * inside
         if initial_state is not None and lag > 0:
-            back = start - src                                                  # 1..lag steps before the start
-            use = (back >= 1)
+            back = start - src  # 1..lag steps before the start
+            use = back >= 1
             slot = (W - 1 - back).clamp(min=0, max=W - 2)
             carried = initial_state[seq if bounds is not None else slice(None)]
             if bounds is None:
-                picked = carried[:, :, slot].transpose(1, 2)                    # [B,T,D]
+                picked = carried[:, :, slot].transpose(1, 2)  # [B,T,D]
             else:
                 picked = carried[torch.arange(T, device=x.device), :, slot].unsqueeze(0)
             term = term + picked * use.to(x.dtype)[None, :, None]
@@ -93,8 +95,9 @@ def short_conv(x, weight, bias=None, activation="silu", initial_state=None, outp
     return y, (_final_states(x, bounds, W, initial_state) if output_final_state else None)
 
 
-def short_conv_naive(x, weight, bias=None, activation="silu", initial_state=None, output_final_state=False,
-                     cu_seqlens=None):
+def short_conv_naive(
+    x, weight, bias=None, activation="silu", initial_state=None, output_final_state=False, cu_seqlens=None
+):
     """Token-loop twin of :func:`short_conv` (same contract)."""
     bounds = _check(x, weight, bias, initial_state, cu_seqlens, activation)
     B, T, D = x.shape
@@ -105,7 +108,7 @@ def short_conv_naive(x, weight, bias=None, activation="silu", initial_state=None
         b_rows = slice(None) if bounds is None else slice(n, n + 1)
         window = x.new_zeros(x.shape[0], D, W - 1) if initial_state is None else initial_state[b_rows]
         for t in range(s, e):
-            window = torch.cat([window, x[:, t].unsqueeze(-1)], dim=-1)          # [B,D,W], oldest first
+            window = torch.cat([window, x[:, t].unsqueeze(-1)], dim=-1)  # [B,D,W], oldest first
             outs.append((window * weight).sum(-1))
             window = window[..., 1:]
     y = _finish(torch.stack(outs, dim=1), bias, activation)

@@ -15,6 +15,7 @@ every rank. Strategies for the state entering each rank:
 Parameters are replicated across CP ranks; their gradients (from the gate, conv, projections) need the usual
 sum over the CP group, which is the caller's data-parallel reduction, not this module's.
 """
+
 from __future__ import annotations
 
 import torch
@@ -22,8 +23,18 @@ import torch
 from .checks import check_cu_seqlens, check_kda_inputs, resolve_scale, state_dtype
 from .conv import short_conv
 from .partition import RankPlan, plan_rank
-from .transfer import (LocalPass, dfinal_to_local, finals_to_global, fold, rank_backward, rank_combine,
-                       rank_forward, rank_local_pass, rank_message, reverse_fold)
+from .transfer import (
+    LocalPass,
+    dfinal_to_local,
+    finals_to_global,
+    fold,
+    rank_backward,
+    rank_combine,
+    rank_forward,
+    rank_local_pass,
+    rank_message,
+    reverse_fold,
+)
 
 STRATEGIES = ("scan", "ring")
 
@@ -49,8 +60,11 @@ class _ContextParallelKDA(torch.autograd.Function):
         if strategy == "scan":
             lp = rank_local_pass(plan, q, k, v, g, beta, scale, chunk_size)
             gathered = _all_gather_rows(comm, lp.transfer) if comm.world_size > 1 else [lp.transfer]
-            S_in = (fold(gathered[plan.first_from:plan.rank], V) if plan.first_from is not None
-                    else torch.zeros_like(lp.transfer[..., :V]))
+            S_in = (
+                fold(gathered[plan.first_from : plan.rank], V)
+                if plan.first_from is not None
+                else torch.zeros_like(lp.transfer[..., :V])
+            )
             o, finals = rank_combine(plan, lp, S_in)
             stats["bytes_per_rank"] = lp.transfer.numel() * lp.transfer.element_size()
         else:
@@ -83,21 +97,39 @@ class _ContextParallelKDA(torch.autograd.Function):
             q_tilde, M_first, transfer = saved
             msg = rank_message(plan, LocalPass(None, None, q_tilde, M_first, transfer), do, dfinal)
             gathered = _all_gather_rows(comm, msg) if comm.world_size > 1 else [msg]
-            dS_end = (reverse_fold(gathered[plan.rank + 1:plan.last_to + 1], V) if plan.last_to is not None
-                      else torch.zeros_like(S_in))
+            dS_end = (
+                reverse_fold(gathered[plan.rank + 1 : plan.last_to + 1], V)
+                if plan.last_to is not None
+                else torch.zeros_like(S_in)
+            )
         else:
             dS_end = torch.zeros_like(S_in)
             if plan.last_to is not None:
                 comm.recv(dS_end, plan.rank + 1)
-        dq, dk, dv, dg, dbeta, dS_in = rank_backward(plan, q, k, v, g, beta, scale, chunk_size, S_in, do,
-                                                     dfinal, dS_end)
+        dq, dk, dv, dg, dbeta, dS_in = rank_backward(
+            plan, q, k, v, g, beta, scale, chunk_size, S_in, do, dfinal, dS_end
+        )
         if strategy == "ring" and plan.first_from is not None:
             comm.send(dS_in.contiguous(), plan.rank - 1)
         return dq, dk, dv, dg, dbeta, *([None] * 8)
 
 
-def context_parallel_kda(q, k, v, g, beta, comm, *, strategy="scan", cu_seqlens=None, scale=None, chunk_size=64,
-                         output_final_state=False, validate=False, stats=None):
+def context_parallel_kda(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    comm,
+    *,
+    strategy="scan",
+    cu_seqlens=None,
+    scale=None,
+    chunk_size=64,
+    output_final_state=False,
+    validate=False,
+    stats=None,
+):
     """KDA over a sequence split across the ranks of ``comm`` (contiguous, equal slices in rank order).
 
     Args:
@@ -123,8 +155,21 @@ def context_parallel_kda(q, k, v, g, beta, comm, *, strategy="scan", cu_seqlens=
     plan = plan_rank(comm.rank, comm.world_size, T_l, bounds)
     n_seq = B if bounds is None else len(bounds) - 1
     stats = {} if stats is None else stats
-    o, final = _ContextParallelKDA.apply(q, k, v, g, beta, comm, plan, strategy, resolve_scale(scale, q.shape[-1]),
-                                         chunk_size, n_seq, bool(output_final_state), stats)
+    o, final = _ContextParallelKDA.apply(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        comm,
+        plan,
+        strategy,
+        resolve_scale(scale, q.shape[-1]),
+        chunk_size,
+        n_seq,
+        bool(output_final_state),
+        stats,
+    )
     return o, (final if output_final_state else None)
 
 
@@ -165,10 +210,10 @@ def context_parallel_short_conv(x, weight, comm, *, bias=None, activation="silu"
         raise ValueError(f"x: each rank needs at least {width} tokens for the conv halo, got {T_l}")
     bounds = check_cu_seqlens(cu_seqlens, comm.world_size * T_l, B)
     plan = plan_rank(comm.rank, comm.world_size, T_l, bounds)
-    halo = _Halo.apply(x, comm, width)                                          # [B, width, D]
-    valid = plan.halo(width)                                                    # trailing halo rows in the seq
+    halo = _Halo.apply(x, comm, width)  # [B, width, D]
+    valid = plan.halo(width)  # trailing halo rows in the seq
     keep = (torch.arange(width, device=x.device) >= width - valid).to(x.dtype)
-    state = (halo * keep[None, :, None]).transpose(1, 2)                        # [B, D, width]
+    state = (halo * keep[None, :, None]).transpose(1, 2)  # [B, D, width]
     local_cu = None
     if not plan.dense:
         n_local = len(plan.local_bounds) - 1

@@ -9,6 +9,7 @@ The lower-bound form replaces the activation, it is not a clamp of the softplus 
 hand-written backward that recomputes from (f, A_log, dt_bias) instead of saving intermediates; ``kda_gate_naive``
 is its plain-autograd twin.
 """
+
 from __future__ import annotations
 
 import torch
@@ -67,7 +68,7 @@ class _GateFunction(torch.autograd.Function):
         if lb is None:
             # d softplus = sigmoid; F.softplus is linear above its threshold (20), so its slope is 1 there
             dx = -dg * a * torch.where(x > 20, torch.ones_like(x), torch.sigmoid(x))
-            dA = -dg * a * F.softplus(x)                        # d exp(A_log) / dA_log = exp(A_log)
+            dA = -dg * a * F.softplus(x)  # d exp(A_log) / dA_log = exp(A_log)
         else:
             s = torch.sigmoid(a * x)
             ds = dg * lb * s * (1 - s)

@@ -23,6 +23,7 @@ Row block a meets only column blocks 0..a, so the masked upper half of both matr
 :func:`decay_matrices_naive` builds the same matrices from the full ``[C, C, K]`` pairwise decays: the twin
 of :func:`decay_matrices`, too big to be the fast path.
 """
+
 from __future__ import annotations
 
 from functools import lru_cache
@@ -40,7 +41,7 @@ def _segsum(x):
     lose the small differences that matter most)."""
     n = x.shape[-2]
     idx = torch.arange(n, device=x.device)
-    after_j = (idx[:, None] > idx[None, :])[..., None]                           # [m, j, 1]: m > j
+    after_j = (idx[:, None] > idx[None, :])[..., None]  # [m, j, 1]: m > j
     out = torch.where(after_j, x.unsqueeze(-2), torch.zeros((), dtype=x.dtype, device=x.device)).cumsum(-3)
     keep = (idx[:, None] >= idx[None, :])[..., None]
     return torch.where(keep, out, torch.full((), float("-inf"), dtype=x.dtype, device=x.device))
@@ -83,7 +84,7 @@ def _block_factors(gs):
     :func:`_factoring_is_safe`, so up_i * down_j is every in-block decay; otherwise ref is the block start and
     ref' the block end (every factor <= 1)."""
     mid, ends = _selectors(gs.shape[-2], gs.dtype, gs.device)
-    sums = mid @ gs                                                            # [..., ns, sub+1, K]
+    sums = mid @ gs  # [..., ns, sub+1, K]
     d = sums[..., :-1, :]
     if _factoring_is_safe(d):
         up = d.exp()
@@ -91,9 +92,9 @@ def _block_factors(gs):
         # 1/up is exp(-d) to one rounding, at a fraction of an exp's cost (|d| <= FACTOR_LIMIT: no overflow)
         return up, up.reciprocal(), to_ref, from_ref, to_ref + from_ref, False
     sub = gs.shape[-2]
-    sums = ends @ gs                                                           # [..., ns, 2 sub, K]
+    sums = ends @ gs  # [..., ns, 2 sub, K]
     zero = torch.zeros_like(gs[..., :1, :])
-    return sums[..., :sub, :].exp(), sums[..., sub:, :].exp(), zero, zero, sums[..., sub - 1:sub, :], True
+    return sums[..., :sub, :].exp(), sums[..., sub:, :].exp(), zero, zero, sums[..., sub - 1 : sub, :], True
 
 
 def _diag_exact(rows, ks, gs):
@@ -106,8 +107,8 @@ def _diag_exact(rows, ks, gs):
     select = (ii[None, :, None] < ii[None, None, :]) & (ii[None, None, :] <= ii[:, None, None])  # [i, j, m]
     # decay[i, j] = Σ_{j<m<=i} g_m as one small matmul with a 0/1 selector: a sum of same-signed terms, exact to
     # relative rounding; 0 (so E = 1) above the diagonal, which the caller's mask discards.
-    decay = select.to(gs.dtype).reshape(sub * sub, sub) @ gs                   # [..., ns, i*j, K]
-    E = decay.reshape(*gs.shape[:-2], sub, sub, K).exp()                       # [..., ns, i, j, K]
+    decay = select.to(gs.dtype).reshape(sub * sub, sub) @ gs  # [..., ns, i*j, K]
+    E = decay.reshape(*gs.shape[:-2], sub, sub, K).exp()  # [..., ns, i, j, K]
     per_row = rows.transpose(-3, -2) @ (E * ks.unsqueeze(-3)).transpose(-1, -2)  # [..., ns, i, 2, j]
     return per_row.transpose(-3, -2)
 
@@ -157,11 +158,11 @@ def _between(tot, to_ref, from_ref):
     a's row reference) and ``whole`` ``[..., K]`` (the whole chunk)."""
     ns = tot.shape[-3]
     sel, mask = _block_selectors(ns, tot.dtype, tot.device)
-    sums = sel @ tot.squeeze(-2)                                               # [..., rows of sel, K]
+    sums = sel @ tot.squeeze(-2)  # [..., rows of sel, K]
     n = (ns - 1) * ns
     cross = sums[..., :n, :].unflatten(-2, (ns - 1, ns)) + to_ref[..., 1:, :, :] + from_ref.transpose(-3, -2)
-    to_end = sums[..., n:n + ns, :].unsqueeze(-2) + from_ref
-    from_start = sums[..., n + ns:n + 2 * ns, :].unsqueeze(-2) + to_ref
+    to_end = sums[..., n : n + ns, :].unsqueeze(-2) + from_ref
+    from_start = sums[..., n + ns : n + 2 * ns, :].unsqueeze(-2) + to_ref
     return cross + mask, to_end, from_start, sums[..., -1, :]
 
 
@@ -178,17 +179,17 @@ def decay_matrices(q, k, g):
     gs, qs, ks = (x.reshape(*lead, ns, sub, K) for x in (g, q, k))
     up, down, to_ref, from_ref, tot, exact = _block_factors(gs)
     cross, to_end, from_start, whole = _between(tot, to_ref, from_ref)
-    rows = torch.stack([qs, ks], dim=-3)                                       # [..., ns, 2, sub, K]
+    rows = torch.stack([qs, ks], dim=-3)  # [..., ns, 2, sub, K]
     left, right = rows * up.unsqueeze(-3), ks * down
     diag = _diag_exact(rows, ks, gs) if exact else _diag_factored(left, right)
-    both = g.new_zeros(*lead, 2, C, C)                                         # [Aqk, L]
+    both = g.new_zeros(*lead, 2, C, C)  # [Aqk, L]
     blocks = both.view(*lead, 2, ns, sub, ns, sub)
     blocks.diagonal(0, -4, -2).copy_((diag * _keep(sub, g.dtype, g.device)).movedim(-4, -1))  # [..., 2, i, j, ns]
-    f = cross.exp().unsqueeze(-2)                                              # [..., a-1, b, 1, K], <= 1
+    f = cross.exp().unsqueeze(-2)  # [..., a-1, b, 1, K], <= 1
     for a in range(1, ns):  # row block a meets column blocks 0..a-1 only: the upper half is never multiplied
         rt = (right[..., :a, :, :] * f[..., a - 1, :a, :, :]).reshape(*lead, a * sub, K)
         off = left[..., a, :, :, :].reshape(*lead, 2 * sub, K) @ rt.mT
-        both[..., a * sub:(a + 1) * sub, :a * sub] = off.reshape(*lead, 2, sub, a * sub)
+        both[..., a * sub : (a + 1) * sub, : a * sub] = off.reshape(*lead, 2, sub, a * sub)
     eG = (up * from_start.exp()).reshape(*lead, C, K)
     Kt = (right * to_end.exp()).reshape(*lead, C, K)
     return both[..., 0, :, :], both[..., 1, :, :], eG, Kt, whole.exp()
@@ -198,7 +199,7 @@ def decay_matrices_naive(q, k, g):
     """Twin of :func:`decay_matrices` from the full pairwise decays ``[..., C, C, K]`` (memory C²K per chunk).
 
     q, k, g ``[..., C, K]`` -> ``(Aqk, L, eG, Kt, gamma)`` as there."""
-    E = _segsum(g).exp()                                                       # [..., i, j, K]; 0 above
+    E = _segsum(g).exp()  # [..., i, j, K]; 0 above
     Aqk = torch.einsum("...id,...ijd,...jd->...ij", q, E, k)
     L = torch.einsum("...id,...ijd,...jd->...ij", k, E, k).tril(-1)
     G = g.cumsum(-2)
@@ -212,11 +213,11 @@ def intra_chunk(q, k, v, g, beta, scale):
     gamma ``[...,K]``.
     """
     C = q.shape[-2]
-    qs = q * scale                                                             # scales Aqk and QG alike
+    qs = q * scale  # scales Aqk and QG alike
     Aqk, L, eG, Kt, gamma = decay_matrices(qs, k, g)
     b = beta.unsqueeze(-1)
     # unitriangular=True treats the diagonal as 1, i.e. inverts I + L. The explicit inverse turns the two
     # right-hand sides into plain matmuls: together ~1.7x faster on a CPU than one 256-wide triangular solve.
     T = torch.linalg.solve_triangular(L * b, _eye(C, q.dtype, q.device), upper=False, unitriangular=True)
-    Tb = T * b.mT                                                              # (I + L)^{-1} Diag(beta)
+    Tb = T * b.mT  # (I + L)^{-1} Diag(beta)
     return Tb @ (eG * k), Tb @ v, qs * eG, Aqk, Kt, gamma

@@ -9,6 +9,7 @@ Per head, with state ``S [K,V]``, for each token t:
 Backward is plain autograd through the loop (slow, exact). Computation runs in the state dtype (fp32, or fp64
 for fp64 inputs); outputs come back in ``v.dtype``.
 """
+
 from __future__ import annotations
 
 import torch
@@ -24,17 +25,18 @@ def _recurrent_dense(q, k, v, g, beta, scale, h0):
     S = h0
     outs = []
     for t in range(q.shape[1]):
-        q_t, k_t, v_t = q[:, t], k[:, t], v[:, t]                    # [B,H,K], [B,H,K], [B,H,V]
-        S = torch.exp(g[:, t]).unsqueeze(-1) * S                      # decay: [B,H,K,1] * [B,H,K,V]
-        pred = torch.einsum("bhk,bhkv->bhv", k_t, S)                  # what the state predicts for k_t
-        delta = beta[:, t].unsqueeze(-1) * (v_t - pred)               # [B,H,V]
+        q_t, k_t, v_t = q[:, t], k[:, t], v[:, t]  # [B,H,K], [B,H,K], [B,H,V]
+        S = torch.exp(g[:, t]).unsqueeze(-1) * S  # decay: [B,H,K,1] * [B,H,K,V]
+        pred = torch.einsum("bhk,bhkv->bhv", k_t, S)  # what the state predicts for k_t
+        delta = beta[:, t].unsqueeze(-1) * (v_t - pred)  # [B,H,V]
         S = S + torch.einsum("bhk,bhv->bhkv", k_t, delta)
         outs.append(torch.einsum("bhk,bhkv->bhv", q_t * scale, S))
     return torch.stack(outs, dim=1), S
 
 
-def kda_recurrent(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-                  cu_seqlens=None, validate=False):
+def kda_recurrent(
+    q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None, validate=False
+):
     """Reference KDA by the token recurrence.
 
     Args:
@@ -68,8 +70,9 @@ def kda_recurrent(q, k, v, g, beta, scale=None, initial_state=None, output_final
     else:
         outs, states = [], []
         for i, (s, e) in enumerate(spans):
-            o_i, S_i = _recurrent_dense(q[:, s:e], k[:, s:e], v[:, s:e], g[:, s:e], beta[:, s:e], scale,
-                                        initial_state[i:i + 1].to(cdt))
+            o_i, S_i = _recurrent_dense(
+                q[:, s:e], k[:, s:e], v[:, s:e], g[:, s:e], beta[:, s:e], scale, initial_state[i : i + 1].to(cdt)
+            )
             outs.append(o_i)
             states.append(S_i)
         o, finals = torch.cat(outs, dim=1), torch.cat(states, dim=0)

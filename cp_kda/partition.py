@@ -5,6 +5,7 @@ identical on every rank) a rank sees local sub-sequences; only its **first** may
 rank (it receives a state) and only its **last** may continue onto later ranks (it sends a state). Without
 ``cu_seqlens`` every batch row is one sequence spanning all ranks.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -58,18 +59,33 @@ def plan_rank(rank: int, world_size: int, length: int, bounds: list[int] | None)
         raise ValueError(f"q: each rank needs at least one token, got T_local={length}")
     start, end = rank * length, (rank + 1) * length
     if bounds is None:
-        return RankPlan(rank, world_size, start, length, None, (), 0 if rank > 0 else None,
-                        world_size - 1 if rank < world_size - 1 else None, length, 0, start)
+        return RankPlan(
+            rank,
+            world_size,
+            start,
+            length,
+            None,
+            (),
+            0 if rank > 0 else None,
+            world_size - 1 if rank < world_size - 1 else None,
+            length,
+            0,
+            start,
+        )
     total = world_size * length
     if bounds[-1] != total:
-        raise ValueError(f"cu_seqlens: must end at the global T = world_size * T_local = {total}, "
-                         f"ends at {bounds[-1]}")
+        raise ValueError(f"cu_seqlens: must end at the global T = world_size * T_local = {total}, ends at {bounds[-1]}")
     first = max(i for i in range(len(bounds) - 1) if bounds[i] <= start)
     last = max(i for i in range(len(bounds) - 1) if bounds[i] <= end - 1)
-    local = (0, *(b - start for b in bounds[first + 1:last + 1]), length)
+    local = (0, *(b - start for b in bounds[first + 1 : last + 1]), length)
     seq_start, seq_end = bounds[first], bounds[last + 1]
     return RankPlan(
-        rank, world_size, start, length, local, tuple(range(first, last + 1)),
+        rank,
+        world_size,
+        start,
+        length,
+        local,
+        tuple(range(first, last + 1)),
         first_from=seq_start // length if seq_start < start else None,
         last_to=(seq_end - 1) // length if seq_end > end else None,
         first_end=min(bounds[first + 1], end) - start,

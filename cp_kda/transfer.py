@@ -9,11 +9,12 @@ transition), the output of the M columns of that same augmented pass. So the gra
 rank's own outputs is ``D = Σ_t q̃_t do_tᵀ`` and a rank's backward message is ``[D | Mᵀ]``:
 ``dS_in[r] = D_r + M_rᵀ dS_in[r+1]``.
 
-The ``rank_*`` functions are one rank's steps; ``cp.py`` glues them with a communicator, ``simulate.py`` with a
-Python list standing in for the all-gather. Transfers and messages live in the state dtype (fp32; fp64 for
+The ``rank_*`` functions are one rank's steps; ``cp.py`` glues them with a communicator, ``cp_in_process.py``
+with a Python list standing in for the all-gather. Transfers and messages live in the state dtype (fp32; fp64 for
 fp64 inputs). Shapes: local q ``[B,T_l,H,K]``; transfers and messages ``[Bt,H,K,V+K]`` with Bt = B for dense
 batches and 1 for packed sequences.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -112,7 +113,7 @@ def rank_local_pass(plan: RankPlan, q, k, v, g, beta, scale, chunk_size) -> Loca
     rows = B if plan.dense else 1
     last = fin if plan.dense else fin[-1:]
     transfer = last if plan.last_to is not None else torch.zeros_like(last)
-    return LocalPass(o_aug[..., :V], fin[..., :V], o_aug[:, :plan.first_end, :, V:], fin[:rows, :, :, V:], transfer)
+    return LocalPass(o_aug[..., :V], fin[..., :V], o_aug[:, : plan.first_end, :, V:], fin[:rows, :, :, V:], transfer)
 
 
 def rank_combine(plan: RankPlan, lp: LocalPass, S_in):
@@ -121,8 +122,8 @@ def rank_combine(plan: RankPlan, lp: LocalPass, S_in):
     if plan.first_from is None:
         return lp.o0, lp.finals0
     o, finals = lp.o0.clone(), lp.finals0.clone()
-    o[:, :plan.first_end] += torch.einsum("bthk,bhkv->bthv", lp.q_tilde, S_in)
-    finals[:S_in.shape[0]] += lp.M_first @ S_in
+    o[:, : plan.first_end] += torch.einsum("bthk,bhkv->bthv", lp.q_tilde, S_in)
+    finals[: S_in.shape[0]] += lp.M_first @ S_in
     return o, finals
 
 
@@ -137,13 +138,13 @@ def rank_message(plan: RankPlan, lp: LocalPass, do, dfinal):
     """Backward message ``[D | Mᵀ]`` ``[Bt,H,K,V+K]``: D = gradient reaching S_in from this rank's own
     outputs (and from the first sequence's final state when it ends here), M of this rank's transfer.
     Uses only ``q_tilde``, ``M_first`` and ``transfer`` of ``lp`` (what the autograd Function saves)."""
-    V = lp.transfer.shape[-1] - lp.transfer.shape[-2]                          # transfer is [Bt,H,K,V+K]
+    V = lp.transfer.shape[-1] - lp.transfer.shape[-2]  # transfer is [Bt,H,K,V+K]
     Mt = lp.transfer[..., V:].transpose(-1, -2)
     if plan.first_from is None:
         return torch.cat([torch.zeros_like(lp.transfer[..., :V]), Mt], dim=-1)
-    D = torch.einsum("bthk,bthv->bhkv", lp.q_tilde, do[:, :plan.first_end].to(lp.q_tilde.dtype))
+    D = torch.einsum("bthk,bthv->bhkv", lp.q_tilde, do[:, : plan.first_end].to(lp.q_tilde.dtype))
     if first_ends_here(plan) and dfinal is not None:
-        D = D + lp.M_first.transpose(-1, -2) @ dfinal[:D.shape[0]].to(D.dtype)
+        D = D + lp.M_first.transpose(-1, -2) @ dfinal[: D.shape[0]].to(D.dtype)
     return torch.cat([D, Mt], dim=-1)
 
 
@@ -160,7 +161,7 @@ def rank_backward(plan: RankPlan, q, k, v, g, beta, scale, chunk_size, S_in, do,
         dht = dht + dfinal.to(dht.dtype)
     bounds = None if plan.dense else list(plan.local_bounds)
     dq, dk, dv, dg, dbeta, dh0 = chunk_bwd(q, k, v, g, beta, scale, h0, bounds, chunk_size, do, dht)
-    return dq, dk, dv, dg, dbeta, dh0[:S_in.shape[0]]
+    return dq, dk, dv, dg, dbeta, dh0[: S_in.shape[0]]
 
 
 def finals_to_global(plan: RankPlan, finals, n_seq: int):

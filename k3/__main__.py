@@ -1,3 +1,7 @@
-from moonep.cli import main
+"""``python -m k3``: the k3 package's commands alone (no package above it is imported)."""
 
-raise SystemExit(main(packages=["k3"], prog="python -m k3"))
+from k3.cli import register
+from moonep_base import run_package
+
+if __name__ == "__main__":
+    raise SystemExit(run_package(register, prog="python -m k3"))

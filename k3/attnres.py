@@ -6,6 +6,7 @@ so the first steps average the sources uniformly) and an RMSNorm gain ``gamma [d
 
     s_n = <w, RMSNorm_gamma(V_n)>,   alpha = softmax_n(s),   out = sum_n alpha_n V_n       (fp32 inside)
 """
+
 from __future__ import annotations
 
 import torch
@@ -14,9 +15,9 @@ from torch import nn
 
 def attn_res_mix(sources: list[torch.Tensor], query: torch.Tensor, gain: torch.Tensor, eps: float) -> torch.Tensor:
     """Depth attention over ``sources`` (N+1 tensors [..., d]) with query [d] and gain [d]. Returns [..., d]."""
-    v = torch.stack([s.float() for s in sources], dim=0)                        # [N+1, ..., d]
+    v = torch.stack([s.float() for s in sources], dim=0)  # [N+1, ..., d]
     k = v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps)
-    scores = (k * (gain.float() * query.float())).sum(-1)                        # [N+1, ...]
+    scores = (k * (gain.float() * query.float())).sum(-1)  # [N+1, ...]
     alpha = torch.softmax(scores, dim=0)
     return (alpha.unsqueeze(-1) * v).sum(0).to(sources[-1].dtype)
 

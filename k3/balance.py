@@ -15,6 +15,7 @@ no data-dependent shape (no ``bincount``, whose CUDA kernel reads the max back),
 waits for the GPU. The per-expert loop it replaced is ``k3.reference.qb_bias_loop``, which the tests hold it
 equal to, bit for bit.
 """
+
 from __future__ import annotations
 
 import math
@@ -32,7 +33,7 @@ def max_violation(counts: torch.Tensor) -> torch.Tensor:
 
 def qb_range(bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """bias [E] -> (lo, hi), 0-dim fp64 on bias's device: the histogram range [min b - 1, max b + 1]."""
-    lo, hi = torch.aminmax(bias.detach().double())    # exact: every float dtype widens to fp64 without rounding
+    lo, hi = torch.aminmax(bias.detach().double())  # exact: every float dtype widens to fp64 without rounding
     return lo - 1.0, hi + 1.0
 
 
@@ -48,10 +49,10 @@ def _scalar(like: torch.Tensor, value: float) -> torch.Tensor:
 def qb_histogram(scores: torch.Tensor, bias: torch.Tensor, K: int, nb: int = NUM_BINS) -> torch.Tensor:
     """scores [m, E] fp32, bias [E] -> int64 counts [E, nb] of r_ij = alpha_i - s_ij over [lo, hi]."""
     E = scores.shape[1]
-    alpha = torch.topk(scores + bias, K + 1, dim=-1).values[:, -1:]             # [m, 1] the token's cutoff
+    alpha = torch.topk(scores + bias, K + 1, dim=-1).values[:, -1:]  # [m, 1] the token's cutoff
     r = (alpha - scores).double()
     lo, hi = qb_range(bias)
-    idx = ((r - lo) / (hi - lo) * nb).floor().long().clamp_(0, nb - 1)          # [m, E] bin of each r_ij
+    idx = ((r - lo) / (hi - lo) * nb).floor().long().clamp_(0, nb - 1)  # [m, E] bin of each r_ij
     flat = (idx + torch.arange(E, device=idx.device)[None, :] * nb).flatten()
     # A fixed-size scatter, not bincount: its output size never depends on the data (integer adds: deterministic).
     hist = torch.zeros(E * nb, dtype=torch.int64, device=scores.device)
@@ -68,14 +69,14 @@ def qb_bias(hist: torch.Tensor, bias: torch.Tensor, K: int) -> torch.Tensor:
     E, nb = hist.shape
     lo, hi = qb_range(bias)
     width = (hi - lo) / _scalar(hist, nb)
-    m = hist[0].sum()                                     # every row counts all m tokens (one r per token)
+    m = hist[0].sum()  # every row counts all m tokens (one r per token)
     # ceil(m K / E) in integers: equals math.ceil(m * K / E) of fp64 while m K < 2**52.
     target = torch.div(m * K + (E - 1), E, rounding_mode="floor")
-    cum = hist.cumsum(-1)                                                         # [E, nb]
-    ranks = target.to(cum.dtype).expand(E, 1).contiguous()                        # [E, 1]
-    b = torch.searchsorted(cum, ranks).clamp_(max=nb - 1)   # [E, 1] first bin reaching the rank; past the end: last
-    before = torch.where(b > 0, cum.gather(1, (b - 1).clamp_(min=0)), 0)          # [E, 1] counts below bin b
-    inside = hist.gather(1, b).clamp_(min=1)                                      # [E, 1] an empty bin counts 1
+    cum = hist.cumsum(-1)  # [E, nb]
+    ranks = target.to(cum.dtype).expand(E, 1).contiguous()  # [E, 1]
+    b = torch.searchsorted(cum, ranks).clamp_(max=nb - 1)  # [E, 1] first bin reaching the rank; past the end: last
+    before = torch.where(b > 0, cum.gather(1, (b - 1).clamp_(min=0)), 0)  # [E, 1] counts below bin b
+    inside = hist.gather(1, b).clamp_(min=1)  # [E, 1] an empty bin counts 1
     # Separate ops, not a fused multiply-add, so each rounds as the loop's Python floats do.
     frac = (target - before).double() / inside.double()
     b_hat = (lo + width * (b.double() + frac)).view(E)
@@ -108,9 +109,9 @@ def update_router_biases(moes, comm, method: str = "qb", rate: float = 1e-3) -> 
     packed = torch.cat(parts)
     if comm is not None and comm.world_size > 1:
         comm.all_reduce(packed)
-    counts = packed[:len(routers) * E].view(len(routers), E)
+    counts = packed[: len(routers) * E].view(len(routers), E)
     if method == "qb":
-        hists = packed[len(routers) * E:].view(len(routers), E, NUM_BINS)
+        hists = packed[len(routers) * E :].view(len(routers), E, NUM_BINS)
         for r, h in zip(routers, hists):
             r.e_score_correction_bias.copy_(qb_bias(h, r.e_score_correction_bias, K))
     elif method == "sign":

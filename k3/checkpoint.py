@@ -5,12 +5,16 @@ names the newest COMPLETE checkpoint (written by rank 0 after every rank's file 
 written to a temporary name and renamed, so a crash never leaves a half file under a final name).
 Nothing is pickled.
 """
+
 from __future__ import annotations
 
 import json
 import os
 
 import torch
+from safetensors.torch import load_file, save_file
+
+from moonep_base import write_json
 
 
 def _dir(run_dir: str, step: int) -> str:
@@ -19,10 +23,6 @@ def _dir(run_dir: str, step: int) -> str:
 
 def save_checkpoint(comm, run_dir: str, step: int, tensors: dict[str, torch.Tensor], state: dict) -> str:
     """Collective: every rank writes its tensors; rank 0 writes ``state.json`` and then ``latest.json``."""
-    from safetensors.torch import save_file
-
-    from moonep.cli import write_json
-
     path = _dir(run_dir, step)
     os.makedirs(path, exist_ok=True)
     final = os.path.join(path, f"rank_{comm.rank}.safetensors")
@@ -39,8 +39,6 @@ def save_checkpoint(comm, run_dir: str, step: int, tensors: dict[str, torch.Tens
 
 def load_checkpoint(run_dir: str, rank: int) -> tuple[dict, dict[str, torch.Tensor]] | None:
     """(state, this rank's tensors) of the latest complete checkpoint, or None when there is none."""
-    from safetensors.torch import load_file
-
     latest = os.path.join(run_dir, "checkpoints", "latest.json")
     if not os.path.exists(latest):
         return None
@@ -50,8 +48,9 @@ def load_checkpoint(run_dir: str, rank: int) -> tuple[dict, dict[str, torch.Tens
         state = json.load(f)
     file = os.path.join(path, f"rank_{rank}.safetensors")
     if not os.path.exists(file):
-        raise ValueError(f"checkpoint {path}: no file for rank {rank} (saved with world size "
-                         f"{state.get('world_size')})")
+        raise ValueError(
+            f"checkpoint {path}: no file for rank {rank} (saved with world size {state.get('world_size')})"
+        )
     return state, load_file(file)
 
 

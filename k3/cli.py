@@ -1,7 +1,11 @@
 """``moonep train`` (and ``python -m k3 train``): argparse only at module level, so ``moonep --help`` is fast."""
+
 from __future__ import annotations
 
 import argparse
+import sys
+
+from moonep_base import write_json
 
 
 def register(commands, bench) -> None:
@@ -9,8 +13,12 @@ def register(commands, bench) -> None:
     p.add_argument("--preset", default="tiny", choices=("tiny", "small", "full"))
     p.add_argument("--world-size", type=int, default=4, help="local ranks (ignored under torchrun/mpiexec)")
     p.add_argument("--cp", type=int, default=1, help="context-parallel size: each sequence split over this many ranks")
-    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
-                   help="cuda: one GPU per rank (NCCL), e.g. under torchrun --nproc_per_node=<GPUs>")
+    p.add_argument(
+        "--device",
+        default="cpu",
+        choices=("cpu", "cuda"),
+        help="cuda: one GPU per rank (NCCL), e.g. under torchrun --nproc_per_node=<GPUs>",
+    )
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--data", default=None, help="text folder (default: this Python's standard library)")
@@ -19,14 +27,29 @@ def register(commands, bench) -> None:
     p.add_argument("--balance", default="qb", choices=("qb", "sign", "none"))
     p.add_argument("--optimizer", default="muon", choices=("muon", "adamw"))
     p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--trace-dir", default=None, help="write per-rank traces here for `moonep diagnose` "
-                   "(default: $MOONEP_TRACE_DIR, or no tracing)")
-    p.add_argument("--inject-slowdown", default="", metavar="rank=R,factor=F[,from_step=N]",
-                   help="fault injection (tests, demos): rank R computes F x slower from step N")
-    p.add_argument("--inject-data-delay", default="", metavar="rank=R,ms=M[,from_step=N]",
-                   help="fault injection: rank R's data loading takes M ms longer from step N")
-    p.add_argument("--inject-link-delay", default="", metavar="src=A,dst=B,ms=M[,from_step=N]",
-                   help="fault injection: data A sends to B arrives M ms late from step N")
+    p.add_argument(
+        "--trace-dir",
+        default=None,
+        help="write per-rank traces here for `moonep diagnose` (default: $MOONEP_TRACE_DIR, or no tracing)",
+    )
+    p.add_argument(
+        "--inject-slowdown",
+        default="",
+        metavar="rank=R,factor=F[,from_step=N]",
+        help="fault injection (tests, demos): rank R computes F x slower from step N",
+    )
+    p.add_argument(
+        "--inject-data-delay",
+        default="",
+        metavar="rank=R,ms=M[,from_step=N]",
+        help="fault injection: rank R's data loading takes M ms longer from step N",
+    )
+    p.add_argument(
+        "--inject-link-delay",
+        default="",
+        metavar="src=A,dst=B,ms=M[,from_step=N]",
+        help="fault injection: data A sends to B arrives M ms late from step N",
+    )
     p.set_defaults(func=_train)
 
     b = bench.add_parser("train", help="K3 training tokens/s and peak memory at EP = 1, 2, 4")
@@ -39,21 +62,29 @@ def register(commands, bench) -> None:
 
 
 def _train(args: argparse.Namespace) -> int:
-    import sys
+    from collectives.faults import parse_data_delays, parse_link_delay_specs, parse_slowdowns  # heavy: torch
 
-    from collectives.faults import parse_data_delays, parse_link_delay_specs, parse_slowdowns
-
-    from .train import TrainConfig, train
+    from .train import TrainConfig, train  # heavy: the trainer (torch)
 
     try:
-        tc = TrainConfig(preset=args.preset, world_size=args.world_size, cp=args.cp, device=args.device,
-                         steps=args.steps,
-                         seed=args.seed, data=args.data, run_dir=args.run_dir or f"out/k3-{args.preset}",
-                         resume=args.resume, balance=args.balance, optimizer=args.optimizer,
-                         progress=not args.no_progress, trace_dir=args.trace_dir,
-                         slowdowns=tuple(parse_slowdowns(args.inject_slowdown)),
-                         data_delays=tuple(parse_data_delays(args.inject_data_delay)),
-                         link_delays=tuple(parse_link_delay_specs(args.inject_link_delay)))
+        tc = TrainConfig(
+            preset=args.preset,
+            world_size=args.world_size,
+            cp=args.cp,
+            device=args.device,
+            steps=args.steps,
+            seed=args.seed,
+            data=args.data,
+            run_dir=args.run_dir or f"out/k3-{args.preset}",
+            resume=args.resume,
+            balance=args.balance,
+            optimizer=args.optimizer,
+            progress=not args.no_progress,
+            trace_dir=args.trace_dir,
+            slowdowns=tuple(parse_slowdowns(args.inject_slowdown)),
+            data_delays=tuple(parse_data_delays(args.inject_data_delay)),
+            link_delays=tuple(parse_link_delay_specs(args.inject_link_delay)),
+        )
         out = train(tc)
     except ValueError as exc:  # bad flags: one line naming the problem, no traceback
         print(f"error: {exc}", file=sys.stderr)
@@ -70,15 +101,15 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from moonep.cli import write_json
-
-    from .bench import run_bench
+    from .bench import run_bench  # heavy: torch
 
     sizes = (1, 2) if args.quick else tuple(int(x) for x in args.world_sizes.split(","))
     out = run_bench(args.preset, sizes, 2 if args.quick else args.steps)
     for r in out["results"]:
-        print(f"EP={r['world_size']}: {r['tokens_per_s']:.0f} tokens/s, {r['step_s'] * 1e3:.0f} ms/step, "
-              f"peak RSS {r['peak_rss_mb']:.0f} MB per rank")
+        print(
+            f"EP={r['world_size']}: {r['tokens_per_s']:.0f} tokens/s, {r['step_s'] * 1e3:.0f} ms/step, "
+            f"peak RSS {r['peak_rss_mb']:.0f} MB per rank"
+        )
     if args.json:
         write_json(args.json, out)
     return 0

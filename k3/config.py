@@ -4,6 +4,7 @@ Presets (``K3Config.preset(name)``): ``full`` (the released values, k3_architect
 (every structural switch, trains on CPU in minutes) and ``small`` (a wider/deeper CPU-sized model).
 Layer lists in ``linear_attn_config`` are 1-based, as released; ``layer_kind(i)`` takes 0-based indices.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -11,6 +12,8 @@ import json
 import os
 from dataclasses import dataclass, field
 from typing import Any
+
+from moonep_base import write_json
 
 # Top-level keys of the multimodal config.json that sit next to ``text_config``.
 _TOP_LEVEL = ("bos_token_id", "eos_token_id", "pad_token_id", "media_placeholder_token_id", "tie_word_embeddings")
@@ -144,10 +147,24 @@ class K3Config:
     def __post_init__(self) -> None:
         if isinstance(self.linear_attn_config, dict):
             self.linear_attn_config = LinearAttnConfig(**self.linear_attn_config)
-        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "q_lora_rank",
-                     "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "intermediate_size",
-                     "num_experts", "num_experts_per_token", "moe_intermediate_size", "routed_expert_hidden_size",
-                     "attn_res_block_size", "moe_layer_freq"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "q_lora_rank",
+            "kv_lora_rank",
+            "qk_nope_head_dim",
+            "qk_rope_head_dim",
+            "v_head_dim",
+            "intermediate_size",
+            "num_experts",
+            "num_experts_per_token",
+            "moe_intermediate_size",
+            "routed_expert_hidden_size",
+            "attn_res_block_size",
+            "moe_layer_freq",
+        ):
             _positive(name, getattr(self, name))
         if self.num_key_value_heads != self.num_attention_heads:
             raise ValueError(f"num_key_value_heads: must equal num_attention_heads ({self.num_attention_heads})")
@@ -156,18 +173,31 @@ class K3Config:
         if not 0 <= self.first_k_dense_replace <= self.num_hidden_layers:
             raise ValueError(f"first_k_dense_replace: must be in [0, {self.num_hidden_layers}]")
         if not self.num_experts_per_token < self.num_experts:
-            raise ValueError(f"num_experts_per_token: must be < num_experts={self.num_experts} "
-                             "(balancing uses the (k+1)-th score)")
+            raise ValueError(
+                f"num_experts_per_token: must be < num_experts={self.num_experts} (balancing uses the (k+1)-th score)"
+            )
         if self.num_shared_experts < 0:
             raise ValueError(f"num_shared_experts: must be >= 0, got {self.num_shared_experts}")
-        checks = (("hidden_act", "situ"), ("moe_router_activation_func", "sigmoid"), ("topk_method", "noaux_tc"),
-                  ("num_expert_group", 1), ("topk_group", 1), ("moe_renormalize", True),
-                  ("latent_moe_use_norm", True), ("tie_word_embeddings", False))
+        checks = (
+            ("hidden_act", "situ"),
+            ("moe_router_activation_func", "sigmoid"),
+            ("topk_method", "noaux_tc"),
+            ("num_expert_group", 1),
+            ("topk_group", 1),
+            ("moe_renormalize", True),
+            ("latent_moe_use_norm", True),
+            ("tie_word_embeddings", False),
+        )
         for name, want in checks:
             if getattr(self, name) != want:
                 raise ValueError(f"{name}: only {want!r} is supported, got {getattr(self, name)!r}")
-        for name in ("activation_situ_beta", "activation_situ_linear_beta", "rms_norm_eps", "routed_scaling_factor",
-                     "initializer_range"):
+        for name in (
+            "activation_situ_beta",
+            "activation_situ_linear_beta",
+            "rms_norm_eps",
+            "routed_scaling_factor",
+            "initializer_range",
+        ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}: must be positive, got {getattr(self, name)}")
         self._check_schedule()
@@ -205,8 +235,6 @@ class K3Config:
 
     def to_json(self, path: str | os.PathLike) -> None:
         """Write an HF-style ``config.json`` (atomic)."""
-        from moonep.cli import write_json
-
         write_json(path, self.to_dict())
 
     @classmethod
@@ -241,25 +269,61 @@ def _full() -> K3Config:
 def _tiny() -> K3Config:
     """9 layers: KDA except MLA at 4, 8 and the extra final 9; dense layer 0; blocks of 4 (tail block of 1)."""
     return K3Config(
-        vocab_size=256, hidden_size=64, num_hidden_layers=9, num_attention_heads=2, num_key_value_heads=2,
-        q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
-        linear_attn_config=LinearAttnConfig(num_heads=2, head_dim=16, full_attn_layers=[4, 8, 9],
-                                            kda_layers=[1, 2, 3, 5, 6, 7]),
-        intermediate_size=128, num_experts=8, num_experts_per_token=2, num_shared_experts=2,
-        moe_intermediate_size=32, routed_expert_hidden_size=32, attn_res_block_size=4,
-        max_position_embeddings=4096, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+        vocab_size=256,
+        hidden_size=64,
+        num_hidden_layers=9,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        q_lora_rank=32,
+        kv_lora_rank=16,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        linear_attn_config=LinearAttnConfig(
+            num_heads=2, head_dim=16, full_attn_layers=[4, 8, 9], kda_layers=[1, 2, 3, 5, 6, 7]
+        ),
+        intermediate_size=128,
+        num_experts=8,
+        num_experts_per_token=2,
+        num_shared_experts=2,
+        moe_intermediate_size=32,
+        routed_expert_hidden_size=32,
+        attn_res_block_size=4,
+        max_position_embeddings=4096,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
 
 
 def _small() -> K3Config:
     """18 layers (MLA at 4, 8, 12, 16 and 18), 16 experts top-4, blocks of 6 (three full blocks)."""
     return K3Config(
-        vocab_size=256, hidden_size=256, num_hidden_layers=18, num_attention_heads=4, num_key_value_heads=4,
-        q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
-        linear_attn_config=LinearAttnConfig(num_heads=4, head_dim=32, full_attn_layers=[4, 8, 12, 16, 18],
-                                            kda_layers=[i for i in range(1, 18) if i % 4]),
-        intermediate_size=512, num_experts=16, num_experts_per_token=4, num_shared_experts=2,
-        moe_intermediate_size=64, routed_expert_hidden_size=128, attn_res_block_size=6,
-        max_position_embeddings=65536, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+        vocab_size=256,
+        hidden_size=256,
+        num_hidden_layers=18,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=64,
+        kv_lora_rank=32,
+        qk_nope_head_dim=32,
+        qk_rope_head_dim=16,
+        v_head_dim=32,
+        linear_attn_config=LinearAttnConfig(
+            num_heads=4, head_dim=32, full_attn_layers=[4, 8, 12, 16, 18], kda_layers=[i for i in range(1, 18) if i % 4]
+        ),
+        intermediate_size=512,
+        num_experts=16,
+        num_experts_per_token=4,
+        num_shared_experts=2,
+        moe_intermediate_size=64,
+        routed_expert_hidden_size=128,
+        attn_res_block_size=6,
+        max_position_embeddings=65536,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
 
 
 PRESETS = {"full": _full, "tiny": _tiny, "small": _small}

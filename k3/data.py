@@ -6,6 +6,7 @@ relative path (each side capped at its share of ``max_bytes``): deterministic an
 file order. Batches are a pure function of (seed, step), so any world size, and any resumed run, sees the same
 global batch.
 """
+
 from __future__ import annotations
 
 import os
@@ -27,8 +28,12 @@ def list_files(root: str, suffixes: tuple[str, ...]) -> list[str]:
     """Relative paths of text files under root, sorted; skips site-packages, tests and hidden folders."""
     out = []
     for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and d not in
-                             ("site-packages", "dist-packages", "test", "tests", "idlelib", "__pycache__"))
+        dirnames[:] = sorted(
+            d
+            for d in dirnames
+            if not d.startswith(".")
+            and d not in ("site-packages", "dist-packages", "test", "tests", "idlelib", "__pycache__")
+        )
         out += [os.path.relpath(os.path.join(dirpath, f), root) for f in filenames if f.endswith(suffixes)]
     return sorted(out)
 
@@ -52,8 +57,9 @@ def load_corpus(path: str | None = None, *, max_bytes: int = 8 << 20, val_fracti
         raise ValueError(f"data: {root!r} is not a folder")
     # Hash order, not path order: the byte cap then takes a mix of the whole tree instead of its first
     # folders (the stdlib's alphabetically early encodings/ tables are unusually repetitive).
-    files = sorted(list_files(root, (".py",) if path is None else TEXT_SUFFIXES),
-                   key=lambda rel: (zlib.crc32(rel.encode()), rel))
+    files = sorted(
+        list_files(root, (".py",) if path is None else TEXT_SUFFIXES), key=lambda rel: (zlib.crc32(rel.encode()), rel)
+    )
     caps = {"train": max_bytes * (1 - val_fraction), "val": max_bytes * val_fraction}
     parts: dict[str, list[np.ndarray]] = {"train": [], "val": []}
     sizes = {"train": 0, "val": 0}
@@ -80,7 +86,7 @@ def batch(tokens: np.ndarray, seed: int, step: int, rows: int, seq_len: int) -> 
     """The global batch of ``step``: [rows, seq_len + 1] int64 windows at offsets drawn from (seed, step)."""
     rng = np.random.default_rng([seed, step])
     starts = rng.integers(0, len(tokens) - seq_len - 1, size=rows)
-    return torch.from_numpy(np.stack([tokens[s:s + seq_len + 1] for s in starts]).astype(np.int64))
+    return torch.from_numpy(np.stack([tokens[s : s + seq_len + 1] for s in starts]).astype(np.int64))
 
 
 __all__ = ["Corpus", "load_corpus", "batch", "list_files", "stdlib_dir"]

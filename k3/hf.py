@@ -10,12 +10,16 @@ order is our reading of the format, not verified against the released shards. Th
 inferred. Everything is checked (files, names, shapes) before the first tensor is copied: a corrupt or
 incomplete checkpoint raises ``ValueError`` and leaves the model untouched.
 """
+
 from __future__ import annotations
 
 import json
 import os
 
 import torch
+from safetensors import SafetensorError, safe_open
+
+from .moe import LatentMoE
 
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
 GROUP = 32  # MXFP4 block size
@@ -24,7 +28,7 @@ GROUP = 32  # MXFP4 block size
 def mxfp4_dequantize(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """packed uint8 [out, in/2], scale uint8 [out, in/32] -> fp32 [out, in]."""
     lo, hi = (packed & 0x0F).long(), (packed >> 4).long()
-    codes = torch.stack([lo, hi], dim=-1).reshape(packed.shape[0], -1)           # [out, in]
+    codes = torch.stack([lo, hi], dim=-1).reshape(packed.shape[0], -1)  # [out, in]
     values = E2M1[codes]
     exps = torch.pow(2.0, scale.float() - 127.0).repeat_interleave(GROUP, dim=1)
     return values * exps
@@ -35,27 +39,30 @@ def mxfp4_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     out, n = w.shape
     g = w.reshape(out, n // GROUP, GROUP)
     amax = g.abs().amax(-1).clamp_min(1e-30)
-    exp = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127)                    # largest value maps to <= 6
+    exp = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127)  # largest value maps to <= 6
     scaled = g / torch.pow(2.0, exp)[..., None]
-    codes = (scaled.reshape(out, n)[..., None] - E2M1).abs().argmin(-1)          # [out, in]
+    codes = (scaled.reshape(out, n)[..., None] - E2M1).abs().argmin(-1)  # [out, in]
     packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8)
     return packed, (exp + 127).to(torch.uint8)
 
 
 def hf_names(model) -> dict[str, tuple[torch.Tensor, int | None]]:
     """Release name -> (our tensor, expert row or None) for every parameter and router bias of ``model``."""
-    from .moe import LatentMoE
-
     out: dict[str, tuple[torch.Tensor, int | None]] = {
-        "model.embed_tokens.weight": (model.embed_tokens.weight, None), "model.norm.weight": (model.norm.weight, None),
+        "model.embed_tokens.weight": (model.embed_tokens.weight, None),
+        "model.norm.weight": (model.norm.weight, None),
         "lm_head.weight": (model.lm_head.weight, None),
         "model.output_attn_res_proj.weight": (model.output_attn_res.proj, None),
-        "model.output_attn_res_norm.weight": (model.output_attn_res.norm, None)}
+        "model.output_attn_res_norm.weight": (model.output_attn_res.norm, None),
+    }
     for i, layer in enumerate(model.layers):
         pre = f"model.layers.{i}."
         for name, p in layer.self_attn.named_parameters():
-            out[pre + "self_attn." + (name if name.endswith(".weight") else name + ("" if name in (
-                "A_log", "dt_bias") else ".weight"))] = (p, None)
+            out[
+                pre
+                + "self_attn."
+                + (name if name.endswith(".weight") else name + ("" if name in ("A_log", "dt_bias") else ".weight"))
+            ] = (p, None)
         for sub in ("attn", "mlp"):
             q = getattr(layer, f"{sub}_res")
             out[pre + f"{sub}_res_proj.weight"], out[pre + f"{sub}_res_norm.weight"] = (q.proj, None), (q.norm, None)
@@ -96,8 +103,6 @@ def _read_index(path: str) -> dict[str, str]:
 
 
 def _fetch(path: str, weight_map: dict[str, str], name: str) -> torch.Tensor:
-    from safetensors import safe_open
-
     stored = name if name in weight_map else None
     with safe_open(os.path.join(path, weight_map[name]), "pt") as f:
         keys = set(f.keys())
@@ -112,8 +117,6 @@ def load_hf_checkpoint(model, path: str) -> list[str]:
 
     Returns the loaded release names. Raises ValueError naming the first problem, before copying anything.
     """
-    from safetensors import SafetensorError
-
     weight_map = _read_index(path)
     targets = hf_names(model)
     staged: list[tuple[torch.Tensor, int | None, torch.Tensor, str]] = []
@@ -124,15 +127,16 @@ def load_hf_checkpoint(model, path: str) -> list[str]:
                 src = _fetch(path, weight_map, name)
             elif name.removesuffix(".weight") + ".weight_packed" in weight_map:
                 base = name.removesuffix(".weight")
-                src = mxfp4_dequantize(_fetch(path, weight_map, base + ".weight_packed"),
-                                       _fetch(path, weight_map, base + ".weight_scale"))
+                src = mxfp4_dequantize(
+                    _fetch(path, weight_map, base + ".weight_packed"), _fetch(path, weight_map, base + ".weight_scale")
+                )
             else:
                 raise ValueError(f"{path}: tensor {name} is missing")
         except SafetensorError as exc:
             raise ValueError(f"{path}: unreadable shard for {name}: {exc}") from exc
         if name.endswith("A_log") and src.dim() == 1 and src.numel() > shape[0]:
             # the release stores A_log with more entries than KDA heads (128 for 96); the first ones are used
-            src = src[:shape[0]]
+            src = src[: shape[0]]
         if name.endswith("_res_proj.weight") or name.endswith("conv1d.weight"):
             src = src.reshape(shape) if src.numel() == torch.Size(shape).numel() else src
         if tuple(src.shape) != tuple(shape):

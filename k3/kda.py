@@ -11,6 +11,7 @@ Context parallelism enters only here: with a ``cp_comm`` of world size > 1 the l
 ``context_parallel_short_conv`` / ``context_parallel_kda`` on its slice of every sequence instead of the
 single-device ``short_conv`` / ``kda_chunk``.
 """
+
 from __future__ import annotations
 
 import math
@@ -65,21 +66,21 @@ class KDALayer(nn.Module):
         self.dt_bias.data.copy_(dt + torch.log(-torch.expm1(-dt)))
 
     def _conv(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        from cp_kda import context_parallel_short_conv, short_conv
+        from cp_kda import context_parallel_short_conv, short_conv  # heavy: cp_kda kernels, loaded on first use
 
         if self.cp_comm is not None and self.cp_comm.world_size > 1:
             return context_parallel_short_conv(x, weight, self.cp_comm, activation="silu")
         return short_conv(x, weight, activation="silu")[0]
 
     def _kda(self, q, k, v, g, beta) -> torch.Tensor:
-        from cp_kda import context_parallel_kda, kda_chunk
+        from cp_kda import context_parallel_kda, kda_chunk  # heavy: cp_kda kernels, loaded on first use
 
         if self.cp_comm is not None and self.cp_comm.world_size > 1:
             return context_parallel_kda(q, k, v, g, beta, self.cp_comm, strategy="scan")[0]
         return kda_chunk(q, k, v, g, beta)[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from cp_kda import kda_gate
+        from cp_kda import kda_gate  # heavy: cp_kda kernels, loaded on first use
 
         B, T, _ = x.shape
         heads = (B, T, self.h, self.K)
@@ -88,8 +89,8 @@ class KDALayer(nn.Module):
         v = self._conv(self.v_proj(x), self.v_conv1d).view(heads)
         f = self.f_b_proj(self.f_a_proj(x)).view(heads)
         g = kda_gate(f, self.A_log, self.dt_bias, lower_bound=self.lower_bound).to(x.dtype)
-        beta = torch.sigmoid(self.b_proj(x))                                     # [B, T, h]
-        o = self._kda(q, k, v, g, beta)                                          # [B, T, h, V]
+        beta = torch.sigmoid(self.b_proj(x))  # [B, T, h]
+        o = self._kda(q, k, v, g, beta)  # [B, T, h, V]
         o = rms_norm(o, self.o_norm, self.eps).reshape(B, T, -1)
         return self.o_proj(o * torch.sigmoid(self.g_proj(x)))
 
@@ -102,9 +103,9 @@ def kda_layer_naive(layer: KDALayer, x: torch.Tensor) -> torch.Tensor:
     def conv(u, w):  # u [B, T, D], w [D, W]: y_t = silu(sum_j w[:, j] u_{t-W+1+j})
         W = w.shape[1]
         pad = torch.cat([u.new_zeros(B, W - 1, u.shape[2]), u], dim=1)
-        return F.silu(sum(pad[:, j:j + T] * w[:, j] for j in range(W)))
+        return F.silu(sum(pad[:, j : j + T] * w[:, j] for j in range(W)))
 
-    q = l2_normalize(conv(layer.q_proj(x), layer.q_conv1d).view(B, T, h, K)) * K ** -0.5
+    q = l2_normalize(conv(layer.q_proj(x), layer.q_conv1d).view(B, T, h, K)) * K**-0.5
     k = l2_normalize(conv(layer.k_proj(x), layer.k_conv1d).view(B, T, h, K))
     v = conv(layer.v_proj(x), layer.v_conv1d).view(B, T, h, K)
     f = layer.f_b_proj(layer.f_a_proj(x)).view(B, T, h, K) + layer.dt_bias.view(h, K)
@@ -113,7 +114,7 @@ def kda_layer_naive(layer: KDALayer, x: torch.Tensor) -> torch.Tensor:
     S = x.new_zeros(B, h, K, K)
     outs = []
     for t in range(T):
-        S = torch.exp(g[:, t])[..., None] * S                                   # decay along the key axis
+        S = torch.exp(g[:, t])[..., None] * S  # decay along the key axis
         kt, vt, bt = k[:, t], v[:, t], beta[:, t][..., None]
         S = S + bt[..., None] * kt[..., None] * (vt - torch.einsum("bhkv,bhk->bhv", S, kt))[:, :, None, :]
         outs.append(torch.einsum("bhkv,bhk->bhv", S, q[:, t]))

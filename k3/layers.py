@@ -2,6 +2,7 @@
 
 Axes: ``T`` tokens (any leading shape), ``d`` hidden, ``F`` MLP width.
 """
+
 from __future__ import annotations
 
 import torch

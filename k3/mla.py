@@ -12,6 +12,7 @@ Context parallelism: with a ``cp_comm`` of world size > 1 each rank holds the to
 ``[rank*T_l, (rank+1)*T_l)`` of every sequence; keys and values are all-gathered along T (the backward sums the
 key/value grads over the group and keeps the local slice) and the causal mask is offset by the slice start.
 """
+
 from __future__ import annotations
 
 import torch
@@ -30,17 +31,17 @@ class _GatherTokens(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, comm):
         ctx.comm, ctx.T_l = comm, x.shape[2]
-        inp = x.permute(2, 0, 1, 3).contiguous()                                  # [T_l, B, h, c]
+        inp = x.permute(2, 0, 1, 3).contiguous()  # [T_l, B, h, c]
         out = inp.new_empty(comm.world_size * inp.shape[0], *inp.shape[1:])
         comm.all_gather(out, inp)
         return out.permute(1, 2, 0, 3)
 
     @staticmethod
     def backward(ctx, grad):
-        g = grad.permute(2, 0, 1, 3).contiguous()                                # [T, B, h, c]
+        g = grad.permute(2, 0, 1, 3).contiguous()  # [T, B, h, c]
         ctx.comm.all_reduce(g)  # every rank's queries read these keys: sum their grads, keep our slice
         a = ctx.comm.rank * ctx.T_l
-        return g[a:a + ctx.T_l].permute(1, 2, 0, 3), None
+        return g[a : a + ctx.T_l].permute(1, 2, 0, 3), None
 
 
 def causal_mask(T_q: int, T_k: int, offset: int, device=None) -> torch.Tensor:

@@ -7,6 +7,7 @@ nothing here imports ``collectives``. Building on ``device="meta"`` allocates no
 There is no ordinary residual add: every sublayer reads a depth-softmax mix (Block AttnRes) of the completed
 block sums and the running partial sum of the current block.
 """
+
 from __future__ import annotations
 
 import zlib
@@ -35,8 +36,9 @@ class DecoderLayer(nn.Module):
         if cfg.is_moe(index):
             self.mlp = LatentMoE(cfg, ep_size=ep_size, ep_rank=ep_rank, device=device)
         else:
-            self.mlp = SiTUMLP(d, cfg.intermediate_size, cfg.activation_situ_beta, cfg.activation_situ_linear_beta,
-                               device=device)
+            self.mlp = SiTUMLP(
+                d, cfg.intermediate_size, cfg.activation_situ_beta, cfg.activation_situ_linear_beta, device=device
+            )
         self.input_layernorm = RMSNorm(d, eps, device=device)
         self.post_attention_layernorm = RMSNorm(d, eps, device=device)
         self.attn_res = AttnResQuery(d, eps, device=device)
@@ -63,8 +65,9 @@ class K3Model(nn.Module):
         self.cfg = cfg
         d = cfg.hidden_size
         self.embed_tokens = nn.Embedding(cfg.vocab_size, d, device=device)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, ep_size=ep_size, ep_rank=ep_rank, device=device)
-                                    for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, i, ep_size=ep_size, ep_rank=ep_rank, device=device) for i in range(cfg.num_hidden_layers)
+        )
         self.output_attn_res = AttnResQuery(d, cfg.rms_norm_eps, device=device)
         self.norm = RMSNorm(d, cfg.rms_norm_eps, device=device)
         self.lm_head = nn.Linear(d, cfg.vocab_size, bias=False, device=device)
@@ -108,8 +111,14 @@ def init_weights(model: K3Model, seed: int) -> None:
     for name, module in model.named_modules():
         if isinstance(module, KDALayer):
             module.reset_special(_generator(seed, name))
-            special |= {id(module.q_conv1d), id(module.k_conv1d), id(module.v_conv1d), id(module.A_log),
-                        id(module.dt_bias), id(module.o_norm)}
+            special |= {
+                id(module.q_conv1d),
+                id(module.k_conv1d),
+                id(module.v_conv1d),
+                id(module.A_log),
+                id(module.dt_bias),
+                id(module.o_norm),
+            }
         elif isinstance(module, (RMSNorm, AttnResQuery)):
             special |= {id(p) for p in module.parameters()}
             for pname, p in module.named_parameters():
@@ -124,11 +133,12 @@ def init_weights(model: K3Model, seed: int) -> None:
         else:
             offset, E = shard
             full = torch.randn((E, *p.shape[1:]), generator=gen) * std
-            p.copy_(full[offset:offset + p.shape[0]])
+            p.copy_(full[offset : offset + p.shape[0]])
 
 
-def build_model(cfg: K3Config, *, seed: int = 0, ep_size: int = 1, ep_rank: int = 0,
-                dtype: torch.dtype = torch.float32) -> K3Model:
+def build_model(
+    cfg: K3Config, *, seed: int = 0, ep_size: int = 1, ep_rank: int = 0, dtype: torch.dtype = torch.float32
+) -> K3Model:
     """A K3Model on CPU with ``init_weights(seed)`` applied (identical values for any EP size)."""
     model = K3Model(cfg, ep_size=ep_size, ep_rank=ep_rank)
     init_weights(model, seed)

@@ -14,6 +14,7 @@ the plan's replica slots, filled with ``Buffer.prefetch_weight``; their grads go
 Without a Buffer (``buffer is None``: meta device, or no EP group attached) all E experts are local and a
 plain loop computes the same function.
 """
+
 from __future__ import annotations
 
 import torch
@@ -39,13 +40,14 @@ class K3Router(nn.Module):
         self.last_counts: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        scores = torch.sigmoid(x.float() @ self.weight.float().t())             # [s, E], fp32
+        scores = torch.sigmoid(x.float() @ self.weight.float().t())  # [s, E], fp32
         topk_idx = torch.topk(scores.detach() + self.e_score_correction_bias, self.K, dim=-1).indices
         w = scores.gather(1, topk_idx)
         self.last_scores = scores.detach()
         # a scatter, not bincount: bincount sizes its output from the data (a host sync on a GPU)
         self.last_counts = torch.zeros(scores.shape[1], dtype=torch.int64, device=x.device).scatter_add_(
-            0, topk_idx.flatten(), torch.ones_like(topk_idx.flatten()))
+            0, topk_idx.flatten(), torch.ones_like(topk_idx.flatten())
+        )
         return topk_idx, w / (w.sum(-1, keepdim=True) + 1e-20) * self.scale
 
 
@@ -77,7 +79,7 @@ class GroupedSiTUExperts(torch.autograd.Function):
         epn = buffer.epn
         slots = [torch.zeros_like(t) for t in (w1, w3, w2)]
         buffer.prefetch_weight(plan, [w1.detach(), w3.detach(), w2.detach()], slots)
-        full = [torch.cat([t.detach(), s]) for t, s in zip((w1, w3, w2), slots)]   # [2*epn, ...]
+        full = [torch.cat([t.detach(), s]) for t, s in zip((w1, w3, w2), slots)]  # [2*epn, ...]
         ends = list(plan.cu_host)  # host copy from the dispatch's one read: no sync here
         with torch.no_grad():
             z = situ_experts(x, ends, *full, *acts) * w[:, None].to(x.dtype)
@@ -138,7 +140,7 @@ class LatentMoE(nn.Module):
         """u [s, L] = sum over each token's K experts of p_j E_j(z)."""
         if self.buffer is None:
             return moe_routed_naive(z, topk_idx, topk_w, self.w1, self.w3, self.w2, self.acts)
-        import moonep
+        import moonep  # heavy: EP (moonep) loads only when a Buffer is attached; the model is single-device
 
         recv, recv_w, _, plan = moonep.dispatch(self.buffer, z, topk_w, topk_idx)
         out = GroupedSiTUExperts.apply(self.buffer, plan, self.acts, recv, recv_w, self.w1, self.w3, self.w2)

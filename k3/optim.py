@@ -1,4 +1,5 @@
 """Optimizer construction and the learning-rate schedule (warmup, then cosine to a floor)."""
+
 from __future__ import annotations
 
 import math
@@ -6,14 +7,18 @@ import math
 from .muon import PerHeadMuon, param_groups
 
 
-def build_optimizer(model, kind: str, *, lr: float, weight_decay: float) -> PerHeadMuon:
-    """``kind="muon"``: Per-Head Muon for matrices, AdamW for the rest; ``"adamw"``: AdamW for everything."""
+def build_optimizer(model, kind: str, *, lr: float, weight_decay: float, comm=None) -> PerHeadMuon:
+    """``kind="muon"``: Per-Head Muon for matrices, AdamW for the rest; ``"adamw"``: AdamW for everything.
+
+    ``comm``: the ranks whose replicated grads are already summed (the trainer's world); Newton-Schulz of the
+    replicated matrices is then split over them (``k3.muon``). None: every block runs on this rank.
+    """
     groups = param_groups(model)
     if kind == "adamw":
         groups = [{"params": groups[0]["params"] + groups[1]["params"], "kind": "adamw"}]
     elif kind != "muon":
         raise ValueError(f"optimizer: expected 'muon' or 'adamw', got {kind!r}")
-    return PerHeadMuon([g for g in groups if g["params"]], lr=lr, weight_decay=weight_decay)
+    return PerHeadMuon([g for g in groups if g["params"]], lr=lr, weight_decay=weight_decay, comm=comm)
 
 
 def lr_at(step: int, total: int, peak: float, warmup: int, floor: float = 0.1) -> float:

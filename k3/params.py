@@ -4,6 +4,7 @@ Active parameters count what one token touches: every non-expert weight, the LM 
 experts per MoE layer, but NOT the input embedding (a lookup; the report's Table 1 convention). For ``full``:
 2,779,484,476,000 total and 104,189,612,640 active (k3_architecture.md 3.2).
 """
+
 from __future__ import annotations
 
 from .config import K3Config
@@ -13,16 +14,30 @@ def kda_params(c: K3Config) -> int:
     """q/k/v/g/o projections, f_a/f_b, b_proj, three conv taps, dt_bias, A_log, o_norm."""
     lin, d = c.linear_attn_config, c.hidden_size
     D = lin.num_heads * lin.head_dim
-    return (5 * d * D + d * lin.head_dim + lin.head_dim * D + d * lin.num_heads
-            + 3 * D * lin.short_conv_kernel_size + D + lin.num_heads + lin.head_dim)
+    return (
+        5 * d * D
+        + d * lin.head_dim
+        + lin.head_dim * D
+        + d * lin.num_heads
+        + 3 * D * lin.short_conv_kernel_size
+        + D
+        + lin.num_heads
+        + lin.head_dim
+    )
 
 
 def mla_params(c: K3Config) -> int:
     """q_a (+norm), q_b, kv_a (+norm), kv_b, o and the output gate g."""
     d, h = c.hidden_size, c.num_attention_heads
-    return (d * c.q_lora_rank + c.q_lora_rank + c.q_lora_rank * h * (c.qk_nope_head_dim + c.qk_rope_head_dim)
-            + d * (c.kv_lora_rank + c.qk_rope_head_dim) + c.kv_lora_rank
-            + c.kv_lora_rank * h * (c.qk_nope_head_dim + c.v_head_dim) + 2 * d * h * c.v_head_dim)
+    return (
+        d * c.q_lora_rank
+        + c.q_lora_rank
+        + c.q_lora_rank * h * (c.qk_nope_head_dim + c.qk_rope_head_dim)
+        + d * (c.kv_lora_rank + c.qk_rope_head_dim)
+        + c.kv_lora_rank
+        + c.kv_lora_rank * h * (c.qk_nope_head_dim + c.v_head_dim)
+        + 2 * d * h * c.v_head_dim
+    )
 
 
 def moe_params(c: K3Config) -> tuple[int, int]:
@@ -57,9 +72,9 @@ def count_model_parameters(cfg: K3Config) -> dict[str, int]:
 
     The router's ``e_score_correction_bias`` is a buffer (no gradient) but a checkpoint tensor, so it is counted.
     """
-    import torch
+    import torch  # heavy: torch; the arithmetic above stays import-light
 
-    from .model import K3Model
+    from .model import K3Model  # heavy: the model (torch)
 
     model = K3Model(cfg, device=torch.device("meta"))
     total = routed = 0

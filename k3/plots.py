@@ -2,6 +2,7 @@
 
 Matplotlib object API with the Agg canvas: no pyplot state, no display needed.
 """
+
 from __future__ import annotations
 
 import json
@@ -15,8 +16,8 @@ def read_metrics(path: str) -> list[dict]:
 
 def write_plots(run_dir: str) -> list[str]:
     """Write ``loss.png`` and ``balance.png`` into run_dir; returns their paths."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # heavy: only when plots are written
+    from matplotlib.figure import Figure  # heavy: matplotlib
 
     rows = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
     if not rows:

@@ -3,18 +3,29 @@
 ``qb_histogram_host`` and ``qb_bias_loop`` are Quantile Balancing (``k3.balance``) as it was before it moved
 onto the device: the range read back as Python floats, ``bincount``, and one expert at a time. The device
 versions must equal them bit for bit on CPU (tests/k3/test_balance_device.py).
+
+``newton_schulz_loop``, ``orthogonalize_loop``, ``PerHeadMuonLoop`` and ``param_groups_by_name`` are Per-Head
+Muon (``k3.muon``) as it was before Newton-Schulz was batched over blocks and sharded over data-parallel ranks:
+one NS5 per head block in a Python loop (chunk / cat / stack), every rank orthogonalising every block, and the
+Muon/AdamW split chosen by parameter-name strings. tests/k3/test_muon.py holds the batched, sharded optimizer to
+them.
 """
+
 from __future__ import annotations
 
 import math
 
 import torch
 
+from .kda import KDALayer
+from .mla import GatedMLA
+from .muon import PerHeadMuon
+
 
 def qb_histogram_host(scores: torch.Tensor, bias: torch.Tensor, K: int, nb: int) -> torch.Tensor:
     """scores [m, E], bias [E] -> int64 counts [E, nb] of r_ij = alpha_i - s_ij over [min b - 1, max b + 1]."""
     E = scores.shape[1]
-    alpha = torch.topk(scores + bias, K + 1, dim=-1).values[:, -1:]             # [m, 1] the token's cutoff
+    alpha = torch.topk(scores + bias, K + 1, dim=-1).values[:, -1:]  # [m, 1] the token's cutoff
     r = (alpha - scores).double()
     lo, hi = float(bias.min()) - 1.0, float(bias.max()) + 1.0
     idx = ((r - lo) / (hi - lo) * nb).floor().long().clamp_(0, nb - 1)
@@ -45,4 +56,88 @@ def qb_bias_loop(hist: torch.Tensor, bias: torch.Tensor, K: int) -> torch.Tensor
     return (b_hat - b_hat.mean()).to(bias.dtype)
 
 
-__all__ = ["qb_histogram_host", "qb_bias_loop"]
+NS_COEFFS = (3.4445, -4.7750, 2.0315)
+
+
+def newton_schulz_loop(G: torch.Tensor, steps: int = 5, eps: float = 1e-7) -> torch.Tensor:
+    """Approximate orthogonal polar factor of ONE matrix G [r, c] by the quintic Newton-Schulz iteration (fp32)."""
+    a, b, c = NS_COEFFS
+    X = G.float()
+    tall = X.shape[0] > X.shape[1]
+    if tall:
+        X = X.t()
+    X = X / (X.norm() + eps)
+    for _ in range(steps):
+        A = X @ X.t()
+        X = a * X + (b * A + c * A @ A) @ X
+    return X.t() if tall else X
+
+
+def orthogonalize_loop(U: torch.Tensor, heads: int, axis: int) -> torch.Tensor:
+    """NS5 of U per block, one block at a time: ``heads`` equal blocks along ``axis`` (0 rows, 1 columns);
+    U [E, r, c] = one block per expert. Each block is scaled by 0.2 sqrt(max(rows, cols))."""
+    if U.dim() == 3:
+        return torch.stack([orthogonalize_loop(u, 1, 0) for u in U])
+    blocks = U.chunk(heads, dim=axis)
+    out = [newton_schulz_loop(b) * 0.2 * max(b.shape) ** 0.5 for b in blocks]
+    return torch.cat(out, dim=axis)
+
+
+class PerHeadMuonLoop(PerHeadMuon):
+    """The optimizer stepping parameter by parameter and head by head: no batching, no sharding (a ``comm`` is
+    ignored, so every rank orthogonalises every block). AdamW is the shared, unchanged ``PerHeadMuon._adamw``."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for i, p in enumerate(group["params"]):
+                if p.grad is None:
+                    continue
+                if group["kind"] == "muon":
+                    self._muon_loop(p, group, group["heads"][i], group["axis"][i])
+                else:
+                    self._adamw(p, group)
+
+    def _muon_loop(self, p, group, heads: int, axis: int) -> None:
+        st = self.state[p]
+        if "momentum" not in st:
+            st["momentum"] = torch.zeros_like(p, dtype=torch.float32)
+        m, mu = st["momentum"], group["momentum"]
+        g = p.grad.float()
+        m.mul_(mu).add_(g)
+        update = orthogonalize_loop(g + mu * m, heads, axis)
+        p.mul_(1 - group["lr"] * group["weight_decay"]).add_(update.to(p.dtype), alpha=-group["lr"])
+
+
+def param_groups_by_name(model) -> list[dict]:
+    """The Muon/AdamW split by name strings: every >= 2-D parameter is Muon unless its name contains
+    ``embed_tokens``, ``lm_head``, ``gate.weight`` or ``conv1d``; head splits from the attention modules."""
+    split: dict[int, tuple[int, int]] = {}
+    for module in model.modules():
+        if isinstance(module, KDALayer):
+            for lin in (module.q_proj, module.k_proj, module.v_proj, module.g_proj, module.f_b_proj):
+                split[id(lin.weight)] = (module.h, 0)
+            split[id(module.o_proj.weight)] = (module.h, 1)
+        elif isinstance(module, GatedMLA):
+            for lin in (module.q_b_proj, module.kv_b_proj, module.g_proj):
+                split[id(lin.weight)] = (module.h, 0)
+            split[id(module.o_proj.weight)] = (module.h, 1)
+    adamw_names = ("embed_tokens", "lm_head", "gate.weight")
+    muon, heads, axes, adamw = [], [], [], []
+    for name, p in model.named_parameters():
+        if p.dim() >= 2 and not any(a in name for a in adamw_names) and "conv1d" not in name:
+            h, ax = split.get(id(p), (1, 0))
+            muon.append(p), heads.append(h), axes.append(ax)
+        else:
+            adamw.append(p)
+    return [{"params": muon, "kind": "muon", "heads": heads, "axis": axes}, {"params": adamw, "kind": "adamw"}]
+
+
+__all__ = [
+    "qb_histogram_host",
+    "qb_bias_loop",
+    "newton_schulz_loop",
+    "orthogonalize_loop",
+    "PerHeadMuonLoop",
+    "param_groups_by_name",
+]

@@ -5,6 +5,7 @@
 slowdown (which faults are in force at a step: ``collectives.faults.faults_at``). Model code stays untouched:
 hooks only.
 """
+
 from __future__ import annotations
 
 import time
@@ -49,8 +50,9 @@ class PhaseClock:
                 self._stretch(c0)
                 cpu = time.thread_time() - c0
                 self._nested += cpu
-                self.tracer.record_event(self._phase, t0, time.time(), kind="compute", layer=kind, index=index,
-                                         cpu_s=cpu)
+                self.tracer.record_event(
+                    self._phase, t0, time.time(), kind="compute", layer=kind, index=index, cpu_s=cpu
+                )
 
         module.register_forward_pre_hook(enter)
         module.register_forward_hook(leave)
@@ -76,8 +78,9 @@ class PhaseClock:
         self._stretch(c0, self._nested)
         if self.tracer is not None:
             rest = {"layer": "other"} if self._nested else {}
-            self.tracer.record_event(name, t0, time.time(), kind="compute",
-                                     cpu_s=time.thread_time() - c0 - self._nested, **rest)
+            self.tracer.record_event(
+                name, t0, time.time(), kind="compute", cpu_s=time.thread_time() - c0 - self._nested, **rest
+            )
 
     @contextmanager
     def data(self, delay_ms: float = 0.0):

@@ -18,21 +18,28 @@ argument check). Forward, backward and evaluate are split per sublayer call (``l
 loss) whose ``t_enter``/``t_exit`` span the whole phase. Injected faults (``slowdowns``, ``data_delays``,
 ``link_delays``; grammar in ``collectives/faults.py``) feed ``moonep diagnose``'s tests and demos.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import json
 import os
+import sys
 import time
 from dataclasses import dataclass
 
 import torch
+from tqdm import tqdm
 
+import moonep
+from collectives import launch
 from collectives.faults import DataDelay, LinkDelay, Slowdown, check_fault_ranks, faults_at
-from collectives.launch import check_device, rank_device
+from collectives.launch import check_device, external_launcher, rank_device
+from moonep_base import run_package, write_json
 
 from .balance import update_router_biases
 from .checkpoint import load_checkpoint, save_checkpoint
+from .cli import register
 from .config import K3Config
 from .data import batch, load_corpus
 from .model import build_model, token_loss_sum
@@ -113,8 +120,10 @@ class TrainConfig:
         if self.world_size % self.cp:
             raise ValueError(f"cp: {self.cp} does not divide world_size {self.world_size}")
         if self.global_batch % (self.world_size // self.cp):
-            raise ValueError(f"global_batch: {self.global_batch} is not divisible by the data-parallel size "
-                             f"{self.world_size // self.cp}")
+            raise ValueError(
+                f"global_batch: {self.global_batch} is not divisible by the data-parallel size "
+                f"{self.world_size // self.cp}"
+            )
         if self.seq_len % self.cp or self.seq_len // self.cp < 3:
             raise ValueError(f"seq_len: {self.seq_len} must split into cp={self.cp} slices of >= 3 tokens")
         check_device(self.device)
@@ -144,16 +153,22 @@ class Trainer:
         self.cp_comm = comm.split(self.dp_rank) if tc.cp > 1 else None
         # built on the host (the seeded init is the same on any device), then moved
         self.model = build_model(self.cfg, seed=tc.seed, ep_size=R, ep_rank=comm.rank).to(self.device)
-        import moonep
-
         c = self.cfg
-        self.buffer = moonep.Buffer(comm, self.rows * self.T_l, c.routed_expert_hidden_size,
-                                    c.num_experts_per_token, c.num_experts, dtype=torch.float32, device=self.device)
+        self.buffer = moonep.Buffer(
+            comm,
+            S=self.rows * self.T_l,
+            H=c.routed_expert_hidden_size,
+            K=c.num_experts_per_token,
+            E=c.num_experts,
+            dtype=torch.float32,
+            device=self.device,
+        )
         self.model.set_parallel(ep_buffer=self.buffer, cp_comm=self.cp_comm)
         params = dict(self.model.named_parameters())
         self.experts = {n: p for n, p in params.items() if n.endswith(EXPERT_SUFFIXES)}
         self.replicated = {n: p for n, p in params.items() if n not in self.experts}
-        self.opt = build_optimizer(self.model, tc.optimizer, lr=tc.lr, weight_decay=tc.weight_decay)
+        # comm: replicated grads are all-reduced over the world (_sync_grads), so NS5 is split over it
+        self.opt = build_optimizer(self.model, tc.optimizer, lr=tc.lr, weight_decay=tc.weight_decay, comm=comm)
         self.names = {id(p): n for n, p in params.items()}
         self.opt_steps = 0
         for layer in self.model.layers:
@@ -168,9 +183,9 @@ class Trainer:
     def local(self, full: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Global batch [G, seq_len + 1] -> this rank's (inputs, targets) [rows, T_l]: its data-parallel rows
         and its context-parallel token slice."""
-        rows = full[self.dp_rank * self.rows:(self.dp_rank + 1) * self.rows].to(self.device)
+        rows = full[self.dp_rank * self.rows : (self.dp_rank + 1) * self.rows].to(self.device)
         a = self.cp_rank * self.T_l
-        return rows[:, a:a + self.T_l], rows[:, a + 1:a + 1 + self.T_l]
+        return rows[:, a : a + self.T_l], rows[:, a + 1 : a + 1 + self.T_l]
 
     def _sync_grads(self, loss_sum: torch.Tensor) -> float:
         """One all-reduce of the replicated grads and the loss; returns the global loss sum."""
@@ -183,7 +198,7 @@ class Trainer:
         offset = 1
         for p in self.replicated.values():
             n = p.numel()
-            p.grad = packed[offset:offset + n].view_as(p).clone()
+            p.grad = packed[offset : offset + n].view_as(p).clone()
             offset += n
         return float(packed[0])
 
@@ -238,9 +253,16 @@ class Trainer:
             # update_router_biases never reads the device; the log row is where its [Lm] result is read back.
             violations = update_router_biases(self.model.moe_layers(), self.comm, tc.balance).tolist()
         seconds = time.perf_counter() - t0
-        return {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": count / seconds,
-                "max_violation": max(violations), "max_violation_per_layer": violations,
-                "max_logit": max(max_logits, default=None)}
+        return {
+            "step": step,
+            "loss": loss,
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "tokens_per_s": count / seconds,
+            "max_violation": max(violations),
+            "max_violation_per_layer": violations,
+            "max_logit": max(max_logits, default=None),
+        }
 
     def close(self) -> None:
         """Explicit teardown of what this rank created (the CP sub-group); the world comm is the launcher's."""
@@ -266,8 +288,12 @@ class Trainer:
         return out
 
     def save(self, step: int) -> None:
-        state = {"step": step, "world_size": self.comm.world_size, "optimizer_steps": self.opt_steps,
-                 "train": dataclasses.asdict(self.tc)}
+        state = {
+            "step": step,
+            "world_size": self.comm.world_size,
+            "optimizer_steps": self.opt_steps,
+            "train": dataclasses.asdict(self.tc),
+        }
         save_checkpoint(self.comm, self.tc.run_dir, step, self.state_tensors(), state)
 
     def restore(self) -> int:
@@ -277,8 +303,9 @@ class Trainer:
             return 0
         state, tensors = found
         if state["world_size"] != self.comm.world_size:
-            raise ValueError(f"resume: checkpoint has world size {state['world_size']}, this run "
-                             f"{self.comm.world_size}")
+            raise ValueError(
+                f"resume: checkpoint has world size {state['world_size']}, this run {self.comm.world_size}"
+            )
         self.model.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("model.")})
         self.opt.load_state_tensors({k[6:]: v for k, v in tensors.items() if k.startswith("optim.")}, self.names)
         self.opt_steps = state["optimizer_steps"]
@@ -307,12 +334,8 @@ def run_rank(comm, train: dict) -> dict:
     if rank0:
         os.makedirs(tc.run_dir, exist_ok=True)
         trainer.cfg.to_json(os.path.join(tc.run_dir, "config.json"))
-        from moonep.cli import write_json
-
         write_json(os.path.join(tc.run_dir, "train.json"), dataclasses.asdict(tc))
         metrics_path = _metrics_file(tc.run_dir, start)
-    from tqdm import tqdm
-
     losses, val_loss = [], None
     bar = tqdm(range(start, tc.steps), disable=not (rank0 and tc.progress), desc="k3 train", unit="step")
     for step in bar:
@@ -332,28 +355,29 @@ def run_rank(comm, train: dict) -> dict:
     trainer.close()
     plots = []
     if rank0:
-        from .plots import write_plots
+        from .plots import write_plots  # heavy: matplotlib, rank 0 only
 
         plots = write_plots(tc.run_dir)
-    return {"losses": losses, "val_loss": val_loss, "start": start, "run_dir": tc.run_dir, "plots": plots,
-            "rank": comm.rank}
+    return {
+        "losses": losses,
+        "val_loss": val_loss,
+        "start": start,
+        "run_dir": tc.run_dir,
+        "plots": plots,
+        "rank": comm.rank,
+    }
 
 
 def train(tc: TrainConfig, *, timeout: float = 300.0) -> dict:
     """Launch ``tc.world_size`` local ranks (or join torchrun/mpiexec) and train; returns rank 0's summary."""
-    from collectives import launch
-    from collectives.launch import external_launcher
-
     if external_launcher() is None:  # under torchrun/mpiexec the launcher's size counts: Trainer checks it
         tc.check_fault_ranks(tc.world_size)
     return launch(run_rank, tc.world_size, timeout=timeout, trace_dir=tc.trace_dir, train=dataclasses.asdict(tc))
 
 
 def main(argv=None) -> int:
-    from moonep.cli import main as cli_main
-
-    return cli_main(["train", *(argv if argv is not None else __import__("sys").argv[1:])], packages=["k3"],
-                    prog="python -m k3.train")
+    """``python -m k3.train ...``: the ``train`` command of k3's command line."""
+    return run_package(register, "python -m k3.train", ["train", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

@@ -1,18 +1,21 @@
 """MoonEP: perfectly balanced expert-parallel dispatch/combine for MoE training.
 
 Public API (imported lazily, so ``import moonep.cli`` stays light): ``Buffer`` (dispatch, combine,
-prefetch_weight, reduce_grad), ``CommPlan``, the differentiable ``dispatch`` / ``combine``, the ``MoE`` layer
-and its ``SigmoidTopKRouter``. Adapters live in ``moonep.compat``. See ``moonep/README.md``.
+redispatch, prefetch_weight, reduce_grad), ``CommPlan``, ``EPGeometry``, the differentiable ``dispatch`` /
+``combine``, the ``MoE`` layer and its ``SigmoidTopKRouter``. Adapters live in ``moonep.compat``. See
+``moonep/README.md``.
 """
+
 from __future__ import annotations
 
-from moonep._lazy import lazy_exports
+from moonep_base import lazy_exports
 
 __version__ = "0.1.0"
 
 _LAZY = {
     "Buffer": ("moonep.buffer", "Buffer"),
-    "CommPlan": ("moonep.layout", "CommPlan"),
+    "CommPlan": ("moonep.comm_plan", "CommPlan"),
+    "EPGeometry": ("moonep.geometry", "EPGeometry"),
     "dispatch": ("moonep.autograd", "dispatch"),
     "combine": ("moonep.autograd", "combine"),
     "MoE": ("moonep.moe", "MoE"),

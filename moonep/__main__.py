@@ -1,4 +1,7 @@
-from moonep.cli import main
+"""``python -m moonep``: the moonep package's commands alone (no package above it is imported)."""
+
+from moonep.cli import register
+from moonep_base import run_package
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_package(register, prog="python -m moonep"))

@@ -1,34 +1,61 @@
-"""Input checks for ``Buffer.dispatch`` / ``Buffer.combine`` that fail on every rank, never hang.
+"""Input checks for ``Buffer.dispatch`` / ``combine`` / ``redispatch`` that fail on every rank, never hang.
 
 Pattern: each rank inspects its own arguments without raising (a problem becomes an integer code plus a local
 detail string), the code rides on the collective the call needs anyway (dispatch's all-gather of the counts)
 or on one small all-reduce (combine), and then every rank raises the same ``ValueError`` naming the first
 failing rank and the problem, before any row moves.
 """
+
 from __future__ import annotations
 
+import enum
 from typing import Any
 
 import torch
 
+
+class Problem(enum.IntEnum):
+    """What a rank found wrong with its arguments; the code travels to every rank, which raises together."""
+
+    OK = 0
+    HIDDEN = 1
+    TOO_MANY_TOKENS = 2
+    TOPK_IDX = 3
+    EXPERT_ID = 4
+    TOPK_WEIGHTS = 5
+    NONFINITE_WEIGHTS = 6
+    COUNTS = 7
+    TOTAL_TOKENS = 8
+    EXPERT_OUT = 9
+    RECV_WEIGHTS = 10
+    FOREIGN_PLAN = 11
+
+
 # code -> generic wording (used by ranks that only see the code; the failing rank adds its own detail)
 PROBLEMS = {
-    1: "hidden has the wrong type, shape, dtype or device",
-    2: "the number of tokens s exceeds the Buffer's capacity S",
-    3: "topk_idx is not an integer tensor of shape [s, K] on the Buffer's device",
-    4: "topk_idx holds expert ids outside [-1, E)",
-    5: "topk_weights is not a floating tensor of shape [s, K] on the Buffer's device",
-    6: "topk_weights holds NaN or infinite values on routed slots",
-    7: "tokens_per_expert does not match the histogram of topk_idx",
-    8: "total_num_tokens is not an integer >= s",
-    9: "expert_out has the wrong type, shape, dtype or device",
-    10: "recv_weights has the wrong type, shape, dtype or device",
-    11: "plan was made by another Buffer or rank",
+    Problem.HIDDEN: "hidden has the wrong type, shape, dtype or device",
+    Problem.TOO_MANY_TOKENS: "the number of tokens s exceeds the Buffer's capacity S",
+    Problem.TOPK_IDX: "topk_idx is not an integer tensor of shape [s, K] on the Buffer's device",
+    Problem.EXPERT_ID: "topk_idx holds expert ids outside [-1, E)",
+    Problem.TOPK_WEIGHTS: "topk_weights is not a floating tensor of shape [s, K] on the Buffer's device",
+    Problem.NONFINITE_WEIGHTS: "topk_weights holds NaN or infinite values on routed slots",
+    Problem.COUNTS: "slots_per_expert does not match the histogram of topk_idx",
+    Problem.TOTAL_TOKENS: "total_num_tokens is not an integer >= s",
+    Problem.EXPERT_OUT: "expert_out has the wrong type, shape, dtype or device",
+    Problem.RECV_WEIGHTS: "recv_weights has the wrong type, shape, dtype or device",
+    Problem.FOREIGN_PLAN: "plan was made by another Buffer or rank",
 }
 
 
-def _tensor_problem(t: Any, name: str, shape: tuple, dtype: torch.dtype | None, device: torch.device,
-                    floating: bool = False, integer: bool = False) -> str | None:
+def _tensor_problem(
+    t: Any,
+    name: str,
+    shape: tuple,
+    dtype: torch.dtype | None,
+    device: torch.device,
+    floating: bool = False,
+    integer: bool = False,
+) -> str | None:
     """Why ``t`` is not a tensor of ``shape`` (None entries match anything), ``dtype`` and ``device``."""
     if not isinstance(t, torch.Tensor):
         return f"{name} must be a torch.Tensor, got {type(t).__name__}"
@@ -46,42 +73,43 @@ def _tensor_problem(t: Any, name: str, shape: tuple, dtype: torch.dtype | None, 
     return None
 
 
-def dispatch_problem(buf, hidden, topk_weights, topk_idx, tokens_per_expert, total_num_tokens,
-                     reuse: bool) -> tuple[int, str, int]:
+def dispatch_problem(
+    buf, hidden, topk_weights, topk_idx, slots_per_expert, total_num_tokens, reuse: bool
+) -> tuple[int, str, int]:
     """(code, detail, s) for one rank's dispatch arguments; code 0 = fine. Never raises."""
     try:
-        return _dispatch_problem(buf, hidden, topk_weights, topk_idx, tokens_per_expert, total_num_tokens, reuse)
+        return _dispatch_problem(buf, hidden, topk_weights, topk_idx, slots_per_expert, total_num_tokens, reuse)
     except Exception as exc:  # a check itself failed on a strange input: still report, never hang the peers
-        return 1, f"could not inspect the arguments: {type(exc).__name__}: {exc}", 0
+        return Problem.HIDDEN, f"could not inspect the arguments: {type(exc).__name__}: {exc}", 0
 
 
 def _dispatch_problem(buf, hidden, topk_weights, topk_idx, tpe, total, reuse):
     p = _tensor_problem(hidden, "hidden", (None, buf.H), buf.dtype, buf.device)
     if p:
-        return 1, p, 0
+        return Problem.HIDDEN, p, 0
     s = int(hidden.shape[0])
     if s > buf.S:
-        return 2, f"hidden has s={s} tokens, which exceeds the Buffer's capacity S={buf.S}", s
+        return Problem.TOO_MANY_TOKENS, f"hidden has s={s} tokens, which exceeds capacity S={buf.S}", s
     if reuse:
         if topk_weights is not None:
             p = _tensor_problem(topk_weights, "topk_weights", (s, buf.K), None, buf.device, floating=True)
             if p:
-                return 5, p, s
-        return 0, "", s
+                return Problem.TOPK_WEIGHTS, p, s
+        return Problem.OK, "", s
     p = _tensor_problem(topk_idx, "topk_idx", (s, buf.K), None, buf.device, integer=True)
     if p:
-        return 3, p, s
+        return Problem.TOPK_IDX, p, s
     if topk_weights is not None:
         p = _tensor_problem(topk_weights, "topk_weights", (s, buf.K), None, buf.device, floating=True)
         if p:
-            return 5, p, s
+            return Problem.TOPK_WEIGHTS, p, s
     if tpe is not None:
-        p = _tensor_problem(tpe, "tokens_per_expert", (buf.E,), None, buf.device, integer=True)
+        p = _tensor_problem(tpe, "slots_per_expert", (buf.E,), None, buf.device, integer=True)
         if p:
-            return 7, p, s
+            return Problem.COUNTS, p, s
     if total is not None and (isinstance(total, bool) or not isinstance(total, int) or total < s):
-        return 8, f"total_num_tokens must be an int >= s={s}, got {total!r}", s
-    return 0, "", s
+        return Problem.TOTAL_TOKENS, f"total_num_tokens must be an int >= s={s}, got {total!r}", s
+    return Problem.OK, "", s
 
 
 def routed_ids(buf, topk_idx: torch.Tensor) -> torch.Tensor:
@@ -92,16 +120,17 @@ def routed_ids(buf, topk_idx: torch.Tensor) -> torch.Tensor:
 
 
 def data_code(buf, topk_idx, topk_weights, tpe, counts: torch.Tensor) -> torch.Tensor:
-    """The checks that need tensor data, as a device scalar (0, 4, 6 or 7; the first failing check wins):
+    """The checks that need tensor data, as a device scalar (OK, EXPERT_ID, NONFINITE_WEIGHTS or COUNTS; the first
+    failing one in that order wins):
     it travels with the counts and is read with the step's split table, not on its own."""
     idx = topk_idx.long()
     code = torch.zeros((), dtype=torch.int64, device=idx.device)
     if tpe is not None:
-        code = torch.where((tpe.long() != counts).any(), 7, code)
+        code = torch.where((tpe.long() != counts).any(), int(Problem.COUNTS), code)
     if topk_weights is not None:
         bad = ~torch.isfinite(topk_weights) & (idx >= 0)
-        code = torch.where(bad.any(), 6, code)
-    return torch.where(((idx < -1) | (idx >= buf.E)).any(), 4, code)
+        code = torch.where(bad.any(), int(Problem.NONFINITE_WEIGHTS), code)
+    return torch.where(((idx < -1) | (idx >= buf.E)).any(), int(Problem.EXPERT_ID), code)
 
 
 def data_detail(buf, topk_idx, topk_weights) -> str:
@@ -110,19 +139,25 @@ def data_detail(buf, topk_idx, topk_weights) -> str:
     if bad.numel():
         return f"topk_idx holds expert id {bad[0].item()}, outside [-1, E={buf.E}) (-1 means no expert)"
     if topk_weights is not None and not bool(torch.isfinite(topk_weights[topk_idx >= 0]).all()):
-        return PROBLEMS[6]
-    return "tokens_per_expert does not match the histogram of topk_idx (ids -1 excluded)"
+        return PROBLEMS[Problem.NONFINITE_WEIGHTS]
+    return "slots_per_expert does not match the histogram of topk_idx (ids -1 excluded)"
 
 
-def raise_agreed(op: str, rank: int, codes: list[int], detail: str) -> None:
-    """Raise the same ValueError on every rank when any rank reported a problem (first failing rank wins)."""
+def raise_agreed(
+    op: str, rank: int, codes: list[int], detail: str, problems: dict = PROBLEMS, prefix: str = "moonep."
+) -> None:
+    """Raise the same ValueError on every rank when any rank reported a problem (first failing rank wins):
+    ``"{prefix}{op}: rank r: what"``.
+
+    problems: code -> generic wording for the ranks that only see the code (an adapter passes its own table).
+    """
     bad = [r for r, c in enumerate(codes) if c]
     if not bad:
         return
     first = bad[0]
-    what = detail if first == rank and detail else PROBLEMS.get(codes[first], f"problem code {codes[first]}")
+    what = detail if first == rank and detail else problems.get(codes[first], f"problem code {codes[first]}")
     others = f" (also ranks {bad[1:]})" if len(bad) > 1 else ""
-    raise ValueError(f"moonep.{op}: rank {first}: {what}{others}")
+    raise ValueError(f"{prefix}{op}: rank {first}: {what}{others}")
 
 
 def check_totals(rank: int, s: list[int], totals: list[int]) -> int:
@@ -133,18 +168,24 @@ def check_totals(rank: int, s: list[int], totals: list[int]) -> int:
     given = [t for t in totals if t >= 0]
     if given and len(given) != len(totals):
         none = [r for r, t in enumerate(totals) if t < 0]
-        raise ValueError(f"moonep.dispatch: rank {none[0]}: total_num_tokens=None while other ranks pass it; "
-                         f"pass it on every rank or on none")
+        raise ValueError(
+            f"moonep.dispatch: rank {none[0]}: total_num_tokens=None while other ranks pass it; "
+            f"pass it on every rank or on none"
+        )
     if given:
         wrong = [r for r, t in enumerate(totals) if t != sum(s)]
         if wrong:
             q = wrong[0]
-            raise ValueError(f"moonep.dispatch: rank {q}: total_num_tokens={totals[q]} but the ranks' token "
-                             f"counts {s} sum to {sum(s)} (total_num_tokens per rank: {totals})")
+            raise ValueError(
+                f"moonep.dispatch: rank {q}: total_num_tokens={totals[q]} but the ranks' token "
+                f"counts {s} sum to {sum(s)} (total_num_tokens per rank: {totals})"
+            )
         return given[0]
     if len(set(s)) > 1:
-        raise ValueError(f"moonep.dispatch: ranks have different token counts {s}; pass total_num_tokens "
-                         f"(= {sum(s)}) on every rank for per-rank token counts")
+        raise ValueError(
+            f"moonep.dispatch: ranks have different token counts {s}; pass total_num_tokens "
+            f"(= {sum(s)}) on every rank for per-rank token counts"
+        )
     return sum(s)
 
 
@@ -152,14 +193,14 @@ def combine_problem(buf, plan, expert_out, recv_weights) -> tuple[int, str]:
     """(code, detail) for one rank's combine arguments; code 0 = fine. Never raises."""
     try:
         if getattr(plan, "buffer_id", None) != id(buf) or getattr(plan, "rank", None) != buf.rank:
-            return 11, "plan must be the CommPlan returned by this Buffer's dispatch on this rank"
-        p = _tensor_problem(expert_out, "expert_out", (plan.nvs, buf.H), buf.dtype, buf.device)
+            return Problem.FOREIGN_PLAN, "plan must be the CommPlan this Buffer's dispatch returned on this rank"
+        p = _tensor_problem(expert_out, "expert_out", (plan.recv_rows, buf.H), buf.dtype, buf.device)
         if p:
-            return 9, p
+            return Problem.EXPERT_OUT, p
         if recv_weights is not None:
-            p = _tensor_problem(recv_weights, "recv_weights", (plan.nvs,), None, buf.device, floating=True)
+            p = _tensor_problem(recv_weights, "recv_weights", (plan.recv_rows,), None, buf.device, floating=True)
             if p:
-                return 10, p
-        return 0, ""
+                return Problem.RECV_WEIGHTS, p
+        return Problem.OK, ""
     except Exception as exc:
-        return 9, f"could not inspect the arguments: {type(exc).__name__}: {exc}"
+        return Problem.EXPERT_OUT, f"could not inspect the arguments: {type(exc).__name__}: {exc}"

@@ -5,20 +5,21 @@ weights' grads are gathered per slot). Backward of combine = re-dispatch of the 
 plan (no planning, no side table). Gradients flow to ``hidden`` and ``topk_weights``; ``topk_idx`` is an
 integer input and has none.
 """
+
 from __future__ import annotations
 
 import torch
 
 from .buffer import Buffer
-from .layout import CommPlan
+from .comm_plan import CommPlan
 
 
 class _Dispatch(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, buffer: Buffer, holder: list, hidden, topk_weights, topk_idx, tokens_per_expert,
-                total_num_tokens):
-        recv, recv_w, cu, plan = buffer.dispatch(hidden, topk_weights, topk_idx, tokens_per_expert,
-                                                 total_num_tokens=total_num_tokens)
+    def forward(ctx, buffer: Buffer, holder: list, hidden, topk_weights, topk_idx, slots_per_expert, total_num_tokens):
+        recv, recv_w, cu, plan = buffer.dispatch(
+            hidden, topk_weights, topk_idx, slots_per_expert, total_num_tokens=total_num_tokens
+        )
         holder.append(plan)  # the plan is not a tensor: hand it out through the holder
         ctx.buffer, ctx.plan, ctx.has_w = buffer, plan, topk_weights is not None
         ctx.mark_non_differentiable(cu)
@@ -28,10 +29,10 @@ class _Dispatch(torch.autograd.Function):
     def backward(ctx, grad_recv, grad_w, _grad_cu):
         buf, plan = ctx.buffer, ctx.plan
         if grad_recv is None:
-            grad_recv = torch.zeros(plan.nvs, buf.H, dtype=buf.dtype, device=buf.device)
+            grad_recv = torch.zeros(plan.recv_rows, buf.H, dtype=buf.dtype, device=buf.device)
         gw = None
         if ctx.has_w:
-            gw = grad_w if grad_w is not None else torch.zeros(plan.nvs, device=buf.device)
+            gw = grad_w if grad_w is not None else torch.zeros(plan.recv_rows, device=buf.device)
         grad_x, grad_tw = buf.combine(plan, grad_recv.contiguous(), gw)
         return None, None, grad_x, grad_tw, None, None, None
 
@@ -45,23 +46,31 @@ class _Combine(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        grad_rows, _, _, _ = ctx.buffer.dispatch(grad_out.contiguous(), plan=ctx.plan)
+        grad_rows, _, _, _ = ctx.buffer.redispatch(ctx.plan, grad_out.contiguous())
         return None, None, grad_rows
 
 
-def dispatch(buffer: Buffer, hidden: torch.Tensor, topk_weights: torch.Tensor | None, topk_idx: torch.Tensor,
-             tokens_per_expert: torch.Tensor | None = None, *, total_num_tokens: int | None = None):
+def dispatch(
+    buffer: Buffer,
+    hidden: torch.Tensor,
+    topk_weights: torch.Tensor | None,
+    topk_idx: torch.Tensor,
+    slots_per_expert: torch.Tensor | None = None,
+    *,
+    total_num_tokens: int | None = None,
+):
     """Differentiable ``Buffer.dispatch``.
 
     hidden [s, H], topk_weights [s, K] (or None), topk_idx [s, K] (-1 = no expert).
-    Returns (recv_hidden [nvs, H], recv_weights [nvs] | None, cu_seqlens [2*epn], plan).
+    Returns (recv_hidden [recv_rows, H], recv_weights [recv_rows] | None, cu_seqlens [2*epn], plan).
     """
     holder: list = []
-    recv, recv_w, cu = _Dispatch.apply(buffer, holder, hidden, topk_weights, topk_idx, tokens_per_expert,
-                                       total_num_tokens)
+    recv, recv_w, cu = _Dispatch.apply(
+        buffer, holder, hidden, topk_weights, topk_idx, slots_per_expert, total_num_tokens
+    )
     return recv, recv_w, cu, holder[0]
 
 
 def combine(buffer: Buffer, plan: CommPlan, expert_out: torch.Tensor) -> torch.Tensor:
-    """Differentiable ``Buffer.combine``: expert_out [nvs, H] -> out [s, H], the UNWEIGHTED sum of K copies."""
+    """Differentiable ``Buffer.combine``: expert_out [recv_rows, H] -> out [s, H], the UNWEIGHTED sum of K copies."""
     return _Combine.apply(buffer, plan, expert_out)

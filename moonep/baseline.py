@@ -5,6 +5,7 @@ sort by local expert -> grouped SwiGLU over the epn local experts (the same GEMM
 Rows per rank follow the routing (a hot expert's home rank computes all of its slots).
 Axes as in moonep.buffer: s tokens, H hidden, K top-k, E experts, R ranks, epn = E / R.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -9,10 +9,11 @@ thread CPU time for fwd+bwd: what the layer would take with one core per rank an
 number to read when ranks outnumber cores (then wall time only measures the total work of all ranks).
 ``ours_host_reads_per_layer``: reads of tensor data into Python during one fwd+bwd (``moonep.hostreads``; the
 CPU planner kernel's zero-copy entry exempt), the slowest rank's; each is a host sync on a GPU. Peak bytes are
-measured (``moonep.memory.PeakBytes``, one untimed fwd+bwd per layer, the largest rank): bytes
+measured (``moonep.peak_memory.PeakBytes``, one untimed fwd+bwd per layer, the largest rank): bytes
 of every tensor storage the call allocates, alive at once, plus for ours the static ``Buffer`` and the replica
 weight/grad pools, which exist before the call.
 """
+
 from __future__ import annotations
 
 import os
@@ -21,13 +22,15 @@ import time
 
 import torch
 
+from collectives import launch
+
 from .autograd import combine, dispatch
 from .baseline import classic_combine, classic_dispatch, classic_experts, classic_moe
 from .buffer import Buffer
 from .experts import GroupedExperts
 from .hostreads import PLANNER_CPU_ENTRY, HostReads
-from .memory import peak_bytes
 from .moe import MoE
+from .peak_memory import peak_bytes
 
 
 def make_routing(rank: int, s: int, K: int, E: int, maxvio: float, seed: int = 1234):
@@ -94,76 +97,94 @@ def bench_rank(comm, maxvios: list[float], S: int, H: int, F: int, E: int, K: in
     """Run on every rank; returns {"results": [...], ...} (rank 0's is the report)."""
     torch.set_num_threads(1)
     R, r = comm.world_size, comm.rank
-    epn = E // R
     # argument checks of plan-reuse calls off: the classic baseline checks nothing either
-    moe = MoE(comm, H, F, E, K, S, router=lambda x: None,  # routing is injected below
-              buffer=Buffer(comm, S, H, K, E, check_combine=False))
+    buffer = Buffer(comm, S=S, H=H, K=K, E=E, check_reuse=False)
+    moe = MoE(comm, H=H, F=F, E=E, K=K, S=S, router=lambda x: None, buffer=buffer)  # routing injected per maxvio
     x = torch.randn(S, H, generator=torch.Generator().manual_seed(r)).requires_grad_()
-    results = []
-    for v in maxvios:
-        idx, w = make_routing(r, S, K, E, v)
-        counts = comm.all_reduce(torch.bincount(idx.reshape(-1), minlength=E), "sum")
-        measured = float(counts.max()) / (float(counts.sum()) / E) - 1
-        moe.router = lambda _x, idx=idx, w=w: (idx, w.clone().requires_grad_())
+    results = [_bench_maxvio(comm, moe, x, v, iters) for v in maxvios]
+    return {
+        "results": results,
+        "config": {"world_size": R, "S": S, "H": H, "F": F, "E": E, "K": K, "iters": iters, "cores": os.cpu_count()},
+    }
 
-        def ours():
-            moe(x).sum().backward()
 
-        stats: dict = {}
+def _bench_maxvio(comm, moe: MoE, x: torch.Tensor, v: float, iters: int) -> dict:
+    """One row of the sweep: both layers on the same routing aiming at maxvio ``v``."""
+    r, E, K, H, F, S = comm.rank, moe.E, moe.K, moe.H, moe.F, x.shape[0]
+    idx, w = make_routing(r, S, K, E, v)
+    counts = comm.all_reduce(torch.bincount(idx.reshape(-1), minlength=E), "sum")
+    measured = float(counts.max()) / (float(counts.sum()) / E) - 1
+    moe.router = lambda _x, idx=idx, w=w: (idx, w.clone().requires_grad_())
 
-        def base():
-            classic_moe(comm, x, idx, w.clone().requires_grad_(), moe.w13, moe.w2, E, stats).sum().backward()
+    def ours():
+        moe(x).sum().backward()
 
-        ours(), base()  # warm-up (and fills stats / last_plan)
-        with HostReads(exempt=(PLANNER_CPU_ENTRY,)) as reads:  # one layer fwd+bwd: the budget is 1
-            ours()
-        (t_ours, busy_ours), (t_base, busy_base) = _median_time(comm, ours, iters), _median_time(comm, base, iters)
-        st_ours = _stage_times(comm, _our_stages(moe, x, idx, w), iters)
-        st_base = _stage_times(comm, _classic_stages(comm, moe, x, idx, w, E), iters)
-        plan = moe.last_plan
-        rows = comm.all_reduce(torch.tensor([stats["rows"]]), "max")
-        weights_per_copy = (H * 2 * F + F * H) * 4
-        static = moe.buffer.nbytes + 2 * epn * weights_per_copy  # Buffer + replica slot pools (weights, grads)
-        peaks = comm.all_reduce(torch.tensor([static + peak_bytes(ours), peak_bytes(base), reads.count]),
-                                "max").tolist()
-        results.append({
-            "maxvio": v, "maxvio_measured": round(measured, 4), "cap": int(plan.plan.caps.max()),
-            "ours_max_rows": int(plan.plan.caps.max()), "baseline_max_rows": int(rows),
-            "ours_layer_s": t_ours, "baseline_layer_s": t_base, "ours_busy_s": busy_ours,
-            "baseline_busy_s": busy_base,
-            **{f"{who}_{stage}_s": t for who, ts in (("ours", st_ours), ("baseline", st_base))
-               for stage, t in zip(("dispatch", "expert", "combine"), ts)},
-            "ours_peak_bytes": int(peaks[0]), "baseline_peak_bytes": int(peaks[1]),
-            "ours_host_reads_per_layer": int(peaks[2]),
-            "ours_replicas": plan.plan.num_replicas,
-            "ours_weight_bytes": 2 * plan.plan.num_replicas * weights_per_copy,  # push fwd + grad reduce bwd
-            "ours_token_bytes": sum(plan.send_uniq_splits) * H * 4, "baseline_token_bytes": stats["token_bytes"],
-        })
-    return {"results": results, "config": {"world_size": R, "S": S, "H": H, "F": F, "E": E, "K": K,
-                                           "iters": iters, "cores": os.cpu_count()}}
+    stats: dict = {}
+
+    def base():
+        classic_moe(comm, x, idx, w.clone().requires_grad_(), moe.w13, moe.w2, E, stats).sum().backward()
+
+    ours(), base()  # warm-up (and fills stats / last_plan)
+    with HostReads(exempt=(PLANNER_CPU_ENTRY,)) as reads:  # one layer fwd+bwd: the budget is 1
+        ours()
+    (t_ours, busy_ours), (t_base, busy_base) = _median_time(comm, ours, iters), _median_time(comm, base, iters)
+    st_ours = _stage_times(comm, _our_stages(moe, x, idx, w), iters)
+    st_base = _stage_times(comm, _classic_stages(comm, moe, x, idx, w, E), iters)
+    plan = moe.last_plan.global_plan
+    rows = comm.all_reduce(torch.tensor([stats["rows"]]), "max")
+    weights_per_copy = (H * 2 * F + F * H) * 4
+    static = moe.buffer.nbytes + 2 * moe.epn * weights_per_copy  # Buffer + replica slot pools (weights, grads)
+    peaks = comm.all_reduce(torch.tensor([static + peak_bytes(ours), peak_bytes(base), reads.count]), "max").tolist()
+    stages = {
+        f"{who}_{stage}_s": t
+        for who, ts in (("ours", st_ours), ("baseline", st_base))
+        for stage, t in zip(("dispatch", "expert", "combine"), ts)
+    }
+    return {
+        "maxvio": v,
+        "maxvio_measured": round(measured, 4),
+        "cap": int(plan.caps.max()),
+        "ours_max_rows": int(plan.caps.max()),
+        "baseline_max_rows": int(rows),
+        "ours_layer_s": t_ours,
+        "baseline_layer_s": t_base,
+        "ours_busy_s": busy_ours,
+        "baseline_busy_s": busy_base,
+        **stages,
+        "ours_peak_bytes": int(peaks[0]),
+        "baseline_peak_bytes": int(peaks[1]),
+        "ours_host_reads_per_layer": int(peaks[2]),
+        "ours_replicas": plan.num_replicas,
+        "ours_weight_bytes": 2 * plan.num_replicas * weights_per_copy,  # push fwd + grad reduce bwd
+        "ours_token_bytes": sum(moe.last_plan.send_uniq_splits) * H * 4,
+        "baseline_token_bytes": stats["token_bytes"],
+    }
 
 
 def run(world_size: int, maxvios: list[float], *, quick: bool = False, backend: str = "torch") -> dict:
     """Launch the sweep on local ranks and return the report."""
-    from collectives import launch
-
-    shape = dict(S=64, H=32, F=32, E=4 * world_size, K=2, iters=1) if quick else \
-        dict(S=1024, H=256, F=256, E=8 * world_size, K=2, iters=5)
-    report = launch(bench_rank, world_size, backend=backend, timeout=300, job_timeout=3600, maxvios=maxvios,
-                    **shape)
+    shape = (
+        dict(S=64, H=32, F=32, E=4 * world_size, K=2, iters=1)
+        if quick
+        else dict(S=1024, H=256, F=256, E=8 * world_size, K=2, iters=5)
+    )
+    report = launch(bench_rank, world_size, backend=backend, timeout=300, job_timeout=3600, maxvios=maxvios, **shape)
     for e in report["results"]:
         e["ratio"] = e["ours_layer_s"] / e["baseline_layer_s"]
         e["busy_ratio"] = e["ours_busy_s"] / e["baseline_busy_s"]
     cores = os.cpu_count() or 1
-    report["note"] = (f"{world_size} ranks on {cores} cores: ranks outnumber cores, times are contended"
-                      if world_size > cores else f"{world_size} ranks on {cores} cores")
+    report["note"] = (
+        f"{world_size} ranks on {cores} cores: ranks outnumber cores, times are contended"
+        if world_size > cores
+        else f"{world_size} ranks on {cores} cores"
+    )
     return report
 
 
 def plot(report: dict, path: str) -> None:
     """Layer time vs maxvio for both dispatchers (matplotlib object API, Agg)."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # heavy: only when a plot is asked for
+    from matplotlib.figure import Figure  # heavy: matplotlib
 
     res = report["results"]
     fig = Figure(figsize=(6, 4))

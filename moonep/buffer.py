@@ -2,14 +2,15 @@
 
 Axes: ``s`` tokens on this rank (``s <= S``), ``H`` hidden, ``K`` top-k, ``E`` experts, ``R`` ranks,
 ``epn = E / R`` experts owned per rank (rank r owns ``[r*epn, (r+1)*epn)``) = replica slots per rank,
-``nvs`` receive rows = ``align_up(ceil(total_tokens*K/R) + (tp-1)*2*epn, tp)``.
+``recv_rows`` receive rows (MoonEP's NvS) = ``align_up(ceil(total_tokens*K/R) + (pad-1)*2*epn, pad)`` with
+``pad = token_padding``.
 
 Everything lives on the Buffer's device (its communicator's, or ``device=``): counts, the plan (the planner's
 device kernel on CUDA), the layout (``moonep.layout``), rows and weights. A fresh dispatch reads tensor data
 into Python ONCE: the step's split table (the Python split lists that a split-list transport — NCCL, gloo,
 MPI — needs for every exchange of the step, forward and backward), read together with the error codes so
 that bad input on any rank fails on every rank before any row moves. Its four collectives:
-1. all-gather ``[E + 3]`` int64 per rank: ``tokens_per_expert`` plus an error code, ``s`` and
+1. all-gather ``[E + 3]`` int64 per rank: ``slots_per_expert`` plus an error code, ``s`` and
    ``total_num_tokens``; the same ``planner.plan`` on every rank, then this rank's send layout;
 2. all-gather ``[R + 1]``: the unique (token, destination) rows this rank sends to each rank, and a layout
    check; then the one host read;
@@ -17,6 +18,7 @@ that bad input on any rank fails on every rank before any row moves. Its four co
    exact ``send_counts`` (``validate=False``: the splits come from the shared plan);
 4. all-to-all of one row per (token, destination rank), expanded locally into the expert-grouped rows.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -24,11 +26,14 @@ from typing import Any
 import torch
 
 import planner
+from planner.tables import raise_error as raise_plan_error
 
 from . import _checks
-from .layout import CommPlan, nvs_rows, recv_layout, replica_maps, row_sources, send_layout
+from ._checks import Problem
+from .comm_plan import CommPlan
+from .geometry import EPGeometry
+from .layout import num_recv_rows, recv_layout, replica_maps, row_sources, send_layout
 
-_BACKENDS = ("auto", "collectives", "nvshmem")
 INT32_MAX = 2**31 - 1
 
 
@@ -46,40 +51,43 @@ class Buffer:
     """Capacity-sized receive and wire buffers for one EP group, allocated once.
 
     comm: a ``collectives.Communicator`` over the EP ranks (R = comm.world_size, E % R == 0).
-    S, H, K, E: token capacity per rank, hidden size, top-k, experts. token_padding: each non-empty expert
-    segment is padded to a multiple of this (the grouped-GEMM tile). dtype: the hidden rows' dtype.
-    backend: "auto"/"collectives" = the communicator's all_to_all_single (gloo, NCCL or MPI, whatever comm is);
-    "nvshmem" needs a GPU communicator built with the nvshmem backend (not available on CPU).
-    device: where the buffers live; default the communicator's device ("cuda" = the current CUDA device).
-    check_combine: check the arguments of plan-reuse calls (combine, dispatch with ``plan=``) so that bad input
-    raises on every rank; costs one small all-reduce and one host read per call (dispatch's checks ride on its
-    one read). ``moonep.MoE`` turns it off: it builds those arguments itself.
+    S, H, K, E, token_padding (keyword-only): the group's ``EPGeometry`` — token capacity per rank, hidden size,
+    top-k, experts, and the grouped-GEMM tile each non-empty expert segment is padded to.
+    dtype: the hidden rows' dtype. device: where the buffers live; default the communicator's device ("cuda" =
+    the current CUDA device).
+    check_reuse: check the arguments of plan-reuse calls (combine, redispatch) so that bad input raises on every
+    rank; costs one small all-reduce and one host read per call (dispatch's checks ride on its one read).
+    ``moonep.MoE`` turns it off: it builds those arguments itself.
     """
 
-    def __init__(self, comm, S: int, H: int, K: int, E: int, *, token_padding: int = 1,
-                 dtype: torch.dtype = torch.float32, backend: str = "auto", device: Any = None,
-                 check_combine: bool = True) -> None:
-        for name, v in (("S", S), ("H", H), ("K", K), ("E", E), ("token_padding", token_padding)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be a positive int, got {v!r}")
+    def __init__(
+        self,
+        comm,
+        *,
+        S: int,
+        H: int,
+        K: int,
+        E: int,
+        token_padding: int = 1,
+        dtype: torch.dtype = torch.float32,
+        device: Any = None,
+        check_reuse: bool = True,
+    ) -> None:
+        self.geometry = EPGeometry(S=S, H=H, K=K, E=E, token_padding=token_padding)
         R = comm.world_size
         if E % R:
             raise ValueError(f"E={E} must be a multiple of the EP group size R={R}")
-        if backend not in _BACKENDS:
-            raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
-        if backend == "nvshmem" and getattr(comm, "backend", None) != "nvshmem":
-            raise ValueError("backend='nvshmem' needs a communicator from collectives' nvshmem backend (GPU)")
         self.comm, self.S, self.H, self.K, self.E, self.R = comm, S, H, K, E, R
-        self.rank, self.epn, self.tp, self.dtype = comm.rank, E // R, token_padding, dtype
+        self.rank, self.epn, self.token_padding, self.dtype = comm.rank, E // R, token_padding, dtype
         self.device = resolve_device(comm, device)
-        self.check_combine = check_combine
-        self.max_rows = nvs_rows(R * S, K, R, self.epn, token_padding)
-        if max(self.max_rows, S * K) > INT32_MAX:
-            raise ValueError(f"receive rows {self.max_rows} or slots S*K={S * K} exceed the int32 side table")
+        self.check_reuse = check_reuse
+        self.max_recv_rows = num_recv_rows(R * S, K, R, self.epn, token_padding)
+        if max(self.max_recv_rows, S * K) > INT32_MAX:
+            raise ValueError(f"receive rows {self.max_recv_rows} or slots S*K={S * K} exceed the int32 side table")
         # receive rows (expert-grouped) and the two wire buffers: sizes never depend on the routing
         dev = self.device
-        self._recv = torch.zeros(self.max_rows, H, dtype=dtype, device=dev)
-        self._recv_w = torch.zeros(self.max_rows, dtype=torch.float32, device=dev)
+        self._recv = torch.zeros(self.max_recv_rows, H, dtype=dtype, device=dev)
+        self._recv_w = torch.zeros(self.max_recv_rows, dtype=torch.float32, device=dev)
         self._wire_out = torch.empty(S * min(K, R), H, dtype=dtype, device=dev)
         self._wire_in = torch.zeros(1 + S * K, H, dtype=dtype, device=dev)  # row 0: the zero row (row_sources)
         self._meta_out = torch.empty(S * K, 3, dtype=torch.int32, device=dev)
@@ -92,30 +100,35 @@ class Buffer:
         return sum(t.numel() * t.element_size() for t in ts)
 
     # ------------------------------------------------------------------------------------------ dispatch
-    def dispatch(self, hidden: torch.Tensor, topk_weights: torch.Tensor | None = None,
-                 topk_idx: torch.Tensor | None = None, tokens_per_expert: torch.Tensor | None = None, *,
-                 total_num_tokens: int | None = None, plan: CommPlan | None = None, zero_copy: bool = False):
+    def dispatch(
+        self,
+        hidden: torch.Tensor,
+        topk_weights: torch.Tensor | None = None,
+        topk_idx: torch.Tensor | None = None,
+        slots_per_expert: torch.Tensor | None = None,
+        *,
+        total_num_tokens: int | None = None,
+        zero_copy: bool = False,
+    ):
         """Send every routed (token, expert) slot to the rank and row the balanced plan gives it.
 
         hidden [s, H] (dtype of the Buffer), topk_weights [s, K] float (optional), topk_idx [s, K] int expert
-        ids (-1 = no expert), tokens_per_expert [E] (optional, checked against topk_idx).
+        ids (-1 = no expert), slots_per_expert [E] (optional, checked against topk_idx).
         total_num_tokens: sum of s over ranks when ranks pass different s (same value on every rank).
-        plan: a CommPlan from an earlier dispatch: re-send ``hidden`` (and weights if given) along it,
-        without planning (the combine-backward path); topk_idx/tokens_per_expert are then ignored.
-        Returns (recv_hidden [nvs, H], recv_weights [nvs] fp32 | None, cu_seqlens [2*epn] int64, plan).
+        Returns (recv_hidden [recv_rows, H], recv_weights [recv_rows] fp32 | None, cu_seqlens [2*epn] int64,
+        plan: the step's CommPlan).
         Rows are grouped by (local expert, then replica slot) and padded per segment; padding and tail rows
         are zero. zero_copy=True returns views of the Buffer (overwritten by the next dispatch).
         """
-        if plan is not None:
-            return self._redispatch(plan, hidden, topk_weights, zero_copy)
-        code, detail, s = _checks.dispatch_problem(self, hidden, topk_weights, topk_idx, tokens_per_expert,
-                                                   total_num_tokens, reuse=False)
+        code, detail, s = _checks.dispatch_problem(
+            self, hidden, topk_weights, topk_idx, slots_per_expert, total_num_tokens, reuse=False
+        )
         idx = _checks.routed_ids(self, topk_idx) if code == 0 else torch.full((0, self.K), -1, device=self.device)
         counts = torch.zeros(self.E + 4, dtype=torch.int64, device=self.device)  # the last entry takes -1 ids
         counts.scatter_add_(0, torch.where(idx >= 0, idx, self.E + 3).reshape(-1), torch.ones_like(idx).reshape(-1))
-        counts = counts[:self.E + 3]
+        counts = counts[: self.E + 3]
         if code == 0:
-            counts[self.E] = _checks.data_code(self, topk_idx, topk_weights, tokens_per_expert, counts[:self.E])
+            counts[self.E] = _checks.data_code(self, topk_idx, topk_weights, slots_per_expert, counts[: self.E])
         else:
             counts[self.E] = code
         counts[self.E + 1] = s
@@ -123,45 +136,62 @@ class Buffer:
         gathered = torch.empty(self.R * (self.E + 3), dtype=torch.int64, device=self.device)
         self.comm.all_gather(gathered, counts, validate=False)
         g = gathered.view(self.R, self.E + 3)
-        gp = planner.plan(g[:, :self.E], token_padding=self.tp, defer_errors=True)
-        lay = send_layout(gp, self.rank, idx)
-        mine = torch.cat((lay.uniq_splits, (lay.slot_splits != gp.send_counts[self.rank]).any().long()[None]))
+        global_plan = planner.plan(g[:, : self.E], token_padding=self.token_padding, defer_errors=True)
+        lay = send_layout(global_plan, self.rank, idx)
+        mismatch = (lay.slot_splits != global_plan.send_counts[self.rank]).any().long()
+        mine = torch.cat((lay.uniq_splits, mismatch[None]))
         uniq = torch.empty(self.R * (self.R + 1), dtype=torch.int64, device=self.device)
         self.comm.all_gather(uniq, mine, validate=False)
         uniq = uniq.view(self.R, self.R + 1)
-        step = self._read_step(g, gp, uniq)  # the one host read
-        code_detail = detail or (_checks.data_detail(self, topk_idx, topk_weights) if step["codes"][self.rank]
-                                 else "")
+        step = self._read_step(g, global_plan, uniq)  # the one host read
+        code_detail = detail or (_checks.data_detail(self, topk_idx, topk_weights) if step["codes"][self.rank] else "")
         _checks.raise_agreed("dispatch", self.rank, step["codes"], code_detail)
         total = _checks.check_totals(self.rank, step["s"], step["totals"])
         if step["err"][0]:
-            planner.core.raise_error(step["err"], self.epn)
+            raise_plan_error(step["err"], self.epn)
         if any(step["mismatch"]):
-            raise AssertionError(f"moonep.dispatch: routed slots per destination differ from the plan's "
-                                 f"send_counts on ranks {[r for r, m in enumerate(step['mismatch']) if m]}")
-        cp = self._exchange_meta(gp, lay, step, uniq[:, self.rank], topk_weights, s, total)
-        return self._send_rows(cp, hidden, topk_weights is not None, zero_copy) + (cp.cu_seqlens, cp)
+            raise AssertionError(
+                f"moonep.dispatch: routed slots per destination differ from the plan's "
+                f"send_counts on ranks {[r for r, m in enumerate(step['mismatch']) if m]}"
+            )
+        plan = self._exchange_meta(global_plan, lay, step, uniq[:, self.rank], topk_weights, s, total)
+        return self._send_rows(plan, hidden, topk_weights is not None, zero_copy) + (plan.cu_seqlens, plan)
 
-    def _read_step(self, g: torch.Tensor, gp, uniq: torch.Tensor) -> dict:
+    def _read_step(self, g: torch.Tensor, global_plan, uniq: torch.Tensor) -> dict:
         """THE host read of a dispatch: every rank's (code, s, total), the plan's error and send counts, the
         unique-row counts, donors, replica counts and this rank's segment ends, in one transfer."""
         R = self.R
-        parts = (g[:, self.E:].reshape(-1), gp.err, gp.send_counts.reshape(-1), uniq.reshape(-1), gp.donor,
-                 (gp.experts_to_copy >= 0).sum(1), gp.cu_seqlens[self.rank])
+        plan = global_plan
+        parts = (
+            g[:, self.E :].reshape(-1),
+            plan.err,
+            plan.send_counts.reshape(-1),
+            uniq.reshape(-1),
+            plan.donor,
+            (plan.experts_to_copy >= 0).sum(1),
+            plan.cu_seqlens[self.rank],
+        )
         flat = torch.cat(parts).tolist()
         cut, out = 0, {}
-        for name, n in (("head", 3 * R), ("err", 3), ("send", R * R), ("uniq", R * (R + 1)), ("donor", R),
-                        ("replicas", R), ("cu", 2 * self.epn)):
-            out[name] = flat[cut:cut + n]
+        for name, n in (
+            ("head", 3 * R),
+            ("err", 3),
+            ("send", R * R),
+            ("uniq", R * (R + 1)),
+            ("donor", R),
+            ("replicas", R),
+            ("cu", 2 * self.epn),
+        ):
+            out[name] = flat[cut : cut + n]
             cut += n
         head, u = out.pop("head"), out.pop("uniq")
         out["codes"], out["s"], out["totals"] = head[0::3], head[1::3], head[2::3]
-        out["send"] = [out["send"][q * R:(q + 1) * R] for q in range(R)]
-        out["uniq"] = [u[q * (R + 1):q * (R + 1) + R] for q in range(R)]
+        out["send"] = [out["send"][q * R : (q + 1) * R] for q in range(R)]
+        out["uniq"] = [u[q * (R + 1) : q * (R + 1) + R] for q in range(R)]
         out["mismatch"] = [u[q * (R + 1) + R] for q in range(R)]
         return out
 
-    def _exchange_meta(self, gp, lay, step: dict, recv_uniq_t, weights, s: int, total: int) -> CommPlan:
+    def _exchange_meta(self, global_plan, lay, step: dict, recv_uniq_t, weights, s: int, total: int) -> CommPlan:
         """Side-table all-to-all (exact plan counts) -> the receive maps; fills the receive weights.
 
         recv_uniq_t: [R] the unique rows each rank sends here, on the device (step["uniq"] holds the host copy).
@@ -178,72 +208,94 @@ class Buffer:
             meta[:, 2] = 0
         else:  # fp32 bits in an int32 column: integer tables travel as integers, weights exactly
             meta[:, 2] = weights.detach().reshape(-1).index_select(0, pos).float().view(torch.int32)
-        got = self._meta_in[:sum(recv_slots)]
+        got = self._meta_in[: sum(recv_slots)]
         self.comm.all_to_all_single(got, meta, recv_slots, send_slots, validate=False)
-        row, uniq = recv_layout(got[:, 0], got[:, 1], gp.send_counts[:, r], recv_uniq_t)
-        push_rows, my_slots = replica_maps(gp, r)
+        row, uniq = recv_layout(got[:, 0], got[:, 1], global_plan.send_counts[:, r], recv_uniq_t)
+        push_rows, my_slots = replica_maps(global_plan, r)
         push = [step["replicas"][d] if step["donor"][d] == r else 0 for d in range(R)]
         mine = [step["replicas"][r] if step["donor"][r] == q else 0 for q in range(R)]
-        nvs = nvs_rows(total, self.K, R, self.epn, self.tp)
-        cp = CommPlan(plan=gp, rank=r, buffer_id=id(self), num_tokens=s, total_num_tokens=total,
-                      nvs=nvs, cu_seqlens=gp.cu_seqlens[r], row_source=row_sources(row, uniq, nvs),
-                      cu_host=tuple(step["cu"]), slot_pos=pos, send_slot_splits=send_slots,
-                      uniq_token=lay.uniq_token[:U], send_uniq_splits=send_uniq, recv_slot_row=row,
-                      recv_slot_uniq=uniq, recv_slot_splits=recv_slots, recv_uniq_splits=recv_uniq,
-                      push_rows=push_rows[:sum(push)], push_splits=push, my_slots=my_slots[:sum(mine)],
-                      slot_splits=mine)
+        recv_rows = num_recv_rows(total, self.K, R, self.epn, self.token_padding)
+        plan = CommPlan(
+            global_plan=global_plan,
+            rank=r,
+            buffer_id=id(self),
+            num_tokens=s,
+            total_num_tokens=total,
+            recv_rows=recv_rows,
+            cu_seqlens=global_plan.cu_seqlens[r],
+            row_source=row_sources(row, uniq, recv_rows),
+            cu_host=tuple(step["cu"]),
+            slot_pos=pos,
+            send_slot_splits=send_slots,
+            uniq_token=lay.uniq_token[:U],
+            send_uniq_splits=send_uniq,
+            recv_slot_row=row,
+            recv_slot_uniq=uniq,
+            recv_slot_splits=recv_slots,
+            recv_uniq_splits=recv_uniq,
+            push_rows=push_rows[: sum(push)],
+            push_splits=push,
+            my_slots=my_slots[: sum(mine)],
+            slot_splits=mine,
+        )
         if weights is not None:
-            self._weights_from(cp, got[:, 2].contiguous().view(torch.float32))
-        return cp
+            self._weights_from(plan, got[:, 2].contiguous().view(torch.float32))
+        return plan
 
-    def _zero_unwritten(self, view: torch.Tensor, cp: CommPlan) -> None:
-        """Zero the receive rows no slot writes: with tp = 1 the slots fill a prefix, else padding interleaves."""
-        if self.tp == 1:
-            view[cp.recv_slot_row.numel():].zero_()
+    def _zero_unwritten(self, view: torch.Tensor, plan: CommPlan) -> None:
+        """Zero the receive rows no slot writes: unpadded, the slots fill a prefix; padded, padding interleaves."""
+        if self.token_padding == 1:
+            view[plan.recv_slot_row.numel() :].zero_()
         else:
             view.zero_()
 
-    def _weights_from(self, cp: CommPlan, per_slot: torch.Tensor | None) -> None:
-        """Scatter received per-slot weights [n_recv] into the [nvs] weight rows (empty rows zero)."""
+    def _weights_from(self, plan: CommPlan, per_slot: torch.Tensor | None) -> None:
+        """Scatter received per-slot weights [n_recv] into the [recv_rows] weight rows (empty rows zero)."""
         if per_slot is None:
             return
-        w = self._recv_w[:cp.nvs]
-        self._zero_unwritten(w, cp)
-        w.index_copy_(0, cp.recv_slot_row, per_slot.to(torch.float32))
+        w = self._recv_w[: plan.recv_rows]
+        self._zero_unwritten(w, plan)
+        w.index_copy_(0, plan.recv_slot_row, per_slot.to(torch.float32))
 
-    def _send_rows(self, cp: CommPlan, hidden: torch.Tensor, with_weights: bool, zero_copy: bool):
+    def _send_rows(self, plan: CommPlan, hidden: torch.Tensor, with_weights: bool, zero_copy: bool):
         """One row per (token, destination) over the wire, expanded into the expert-grouped receive rows."""
-        U = cp.uniq_token.numel()
+        U = plan.uniq_token.numel()
         src = self._wire_out[:U]
-        torch.index_select(hidden, 0, cp.uniq_token, out=src)
-        U_in = sum(cp.recv_uniq_splits)
-        got = self._wire_in[1:1 + U_in]  # behind the zero row
-        self.comm.all_to_all_single(got, src, cp.recv_uniq_splits, cp.send_uniq_splits, validate=False)
-        out = self._recv[:cp.nvs]
-        torch.index_select(self._wire_in[:1 + U_in], 0, cp.row_source, out=out)  # the epilogue, in one pass
-        weights = self._recv_w[:cp.nvs] if with_weights else None
+        torch.index_select(hidden, 0, plan.uniq_token, out=src)
+        U_in = sum(plan.recv_uniq_splits)
+        got = self._wire_in[1 : 1 + U_in]  # behind the zero row
+        self.comm.all_to_all_single(got, src, plan.recv_uniq_splits, plan.send_uniq_splits, validate=False)
+        out = self._recv[: plan.recv_rows]
+        torch.index_select(self._wire_in[: 1 + U_in], 0, plan.row_source, out=out)  # the epilogue, in one pass
+        weights = self._recv_w[: plan.recv_rows] if with_weights else None
         if zero_copy:
             return out, weights
         return out.clone(), None if weights is None else weights.clone()
 
-    def _redispatch(self, cp: CommPlan, hidden, topk_weights, zero_copy: bool):
-        """Dispatch along a saved plan (no planning, no side table; weights travel per slot if given)."""
-        if self.check_combine:  # plan-reuse calls carry no count exchange: checking costs one all-reduce
+    def redispatch(
+        self, plan: CommPlan, hidden: torch.Tensor, topk_weights: torch.Tensor | None = None, *, zero_copy: bool = False
+    ):
+        """Dispatch ``hidden`` [s, H] (and ``topk_weights`` [s, K] if given) along a saved plan: no planning, no
+        side table, no host read (combine's backward). Returns what ``dispatch`` returns."""
+        if self.check_reuse:  # plan-reuse calls carry no count exchange: checking costs one all-reduce
             code, detail, _ = _checks.dispatch_problem(self, hidden, topk_weights, None, None, None, reuse=True)
-            if code == 0 and (cp.buffer_id != id(self) or hidden.shape[0] != cp.num_tokens):
-                code, detail = 11, f"plan was made for s={cp.num_tokens} tokens by another Buffer/rank"
-            self._agree("dispatch", code, detail)
+            if code == 0 and (plan.buffer_id != id(self) or hidden.shape[0] != plan.num_tokens):
+                code = Problem.FOREIGN_PLAN
+                detail = f"plan was made for s={plan.num_tokens} tokens by another Buffer/rank"
+            self._agree("redispatch", code, detail)
         if topk_weights is not None:
-            per_slot = self._slots_forward(cp, topk_weights.detach().reshape(-1).index_select(0, cp.slot_pos)
-                                           .float())
-            self._weights_from(cp, per_slot)
-        return self._send_rows(cp, hidden, topk_weights is not None, zero_copy) + (cp.cu_seqlens, cp)
+            per_slot = self._slots_forward(
+                plan, topk_weights.detach().reshape(-1).index_select(0, plan.slot_pos).float()
+            )
+            self._weights_from(plan, per_slot)
+        return self._send_rows(plan, hidden, topk_weights is not None, zero_copy) + (plan.cu_seqlens, plan)
 
-    def _slots_forward(self, cp: CommPlan, per_slot: torch.Tensor) -> torch.Tensor:
+    def _slots_forward(self, plan: CommPlan, per_slot: torch.Tensor) -> torch.Tensor:
         """[n] values in send order -> [n_recv] in receive order (exact plan counts)."""
-        got = torch.empty(sum(cp.recv_slot_splits), dtype=per_slot.dtype, device=self.device)
-        self.comm.all_to_all_single(got, per_slot.contiguous(), cp.recv_slot_splits, cp.send_slot_splits,
-                                    validate=False)
+        got = torch.empty(sum(plan.recv_slot_splits), dtype=per_slot.dtype, device=self.device)
+        self.comm.all_to_all_single(
+            got, per_slot.contiguous(), plan.recv_slot_splits, plan.send_slot_splits, validate=False
+        )
         return got
 
     def _agree(self, op: str, code: int, detail: str) -> None:
@@ -257,32 +309,32 @@ class Buffer:
     def combine(self, plan: CommPlan, expert_out: torch.Tensor, recv_weights: torch.Tensor | None = None):
         """Bring every slot's expert output home and sum a token's K copies (UNWEIGHTED).
 
-        expert_out [nvs, H]: rows in the dispatch layout (the expert side already applied routing weights).
-        recv_weights [nvs] (optional): also gathered per slot -> gathered_weights [s, K] (masked slots 0).
+        expert_out [recv_rows, H]: rows in the dispatch layout (the expert side already applied routing weights).
+        recv_weights [recv_rows] (optional): also gathered per slot -> gathered_weights [s, K] (masked slots 0).
         Returns (out [s, H], gathered_weights [s, K] fp32 | None). Rows outside routed slots are ignored.
         """
-        if self.check_combine:
+        if self.check_reuse:
             code, detail = _checks.combine_problem(self, plan, expert_out, recv_weights)
             self._agree("combine", code, detail)
-        cp = plan
+        plan = plan
         # prologue: a token's slots on this rank are summed into its one unique row before it travels home;
         # unfilled rows sum into the zero row, which is zeroed again for the next dispatch
-        ext = self._wire_in[:1 + sum(cp.recv_uniq_splits)]
+        ext = self._wire_in[: 1 + sum(plan.recv_uniq_splits)]
         ext.zero_()
-        ext.index_add_(0, cp.row_source, expert_out)
-        back = self._wire_out[:cp.uniq_token.numel()]
-        self.comm.all_to_all_single(back, ext[1:], cp.send_uniq_splits, cp.recv_uniq_splits, validate=False)
+        ext.index_add_(0, plan.row_source, expert_out)
+        back = self._wire_out[: plan.uniq_token.numel()]
+        self.comm.all_to_all_single(back, ext[1:], plan.send_uniq_splits, plan.recv_uniq_splits, validate=False)
         ext[0].zero_()
-        out = torch.zeros(cp.num_tokens, self.H, dtype=self.dtype, device=self.device)
-        out.index_add_(0, cp.uniq_token, back)
+        out = torch.zeros(plan.num_tokens, self.H, dtype=self.dtype, device=self.device)
+        out.index_add_(0, plan.uniq_token, back)
         if recv_weights is None:
             return out, None
-        per_slot = recv_weights.detach().index_select(0, cp.recv_slot_row).float().contiguous()
-        home = torch.empty(cp.slot_pos.numel(), dtype=torch.float32, device=self.device)
-        self.comm.all_to_all_single(home, per_slot, cp.send_slot_splits, cp.recv_slot_splits, validate=False)
-        gathered = torch.zeros(cp.num_tokens * self.K, dtype=torch.float32, device=self.device)
-        gathered.index_copy_(0, cp.slot_pos, home)
-        return out, gathered.view(cp.num_tokens, self.K)
+        per_slot = recv_weights.detach().index_select(0, plan.recv_slot_row).float().contiguous()
+        home = torch.empty(plan.slot_pos.numel(), dtype=torch.float32, device=self.device)
+        self.comm.all_to_all_single(home, per_slot, plan.send_slot_splits, plan.recv_slot_splits, validate=False)
+        gathered = torch.zeros(plan.num_tokens * self.K, dtype=torch.float32, device=self.device)
+        gathered.index_copy_(0, plan.slot_pos, home)
+        return out, gathered.view(plan.num_tokens, self.K)
 
     # ------------------------------------------------------------------------------ weights and grads
     def prefetch_weight(self, plan: CommPlan, local_weights, prefetch_buffers) -> None:
@@ -290,7 +342,7 @@ class Buffer:
 
         local_weights: [epn, ...] tensor (or a sequence of them, one per projection) = this rank's experts.
         prefetch_buffers: [epn, ...] replica slots (same structure); slot b of rank d receives expert
-        ``plan.plan.experts_to_copy[d, b]`` (unused slots are left untouched). Collective: every rank calls it.
+        ``plan.global_plan.experts_to_copy[d, b]`` (unused slots are left untouched). Collective: every rank calls it.
         """
         for loc, buf in zip(_as_list(local_weights), _as_list(prefetch_buffers)):
             inp = loc.detach().reshape(self.epn, -1).index_select(0, plan.push_rows).to(buf.dtype)

@@ -1,78 +1,46 @@
-"""The one command line, ``moonep``, with a subcommand per capability.
+"""The moonep package's own commands: bench target ``ep`` (``moonep bench ep``, ``python -m moonep bench ep``).
 
-Each package contributes its commands from ``<package>/cli.py``, which defines
-``register(commands, bench)``: ``commands`` and ``bench`` are argparse sub-parser actions, so a package adds
-top-level commands (``moonep plan``) and benchmark targets (``moonep bench planner``). Every leaf parser sets
-``func=handler`` with ``handler(args) -> int``. ``python -m <package>`` builds the same parser with that package
-alone. Package ``cli`` modules import only argparse at module level, so ``moonep --help`` stays fast.
+argparse and ``moonep_base`` (standard library only) are the only imports at module level, so ``moonep --help``
+stays fast; the handler imports the rest. The console script that gathers every package lives in ``moonep.console``.
 """
+
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.util
-import json
-import os
-import sys
-from typing import Any, Sequence
 
-PACKAGES = ("collectives", "planner", "cp_kda", "moonep", "k3", "simulator", "tools")
+from moonep_base import write_json  # k3/train.py imports it from here too (k3 sits above moonep)
 
 
-def _cli_module(package: str):
-    name = f"{package}.cli"
-    if package == "moonep":
-        name = "moonep.commands"
-    try:
-        if importlib.util.find_spec(name) is None:
-            return None
-    except ModuleNotFoundError:  # the package itself is absent (a partial install): it adds no commands
-        return None
-    return importlib.import_module(name)
+def register(commands, bench) -> None:
+    p = bench.add_parser("ep", help="MoonEP layer vs the classic all-to-all dispatcher over maxvio")
+    p.add_argument("--world-size", type=int, default=4, help="local ranks (default 4)")
+    p.add_argument("--maxvio", default="0,1,2,4,8", help="comma-separated maxvio targets")
+    p.add_argument("--backend", default="torch", choices=["torch", "mpi"])
+    p.add_argument("--quick", action="store_true", help="tiny shapes, one iteration (schema checks)")
+    p.add_argument("--json", help="write the report here")
+    p.add_argument("--plot", help="write a time-vs-maxvio plot (PNG) here")
+    p.set_defaults(func=handler)
 
 
-def build_parser(packages: Sequence[str] = PACKAGES, prog: str = "moonep") -> argparse.ArgumentParser:
-    """The argparse tree: one ``commands`` level, with ``bench`` holding every benchmark target."""
-    parser = argparse.ArgumentParser(prog=prog, description="MoonEP toolkit: balanced expert parallelism, "
-                                     "context-parallel KDA, capacity simulator and straggler tools.")
-    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
-    bench_parser = commands.add_parser("bench", help="benchmarks (JSON output with --json)")
-    bench = bench_parser.add_subparsers(dest="target", metavar="TARGET")
-    bench_parser.set_defaults(func=lambda args: _missing(bench_parser))
-    for package in packages:
-        module = _cli_module(package)
-        if module is not None:
-            module.register(commands, bench)
-    return parser
+def handler(args: argparse.Namespace) -> int:
+    from . import bench  # heavy: torch; --help stays light
 
-
-def _missing(parser: argparse.ArgumentParser) -> int:
-    parser.print_help(sys.stderr)
-    return 2
-
-
-def main(argv: Sequence[str] | None = None, packages: Sequence[str] = PACKAGES, prog: str = "moonep") -> int:
-    """Entry point of the ``moonep`` console script and of every ``python -m <package>``."""
-    parser = build_parser(packages, prog)
-    args = parser.parse_args(argv)
-    func = getattr(args, "func", None)
-    if func is None:
-        parser.print_help(sys.stderr)
-        return 2
-    return int(func(args) or 0)
-
-
-def write_json(path: str | os.PathLike, obj: Any) -> None:
-    """Write ``obj`` as JSON atomically (temp file + rename), so readers never see half a file."""
-    path = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2, sort_keys=False)
-        f.write("\n")
-    os.replace(tmp, path)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+    maxvios = [float(v) for v in args.maxvio.split(",") if v.strip()]
+    report = bench.run(args.world_size, maxvios, quick=args.quick, backend=args.backend)
+    print(report["note"])
+    print(
+        f"{'maxvio':>6} {'cap':>6} {'ours rows':>9} {'base rows':>9} {'ours ms':>8} {'base ms':>8} {'ratio':>6} "
+        f"{'busy ratio':>10}  fwd stages ms (dispatch/expert/combine) ours | base"
+    )
+    for e in report["results"]:
+        stages = lambda who: "/".join(f"{e[f'{who}_{s}_s'] * 1e3:.1f}" for s in ("dispatch", "expert", "combine"))  # noqa: E731
+        print(
+            f"{e['maxvio']:>6g} {e['cap']:>6} {e['ours_max_rows']:>9} {e['baseline_max_rows']:>9} "
+            f"{e['ours_layer_s'] * 1e3:>8.2f} {e['baseline_layer_s'] * 1e3:>8.2f} {e['ratio']:>6.2f} "
+            f"{e['busy_ratio']:>10.2f}  {stages('ours')} | {stages('baseline')}"
+        )
+    if args.json:
+        write_json(args.json, report)
+    if args.plot:
+        bench.plot(report, args.plot)
+    return 0

@@ -1,6 +1,6 @@
 """Expert compute on the dispatch layout: shared replica pools and a grouped SwiGLU over the [2*epn] groups.
 
-Axes: ``n`` = nvs receive rows, ``H`` hidden, ``F`` expert FFN size, ``epn`` experts per rank.
+Axes: ``n`` = recv_rows receive rows, ``H`` hidden, ``F`` expert FFN size, ``epn`` experts per rank.
 Weights: ``w13 [epn, H, 2F]`` (gate and up side by side), ``w2 [epn, F, H]``; per expert e on rows x:
 ``y = (silu(x @ w13[:, :F]) * (x @ w13[:, F:])) @ w2``, then times the routing weight (expert side).
 
@@ -14,6 +14,7 @@ replica slots' weights ``[epn, ...]`` and their fp32 grads. Extra memory is ``ep
 layer's replicas when another layer pushed since its forward (every rank takes the same decision: the pool's
 owner evolves identically on all ranks).
 """
+
 from __future__ import annotations
 
 import weakref
@@ -22,7 +23,7 @@ import torch
 import torch.nn.functional as Fn
 
 from .buffer import Buffer
-from .layout import CommPlan, segments_of
+from .comm_plan import CommPlan, segments_of
 
 _POOLS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
@@ -123,11 +124,14 @@ class GroupedExperts(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, buffer: Buffer, plan: CommPlan, key: object, x, w, w13, w2):
-        pools = (pool_for(buffer, "w13", tuple(w13.shape[1:]), w13.dtype),
-                 pool_for(buffer, "w2", tuple(w2.shape[1:]), w2.dtype))
+        pools = (
+            pool_for(buffer, "w13", tuple(w13.shape[1:]), w13.dtype),
+            pool_for(buffer, "w2", tuple(w2.shape[1:]), w2.dtype),
+        )
         push_replicas(buffer, plan, key, pools, (w13, w2))
-        y, a13 = swiglu_forward(x, group_view(w13.detach(), pools[0].weights),
-                                group_view(w2.detach(), pools[1].weights), plan.segments)
+        y, a13 = swiglu_forward(
+            x, group_view(w13.detach(), pools[0].weights), group_view(w2.detach(), pools[1].weights), plan.segments
+        )
         ctx.buffer, ctx.plan, ctx.key, ctx.pools = buffer, plan, key, pools
         ctx.save_for_backward(x, w, w13, w2, a13, y)
         return y * w[:, None].to(y.dtype)
@@ -142,26 +146,15 @@ class GroupedExperts(torch.autograd.Function):
         dy = dz * w[:, None].to(dz.dtype)
         own13 = torch.empty(w13.shape, dtype=torch.float32, device=w13.device)
         own2 = torch.empty(w2.shape, dtype=torch.float32, device=w2.device)
-        dx, _, _ = swiglu_backward(x, group_view(w13, pools[0].weights), group_view(w2, pools[1].weights),
-                                   plan.segments, a13, dy, group_view(own13, pools[0].grads),
-                                   group_view(own2, pools[1].grads))
+        dx, _, _ = swiglu_backward(
+            x,
+            group_view(w13, pools[0].weights),
+            group_view(w2, pools[1].weights),
+            plan.segments,
+            a13,
+            dy,
+            group_view(own13, pools[0].grads),
+            group_view(own2, pools[1].grads),
+        )
         buffer.reduce_grad(plan, [own13, own2], [pools[0].grads, pools[1].grads])
         return None, None, None, dx, dw, own13.to(w13.dtype), own2.to(w2.dtype)
-
-
-def naive_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor,
-                  w2: torch.Tensor) -> torch.Tensor:
-    """Dense single-process twin: loop over ALL experts, weighted sum of each token's K outputs.
-
-    x [s, H], topk_idx [s, K] (-1 = none), topk_weights [s, K], w13 [E, H, 2F], w2 [E, F, H] -> [s, H].
-    """
-    F = w2.shape[1]
-    out = torch.zeros_like(x)
-    for e in range(w13.shape[0]):
-        tok, k = torch.nonzero(topk_idx == e, as_tuple=True)
-        if tok.numel() == 0:
-            continue
-        h = x[tok] @ w13[e]
-        y = (Fn.silu(h[:, :F]) * h[:, F:]) @ w2[e]
-        out = out.index_add(0, tok, y * topk_weights[tok, k][:, None])
-    return out

@@ -29,6 +29,7 @@ Safe to nest (each context counts what ran inside it; re-entering the same insta
 methods are patched while any context is open and the originals are back when the last one closes, on an
 exception too. A context keeps counting across uses; open a new one for a fresh count.
 """
+
 from __future__ import annotations
 
 import os
@@ -41,20 +42,41 @@ from torch.utils._pytree import tree_leaves
 
 PLANNER_CPU_ENTRY = ("Tensor.numpy", os.path.join("planner", "device.py"), "_run_cpu_kernel")
 """The CPU planner kernel's zero-copy view of the counts: on CUDA the device kernel replaces it (exempt)."""
-READ_METHODS = ("item", "tolist", "numpy", "cpu", "__bool__", "__int__", "__float__", "__index__",
-                "__complex__", "__repr__", "__format__")
-SYNC_OPS = frozenset({
-    "aten::_local_scalar_dense", "aten::equal", "aten::is_nonzero", "aten::nonzero", "aten::masked_select",
-    "aten::_unique", "aten::_unique2", "aten::unique_dim", "aten::unique_consecutive",
-    "aten::unique_dim_consecutive", "aten::bincount",
-})
+READ_METHODS = (
+    "item",
+    "tolist",
+    "numpy",
+    "cpu",
+    "__bool__",
+    "__int__",
+    "__float__",
+    "__index__",
+    "__complex__",
+    "__repr__",
+    "__format__",
+)
+SYNC_OPS = frozenset(
+    {
+        "aten::_local_scalar_dense",
+        "aten::equal",
+        "aten::is_nonzero",
+        "aten::nonzero",
+        "aten::masked_select",
+        "aten::_unique",
+        "aten::_unique2",
+        "aten::unique_dim",
+        "aten::unique_consecutive",
+        "aten::unique_dim_consecutive",
+        "aten::bincount",
+    }
+)
 _MASK_INDEX_OPS = frozenset({"aten::index", "aten::index_put", "aten::index_put_", "aten::_index_put_impl_"})
 
-_MISSING = object()                    # the method was inherited (from torch._C.TensorBase), not set on Tensor
+_MISSING = object()  # the method was inherited (from torch._C.TensorBase), not set on Tensor
 _lock = threading.Lock()
-_active: list[HostReads] = []          # open contexts, any thread
-_saved: dict[str, object] = {}         # method name -> torch.Tensor.__dict__ entry before patching
-_tls = threading.local()               # .depth > 0 while a counted call runs (its own lowering is not a 2nd read)
+_active: list[HostReads] = []  # open contexts, any thread
+_saved: dict[str, object] = {}  # method name -> torch.Tensor.__dict__ entry before patching
+_tls = threading.local()  # .depth > 0 while a counted call runs (its own lowering is not a 2nd read)
 _SKIP_DIRS = (os.path.abspath(__file__), os.path.dirname(os.path.abspath(torch.__file__)) + os.sep)
 
 
@@ -74,6 +96,7 @@ def _depth() -> int:
 
 def _counted_method(name: str, original):
     """Tensor.<name> that records one read (after it returns, for a non-meta tensor) to this thread's contexts."""
+
     def counted(self, *args, **kwargs):
         depth = _depth()
         _tls.depth = depth + 1
@@ -87,6 +110,7 @@ def _counted_method(name: str, original):
                 if reads._thread == me:
                     reads._add(f"Tensor.{name}", stack)
         return out
+
     counted.__wrapped__ = original
     return counted
 
@@ -100,7 +124,7 @@ def _install() -> None:
 def _restore() -> None:
     for name, original in _saved.items():
         if original is _MISSING:
-            delattr(torch.Tensor, name)          # back to inheriting TensorBase's
+            delattr(torch.Tensor, name)  # back to inheriting TensorBase's
         else:
             setattr(torch.Tensor, name, original)
     _saved.clear()
@@ -140,8 +164,9 @@ class _SyncOps(TorchDispatchMode):
         out = func(*args, **kwargs)
         if _depth() == 0:
             name = _sync_name(func, args, kwargs)
-            if name is not None and not any(isinstance(t, torch.Tensor) and t.is_meta
-                                            for t in tree_leaves((args, kwargs))):
+            if name is not None and not any(
+                isinstance(t, torch.Tensor) and t.is_meta for t in tree_leaves((args, kwargs))
+            ):
                 self.owner._add(name, _short_stack())
         return out
 

@@ -1,8 +1,8 @@
-"""The EP layout on the device: row maps of one rank for one MoE layer's step, and the ``CommPlan`` holding them.
+"""The EP layout on the device: the row maps of one rank for one MoE layer's step (held by a ``CommPlan``).
 
 Axes: ``s`` tokens on this rank, ``K`` top-k, ``N = s*K`` slots, ``R`` ranks, ``E`` experts, ``epn = E / R``,
-``slots`` replica slots per rank, ``nvs`` receive rows, ``n`` this rank's routed (valid) slots, ``U`` unique
-(token, destination rank) pairs, ``n_recv`` slots this rank receives.
+``slots`` replica slots per rank, ``recv_rows`` receive rows (MoonEP's NvS), ``n`` this rank's routed (valid)
+slots, ``U`` unique (token, destination rank) pairs, ``n_recv`` slots this rank receives.
 
 Wire dedup: the planner counts routed (token, expert) *slots* (``send_counts``); a token routed to several
 experts on one destination crosses the wire once. The sender ships one row per (token, destination) and a
@@ -16,6 +16,7 @@ depends on the routing ("the valid slots", "the occupied replica slots") are sta
 entries to the front; the caller cuts the front with a count from the one host read of the step
 (``Buffer.dispatch``). The numpy twin the tests compare against is ``moonep.reference``.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -25,10 +26,11 @@ import torch
 import planner
 
 
-def nvs_rows(total_tokens: int, K: int, R: int, epn: int, tp: int) -> int:
-    """Static receive rows: align_up(ceil(total*K/R) + (tp-1)*2*epn, tp) (>= any plan's padded layout)."""
-    rows = -(-total_tokens * K // R) + (tp - 1) * 2 * epn
-    return -(-rows // tp) * tp
+def num_recv_rows(total_tokens: int, K: int, R: int, epn: int, token_padding: int) -> int:
+    """Receive rows of a step (MoonEP's NvS): align_up(ceil(total*K/R) + (pad-1)*2*epn, pad) with pad =
+    token_padding; >= any plan's padded layout of that many tokens."""
+    rows = -(-total_tokens * K // R) + (token_padding - 1) * 2 * epn
+    return -(-rows // token_padding) * token_padding
 
 
 def _exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:
@@ -57,7 +59,7 @@ def route_slots(plan: planner.TensorPlan, rank: int, topk_idx: torch.Tensor) -> 
     occurrence = torch.empty_like(flat)
     occurrence.scatter_(0, order, torch.arange(flat.numel(), device=flat.device) - torch.searchsorted(ranked, ranked))
     load = plan.alloc.sum(1, dtype=torch.int64)
-    below = plan.tokens_per_expert[:rank].sum(0, dtype=torch.int64)
+    below = plan.slots_per_expert[:rank].sum(0, dtype=torch.int64)
     ec = e.clamp(max=E - 1)
     key = (_exclusive_cumsum(load) + below)[ec] + occurrence
     pieces = plan.pieces
@@ -109,8 +111,9 @@ def send_layout(plan: planner.TensorPlan, rank: int, topk_idx: torch.Tensor) -> 
     return SendLayout(pos, row[pos], uniq_local, uniq_token[:N], slot_splits, uniq_splits)
 
 
-def recv_layout(dest_row: torch.Tensor, uniq_local: torch.Tensor, slot_splits: torch.Tensor,
-                uniq_splits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def recv_layout(
+    dest_row: torch.Tensor, uniq_local: torch.Tensor, slot_splits: torch.Tensor, uniq_splits: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Receive side from the received side table, chunks by source rank.
 
     dest_row, uniq_local: [n_recv] (row in this rank's receive view, unique index within the source's chunk);
@@ -123,14 +126,14 @@ def recv_layout(dest_row: torch.Tensor, uniq_local: torch.Tensor, slot_splits: t
     return dest_row.long(), uniq_local.long() + before[src.clamp_(max=before.numel() - 1)]
 
 
-def row_sources(row: torch.Tensor, uniq: torch.Tensor, nvs: int) -> torch.Tensor:
-    """[nvs] 1 + the received unique row each receive row is copied from; 0 for rows no slot fills (padding
+def row_sources(row: torch.Tensor, uniq: torch.Tensor, recv_rows: int) -> torch.Tensor:
+    """[recv_rows] 1 + the received unique row each receive row is copied from; 0 for rows no slot fills (padding
     and tail): they read, or in combine sum into, a zero row kept in front of the received unique rows.
 
     row, uniq: [n_recv] from ``recv_layout``. One gather (dispatch) and one scatter-add (combine) over the
-    [nvs] rows then move each row once, with no separate zero-fill of the unfilled ones.
+    [recv_rows] rows then move each row once, with no separate zero-fill of the unfilled ones.
     """
-    return torch.zeros(nvs, dtype=torch.int64, device=row.device).scatter_(0, row, uniq + 1)
+    return torch.zeros(recv_rows, dtype=torch.int64, device=row.device).scatter_(0, row, uniq + 1)
 
 
 def replica_maps(plan: planner.TensorPlan, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -145,85 +148,3 @@ def replica_maps(plan: planner.TensorPlan, rank: int) -> tuple[torch.Tensor, tor
     flat = copy.reshape(-1)
     push_rows = (flat[_front(mine.reshape(-1))] - rank * epn).clamp_(0, epn - 1)
     return push_rows, _front(copy[rank] >= 0)
-
-
-@dataclass(frozen=True, eq=False)
-class CommPlan:
-    """Everything dispatch, combine, prefetch_weight and reduce_grad need for one layer and one step.
-
-    Built by ``Buffer.dispatch`` (identical global ``plan`` on every rank); reused, unchanged, by combine, the
-    backward re-dispatch, ``prefetch_weight`` and ``reduce_grad``. Index tensors live on the Buffer's device;
-    the split lists and segments are host ints from the step's one read.
-    """
-
-    plan: planner.TensorPlan
-    """the global plan (same on every rank): alloc [E, R], experts_to_copy [R, slots], send_counts [R, R], ..."""
-    rank: int
-    """the rank this CommPlan belongs to."""
-    buffer_id: int
-    """id() of the Buffer that made it (combine refuses a foreign plan)."""
-    num_tokens: int
-    """s: tokens this rank dispatched."""
-    total_num_tokens: int
-    """sum of s over ranks (sizes nvs)."""
-    nvs: int
-    """rows of the receive views [nvs, H] this step: align_up(ceil(total*K/R) + (tp-1)*2*epn, tp)."""
-    cu_seqlens: torch.Tensor
-    """[2*epn] int64 padded segment ends: own experts in id order, then replica slots."""
-    cu_host: tuple[int, ...]
-    """[2*epn] host copy of cu_seqlens, from the step's one read (per-group GEMM bounds without a sync)."""
-    slot_pos: torch.Tensor
-    """[n] flat index t*K + k of each routed slot, in send order (destination rank, then token-major)."""
-    send_slot_splits: list[int]
-    """[R] routed slots this rank sends to each rank (= plan.send_counts[rank])."""
-    uniq_token: torch.Tensor
-    """[U] token of each unique (token, destination) row, in send order."""
-    send_uniq_splits: list[int]
-    """[R] unique rows this rank sends to each rank."""
-    recv_slot_row: torch.Tensor
-    """[n_recv] row in the [nvs] view of each received slot, in receive order (source rank, then send order)."""
-    recv_slot_uniq: torch.Tensor
-    """[n_recv] index of each received slot's unique row among the received unique rows."""
-    recv_slot_splits: list[int]
-    """[R] routed slots received from each rank (= plan.send_counts[:, rank])."""
-    row_source: torch.Tensor
-    """[nvs] 1 + the received unique row of each receive row, 0 = an unfilled row (``row_sources``)."""
-    recv_uniq_splits: list[int]
-    """[R] unique rows received from each rank."""
-    push_rows: torch.Tensor
-    """[sum(push_splits)] local expert rows whose weights this rank sends to the ranks replicating them."""
-    push_splits: list[int]
-    """[R] expert weights this rank sends to each rank (prefetch_weight; reduce_grad receives as many)."""
-    my_slots: torch.Tensor
-    """[sum(slot_splits)] this rank's occupied replica slots, in slot order."""
-    slot_splits: list[int]
-    """[R] replica weights this rank receives from each rank (all from its donor)."""
-
-    def __post_init__(self) -> None:
-        if sum(self.send_slot_splits) != self.slot_pos.numel():
-            raise ValueError("send_slot_splits must sum to the number of routed slots")
-        if sum(self.recv_slot_splits) != self.recv_slot_row.numel():
-            raise ValueError("recv_slot_splits must sum to the number of received slots")
-        if self.cu_host[-1] > self.nvs:
-            raise ValueError(f"padded layout {self.cu_host[-1]} rows exceeds nvs={self.nvs}")
-
-    @property
-    def segments(self) -> tuple[tuple[int, int, int], ...]:
-        """(group, start, end) of the non-empty segments of this rank's layout."""
-        return segments_of(list(self.cu_host))
-
-    @property
-    def experts_per_rank(self) -> int:
-        """epn."""
-        return self.plan.experts_per_rank
-
-    @property
-    def real_rows(self) -> int:
-        """routed rows this rank computes (= plan.caps[rank]; a host read)."""
-        return int(self.plan.caps[self.rank])
-
-
-def segments_of(cu: list[int]) -> tuple[tuple[int, int, int], ...]:
-    """(group, start, end) of the non-empty segments of host cu_seqlens [G]."""
-    starts = [0] + cu[:-1]
-    return tuple((g, a, b) for g, (a, b) in enumerate(zip(starts, cu)) if b > a)

@@ -1,13 +1,21 @@
-"""Naive twins of the EP layer's fast paths, for the tests: the host (numpy) layout the device layout replaced.
+"""Naive twins of the EP layer's fast paths, kept beside them for the tests.
 
-``send_layout`` / ``recv_layout`` build the same row maps as ``moonep.layout`` from a numpy ``planner.Plan``
-with numpy sorts and ``Plan.route``; the device versions must give identical tables on the routed slots.
+- ``send_layout`` / ``recv_layout``: the host (numpy) layout the device layout (``moonep.layout``) replaced,
+  from a numpy ``planner.Plan`` with numpy sorts and ``Plan.route``; the device tables must be identical on the
+  routed slots.
+- ``naive_experts`` / ``dense_moe``: a single-process MoE holding ALL experts, a loop over experts, against
+  which the distributed layer's outputs and every gradient are compared.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
+import torch
+import torch.nn.functional as Fn
+from torch import nn
 
 import planner
 
@@ -67,3 +75,31 @@ def recv_layout(meta: np.ndarray, splits: np.ndarray) -> tuple[np.ndarray, np.nd
         np.maximum.at(uniq_splits, src, uniq_local + 1)  # indices 0..u-1 all occur in a chunk
     before = np.concatenate(([0], np.cumsum(uniq_splits)[:-1]))
     return meta[:, 0], uniq_local + before[src], uniq_splits
+
+
+def naive_experts(
+    x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
+) -> torch.Tensor:
+    """Dense single-process twin: loop over ALL experts, weighted sum of each token's K outputs.
+
+    x [s, H], topk_idx [s, K] (-1 = none), topk_weights [s, K], w13 [E, H, 2F], w2 [E, F, H] -> [s, H].
+    """
+    F = w2.shape[1]
+    out = torch.zeros_like(x)
+    for e in range(w13.shape[0]):
+        tok, k = torch.nonzero(topk_idx == e, as_tuple=True)
+        if tok.numel() == 0:
+            continue
+        h = x[tok] @ w13[e]
+        y = (Fn.silu(h[:, :F]) * h[:, F:]) @ w2[e]
+        out = out.index_add(0, tok, y * topk_weights[tok, k][:, None])
+    return out
+
+
+def dense_moe(
+    x: torch.Tensor, router: Callable, w13_all: torch.Tensor, w2_all: torch.Tensor, shared: nn.Module | None = None
+) -> torch.Tensor:
+    """Single-process reference holding ALL experts: x [s, H], w13_all [E, H, 2F], w2_all [E, F, H] -> [s, H]."""
+    topk_idx, topk_weights = router(x)
+    y = naive_experts(x, topk_idx, topk_weights, w13_all, w2_all)
+    return y if shared is None else y + shared(x)

@@ -4,6 +4,7 @@
 share; ``verify`` re-derives every guarantee; ``rebalance_experts`` is the DeepSeek EPLB-compatible static
 balancer. See ``planner/README.md`` for the theorem and its proof.
 """
+
 from .core import Plan, plan
 from .device import TensorPlan
 from .eplb import rebalance_experts

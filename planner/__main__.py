@@ -1,3 +1,7 @@
-from moonep.cli import main
+"""``python -m planner``: the planner package's commands alone (no package above it is imported)."""
+
+from moonep_base import run_package
+from planner.cli import register
+
 if __name__ == "__main__":
-    raise SystemExit(main(packages=["planner"], prog="python -m planner"))
+    raise SystemExit(run_package(register, prog="python -m planner"))

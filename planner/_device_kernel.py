@@ -16,6 +16,7 @@ rank order, so the (src, dst) pairs come out increasing; experts are visited in 
 already in the CPU kernel's (expert, src, dst) order, and the route pieces (contiguous runs of the global slot
 sequence, see ``Plan._pieces``) come out sorted by their start.
 """
+
 from __future__ import annotations
 
 from numba import cuda
@@ -170,7 +171,7 @@ def _split(h, epn, donor, gift, prev_copy, sticky, alloc, rem, recv):
 
 
 @cuda.jit(device=True)
-def _layout(d, alloc, epn, tp, donor, prev_copy, sticky, copy, cu, lay_err):
+def _layout(d, alloc, epn, pad, donor, prev_copy, sticky, copy, cu, lay_err):
     """Stage D for rank d: experts_to_copy[d] (-1 = empty) and padded cu_seqlens[d]; lay_err[d] = the replica
     count at d's last slot overflow (0 = none), so that thread 0 can report what the CPU kernel reports."""
     slots = copy.shape[1]
@@ -208,7 +209,7 @@ def _layout(d, alloc, epn, tp, donor, prev_copy, sticky, copy, cu, lay_err):
             c = alloc[d * epn + g, d]
         elif copy[d, g - epn] >= 0:
             c = alloc[copy[d, g - epn], d]
-        off += (c + tp - 1) // tp * tp
+        off += (c + pad - 1) // pad * pad
         cu[d, g] = off
 
 
@@ -331,9 +332,38 @@ def _prefix(E, split, nflow, base_out, foff, poff, cnt, totals):
 
 
 @cuda.jit
-def plan_kernel(T, caps_in, has_caps, tp, prev_donor, prev_copy, sticky,
-                keep, alloc, send, caps, donor, copy, cu, flows, pieces, totals, err,
-                cnt, bal, gift, rem, recv, lay_err, split, nflow, base, foff, poff, errpos):
+def plan_kernel(
+    T,
+    caps_in,
+    has_caps,
+    pad,
+    prev_donor,
+    prev_copy,
+    sticky,
+    keep,
+    alloc,
+    send,
+    caps,
+    donor,
+    copy,
+    cu,
+    flows,
+    pieces,
+    totals,
+    err,
+    cnt,
+    bal,
+    gift,
+    rem,
+    recv,
+    lay_err,
+    split,
+    nflow,
+    base,
+    foff,
+    poff,
+    errpos,
+):
     """All stages in one block. Inputs: T [R, E] int64, caps_in [R] (read when has_caps), prev_donor [R] and
     prev_copy [R, slots] (read when sticky). Outputs (the caller zeroes alloc, send, totals, err, lay_err and
     fills donor, copy with -1, errpos with NO_ERROR_POS): keep [R, E] int32, alloc [E, R] int32, send [R, R],
@@ -369,7 +399,7 @@ def plan_kernel(T, caps_in, has_caps, tp, prev_donor, prev_copy, sticky,
         _split(h, epn, donor, gift, prev_copy, sticky, alloc, rem, recv)
     cuda.syncthreads()
     for d in range(tid, R, nt):
-        _layout(d, alloc, epn, tp, donor, prev_copy, sticky, copy, cu, lay_err)
+        _layout(d, alloc, epn, pad, donor, prev_copy, sticky, copy, cu, lay_err)
     for e in range(tid, E, nt):
         split[e] = 1 if alloc[e, e // epn] != cnt[e] else 0
         nflow[e] = _count_flows(e, keep, alloc) if split[e] else 0
@@ -389,5 +419,4 @@ def plan_kernel(T, caps_in, has_caps, tp, prev_donor, prev_copy, sticky,
     if err[0] != OK:
         return  # a refused plan (too few slots: a replica has no segment to route to) gets no flows
     for e in range(tid, E, nt):
-        _emit_expert(e, keep, alloc, cnt, epn, copy, cu, base[e], foff[e], poff[e], split[e], flows, pieces,
-                     send)
+        _emit_expert(e, keep, alloc, cnt, epn, copy, cu, base[e], foff[e], poff[e], split[e], flows, pieces, send)

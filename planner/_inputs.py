@@ -3,6 +3,7 @@
 Accepts numpy arrays, nested lists and torch tensors (CPU or CUDA). torch is never imported here: a tensor is
 recognised by its ``detach``/``cpu``/``numpy`` methods, so numpy callers do not pay for the torch import.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -49,7 +50,7 @@ def check_shape(T: np.ndarray) -> tuple[int, int, int]:
     """(R, E, epn) of a counts matrix; E must be a positive multiple of R."""
     R, E = T.shape
     if R < 1 or E < 1:
-        raise ValueError(f"tokens_per_expert must have at least one rank and one expert, got shape {(R, E)}")
+        raise ValueError(f"slots_per_expert must have at least one rank and one expert, got shape {(R, E)}")
     if E % R != 0:
         raise ValueError(f"number of experts E={E} must be a multiple of the number of ranks R={R} (E % R != 0)")
     return R, E, E // R
@@ -110,13 +111,17 @@ def topology_nodes(topology: Any, R: int) -> tuple[np.ndarray, int, int]:
     else:
         for attr in ("num_nodes", "ranks_per_node", "node_of"):
             if not hasattr(topology, attr):
-                raise ValueError(f"topology must be an int (ranks_per_node) or have num_nodes, ranks_per_node "
-                                 f"and node_of(rank); {type(topology).__name__} lacks {attr}")
+                raise ValueError(
+                    f"topology must be an int (ranks_per_node) or have num_nodes, ranks_per_node "
+                    f"and node_of(rank); {type(topology).__name__} lacks {attr}"
+                )
         num_nodes = positive_int(topology.num_nodes, "topology.num_nodes")
         rpn = positive_int(topology.ranks_per_node, "topology.ranks_per_node")
         if num_nodes * rpn != R:
-            raise ValueError(f"topology has {num_nodes} nodes x {rpn} ranks = {num_nodes * rpn} ranks, "
-                             f"but tokens_per_expert has R={R}")
+            raise ValueError(
+                f"topology has {num_nodes} nodes x {rpn} ranks = {num_nodes * rpn} ranks, "
+                f"but slots_per_expert has R={R}"
+            )
         node = np.array([int(topology.node_of(r)) for r in range(R)], dtype=np.int64)
         if node.min() < 0 or node.max() >= num_nodes:
             raise ValueError(f"topology.node_of returned a node outside [0, {num_nodes})")

@@ -12,6 +12,7 @@ Stages (names follow ``planner/README.md``):
   E. flows: which source's slots of each split expert go where, ``flows [F, 4]``, ``send_counts [R, R]``.
 Errors are reported through ``err [3]`` = (code, a, b) so that the caller raises a ValueError with context.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -24,11 +25,11 @@ __all__ = ["HAS_NUMBA", "plan_arrays"]
 
 # error codes written into err[0]
 OK = 0
-NEGATIVE = 1        # (r, e): a negative count
-CAPS_SUM = 2        # (sum caps, total)
-INFEASIBLE = 3      # (h, u): donor h cannot fill receiver u alone (caps too uneven)
+NEGATIVE = 1  # (r, e): a negative count
+CAPS_SUM = 2  # (sum caps, total)
+INFEASIBLE = 3  # (h, u): donor h cannot fill receiver u alone (caps too uneven)
 TOO_MANY_REPLICAS = 4  # (d, n): rank d needs n replica slots, more than slots_per_rank
-TOO_LARGE = 5      # (r, e): a count or a rank's rows do not fit the int32 plan tables
+TOO_LARGE = 5  # (r, e): a count or a rank's rows do not fit the int32 plan tables
 INT32_MAX = 2**31 - 1
 
 
@@ -164,8 +165,7 @@ def _pairing(bal, caps, node, num_nodes, state, donor, gift, err):
 
 
 @njit(cache=True)
-def _ordered_pairing(T, alloc, epn, bal, caps, node, num_nodes, weight_rows, donor, gift, err, gather_first,
-                     margin):
+def _ordered_pairing(T, alloc, epn, bal, caps, node, num_nodes, weight_rows, donor, gift, err, gather_first, margin):
     """Stage B with a topology, from the state after the sticky pass, its passes pricing a cross-node copy at
     ``weight_rows * (4 + margin) / 4``; returns the inter-node cost it leaves at ``weight_rows``."""
     decide = weight_rows + weight_rows * margin // 4
@@ -194,16 +194,18 @@ def _topology_pairing(T, alloc, epn, bal, caps, node, num_nodes, weight_rows, do
     """
     bal0, donor0, gift0, alloc0 = bal.copy(), donor.copy(), gift.copy(), alloc.copy()
     margin, gather_first = TOPOLOGY_CANDIDATES[0]  # the first candidate runs in place
-    best = _ordered_pairing(T, alloc, epn, bal, caps, node, num_nodes, weight_rows, donor, gift, err,
-                            gather_first, margin)
+    best = _ordered_pairing(
+        T, alloc, epn, bal, caps, node, num_nodes, weight_rows, donor, gift, err, gather_first, margin
+    )
     if err[0] != OK:
         best = -1
     for i in range(1, len(TOPOLOGY_CANDIDATES)):
         margin, gather_first = TOPOLOGY_CANDIDATES[i]
         bal2, donor2, gift2, alloc2 = bal0.copy(), donor0.copy(), gift0.copy(), alloc0.copy()
         err2 = np.zeros(3, np.int64)
-        cost = _ordered_pairing(T, alloc2, epn, bal2, caps, node, num_nodes, weight_rows, donor2, gift2, err2,
-                                gather_first, margin)
+        cost = _ordered_pairing(
+            T, alloc2, epn, bal2, caps, node, num_nodes, weight_rows, donor2, gift2, err2, gather_first, margin
+        )
         if err2[0] == OK and (best < 0 or cost < best):
             best = cost
             bal[:] = bal2
@@ -264,7 +266,7 @@ def _split(cnt, epn, donor, gift, prev_copy, alloc):
 
 
 @njit(cache=True)
-def _layout(alloc, epn, slots, tp, donor, prev_copy, err):
+def _layout(alloc, epn, slots, pad, donor, prev_copy, err):
     """Stage D. -> experts_to_copy [R, slots] (-1 = empty), cu_seqlens [R, epn + slots] (padded segment ends).
 
     Segments: rank d's epn own experts in id order, then its slots. Fresh plans fill slots in ascending expert
@@ -311,7 +313,7 @@ def _layout(alloc, epn, slots, tp, donor, prev_copy, err):
                 c = alloc[d * epn + g, d]
             elif copy[d, g - epn] >= 0:
                 c = alloc[copy[d, g - epn], d]
-            off += (c + tp - 1) // tp * tp
+            off += (c + pad - 1) // pad * pad
             cu[d, g] = off
     return copy, cu
 
@@ -428,7 +430,7 @@ def _caps(cnt, caps_in, R, err):
 
 
 @njit(cache=True)
-def plan_arrays(T, keep, alloc, send, caps_in, slots, tp, prev_donor, prev_copy, node, num_nodes, weight_rows):
+def plan_arrays(T, keep, alloc, send, caps_in, slots, pad, prev_donor, prev_copy, node, num_nodes, weight_rows):
     """All stages. T [R, E] int64; keep [R, E] int32 (filled with T's copy), alloc [E, R] int32 zeros and
     send [R, R] int64 are the output tables, allocated by the caller (numpy maps such large arrays with
     transparent huge pages; numba's allocator faults them in 4 KiB pages, 3-4x slower at R=1024, E=16384).
@@ -461,16 +463,18 @@ def plan_arrays(T, keep, alloc, send, caps_in, slots, tp, prev_donor, prev_copy,
     if num_nodes > 1 and err[0] == OK:
         _topology_pairing(T, alloc, epn, bal, caps, node, num_nodes, weight_rows, donor, gift, err)
     elif err[0] == OK:
-        _pairing(bal, caps, node, num_nodes, _topology.cross_state(T, alloc, epn, node, 0, weight_rows), donor,
-                 gift, err)
+        _pairing(
+            bal, caps, node, num_nodes, _topology.cross_state(T, alloc, epn, node, 0, weight_rows), donor, gift, err
+        )
     if err[0] != OK:
         return T, caps, alloc, donor, copy, cu, send, flows, err
     _split(cnt, epn, donor, gift, prev_copy, alloc)
-    copy, cu = _layout(alloc, epn, slots, tp, donor, prev_copy, err)
+    copy, cu = _layout(alloc, epn, slots, pad, donor, prev_copy, err)
     flows = _flows(T, alloc, cnt, epn, send, node, num_nodes)
     return T, caps, alloc, donor, copy, cu, send, flows, err
 
 
 # plan_arrays and _pairing contain _topology's compiled code, but numba's cache only watches this file
-refresh_cache(globals(), [__file__, _topology.__file__, _jit.__file__, _inputs.__file__],
-              "_kernel.sources.sha256")  # _inputs: TOPOLOGY_CANDIDATES is compiled in
+refresh_cache(
+    globals(), [__file__, _topology.__file__, _jit.__file__, _inputs.__file__], "_kernel.sources.sha256"
+)  # _inputs: TOPOLOGY_CANDIDATES is compiled in

@@ -15,9 +15,11 @@ node-local pairs (``_kernel``); ``concentrate`` again (a node's leftover deficit
 cross-node pairs ``cross_fill`` gives to the donor with the best gain. ``_kernel`` also runs them without the
 first ``concentrate``, and with it again pricing a copy at 1.25 ``weight_rows``, and keeps the plan with the
 lowest ``internode_cost``. Every step fills its receiver completely from one donor that holds enough own rows,
-the step of the proof in ``planner/README.md``, so exact balance holds unchanged. A cross-node pair's slots are handed over at once, chosen by ``hand_over`` (not
+the step of the proof in ``planner/README.md``, so exact balance holds unchanged. A cross-node pair's slots are
+handed over at once, chosen by ``hand_over`` (not
 stage C's order), and the receiver's gift is set to 0 so that stage C does not hand any over again.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -299,8 +301,12 @@ def cross_fill(u, bal, caps, state, donor, gift):
         if best >= 0 and bound[h] < best_gain:
             break  # bounds only decrease from here
         g = hand_over(h, u, q, state, False)
-        if best < 0 or g > best_gain or (g == best_gain and bal[h] > bal[best]) or (
-                g == best_gain and bal[h] == bal[best] and h < best):
+        if (
+            best < 0
+            or g > best_gain
+            or (g == best_gain and bal[h] > bal[best])
+            or (g == best_gain and bal[h] == bal[best] and h < best)
+        ):
             best = h
             best_gain = g
     if best < 0:

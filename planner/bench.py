@@ -3,6 +3,7 @@
 Every number is measured in the same run on the same loads; the JSON (stable keys) is the record, the
 printed tables are for people. Latency = median of many runs on one thread (numba kernels are serial).
 """
+
 from __future__ import annotations
 
 import os
@@ -12,6 +13,7 @@ from collections import deque
 from typing import Callable
 
 import numpy as np
+from tqdm import tqdm
 
 from . import _kernel
 from .core import plan
@@ -24,8 +26,9 @@ FULL_CASES = ((8, 256), (64, 896), (256, 4096), (1024, 16384))
 QUICK_CASES = ((8, 256), (64, 896))
 
 
-def median_us(fn: Callable[[], object], budget_s: float, min_runs: int = 5,
-              max_runs: int = 500) -> tuple[float, float, int]:
+def median_us(
+    fn: Callable[[], object], budget_s: float, min_runs: int = 5, max_runs: int = 500
+) -> tuple[float, float, int]:
     """(median, min microseconds, runs) of ``fn`` after one warm-up, running until budget_s or max_runs."""
     fn()
     times: list[float] = []
@@ -53,11 +56,23 @@ def latency_case(R: int, E: int, K: int, S: int, skew: float, seed: int, quick: 
     eplb_us, eplb_min, eplb_runs = median_us(eplb, 0.3 if quick else 3.0, min_runs=1 if quick else 3, max_runs=50)
     phy2log, _, logcnt = eplb()
     loads = gpu_loads(load, phy2log, logcnt, R)[0]
-    return {"R": R, "E": E, "K": K, "S": S, "plan_us": round(plan_us, 2), "eplb_us": round(eplb_us, 2),
-            "speedup_vs_eplb": round(eplb_us / plan_us, 2), "balance": balance(p),
-            "eplb_balance": round(float(loads.max() / loads.mean()), 6), "replicas": p.num_replicas,
-            "migrated_rows": p.migrated, "plan_us_min": round(plan_min, 2), "eplb_us_min": round(eplb_min, 2),
-            "plan_runs": plan_runs, "eplb_runs": eplb_runs}
+    return {
+        "R": R,
+        "E": E,
+        "K": K,
+        "S": S,
+        "plan_us": round(plan_us, 2),
+        "eplb_us": round(eplb_us, 2),
+        "speedup_vs_eplb": round(eplb_us / plan_us, 2),
+        "balance": balance(p),
+        "eplb_balance": round(float(loads.max() / loads.mean()), 6),
+        "replicas": p.num_replicas,
+        "migrated_rows": p.migrated,
+        "plan_us_min": round(plan_min, 2),
+        "eplb_us_min": round(eplb_min, 2),
+        "plan_runs": plan_runs,
+        "eplb_runs": eplb_runs,
+    }
 
 
 def sticky_section(quick: bool, seed: int) -> dict:
@@ -75,11 +90,21 @@ def sticky_section(quick: bool, seed: int) -> dict:
         replicas_plain += p.num_replicas
         replicas_sticky += s.num_replicas
         plain, sticky = p, s
-    return {"R": R, "E": E, "K": K, "S": S, "steps": steps, "skew": 1.2, "drift": 0.05,
-            "copies_per_step_plain": copies_plain / steps, "copies_per_step_sticky": copies_sticky / steps,
-            "copies_ratio": round(copies_sticky / max(copies_plain, 1), 4),
-            "replicas_per_step_plain": replicas_plain / steps, "replicas_per_step_sticky": replicas_sticky / steps,
-            "balance": worst_balance}
+    return {
+        "R": R,
+        "E": E,
+        "K": K,
+        "S": S,
+        "steps": steps,
+        "skew": 1.2,
+        "drift": 0.05,
+        "copies_per_step_plain": copies_plain / steps,
+        "copies_per_step_sticky": copies_sticky / steps,
+        "copies_ratio": round(copies_sticky / max(copies_plain, 1), 4),
+        "replicas_per_step_plain": replicas_plain / steps,
+        "replicas_per_step_sticky": replicas_sticky / steps,
+        "balance": worst_balance,
+    }
 
 
 def topology_grid(quick: bool) -> list[tuple[str, int, int, int, int]]:
@@ -91,8 +116,9 @@ def topology_grid(quick: bool) -> list[tuple[str, int, int, int, int]]:
     return rows + [("router", 64, 896, 16, S) for S in (256, 1024, 4096)]
 
 
-def topology_section(quick: bool, seed: int, timed: bool = True,
-                     grid: list[tuple[str, int, int, int, int]] | None = None) -> list[dict]:
+def topology_section(
+    quick: bool, seed: int, timed: bool = True, grid: list[tuple[str, int, int, int, int]] | None = None
+) -> list[dict]:
     """Inter-node routed rows and replica weights: plain plan vs topology-aware plan, skewed loads.
 
     ``bytes_ratio_bound``: ``metrics.internode_bound`` over the same loads, as a ratio of the plain plan's
@@ -111,8 +137,13 @@ def topology_section(quick: bool, seed: int, timed: bool = True,
             verify(q, T, routes=False)
             worst = max(worst, balance(q))
             a, b = internode(p, node), internode(q, node)
-            acc += [a["routed_rows"], b["routed_rows"], a["weight_copies"], b["weight_copies"],
-                    internode_bound(T, node, weight_rows=EXPERT_BYTES // ROW_BYTES)]
+            acc += [
+                a["routed_rows"],
+                b["routed_rows"],
+                a["weight_copies"],
+                b["weight_copies"],
+                internode_bound(T, node, weight_rows=EXPERT_BYTES // ROW_BYTES),
+            ]
         bytes_plain = int(acc[0]) * ROW_BYTES + int(acc[2]) * EXPERT_BYTES
         bytes_topo = int(acc[1]) * ROW_BYTES + int(acc[3]) * EXPERT_BYTES
         plain_us = topo_us = None
@@ -120,53 +151,85 @@ def topology_section(quick: bool, seed: int, timed: bool = True,
             budget = 0.05 if quick else 0.3
             plain_us = round(median_us(lambda T=T: plan(T), budget)[0], 1)
             topo_us = round(median_us(lambda T=T: plan(T, topology=rpn), budget)[0], 1)
-        rows.append({"load": load, "R": R, "nodes": R // rpn, "E": E, "K": K, "S": S, "skew": 1.2,
-                     "routed_rows_plain": int(acc[0]), "routed_rows_topology": int(acc[1]),
-                     "weight_copies_plain": int(acc[2]), "weight_copies_topology": int(acc[3]),
-                     "routed_ratio": round(acc[1] / max(acc[0], 1), 4),
-                     "weight_ratio": round(acc[3] / max(acc[2], 1), 4),
-                     "bytes_ratio": round(bytes_topo / max(bytes_plain, 1), 4),
-                     "bytes_ratio_bound": round(int(acc[4]) * ROW_BYTES / max(bytes_plain, 1), 4),
-                     "plan_us_plain": plain_us, "plan_us_topology": topo_us,
-                     "balance": worst})
+        rows.append(
+            {
+                "load": load,
+                "R": R,
+                "nodes": R // rpn,
+                "E": E,
+                "K": K,
+                "S": S,
+                "skew": 1.2,
+                "routed_rows_plain": int(acc[0]),
+                "routed_rows_topology": int(acc[1]),
+                "weight_copies_plain": int(acc[2]),
+                "weight_copies_topology": int(acc[3]),
+                "routed_ratio": round(acc[1] / max(acc[0], 1), 4),
+                "weight_ratio": round(acc[3] / max(acc[2], 1), 4),
+                "bytes_ratio": round(bytes_topo / max(bytes_plain, 1), 4),
+                "bytes_ratio_bound": round(int(acc[4]) * ROW_BYTES / max(bytes_plain, 1), 4),
+                "plan_us_plain": plain_us,
+                "plan_us_topology": topo_us,
+                "balance": worst,
+            }
+        )
     return rows
 
 
-def run(quick: bool = False, seed: int = 0, K: int = 16, S: int = 4096, skew: float = 1.2,
-        progress: bool = True) -> dict:
+def run(
+    quick: bool = False, seed: int = 0, K: int = 16, S: int = 4096, skew: float = 1.2, progress: bool = True
+) -> dict:
     """The whole benchmark as one JSON-ready dict (see planner/README.md for the fields)."""
     cases = QUICK_CASES if quick else FULL_CASES
     S = 256 if quick else S
     iterator = cases
     if progress and not quick:
-        from tqdm import tqdm
-
         iterator = tqdm(cases, desc="planner bench", unit="case")
     results = [latency_case(R, E, K, S, skew, seed, quick) for R, E in iterator]
-    return {"benchmark": "planner", "quick": quick, "seed": seed, "load": f"zipf:{skew}",
-            "cases": results, "sticky": sticky_section(quick, seed), "topology": topology_section(quick, seed),
-            "bytes_model": {"row_bytes": ROW_BYTES, "expert_bytes": EXPERT_BYTES},
-            "environment": {"python": platform.python_version(), "numpy": np.__version__,
-                            "numba": _kernel.HAS_NUMBA, "cpus": os.cpu_count(), "machine": platform.machine(),
-                            "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None}}
+    return {
+        "benchmark": "planner",
+        "quick": quick,
+        "seed": seed,
+        "load": f"zipf:{skew}",
+        "cases": results,
+        "sticky": sticky_section(quick, seed),
+        "topology": topology_section(quick, seed),
+        "bytes_model": {"row_bytes": ROW_BYTES, "expert_bytes": EXPERT_BYTES},
+        "environment": {
+            "python": platform.python_version(),
+            "numpy": np.__version__,
+            "numba": _kernel.HAS_NUMBA,
+            "cpus": os.cpu_count(),
+            "machine": platform.machine(),
+            "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        },
+    }
 
 
 def format_report(result: dict) -> str:
     """Human tables for a bench result."""
-    lines = [f"{'R':>5} {'E':>6} {'plan us':>10} {'eplb us':>12} {'x faster':>9} {'balance':>8} "
-             f"{'eplb bal':>9} {'replicas':>8}"]
+    lines = [
+        f"{'R':>5} {'E':>6} {'plan us':>10} {'eplb us':>12} {'x faster':>9} {'balance':>8} "
+        f"{'eplb bal':>9} {'replicas':>8}"
+    ]
     for c in result["cases"]:
-        lines.append(f"{c['R']:>5} {c['E']:>6} {c['plan_us']:>10.1f} {c['eplb_us']:>12.1f} "
-                     f"{c['speedup_vs_eplb']:>9.1f} {c['balance']:>8.4f} {c['eplb_balance']:>9.4f} "
-                     f"{c['replicas']:>8}")
+        lines.append(
+            f"{c['R']:>5} {c['E']:>6} {c['plan_us']:>10.1f} {c['eplb_us']:>12.1f} "
+            f"{c['speedup_vs_eplb']:>9.1f} {c['balance']:>8.4f} {c['eplb_balance']:>9.4f} "
+            f"{c['replicas']:>8}"
+        )
     s = result["sticky"]
-    lines.append(f"sticky (R={s['R']}, E={s['E']}, {s['steps']} drifting steps): copies/step plain "
-                 f"{s['copies_per_step_plain']:.1f}, sticky {s['copies_per_step_sticky']:.1f} "
-                 f"-> ratio {s['copies_ratio']:.3f} (goal <= 0.5), balance {s['balance']:.4f}")
+    lines.append(
+        f"sticky (R={s['R']}, E={s['E']}, {s['steps']} drifting steps): copies/step plain "
+        f"{s['copies_per_step_plain']:.1f}, sticky {s['copies_per_step_sticky']:.1f} "
+        f"-> ratio {s['copies_ratio']:.3f} (goal <= 0.5), balance {s['balance']:.4f}"
+    )
     for t in result["topology"]:
-        lines.append(f"topology ({t['load']}, R={t['R']}, {t['nodes']} nodes, E={t['E']}, K={t['K']}, S={t['S']}): "
-                     f"inter-node routed rows x"
-                     f"{t['routed_ratio']:.3f}, weight copies x{t['weight_ratio']:.3f}, bytes x"
-                     f"{t['bytes_ratio']:.3f} (goal <= 0.7; no plan below x{t['bytes_ratio_bound']:.3f}), "
-                     f"balance {t['balance']:.4f}, plan {t['plan_us_plain']:.0f} / {t['plan_us_topology']:.0f} us")
+        lines.append(
+            f"topology ({t['load']}, R={t['R']}, {t['nodes']} nodes, E={t['E']}, K={t['K']}, S={t['S']}): "
+            f"inter-node routed rows x"
+            f"{t['routed_ratio']:.3f}, weight copies x{t['weight_ratio']:.3f}, bytes x"
+            f"{t['bytes_ratio']:.3f} (goal <= 0.7; no plan below x{t['bytes_ratio_bound']:.3f}), "
+            f"balance {t['balance']:.4f}, plan {t['plan_us_plain']:.0f} / {t['plan_us_topology']:.0f} us"
+        )
     return "\n".join(lines)

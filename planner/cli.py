@@ -4,11 +4,17 @@
     moonep plan --load counts.json --nodes 2
     moonep bench planner --json out.json [--quick]
 
-Only argparse is imported at module level (``moonep --help`` stays fast); handlers import the rest.
+Only argparse and ``moonep_base`` (standard library) are imported at module level (``moonep --help`` stays fast);
+handlers import the rest.
 """
+
 from __future__ import annotations
 
 import argparse
+import json
+import sys
+
+from moonep_base import write_json
 
 
 def register(commands, bench) -> None:
@@ -19,9 +25,12 @@ def register(commands, bench) -> None:
     p.add_argument("--topk", type=int, default=8, help="experts per token K (synthetic load)")
     p.add_argument("--tokens", type=int, default=4096, help="tokens per rank S (synthetic load)")
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--load", help="JSON file: [R, E] counts, or {\"tokens_per_expert\": [R, E]}")
-    src.add_argument("--synthetic", help="zipf:SKEW (slot counts) or router:SKEW (counts of top-k lists, K distinct "
-                     "experts per token), e.g. router:1.2; hot experts shared by all ranks")
+    src.add_argument("--load", help='JSON file: [R, E] counts, or {"slots_per_expert": [R, E]}')
+    src.add_argument(
+        "--synthetic",
+        help="zipf:SKEW (slot counts) or router:SKEW (counts of top-k lists, K distinct "
+        "experts per token), e.g. router:1.2; hot experts shared by all ranks",
+    )
     p.add_argument("--nodes", type=int, help="split the ranks into this many nodes: topology-aware plan")
     p.add_argument("--token-padding", type=int, default=1, help="pad segments to this many rows")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic load")
@@ -36,33 +45,17 @@ def register(commands, bench) -> None:
     b.set_defaults(func=bench_command)
 
 
-def _write_json(path: str, obj) -> None:
-    """Atomic JSON write (temp file + rename)."""
-    import json
-    import os
-
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2)
-        f.write("\n")
-    os.replace(tmp, path)
-
-
 def _load_counts(args):
     """[R, E] counts from --load or --synthetic; ValueError with the reason otherwise."""
-    import json
+    import numpy as np  # heavy: numpy; --help stays light
 
-    import numpy as np
-
-    from .synthetic import synthetic_counts
+    from .synthetic import synthetic_counts  # heavy: numba kernels
 
     if args.load:
         with open(args.load) as f:
             data = json.load(f)
-        if isinstance(data, dict):
-            data = data.get("tokens_per_expert")
+        if isinstance(data, dict):  # files written before the rename say "tokens_per_expert"
+            data = data.get("slots_per_expert", data.get("tokens_per_expert"))
         T = np.asarray(data)
         if T.ndim != 2:
             raise ValueError(f"{args.load}: expected an [R, E] list of lists, got shape {T.shape}")
@@ -77,12 +70,10 @@ def _load_counts(args):
 
 def plan_command(args: argparse.Namespace) -> int:
     """Plan, print a per-rank table, optionally write JSON and a bar chart. Exit code 0, 2 on bad input."""
-    import sys
+    import numpy as np  # heavy: numpy; --help stays light
 
-    import numpy as np
-
-    from .core import plan
-    from .metrics import balance, home_loads, internode, min_migration, unplanned_internode_rows
+    from .core import plan  # heavy: numba kernels
+    from .metrics import balance, home_loads, internode, min_migration, unplanned_internode_rows  # heavy: numba kernels
 
     try:
         T = _load_counts(args)
@@ -102,21 +93,35 @@ def plan_command(args: argparse.Namespace) -> int:
     for r in range(R):
         print(f"{r:>5} {int(before[r]):>10} {int(p.recv_counts[r]):>10} {int(p.donor[r]):>6}  {replicas[r]}")
     mean = before.mean() if before.mean() > 0 else 1.0
-    result = {"R": R, "E": p.num_experts, "total_rows": int(T.sum()),
-              "before": before.tolist(), "after": p.recv_counts.tolist(), "donor": p.donor.tolist(),
-              "replicas": replicas, "num_replicas": p.num_replicas, "migrated_rows": p.migrated,
-              "balance_before": float(before.max() / mean), "balance_after": balance(p)}
+    result = {
+        "R": R,
+        "E": p.num_experts,
+        "total_rows": int(T.sum()),
+        "before": before.tolist(),
+        "after": p.recv_counts.tolist(),
+        "donor": p.donor.tolist(),
+        "replicas": replicas,
+        "num_replicas": p.num_replicas,
+        "migrated_rows": p.migrated,
+        "balance_before": float(before.max() / mean),
+        "balance_after": balance(p),
+    }
     if R <= 256:
         result["min_migration"] = min_migration(T)
     if topology:
         node = np.arange(R) // topology
-        result["internode"] = {"unplanned_routed_rows": unplanned_internode_rows(T, node),
-                               "topology_plan": internode(p, node), "plain_plan": internode(plan(T), node)}
-    print(f"balance max/mean: before {result['balance_before']:.3f}, after {result['balance_after']:.3f}; "
-          f"replicas {p.num_replicas}; migrated rows {p.migrated}"
-          + (f" (flow minimum {result['min_migration']})" if "min_migration" in result else ""))
+        result["internode"] = {
+            "unplanned_routed_rows": unplanned_internode_rows(T, node),
+            "topology_plan": internode(p, node),
+            "plain_plan": internode(plan(T), node),
+        }
+    print(
+        f"balance max/mean: before {result['balance_before']:.3f}, after {result['balance_after']:.3f}; "
+        f"replicas {p.num_replicas}; migrated rows {p.migrated}"
+        + (f" (flow minimum {result['min_migration']})" if "min_migration" in result else "")
+    )
     if args.json:
-        _write_json(args.json, result)
+        write_json(args.json, result)
     if args.plot:
         _plot(args.plot, before, p.recv_counts)
     return 0
@@ -124,9 +129,9 @@ def plan_command(args: argparse.Namespace) -> int:
 
 def _plot(path: str, before, after) -> None:
     """Before/after rows per rank as grouped bars (matplotlib object API, no global state)."""
-    import numpy as np
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+    import numpy as np  # heavy: numpy
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # heavy: matplotlib
+    from matplotlib.figure import Figure  # heavy: matplotlib
 
     R = len(before)
     fig = Figure(figsize=(max(6.0, 0.25 * R), 3.5))
@@ -144,10 +149,10 @@ def _plot(path: str, before, after) -> None:
 
 def bench_command(args: argparse.Namespace) -> int:
     """Run the planner benchmark, print tables, write JSON."""
-    from .bench import format_report, run
+    from .bench import format_report, run  # heavy: numba kernels
 
     result = run(quick=args.quick, seed=args.seed)
     print(format_report(result))
     if args.json:
-        _write_json(args.json, result)
+        write_json(args.json, result)
     return 0

@@ -1,155 +1,36 @@
-"""``plan``: the perfectly balanced expert-parallel plan, and the ``Plan`` it returns.
+"""``plan``: the perfectly balanced expert-parallel plan of one MoE layer's step.
 
 Axes: ``R`` ranks, ``E`` experts, ``epn = E / R`` experts owned per rank (rank r owns experts
 ``[r*epn, (r+1)*epn)``), ``K`` top-k, ``s`` tokens on one rank. The theorem, its assumptions and its proof are in
-``planner/README.md``; ``planner.verify`` re-checks every guarantee of a plan independently.
+``planner/README.md``; ``planner.verify`` re-checks every guarantee of a plan independently. Numpy counts give a
+``Plan`` (``planner.tables``), tensor counts a ``TensorPlan`` on their device (``planner.device``).
 """
+
 from __future__ import annotations
 
-from dataclasses import dataclass
-from functools import cached_property
 from typing import Any
 
 import numpy as np
 
 from . import _kernel
-from ._inputs import as_counts, check_shape, is_tensor, positive_int, to_numpy, topology_nodes
+from ._inputs import as_counts, check_shape, is_tensor, positive_int, topology_nodes
+from .device import plan_tensor
+from .tables import Plan, make_plan, raise_error
 
 
-@dataclass(frozen=True, eq=False)
-class Plan:
-    """Where every routed (token, expert) slot is computed, for one MoE layer and one step.
-
-    Arrays are read-only; ``tokens_per_expert`` and ``alloc`` are int32 (their entries are bounded by one
-    rank's rows, < 2**31; halving the two [R, E]-sized tables halves the planner's memory traffic), the rest
-    int64. A plan is a pure function of its inputs: same counts, caps and options give the same plan.
-    """
-
-    tokens_per_expert: np.ndarray
-    """[R, E] the input counts: row r = rank r's routed slots per expert."""
-    caps: np.ndarray
-    """[R] rows each rank must compute (sums to the total routed slots)."""
-    alloc: np.ndarray
-    """[E, R] routed slots of expert e computed on rank d; row sums = per-expert load, column sums = caps."""
-    donor: np.ndarray
-    """[R] the one home rank whose experts rank d computes as replicas; -1 = none."""
-    experts_to_copy: np.ndarray
-    """[R, slots] expert id held in replica slot b of rank d; -1 = empty slot."""
-    recv_counts: np.ndarray
-    """[R] real rows rank d receives (= caps[d])."""
-    send_counts: np.ndarray
-    """[R_src, R_dst] rows rank r sends to rank d (a rank's rows to itself included)."""
-    cu_seqlens: np.ndarray
-    """[R, epn + slots] cumulative padded segment ends; segments = own experts in id order, then slots."""
-    flows: np.ndarray
-    """[F, 4] rows (expert, src, dst, count) of every split expert, sorted; unsplit experts stay home."""
-    token_padding: int
-    """every non-empty segment is padded up to a multiple of this many rows."""
-    capacity: int
-    """static rows per rank that hold any plan of this geometry: align_up(max caps + (tp-1)*(epn+slots), tp)."""
-
-    @property
-    def num_ranks(self) -> int:
-        """R."""
-        return int(self.alloc.shape[1])
-
-    @property
-    def num_experts(self) -> int:
-        """E."""
-        return int(self.alloc.shape[0])
-
-    @property
-    def experts_per_rank(self) -> int:
-        """epn = E / R."""
-        return self.num_experts // self.num_ranks
-
-    @property
-    def slots_per_rank(self) -> int:
-        """replica slots per rank."""
-        return int(self.experts_to_copy.shape[1])
-
-    @property
-    def num_replicas(self) -> int:
-        """Expert copies this plan needs (occupied replica slots over all ranks)."""
-        return int((self.experts_to_copy >= 0).sum())
-
-    @property
-    def migrated(self) -> int:
-        """Routed slots computed away from their expert's home rank."""
-        home = np.arange(self.num_experts) // self.experts_per_rank
-        return int(self.alloc.sum() - self.alloc[np.arange(self.num_experts), home].sum())
-
-    @cached_property
-    def _pieces(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """Sorted contiguous pieces of the global slot sequence: (end, start, dest, first dest row).
-
-        The sequence concatenates experts; expert e's slots are ordered by source rank, then by appearance in
-        the source's top-k. An unsplit expert is one piece; a split expert has one piece per flow.
-        """
-        T, E, R, epn = self.tokens_per_expert, self.num_experts, self.num_ranks, self.experts_per_rank
-        cnt = self.alloc.sum(1)
-        base = np.concatenate(([0], np.cumsum(cnt)))[:-1]
-        seg_start = np.concatenate((np.zeros((R, 1), np.int64), self.cu_seqlens[:, :-1]), axis=1)
-        e, r, d, c = self.flows.T
-        split, col = np.unique(e, return_inverse=True)
-        cols = T[:, split]
-        src_before = (np.cumsum(cols, axis=0) - cols)[r, col]  # slots of e on ranks below r
-        block = e * R + r
-        first = np.searchsorted(block, block)  # flows are sorted by (e, r, d): first flow of each (e, r)
-        within = np.cumsum(c) - c
-        start = base[e] + src_before + within - within[first]
-        by_dest = np.lexsort((r, d, e))  # row inside the destination segment: earlier sources first
-        cd = c[by_dest]
-        key = (e * R + d)[by_dest]
-        before = np.cumsum(cd) - cd
-        row_in = np.empty_like(c)
-        row_in[by_dest] = before - before[np.searchsorted(key, key)]
-        own = e // epn == d
-        slot = np.argmax(self.experts_to_copy[d] == e[:, None], axis=1) if self.slots_per_rank else 0
-        row0 = seg_start[d, np.where(own, e - d * epn, epn + slot)] + row_in
-        whole = np.ones(E, bool)
-        whole[e] = False  # experts without flows are one piece at home
-        we = np.nonzero(whole)[0]
-        starts = np.concatenate((base[we], start))
-        order = np.argsort(starts, kind="stable")
-        ends = np.concatenate((base[we] + cnt[we], start + c))[order]
-        dests = np.concatenate((we // epn, d))[order]
-        rows0 = np.concatenate((seg_start[we // epn, we % epn], row0))[order]
-        return ends, starts[order], dests, rows0
-
-    def route(self, rank: int, topk_idx: Any) -> tuple[np.ndarray, np.ndarray]:
-        """Destination of every routed slot of source ``rank``.
-
-        topk_idx: [s, K] expert ids of the rank's tokens (token-major; duplicates allowed); its histogram must
-        equal ``tokens_per_expert[rank]``. Returns (dest_rank [s, K], dest_row [s, K]): the row indexes the
-        destination's [capacity] receive rows. Pure; O(rank*E + s*K*log) per call.
-        """
-        R, E = self.num_ranks, self.num_experts
-        if not 0 <= int(rank) < R:
-            raise ValueError(f"rank must be in [0, {R}), got {rank}")
-        idx = to_numpy(topk_idx)
-        flat = np.asarray(idx, dtype=np.int64).reshape(-1)
-        if flat.size and (flat.min() < 0 or flat.max() >= E):
-            raise ValueError(f"topk_idx holds expert ids outside [0, {E})")
-        counts = self.tokens_per_expert[rank]
-        if not np.array_equal(np.bincount(flat, minlength=E), counts):
-            raise ValueError(f"topk_idx histogram does not match tokens_per_expert[{rank}]")
-        order = np.argsort(flat, kind="stable")
-        occurrence = np.empty_like(flat)
-        occurrence[order] = np.arange(flat.size) - (np.cumsum(counts) - counts)[flat[order]]
-        base = np.concatenate(([0], np.cumsum(self.alloc.sum(1))))
-        key = base[flat] + self.tokens_per_expert[:rank].sum(0)[flat] + occurrence
-        end, start, dest, row0 = self._pieces
-        piece = np.searchsorted(end, key, side="right")
-        shape = np.shape(idx)
-        return dest[piece].reshape(shape), (row0[piece] + key - start[piece]).reshape(shape)
-
-
-def plan(tokens_per_expert: Any, *, caps: Any = None, slots_per_rank: int | None = None, token_padding: int = 1,
-         previous: Plan | None = None, topology: Any = None, defer_errors: bool = False) -> Plan:
+def plan(
+    slots_per_expert: Any,
+    *,
+    caps: Any = None,
+    slots_per_rank: int | None = None,
+    token_padding: int = 1,
+    previous: Plan | None = None,
+    topology: Any = None,
+    defer_errors: bool = False,
+) -> Plan:
     """Plan one MoE layer's step so that every rank computes exactly ``caps[r]`` routed rows.
 
-    tokens_per_expert: [R, E] non-negative integer counts (numpy or a list: a ``Plan``; a torch integer tensor
+    slots_per_expert: [R, E] non-negative integer counts (numpy or a list: a ``Plan``; a torch integer tensor
         on any device: a ``planner.device.TensorPlan`` on that device, made without a host copy — on CUDA by
         the numba-cuda kernel); E % R == 0.
     caps: [R] rows per rank summing to the total; default floor/ceil of total / R (first total % R ranks +1).
@@ -168,13 +49,12 @@ def plan(tokens_per_expert: Any, *, caps: Any = None, slots_per_rank: int | None
     defer_errors: tensor counts only: leave an invalid plan's error in ``TensorPlan.err`` instead of raising
         (raising reads the device; a caller that reads the plan's tables anyway checks ``err`` in that read).
     """
-    if is_tensor(tokens_per_expert):
-        return _plan_tensor(tokens_per_expert, caps, slots_per_rank, token_padding, previous, topology,
-                            defer_errors)
-    T = as_counts(tokens_per_expert, "tokens_per_expert", 2, check_sign=False)  # the kernel checks signs
+    if is_tensor(slots_per_expert):
+        return _plan_tensor(slots_per_expert, caps, slots_per_rank, token_padding, previous, topology, defer_errors)
+    T = as_counts(slots_per_expert, "slots_per_expert", 2, check_sign=False)  # the kernel checks signs
     R, E, epn = check_shape(T)
     slots = epn if slots_per_rank is None else positive_int(slots_per_rank, "slots_per_rank")
-    tp = positive_int(token_padding, "token_padding")
+    pad = positive_int(token_padding, "token_padding")
     caps_in = np.zeros(0, np.int64) if caps is None else as_counts(caps, "caps", 1)
     if caps_in.size and caps_in.shape[0] != R:
         raise ValueError(f"caps must have shape [R]=[{R}], got {tuple(caps_in.shape)}")
@@ -183,32 +63,33 @@ def plan(tokens_per_expert: Any, *, caps: Any = None, slots_per_rank: int | None
         if not isinstance(previous, Plan):
             raise ValueError(f"previous must be a Plan, got {type(previous).__name__}")
         if previous.alloc.shape != (E, R) or previous.slots_per_rank != slots:
-            raise ValueError(f"previous plan has shape E={previous.num_experts}, R={previous.num_ranks}, "
-                             f"slots={previous.slots_per_rank}; this plan needs E={E}, R={R}, slots={slots}")
+            raise ValueError(
+                f"previous plan has shape E={previous.num_experts}, R={previous.num_ranks}, "
+                f"slots={previous.slots_per_rank}; this plan needs E={E}, R={R}, slots={slots}"
+            )
         prev_donor, prev_copy = previous.donor, previous.experts_to_copy
     node, num_nodes, weight_rows = np.zeros(0, np.int64), 0, 0
     if topology is not None:
         node, num_nodes, weight_rows = topology_nodes(topology, R)
     # the three large tables come from numpy: it maps big arrays with huge pages (far fewer page faults)
     keep, alloc, send = np.empty((R, E), np.int32), np.zeros((E, R), np.int32), np.zeros((R, R), np.int64)
-    out = _kernel.plan_arrays(T, keep, alloc, send, caps_in, slots, tp, prev_donor, prev_copy, node, num_nodes,
-                              weight_rows)
+    out = _kernel.plan_arrays(
+        T, keep, alloc, send, caps_in, slots, pad, prev_donor, prev_copy, node, num_nodes, weight_rows
+    )
     counts, caps_out, alloc, donor, copy, cu, send, flows, err = out  # counts: the kernel's copy of T
     raise_error(err, slots)
-    return make_plan(counts, caps_out, alloc, donor, copy, send, cu, flows, tp, epn)
+    return make_plan(counts, caps_out, alloc, donor, copy, send, cu, flows, pad, epn)
 
 
 def _plan_tensor(T, caps, slots_per_rank, token_padding, previous, topology, defer_errors):
     """``plan`` for tensor counts: checks that need no tensor data here, the rest in the kernel's ``err``."""
-    from .device import plan_tensor
-
     if T.dim() != 2:
-        raise ValueError(f"tokens_per_expert must be 2-D [R, E], got shape {tuple(T.shape)}")
+        raise ValueError(f"slots_per_expert must be 2-D [R, E], got shape {tuple(T.shape)}")
     if T.dtype.is_floating_point or T.dtype.is_complex or str(T.dtype) == "torch.bool":
-        raise ValueError(f"tokens_per_expert as a tensor must hold integer counts, got dtype {T.dtype}")
+        raise ValueError(f"slots_per_expert as a tensor must hold integer counts, got dtype {T.dtype}")
     R, E, epn = check_shape(np.empty(tuple(T.shape), np.int8))
     slots = epn if slots_per_rank is None else positive_int(slots_per_rank, "slots_per_rank")
-    tp = positive_int(token_padding, "token_padding")
+    pad = positive_int(token_padding, "token_padding")
     if topology is not None:
         raise ValueError("topology-aware plans run on the host planner: pass the counts as a numpy array")
     if caps is not None:
@@ -216,33 +97,11 @@ def _plan_tensor(T, caps, slots_per_rank, token_padding, previous, topology, def
         if caps.shape[0] != R:
             raise ValueError(f"caps must have shape [R]=[{R}], got {tuple(caps.shape)}")
     if previous is not None and (tuple(previous.alloc.shape) != (E, R) or previous.slots_per_rank != slots):
-        raise ValueError(f"previous plan has shape E={previous.num_experts}, R={previous.num_ranks}, "
-                         f"slots={previous.slots_per_rank}; this plan needs E={E}, R={R}, slots={slots}")
-    return plan_tensor(T, caps, slots, tp, previous, defer_errors)
+        raise ValueError(
+            f"previous plan has shape E={previous.num_experts}, R={previous.num_ranks}, "
+            f"slots={previous.slots_per_rank}; this plan needs E={E}, R={R}, slots={slots}"
+        )
+    return plan_tensor(T, caps, slots, pad, previous, defer_errors)
 
 
-def raise_error(err: np.ndarray, slots: int) -> None:
-    """Turn the kernel's error triple into a ValueError that names the problem."""
-    code, a, b = (int(v) for v in err)
-    if code == _kernel.NEGATIVE:
-        raise ValueError(f"tokens_per_expert must be non-negative, got a negative count at ({a}, {b})")
-    if code == _kernel.CAPS_SUM:
-        raise ValueError(f"caps must sum to the total routed slots: sum(caps)={a}, total={b}")
-    if code == _kernel.INFEASIBLE:
-        raise ValueError(f"caps are too uneven for a one-donor plan: receiver rank {b} needs more rows than "
-                         f"its donor rank {a} holds (the guarantee needs max(caps) - min(caps) <= 1)")
-    if code == _kernel.TOO_LARGE:
-        raise ValueError(f"counts too large for int32 plan tables (count or caps >= 2**31) at ({a}, {b})")
-    if code == _kernel.TOO_MANY_REPLICAS:
-        raise ValueError(f"rank {a} needs {b} replica slots but slots_per_rank={slots}")
-
-
-def make_plan(T, caps, alloc, donor, copy, send, cu, flows, tp: int, epn: int, freeze: bool = True) -> Plan:
-    """The kernel's arrays as a Plan (no copies), frozen read-only unless ``freeze=False`` (the tensor path
-    wraps the same arrays as tensors, which must stay writable)."""
-    arrays = [T, caps, alloc, donor, copy, caps.copy(), send, cu, flows]
-    for a in arrays if freeze else ():
-        a.setflags(write=False)
-    slots = copy.shape[1]
-    capacity = -(-(int(caps.max()) + (tp - 1) * (epn + slots)) // tp) * tp
-    return Plan(*arrays, token_padding=tp, capacity=capacity)
+__all__ = ["Plan", "plan"]

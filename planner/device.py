@@ -12,6 +12,7 @@ by default until read: ``plan(..., defer_errors=True)`` keeps them in ``err`` [3
 can fold them into the one host read it makes anyway (``raise_error(err.tolist(), slots)`` raises the same
 ValueError as the numpy path). Topology-aware plans run on the host planner only (numpy counts).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
@@ -20,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from . import _kernel
+from .tables import make_plan, raise_error
 
 INT64_MAX = 2**63 - 1
 OVERFLOW = 6
@@ -34,7 +36,7 @@ GPU_THREADS = 256
 class TensorPlan:
     """The fields of ``planner.Plan`` as tensors on one device, with static shapes (see the module docstring)."""
 
-    tokens_per_expert: Any
+    slots_per_expert: Any
     """[R, E] int32 the input counts."""
     caps: Any
     """[R] int64 rows each rank computes."""
@@ -56,7 +58,7 @@ class TensorPlan:
     totals: Any
     """[2] int64 real rows of flows and of pieces."""
     err: Any
-    """[3] int64 (code, a, b); code 0 = a valid plan (``planner.core.raise_error`` names the others)."""
+    """[3] int64 (code, a, b); code 0 = a valid plan (``planner.tables.raise_error`` names the others)."""
     token_padding: int
     """every non-empty segment is padded up to a multiple of this many rows."""
 
@@ -101,15 +103,25 @@ class TensorPlan:
 
     def to_plan(self):
         """The same plan as a numpy ``planner.Plan`` (copies every table to the host; for tests and tools)."""
-        from .core import make_plan
-
         self.raise_if_invalid()
         nf = int(self.totals[0])
-        host = {f.name: getattr(self, f.name).cpu().numpy().copy() for f in fields(self)
-                if f.name not in ("token_padding", "pieces", "totals", "err")}
-        return make_plan(host["tokens_per_expert"], host["caps"], host["alloc"], host["donor"],
-                         host["experts_to_copy"], host["send_counts"], host["cu_seqlens"], host["flows"][:nf],
-                         self.token_padding, self.experts_per_rank)
+        host = {
+            f.name: getattr(self, f.name).cpu().numpy().copy()
+            for f in fields(self)
+            if f.name not in ("token_padding", "pieces", "totals", "err")
+        }
+        return make_plan(
+            host["slots_per_expert"],
+            host["caps"],
+            host["alloc"],
+            host["donor"],
+            host["experts_to_copy"],
+            host["send_counts"],
+            host["cu_seqlens"],
+            host["flows"][:nf],
+            self.token_padding,
+            self.experts_per_rank,
+        )
 
 
 def flow_rows(R: int, E: int, slots: int) -> int:
@@ -123,25 +135,23 @@ def flow_rows(R: int, E: int, slots: int) -> int:
 
 
 def _raise(err: list[int], slots: int) -> None:
-    from .core import raise_error
-
     if err[0] == OVERFLOW:
         raise AssertionError(f"device planner: {err[1]} flows exceed the static table of {err[2]} rows")
     raise_error(np.asarray(err), slots)
 
 
-def plan_tensor(T, caps, slots: int, tp: int, previous, defer_errors: bool) -> TensorPlan:
+def plan_tensor(T, caps, slots: int, pad: int, previous, defer_errors: bool) -> TensorPlan:
     """``planner.plan`` for a torch tensor of counts [R, E] (shape, dtype and options already checked)."""
-    import torch
+    import torch  # heavy: torch, only for tensor input
 
     R, E = T.shape
     prev_donor, prev_copy = _previous_tables(previous, T.device, R, slots)
     if T.device.type == "cuda":
-        out = _run_device_kernel(T, caps, slots, tp, prev_donor, prev_copy, GPU_THREADS)
+        out = _run_device_kernel(T, caps, slots, pad, prev_donor, prev_copy, GPU_THREADS)
     elif T.device.type == "meta":
-        out = _empty_tables(torch, T.device, R, E, slots, tp)
+        out = _empty_tables(torch, T.device, R, E, slots, pad)
     else:
-        out = _run_cpu_kernel(T, caps, slots, tp, previous)
+        out = _run_cpu_kernel(T, caps, slots, pad, previous)
     if not defer_errors and T.device.type != "meta":
         out.raise_if_invalid()
     return out
@@ -151,80 +161,134 @@ def _previous_tables(previous, device, R: int, slots: int):
     """(prev_donor [R], prev_copy [R, slots]) of a sticky plan on ``device``, or (None, None)."""
     if previous is None:
         return None, None
-    import torch
+    import torch  # heavy: torch, only for tensor input
 
     tables = (previous.donor, previous.experts_to_copy)  # a numpy Plan's arrays are read-only: copy those
-    return tuple(t.to(device, torch.int64) if isinstance(t, torch.Tensor) else
-                 torch.tensor(np.asarray(t, np.int64), device=device) for t in tables)
+    return tuple(
+        t.to(device, torch.int64)
+        if isinstance(t, torch.Tensor)
+        else torch.tensor(np.asarray(t, np.int64), device=device)
+        for t in tables
+    )
 
 
-def _empty_tables(torch, device, R: int, E: int, slots: int, tp: int, fill: bool = False) -> TensorPlan:
+def _empty_tables(torch, device, R: int, E: int, slots: int, pad: int, fill: bool = False) -> TensorPlan:
     """Output tables of the right shapes and dtypes (filled with the kernel's start values when ``fill``)."""
     epn, F = E // R, flow_rows(R, E, slots)
     i64, i32 = torch.int64, torch.int32
-    new = (lambda shape, dt, v: torch.full(shape, v, dtype=dt, device=device)) if fill else \
-        (lambda shape, dt, v: torch.empty(shape, dtype=dt, device=device))
-    return TensorPlan(tokens_per_expert=new((R, E), i32, 0), caps=new((R,), i64, 0), alloc=new((E, R), i32, 0),
-                      donor=new((R,), i64, -1), experts_to_copy=new((R, slots), i64, -1),
-                      send_counts=new((R, R), i64, 0), cu_seqlens=new((R, epn + slots), i64, 0),
-                      flows=new((F, 4), i64, 0), pieces=new((E + F, 4), i64, INT64_MAX), totals=new((2,), i64, 0),
-                      err=new((3,), i64, 0), token_padding=tp)
+    new = (
+        (lambda shape, dt, v: torch.full(shape, v, dtype=dt, device=device))
+        if fill
+        else (lambda shape, dt, v: torch.empty(shape, dtype=dt, device=device))
+    )
+    return TensorPlan(
+        slots_per_expert=new((R, E), i32, 0),
+        caps=new((R,), i64, 0),
+        alloc=new((E, R), i32, 0),
+        donor=new((R,), i64, -1),
+        experts_to_copy=new((R, slots), i64, -1),
+        send_counts=new((R, R), i64, 0),
+        cu_seqlens=new((R, epn + slots), i64, 0),
+        flows=new((F, 4), i64, 0),
+        pieces=new((E + F, 4), i64, INT64_MAX),
+        totals=new((2,), i64, 0),
+        err=new((3,), i64, 0),
+        token_padding=pad,
+    )
 
 
-def _run_cpu_kernel(T, caps, slots: int, tp: int, previous) -> TensorPlan:
+def _run_cpu_kernel(T, caps, slots: int, pad: int, previous) -> TensorPlan:
     """The compiled CPU kernel on a zero-copy view of ``T``; its tables become tensors (no copy), padded."""
-    import torch
-
-    from .core import make_plan
+    import torch  # heavy: torch, only for tensor input
 
     R, E = T.shape
     Tn = T.detach().contiguous().to(torch.int64).numpy()  # the kernel's zero-copy entry (int64 input: a view)
     caps_in = np.zeros(0, np.int64) if caps is None else np.ascontiguousarray(caps, dtype=np.int64)
     prev_donor = np.zeros(0, np.int64) if previous is None else np.asarray(previous.donor, np.int64)
-    prev_copy = np.zeros((0, slots), np.int64) if previous is None else np.asarray(previous.experts_to_copy,
-                                                                                     np.int64)
+    prev_copy = np.zeros((0, slots), np.int64) if previous is None else np.asarray(previous.experts_to_copy, np.int64)
     keep, alloc, send = np.empty((R, E), np.int32), np.zeros((E, R), np.int32), np.zeros((R, R), np.int64)
     counts, caps_out, alloc, donor, copy, cu, send, flows, err = _kernel.plan_arrays(
-        Tn, keep, alloc, send, caps_in, slots, tp, prev_donor, prev_copy, np.zeros(0, np.int64), 0, 0)
+        Tn, keep, alloc, send, caps_in, slots, pad, prev_donor, prev_copy, np.zeros(0, np.int64), 0, 0
+    )
     F = flow_rows(R, E, slots)
     flows_pad, pieces_pad = np.zeros((F, 4), np.int64), np.full((E + F, 4), INT64_MAX, np.int64)
     totals = np.zeros(2, np.int64)
     if err[0] == 0:
-        flows_pad[:flows.shape[0]] = flows
-        end, start, dest, row0 = make_plan(counts, caps_out, alloc, donor, copy, send, cu, flows, tp,
-                                           E // R, freeze=False)._pieces
-        pieces_pad[:end.size] = np.stack((end, start, dest, row0), axis=1)
+        flows_pad[: flows.shape[0]] = flows
+        end, start, dest, row0 = make_plan(
+            counts, caps_out, alloc, donor, copy, send, cu, flows, pad, E // R, freeze=False
+        )._pieces
+        pieces_pad[: end.size] = np.stack((end, start, dest, row0), axis=1)
         totals[:] = flows.shape[0], end.size
     # the kernel's own output arrays become the tensors (no copy); they are not shared with anyone else
     t = torch.from_numpy
-    out = TensorPlan(tokens_per_expert=t(counts), caps=t(caps_out), alloc=t(alloc), donor=t(donor),
-                     experts_to_copy=t(copy), send_counts=t(send), cu_seqlens=t(cu), flows=t(flows_pad),
-                     pieces=t(pieces_pad), totals=t(totals), err=t(err), token_padding=tp)
+    out = TensorPlan(
+        slots_per_expert=t(counts),
+        caps=t(caps_out),
+        alloc=t(alloc),
+        donor=t(donor),
+        experts_to_copy=t(copy),
+        send_counts=t(send),
+        cu_seqlens=t(cu),
+        flows=t(flows_pad),
+        pieces=t(pieces_pad),
+        totals=t(totals),
+        err=t(err),
+        token_padding=pad,
+    )
     return out
 
 
-def _run_device_kernel(T, caps, slots: int, tp: int, prev_donor, prev_copy, threads: int) -> TensorPlan:
+def _run_device_kernel(T, caps, slots: int, pad: int, prev_donor, prev_copy, threads: int) -> TensorPlan:
     """Launch ``plan_kernel`` on T's device (CUDA, or the CPU under numba's CUDA simulator)."""
-    import torch
-    from numba import cuda  # numba-cuda: imported on first use (the `gpu` and `dev` extras install it)
+    import torch  # heavy: torch, only for tensor input
+    from numba import cuda  # optional: numba-cuda (the gpu and dev extras)
 
-    from ._device_kernel import plan_kernel
+    from ._device_kernel import plan_kernel  # optional: compiles for numba's CUDA target on first launch
 
     R, E = T.shape
     dev = T.device
-    out = _empty_tables(torch, dev, R, E, slots, tp, fill=True)
+    out = _empty_tables(torch, dev, R, E, slots, pad, fill=True)
     i64 = dict(dtype=torch.int64, device=dev)
     sticky = prev_donor is not None
     if not sticky:
         prev_donor, prev_copy = torch.full((R,), -1, **i64), torch.full((R, slots), -1, **i64)
     caps_in = torch.zeros(R, **i64) if caps is None else torch.as_tensor(caps, **i64)
-    scratch = [torch.zeros(E, **i64), torch.zeros(R, **i64), torch.zeros(R, **i64),
-               torch.zeros(R, E // R, **i64), torch.zeros(R, R, **i64), torch.zeros(R, **i64),
-               torch.zeros(E, **i64), torch.zeros(E, **i64), torch.zeros(E, **i64), torch.zeros(E, **i64),
-               torch.zeros(E, **i64), torch.full((1,), NO_ERROR_POS, **i64)]
-    args = [T.detach().contiguous().to(torch.int64), caps_in, caps is not None, tp, prev_donor, prev_copy,
-            sticky, out.tokens_per_expert, out.alloc, out.send_counts, out.caps, out.donor, out.experts_to_copy,
-            out.cu_seqlens, out.flows, out.pieces, out.totals, out.err, *scratch]
+    scratch = [
+        torch.zeros(E, **i64),
+        torch.zeros(R, **i64),
+        torch.zeros(R, **i64),
+        torch.zeros(R, E // R, **i64),
+        torch.zeros(R, R, **i64),
+        torch.zeros(R, **i64),
+        torch.zeros(E, **i64),
+        torch.zeros(E, **i64),
+        torch.zeros(E, **i64),
+        torch.zeros(E, **i64),
+        torch.zeros(E, **i64),
+        torch.full((1,), NO_ERROR_POS, **i64),
+    ]
+    args = [
+        T.detach().contiguous().to(torch.int64),
+        caps_in,
+        caps is not None,
+        pad,
+        prev_donor,
+        prev_copy,
+        sticky,
+        out.slots_per_expert,
+        out.alloc,
+        out.send_counts,
+        out.caps,
+        out.donor,
+        out.experts_to_copy,
+        out.cu_seqlens,
+        out.flows,
+        out.pieces,
+        out.totals,
+        out.err,
+        *scratch,
+    ]
     if dev.type == "cuda":
         stream = cuda.external_stream(torch.cuda.current_stream(dev).cuda_stream)
         # sync=False: the tensors were made on this stream, and the kernel runs on it; numba's default would
@@ -238,14 +302,21 @@ def _run_device_kernel(T, caps, slots: int, tp: int, prev_donor, prev_copy, thre
     return out
 
 
-def plan_with_device_kernel(tokens_per_expert, *, caps=None, slots_per_rank: int | None = None,
-                            token_padding: int = 1, previous=None, threads: int | None = None) -> TensorPlan:
+def plan_with_device_kernel(
+    slots_per_expert,
+    *,
+    caps=None,
+    slots_per_rank: int | None = None,
+    token_padding: int = 1,
+    previous=None,
+    threads: int | None = None,
+) -> TensorPlan:
     """Run the numba-cuda kernel whatever the counts' device: the CPU runs it under numba's CUDA simulator
     (``NUMBA_ENABLE_CUDASIM=1`` set before numba is imported). For tests and for comparing with the CPU kernel;
     ``planner.plan`` picks the kernel by device. Errors are raised."""
-    import torch
+    import torch  # heavy: torch, only for tensor input
 
-    T = torch.as_tensor(tokens_per_expert)
+    T = torch.as_tensor(slots_per_expert)
     R, E = T.shape
     slots = E // R if slots_per_rank is None else int(slots_per_rank)
     prev_donor, prev_copy = _previous_tables(previous, T.device, R, slots)

@@ -8,6 +8,7 @@ float32, as in EPLB, so ties resolve the same way. Written from the algorithm's 
 
 Use it for inference placement, and as the static baseline that ``moonep bench planner`` compares ``plan`` with.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -107,9 +108,15 @@ def rebalance_experts(weight: Any, num_replicas: int, num_groups: int, num_nodes
     if w.size and (not np.all(np.isfinite(w)) or w.min() < 0):
         raise ValueError("weight must be finite and non-negative")
     L, n_log = w.shape
-    num_replicas, num_groups, num_nodes, num_gpus = (positive_int(v, name) for v, name in (
-        (num_replicas, "num_replicas"), (num_groups, "num_groups"), (num_nodes, "num_nodes"),
-        (num_gpus, "num_gpus")))
+    num_replicas, num_groups, num_nodes, num_gpus = (
+        positive_int(v, name)
+        for v, name in (
+            (num_replicas, "num_replicas"),
+            (num_groups, "num_groups"),
+            (num_nodes, "num_nodes"),
+            (num_gpus, "num_gpus"),
+        )
+    )
     if num_replicas % num_gpus:
         raise ValueError(f"num_replicas={num_replicas} must be a multiple of num_gpus={num_gpus}")
     if num_gpus % num_nodes:
@@ -124,11 +131,12 @@ def rebalance_experts(weight: Any, num_replicas: int, num_groups: int, num_nodes
         phy2log, phyrank, logcnt = _hierarchical(w, num_replicas, 1, 1, num_gpus)
     max_cnt = int(logcnt.max())
     log2phy = np.full((L, n_log * max_cnt), -1, np.int64)
-    np.put_along_axis(log2phy, phy2log * max_cnt + phyrank,
-                      np.broadcast_to(np.arange(num_replicas), phy2log.shape), axis=1)
+    np.put_along_axis(
+        log2phy, phy2log * max_cnt + phyrank, np.broadcast_to(np.arange(num_replicas), phy2log.shape), axis=1
+    )
     out = (phy2log.astype(np.int64), log2phy.reshape(L, n_log, max_cnt), logcnt.astype(np.int64))
     if not isinstance(weight, np.ndarray) and hasattr(weight, "detach"):
-        import torch  # the caller passed a tensor, so torch is already loaded
+        import torch  # heavy: torch, only for tensor input (already loaded by the caller)
 
         return tuple(torch.from_numpy(np.ascontiguousarray(a)) for a in out)
     return out

@@ -4,6 +4,7 @@ Pure functions used by the tests, the bench and the CLI. Byte figures use a bf16
 bench's default shape (H = 7168, H' = 2048, three projections); ratios between plans do not depend on it
 except where routed rows and weights are added together.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -11,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from ._inputs import WEIGHT_ROWS, as_counts, caps_for, check_shape
-from .core import Plan
+from .tables import Plan
 
 ROW_BYTES = 7168 * 2
 """bytes of one routed row (H = 7168, bf16)."""
@@ -26,23 +27,23 @@ def balance(plan: Plan) -> float:
     return float(rows.max() / mean) if mean > 0 else 1.0
 
 
-def home_loads(tokens_per_expert: Any) -> np.ndarray:
+def home_loads(slots_per_expert: Any) -> np.ndarray:
     """[R] rows each rank would compute without planning (every slot at its expert's home)."""
-    T = as_counts(tokens_per_expert, "tokens_per_expert", 2)
+    T = as_counts(slots_per_expert, "slots_per_expert", 2)
     R, _, epn = check_shape(T)
     return T.sum(0).reshape(R, epn).sum(1)
 
 
-def min_migration(tokens_per_expert: Any, caps: Any = None) -> int:
+def min_migration(slots_per_expert: Any, caps: Any = None) -> int:
     """Fewest routed slots that must leave their home rank so every rank computes exactly caps rows.
 
     A networkx min-cost flow: home group h supplies its load, rank d demands caps[d], an edge h -> d costs 1
     per slot when d != h and 0 when d == h. Experts of one home are interchangeable for this cost, so the
     group-level graph (R^2 edges) has the same optimum as the expert-level one. Lower bound for any planner.
     """
-    import networkx as nx
+    import networkx as nx  # heavy: networkx
 
-    load = home_loads(tokens_per_expert)
+    load = home_loads(slots_per_expert)
     R = load.shape[0]
     caps = caps_for(caps, int(load.sum()), R)
     g = nx.DiGraph()
@@ -75,21 +76,23 @@ def internode(plan: Plan, node: np.ndarray) -> dict[str, int]:
     d, b = np.nonzero(copy >= 0)
     weight_copies = int((node[copy[d, b] // epn] != node[d]).sum())
     rows = int(plan.send_counts[cross].sum())
-    return {"routed_rows": rows, "weight_copies": weight_copies,
-            "bytes": rows * ROW_BYTES + weight_copies * EXPERT_BYTES}
+    return {
+        "routed_rows": rows,
+        "weight_copies": weight_copies,
+        "bytes": rows * ROW_BYTES + weight_copies * EXPERT_BYTES,
+    }
 
 
-def unplanned_internode_rows(tokens_per_expert: Any, node: np.ndarray) -> int:
+def unplanned_internode_rows(slots_per_expert: Any, node: np.ndarray) -> int:
     """Routed rows crossing nodes when every slot goes to its expert's home rank (no balancing)."""
-    T = as_counts(tokens_per_expert, "tokens_per_expert", 2)
+    T = as_counts(slots_per_expert, "slots_per_expert", 2)
     R, _, epn = check_shape(T)
     node = np.asarray(node)
     to_home = T.reshape(R, R, epn).sum(2)
     return int(to_home[node[:, None] != node[None, :]].sum())
 
 
-def internode_bound(tokens_per_expert: Any, node: np.ndarray, caps: Any = None,
-                    weight_rows: int = WEIGHT_ROWS) -> int:
+def internode_bound(slots_per_expert: Any, node: np.ndarray, caps: Any = None, weight_rows: int = WEIGHT_ROWS) -> int:
     """Lower bound on ``routed_rows + weight_rows * weight_copies`` of ``internode`` for ANY plan with these caps.
 
     Two facts every plan obeys, whatever its pairing rules:
@@ -103,7 +106,7 @@ def internode_bound(tokens_per_expert: Any, node: np.ndarray, caps: Any = None,
     solved exactly by ``_balanced_minimum``. The one-donor rule and slot limits are ignored, so every plan
     (this planner's or any other) costs at least this.
     """
-    T = as_counts(tokens_per_expert, "tokens_per_expert", 2)
+    T = as_counts(slots_per_expert, "slots_per_expert", 2)
     R, E, epn = check_shape(T)
     node = np.asarray(node, dtype=np.int64)
     caps = np.asarray(caps_for(caps, int(T.sum()), R), dtype=np.int64)

@@ -3,6 +3,7 @@
 It follows the pseudo-code of ``planner/README.md`` line by line and is the oracle the tests compare the
 compiled path against (the two must give identical plans, tie-breaks included). Slow: use it for R <= ~64.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -55,10 +56,13 @@ def _pairs(bal: list[int], caps: list[int], prev_donor, node, num_nodes: int, to
 
 def _steps(bal, caps, donor, gift, give):
     """step(h, u): the proof's step (h fills u completely); take(h, u): a cross-node pair handed over at once."""
+
     def step(h: int, u: int) -> None:
         if caps[h] + bal[h] < -bal[u]:
-            raise ValueError(f"caps are too uneven for a one-donor plan: rank {u} needs {-bal[u]} rows "
-                             f"but its donor rank {h} holds only {caps[h] + bal[h]}")
+            raise ValueError(
+                f"caps are too uneven for a one-donor plan: rank {u} needs {-bal[u]} rows "
+                f"but its donor rank {h} holds only {caps[h] + bal[h]}"
+            )
         donor[u], gift[u] = h, -bal[u]
         bal[h] += bal[u]
         bal[u] = 0
@@ -121,6 +125,24 @@ def _concentrate(members: list[int], bal, caps, step) -> None:
             step(c, u)
 
 
+def _paying_copies(over: list[int], short: list[int], held: list[int], q: int, weight_rows: int):
+    """Pass (1) of a cross-node hand-over: copies that pay for themselves, the largest first.
+
+    over / short: rows of each of the donor's experts its node computes beyond its sources / the receiver's node
+    routes without computing; held: the donor's slots of each. Returns (rows taken per expert, q left)."""
+    t = [0] * len(held)
+    while q > 0:
+        k, j = max(
+            ((min(over[j], short[j], held[j], q), -j) for j in range(len(held)) if not t[j] and held[j] > 0),
+            default=(0, 0),
+        )
+        if k <= weight_rows:
+            break
+        t[-j] = k
+        q -= k
+    return t, q
+
+
 def _giver(T, alloc, epn: int, weight_rows: int, node, num_nodes: int):
     """give(h, u, q, take) -> gain: donor h's q slots to u on another node, the experts that save the most
     inter-node rows first (less weight_rows each); take=True also moves them in alloc."""
@@ -148,22 +170,18 @@ def _giver(T, alloc, epn: int, weight_rows: int, node, num_nodes: int):
         own = [h * epn + j for j in range(epn)]
         over = [max(0, on[node[h]][e] - src[node[h]][e]) for e in own]  # h's node computes beyond its sources
         short = [max(0, src[node[u]][e] - on[node[u]][e]) for e in own]  # u's node routes but does not compute
-        t = [0] * epn
-        while q > 0:  # (1) copies that pay for themselves, the largest first
-            k, j = max(((min(over[j], short[j], alloc[e][h], q), -j) for j, e in enumerate(own)
-                        if not t[j] and alloc[e][h] > 0), default=(0, 0))
-            if k <= weight_rows:
-                break
-            t[-j] = k
-            q -= k
+        t, q = _paying_copies(over, short, [alloc[e][h] for e in own], q, weight_rows)  # (1)
         for j, e in enumerate(own):  # (2) free slots of experts copied anyway
             add = min(max(0, min(max(over[j], short[j]), alloc[e][h]) - t[j]), q) if t[j] else 0
             t[j] += add
             q -= add
         while q > 0:  # (3) more rows of copied experts (one crossing each) or another copy
             spare = sum(alloc[e][h] - t[j] for j, e in enumerate(own) if t[j])
-            fresh = [(saved(e, h, u, min(alloc[e][h], q)) - (weight_rows if alloc[e][h] < q else 0),
-                      alloc[e][h], -j) for j, e in enumerate(own) if not t[j] and alloc[e][h] > 0]
+            fresh = [
+                (saved(e, h, u, min(alloc[e][h], q)) - (weight_rows if alloc[e][h] < q else 0), alloc[e][h], -j)
+                for j, e in enumerate(own)
+                if not t[j] and alloc[e][h] > 0
+            ]
             best = max(fresh, default=None)
             if spare >= q and (best is None or q <= weight_rows - best[0]):
                 for j, e in enumerate(own):
@@ -187,8 +205,11 @@ def _internode_cost(T, alloc, epn: int, weight_rows: int, node, num_nodes: int) 
     """Routed rows crossing nodes (sum over experts and nodes of max(0, computed - routed there)) plus
     weight_rows per replica on another node than its expert's home, recounted from T and alloc."""
     R, E = len(T), len(alloc)
-    rows = sum(max(0, sum(alloc[e][d] for d in range(R) if node[d] == n) -
-                   sum(T[r][e] for r in range(R) if node[r] == n)) for e in range(E) for n in range(num_nodes))
+    rows = sum(
+        max(0, sum(alloc[e][d] for d in range(R) if node[d] == n) - sum(T[r][e] for r in range(R) if node[r] == n))
+        for e in range(E)
+        for n in range(num_nodes)
+    )
     copies = sum(1 for e in range(E) for d in range(R) if alloc[e][d] > 0 and node[d] != node[e // epn])
     return rows + weight_rows * copies
 
@@ -198,8 +219,12 @@ def _cross_pairs(bal, caps, node, give, take) -> None:
     copies), split it at once, repeat. Lowest (receiver, donor) on ties."""
     R = len(bal)
     while True:
-        options = [(give(h, u, -bal[u], False), -u, -h) for u in range(R) for h in range(R)
-                   if bal[u] < 0 < bal[h] and node[h] != node[u] and caps[h] + bal[h] >= -bal[u]]
+        options = [
+            (give(h, u, -bal[u], False), -u, -h)
+            for u in range(R)
+            for h in range(R)
+            if bal[u] < 0 < bal[h] and node[h] != node[u] and caps[h] + bal[h] >= -bal[u]
+        ]
         best = max(options, default=(0, 0, 0))
         if best[0] <= 0:
             return
@@ -235,7 +260,7 @@ def _split(cnt: list[int], epn: int, donor, gift, prev_copy, alloc: list[list[in
             move(max(range(epn), key=lambda j: (rem[j], -j)), u)
 
 
-def _layout(alloc, epn: int, slots: int, tp: int, donor, prev_copy):
+def _layout(alloc, epn: int, slots: int, pad: int, donor, prev_copy):
     """Stage D: experts_to_copy rows and padded segment ends per rank."""
     R = len(donor)
     copy, cu = [], []
@@ -255,7 +280,7 @@ def _layout(alloc, epn: int, slots: int, tp: int, donor, prev_copy):
         sizes = [alloc[d * epn + j][d] for j in range(epn)] + [alloc[e][d] if e >= 0 else 0 for e in row]
         ends, off = [], 0
         for c in sizes:
-            off += -(-c // tp) * tp
+            off += -(-c // pad) * pad
             ends.append(off)
         copy.append(row)
         cu.append(ends)
@@ -298,13 +323,22 @@ def initial_state(T: list[list[int]], caps=None):
     epn = E // R
     cnt = [sum(T[r][e] for r in range(R)) for e in range(E)]
     caps = default_caps(sum(cnt), R) if caps is None else [int(c) for c in caps]
-    bal = [sum(cnt[h * epn:(h + 1) * epn]) - caps[h] for h in range(R)]
+    bal = [sum(cnt[h * epn : (h + 1) * epn]) - caps[h] for h in range(R)]
     alloc = [[cnt[e] if d == e // epn else 0 for d in range(R)] for e in range(E)]
     return cnt, caps, bal, alloc
 
 
-def plan_reference(T, caps=None, slots=None, token_padding=1, prev_donor=None, prev_copy=None, node=None,
-                   num_nodes=0, weight_rows=3 * 2048):
+def plan_reference(
+    T,
+    caps=None,
+    slots=None,
+    token_padding=1,
+    prev_donor=None,
+    prev_copy=None,
+    node=None,
+    num_nodes=0,
+    weight_rows=3 * 2048,
+):
     """Same contract as ``planner._kernel.plan_arrays`` but raises ValueError directly.
 
     T: [R, E] nested lists or array of ints. Returns numpy arrays (caps, alloc [E, R], donor [R],
@@ -323,13 +357,15 @@ def plan_reference(T, caps=None, slots=None, token_padding=1, prev_donor=None, p
     copy, cu = _layout(alloc, epn, slots, token_padding, donor, pc)
     send, flows = _flows(T, alloc, cnt, epn, nd, num_nodes)
     arrays = (caps, alloc, donor, copy, cu, send, flows)
-    return tuple(np.asarray(a, dtype=np.int64).reshape(shape) for a, shape in
-                 zip(arrays, [(R,), (E, R), (R,), (R, slots), (R, epn + slots), (R, R), (len(flows), 4)]))
+    return tuple(
+        np.asarray(a, dtype=np.int64).reshape(shape)
+        for a, shape in zip(arrays, [(R,), (E, R), (R,), (R, slots), (R, epn + slots), (R, R), (len(flows), 4)])
+    )
 
 
 def route_reference(plan, rank: int, topk_idx) -> tuple[list[int], list[int]]:
     """Plain-Python twin of ``Plan.route``: (dest_rank, dest_row) of each entry of flattened topk_idx."""
-    T = plan.tokens_per_expert.tolist()
+    T = plan.slots_per_expert.tolist()
     R, E = len(T), len(T[0])
     epn = E // R
     flows = [tuple(int(v) for v in f) for f in plan.flows.tolist()]

@@ -3,6 +3,7 @@
 Expert popularity is shared by all ranks (hot experts line up across ranks, as with a real router), so home
 groups differ in load and the planner has work to do. All generators are seeded and deterministic.
 """
+
 from __future__ import annotations
 
 from typing import Iterator
@@ -52,8 +53,9 @@ def router_counts(R: int, E: int, K: int, S: int, skew: float, seed: int = 0) ->
     return np.stack([np.bincount(topk[r].ravel(), minlength=E) for r in range(R)]).astype(np.int64)
 
 
-def drifting_trace(R: int, E: int, K: int, S: int, steps: int, skew: float = 1.2, drift: float = 0.05,
-                   seed: int = 0) -> Iterator[np.ndarray]:
+def drifting_trace(
+    R: int, E: int, K: int, S: int, steps: int, skew: float = 1.2, drift: float = 0.05, seed: int = 0
+) -> Iterator[np.ndarray]:
     """Yield ``steps`` count matrices [R, E] whose popularity follows a slow random walk in log space.
 
     drift: standard deviation of each expert's log-popularity change per step (0.05 = about 5 %).

@@ -3,6 +3,7 @@
 Independent of how the plan was built: it recomputes loads, donors, slots, layout and the routing bijection
 with plain numpy, so it also checks plans that were edited, deserialised or produced by another planner.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -10,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from ._inputs import as_counts
-from .core import Plan
+from .tables import Plan
 
 
 class PlanVerificationError(AssertionError):
@@ -27,7 +28,7 @@ def _check_loads(plan: Plan, T: np.ndarray) -> None:
     R, E = T.shape
     total = int(T.sum())
     _require(plan.alloc.shape == (E, R), f"alloc has shape {plan.alloc.shape}, expected [E, R]={(E, R)}")
-    _require(np.array_equal(plan.tokens_per_expert, T), "plan was built from other counts")
+    _require(np.array_equal(plan.slots_per_expert, T), "plan was built from other counts")
     _require(plan.caps.shape == (R,) and int(plan.caps.sum()) == total, "caps do not sum to the total")
     _require(bool((plan.alloc >= 0).all()), "alloc has a negative entry")
     _require(np.array_equal(plan.alloc.sum(1), T.sum(0)), "conservation: alloc row sums != per-expert load")
@@ -44,10 +45,13 @@ def _check_donors(plan: Plan) -> np.ndarray:
     remote = (plan.alloc > 0) & (home[:, None] != np.arange(R)[None, :])
     for d in np.nonzero(remote.any(0))[0]:
         homes = np.unique(home[remote[:, d]])
-        _require(homes.size == 1, f"one donor: rank {d} computes experts of {homes.size} home ranks "
-                 f"{homes[:8].tolist()}")
-        _require(int(plan.donor[d]) == int(homes[0]), f"donor[{d}]={int(plan.donor[d])} but it computes "
-                 f"experts of rank {int(homes[0])}")
+        _require(
+            homes.size == 1, f"one donor: rank {d} computes experts of {homes.size} home ranks {homes[:8].tolist()}"
+        )
+        _require(
+            int(plan.donor[d]) == int(homes[0]),
+            f"donor[{d}]={int(plan.donor[d])} but it computes experts of rank {int(homes[0])}",
+        )
     quiet = ~remote.any(0)
     _require(bool((plan.donor[quiet] == -1).all()), "a rank without replicas has a donor")
     copy = plan.experts_to_copy
@@ -56,27 +60,29 @@ def _check_donors(plan: Plan) -> np.ndarray:
         held = copy[d][copy[d] >= 0]
         _require(np.unique(held).size == held.size, f"rank {d} holds a replica twice")
         _require(held.size <= epn, f"rank {d} holds {held.size} replicas > epn={epn}")
-        _require(set(held.tolist()) == set(np.nonzero(remote[:, d])[0].tolist()),
-                 f"experts_to_copy[{d}] differs from the experts rank {d} computes remotely")
+        _require(
+            set(held.tolist()) == set(np.nonzero(remote[:, d])[0].tolist()),
+            f"experts_to_copy[{d}] differs from the experts rank {d} computes remotely",
+        )
     return remote
 
 
 def _check_layout(plan: Plan) -> None:
-    """Padded segment layout: recomputed ends, tile multiples, the padding bound and the static capacity."""
+    """Padded segment layout: recomputed ends, tile multiples, the padding bound and the static recv_rows."""
     E, R = plan.alloc.shape
-    epn, slots, tp = E // R, plan.slots_per_rank, plan.token_padding
+    epn, slots, pad = E // R, plan.slots_per_rank, plan.token_padding
     _require(plan.cu_seqlens.shape == (R, epn + slots), f"cu_seqlens has shape {plan.cu_seqlens.shape}")
     own = plan.alloc[np.arange(E), np.arange(E) // epn].reshape(R, epn)
     copy = plan.experts_to_copy
     held = np.where(copy >= 0, plan.alloc[np.maximum(copy, 0), np.arange(R)[:, None]], 0)
     sizes = np.concatenate((own, held), axis=1)
-    padded = -(-sizes // tp) * tp
+    padded = -(-sizes // pad) * pad
     _require(np.array_equal(np.cumsum(padded, axis=1), plan.cu_seqlens), "cu_seqlens do not match alloc")
     segments = (sizes > 0).sum(1)
     _require(bool((segments <= 2 * epn).all()), "a rank has more than 2*epn non-empty segments")
     rows = plan.cu_seqlens[:, -1]
-    _require(bool((rows <= plan.caps + (tp - 1) * segments).all()), "padding exceeds (tp-1) per segment")
-    _require(bool((rows <= plan.capacity).all()), "padded rows exceed the plan's static capacity")
+    _require(bool((rows <= plan.caps + (pad - 1) * segments).all()), "padding exceeds (pad-1) per segment")
+    _require(bool((rows <= plan.recv_rows).all()), "padded rows exceed the plan's static recv_rows")
 
 
 def _check_routes(plan: Plan, T: np.ndarray) -> None:
@@ -89,23 +95,27 @@ def _check_routes(plan: Plan, T: np.ndarray) -> None:
     for r in range(R):
         flat = rng.permutation(np.repeat(np.arange(E), T[r]))
         dest, row = plan.route(r, flat)
-        _require(np.array_equal(np.bincount(dest, minlength=R), plan.send_counts[r]),
-                 f"send_counts[{r}] does not match the routed slots of rank {r}")
+        _require(
+            np.array_equal(np.bincount(dest, minlength=R), plan.send_counts[r]),
+            f"send_counts[{r}] does not match the routed slots of rank {r}",
+        )
         own = flat // epn == dest
         slot = np.argmax(plan.experts_to_copy[dest] == flat[:, None], axis=1) if plan.slots_per_rank else 0
         ok_slot = own | (plan.experts_to_copy[dest, slot] == flat)
         _require(bool(ok_slot.all()), f"rank {r} routes a slot to a rank that holds no copy of its expert")
         group = np.where(own, flat - dest * epn, epn + slot)
         lo = seg_start[dest, group]
-        _require(bool(((row >= lo) & (row < lo + plan.alloc[flat, dest])).all()),
-                 f"rank {r} routes a slot outside the real rows of its expert segment")
-        seen.append(dest * plan.capacity + row)
+        _require(
+            bool(((row >= lo) & (row < lo + plan.alloc[flat, dest])).all()),
+            f"rank {r} routes a slot outside the real rows of its expert segment",
+        )
+        seen.append(dest * plan.recv_rows + row)
     keys = np.concatenate(seen) if seen else np.zeros(0, np.int64)
     _require(np.unique(keys).size == keys.size, "two routed slots land on the same row")
 
 
-def verify(plan: Plan, tokens_per_expert: Any, *, routes: bool = True) -> None:
-    """Raise PlanVerificationError unless ``plan`` keeps every guarantee for ``tokens_per_expert`` [R, E].
+def verify(plan: Plan, slots_per_expert: Any, *, routes: bool = True) -> None:
+    """Raise PlanVerificationError unless ``plan`` keeps every guarantee for ``slots_per_expert`` [R, E].
 
     Checks: exact caps and conservation; one donor per receiver, <= epn replicas, slots = remote experts;
     layout and padding bound; send matrix margins; and (``routes=True``, O(total slots)) that routing every
@@ -113,7 +123,7 @@ def verify(plan: Plan, tokens_per_expert: Any, *, routes: bool = True) -> None:
     """
     if not isinstance(plan, Plan):
         raise PlanVerificationError(f"expected a Plan, got {type(plan).__name__}")
-    T = as_counts(tokens_per_expert, "tokens_per_expert", 2)
+    T = as_counts(slots_per_expert, "slots_per_expert", 2)
     _check_loads(plan, T)
     _check_donors(plan)
     _check_layout(plan)

@@ -8,6 +8,7 @@
 Engines: ``simulate(..., engine="analytic")`` (closed form, for search) and ``engine="event"`` (one
 pipeline's schedule op by op). ``moonep simulate run | search | whatif | calibrate`` is the command line.
 """
+
 from simulator.analytic import Perturbation, SimResult, simulate
 from simulator.hardware import PRESETS as HARDWARE_PRESETS
 from simulator.hardware import Efficiency, HardwareSpec, HostSpec, load_hardware
@@ -20,8 +21,31 @@ from simulator.specs import PRESETS as MODEL_PRESETS
 from simulator.specs import ModelSpec, from_config_object, from_hf_config, load_model
 from simulator.whatif import whatif
 
-__all__ = ["simulate", "SimResult", "Perturbation", "search", "SearchSpace", "whatif", "ParallelConfig",
-           "infeasible_reason", "ModelSpec", "MODEL_PRESETS", "load_model", "from_hf_config", "from_config_object",
-           "HardwareSpec", "Efficiency", "HostSpec", "HARDWARE_PRESETS", "load_hardware", "ClusterSpec", "build_graph",
-           "param_counts", "ParamCounts", "model_flops_per_token", "peak_memory", "rank_memory",
-           "inference_memory"]
+__all__ = [
+    "simulate",
+    "SimResult",
+    "Perturbation",
+    "search",
+    "SearchSpace",
+    "whatif",
+    "ParallelConfig",
+    "infeasible_reason",
+    "ModelSpec",
+    "MODEL_PRESETS",
+    "load_model",
+    "from_hf_config",
+    "from_config_object",
+    "HardwareSpec",
+    "Efficiency",
+    "HostSpec",
+    "HARDWARE_PRESETS",
+    "load_hardware",
+    "ClusterSpec",
+    "build_graph",
+    "param_counts",
+    "ParamCounts",
+    "model_flops_per_token",
+    "peak_memory",
+    "rank_memory",
+    "inference_memory",
+]

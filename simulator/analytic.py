@@ -12,6 +12,7 @@ Schedule formulas (``p`` ranks, ``m`` micro-batches, ``T_r`` = forward+backward 
   all-to-all of one behind the compute of the other: ``m F&B + (p/2 - 1)(F&B + B) + 2 (p - 1) P`` with
   ``F&B`` the overlapped pair time per micro-batch (DeepSeek's bubble without the weight/input split).
 """
+
 from __future__ import annotations
 
 from collections import Counter
@@ -20,11 +21,14 @@ from functools import lru_cache
 
 from simulator import network as net
 from simulator.costs import COMM_CLASSES, COMPUTE_CLASSES, ChunkCost, chunk_cost
+from simulator.events import dualpipe_order, simulate_pipeline
 from simulator.hardware import HardwareSpec, load_hardware
-from simulator.layers import model_flops_per_token
-from simulator.memory import GIB, peak_memory
+from simulator.host import step_host
+from simulator.layers import embedding_params, head_params, layer_stats, model_flops_per_token
+from simulator.memory import GIB, peak_memory, rank_memory
 from simulator.network import ClusterSpec
 from simulator.parallel import ParallelConfig, infeasible_reason, rank_chunks, stage_layers
+from simulator.replicas import replica_model, replicas_per_rank
 from simulator.specs import ModelSpec, load_model
 
 BREAKDOWN_KEYS = COMPUTE_CLASSES + COMM_CLASSES + ("pp", "dp", "bubble", "optimizer", "overhead")
@@ -38,8 +42,9 @@ class Perturbation:
     comm: list[tuple[float, float, float]] = field(default_factory=list)
 
 
-def pipeline_costs(spec: ModelSpec, hw: HardwareSpec, par: ParallelConfig, tiers: net.Tiers,
-                   pert: Perturbation | None = None) -> list[list[ChunkCost]]:
+def pipeline_costs(
+    spec: ModelSpec, hw: HardwareSpec, par: ParallelConfig, tiers: net.Tiers, pert: Perturbation | None = None
+) -> list[list[ChunkCost]]:
     """``[rank][chunk]`` costs of one micro-batch (chunk order as in ``parallel.rank_chunks``)."""
     chunks = stage_layers(spec, par)
     out = []
@@ -52,18 +57,16 @@ def pipeline_costs(spec: ModelSpec, hw: HardwareSpec, par: ParallelConfig, tiers
             first, last = c == 0, c == len(chunks) - 1
             key = (tuple(spec.layer_kinds()[i] for i in chunks[c]), first, last, scale, cs)
             if key not in memo:
-                memo[key] = chunk_cost(spec, hw, par, chunks[c], tiers, first=first, last=last, scale=scale,
-                                       comm_scale=cs)
+                memo[key] = chunk_cost(
+                    spec, hw, par, chunks[c], tiers, first=first, last=last, scale=scale, comm_scale=cs
+                )
             row.append(memo[key])
         out.append(row)
     return out
 
 
-def dp_seconds(spec: ModelSpec, par: ParallelConfig, tiers: net.Tiers, rank: int,
-               comm_scale=(1.0, 1.0, 1.0)) -> float:
+def dp_seconds(spec: ModelSpec, par: ParallelConfig, tiers: net.Tiers, rank: int, comm_scale=(1.0, 1.0, 1.0)) -> float:
     """Gradient reduce (+ parameter gather) seconds of one pipeline rank per step, before overlap."""
-    from simulator.layers import embedding_params, head_params, layer_stats
-
     chunks, kinds = stage_layers(spec, par), spec.layer_kinds()
     dense = expert = 0.0
     for c in rank_chunks(par)[rank]:
@@ -73,26 +76,25 @@ def dp_seconds(spec: ModelSpec, par: ParallelConfig, tiers: net.Tiers, rank: int
         dense += embedding_params(spec) if c == 0 else 0
         dense += head_params(spec) if c == len(chunks) - 1 else 0
     total = 0.0
-    for params, n, stride in ((dense / par.tp, par.dp * par.cp, par.tp),
-                              (expert / (par.ep * par.tp), par.dp * par.cp // par.ep, par.tp * par.ep)):
+    for params, n, stride in (
+        (dense / par.tp, par.dp * par.cp, par.tp),
+        (expert / (par.ep * par.tp), par.dp * par.cp // par.ep, par.tp * par.ep),
+    ):
         g = net.group(n, stride, tiers)
         if par.zero_stage == 0:
             total += net.all_reduce(4.0 * params, g, tiers, comm_scale)
         else:
             total += net.reduce_scatter(4.0 * params, g, tiers, comm_scale)
-            total += net.all_gather(2.0 * params, g, tiers, comm_scale) * (1 + (2 * par.micro_batches
-                                                                               if par.zero_stage == 3 else 0))
+            total += net.all_gather(2.0 * params, g, tiers, comm_scale) * (
+                1 + (2 * par.micro_batches if par.zero_stage == 3 else 0)
+            )
     return total
 
 
 def optimizer_seconds(spec: ModelSpec, hw: HardwareSpec, par: ParallelConfig, rank: int, scale: float = 1.0) -> float:
     """Adam update: about 30 bytes of HBM traffic per local (ZeRO-sharded) parameter. With a host profile:
     the eager optimizer and gradient bookkeeping ops (``simulator.host.step_host``), time-shared."""
-    from simulator.memory import rank_memory
-
     if hw.host is not None:
-        from simulator.host import step_host
-
         return step_host(spec, hw, par)[0] * scale
 
     mem = rank_memory(spec, hw, par, rank)
@@ -122,8 +124,6 @@ def _pair(a: ChunkCost, b: ChunkCost) -> float:
 @lru_cache(maxsize=4096)
 def _dualpipe_counts(par: ParallelConfig, rank: int) -> tuple:
     """``((entry, count), ...)`` of the rank's DualPipe order; entry = ((kind, phase), ...)."""
-    from simulator.events import dualpipe_order
-
     return tuple(Counter(tuple(e) for e in dualpipe_order(par, rank)).items())
 
 
@@ -141,8 +141,9 @@ def _dualpipe(par: ParallelConfig, costs: list[list[ChunkCost]], P: float) -> fl
             else:
                 kind, ph = entry[0]
                 c = phase[ph]
-                busy += n * ((c.tf - c.fwd["ep"] + c.ep_raw_fwd) if kind == "F"
-                             else (c.tb - c.bwd["ep"] + c.ep_raw_bwd))
+                busy += n * (
+                    (c.tf - c.fwd["ep"] + c.ep_raw_fwd) if kind == "F" else (c.tb - c.bwd["ep"] + c.ep_raw_bwd)
+                )
         steady = (_pair(a, b) + _pair(b, a)) / 2
         back = (a.tb - a.bwd["ep"] + a.ep_raw_bwd + b.tb - b.bwd["ep"] + b.ep_raw_bwd) / 2
         paired = par.micro_batches * steady  # the same work if every op were in a pair
@@ -180,8 +181,16 @@ class SimResult:
         return dict(self.__dict__)
 
 
-def simulate(model, hardware, par: ParallelConfig, gpus: int | None = None, cluster: ClusterSpec | None = None,
-             *, engine: str = "analytic", pert: Perturbation | None = None) -> SimResult:
+def simulate(
+    model,
+    hardware,
+    par: ParallelConfig,
+    gpus: int | None = None,
+    cluster: ClusterSpec | None = None,
+    *,
+    engine: str = "analytic",
+    pert: Perturbation | None = None,
+) -> SimResult:
     """Predict one training step; bad input gives ``feasible=False`` with a ``reason``, never an exception."""
     try:
         spec, hw = load_model(model), load_hardware(hardware)
@@ -200,16 +209,16 @@ def simulate(model, hardware, par: ParallelConfig, gpus: int | None = None, clus
     tiers = net.cluster_tiers(gpus, hw, cluster or ClusterSpec())
     costs = pipeline_costs(spec, hw, par, tiers, pert)
     if engine == "event":
-        from simulator.events import simulate_pipeline
-
         pipe = simulate_pipeline(par, costs).makespan
     else:
         pipe = schedule_time(par, costs)
     _fill_metrics(res, spec, hw, par, tiers, costs, pipe, pert)
     if total > hw.hbm_gib * GIB:
         res.feasible = False
-        res.reason = (f"out of memory: {total / GIB:.1f} GiB needed on pipeline rank {rank} > "
-                      f"{hw.hbm_gib:g} GiB ({', '.join(f'{k} {v / GIB:.1f}' for k, v in mem.items() if v)})")
+        res.reason = (
+            f"out of memory: {total / GIB:.1f} GiB needed on pipeline rank {rank} > "
+            f"{hw.hbm_gib:g} GiB ({', '.join(f'{k} {v / GIB:.1f}' for k, v in mem.items() if v)})"
+        )
     return res
 
 
@@ -218,8 +227,6 @@ def _fill_metrics(res, spec, hw, par, tiers, costs, pipe, pert) -> None:
     comm = [tuple(pert.comm[r]) if pert and pert.comm else (1.0, 1.0, 1.0) for r in range(par.pp)]
     scale = [pert.compute[r] if pert and pert.compute else 1.0 for r in range(par.pp)]
     if hw.host is not None:  # the eager step's all-reduces (gradients, norm, QK-Clip, balancing), wall
-        from simulator.host import step_host
-
         dp = step_host(spec, hw, par)[1]
     else:
         dp = (1.0 - eff.dp_overlap) * max(dp_seconds(spec, par, tiers, r, comm[r]) for r in range(par.pp))
@@ -246,9 +253,10 @@ def _fill_metrics(res, spec, hw, par, tiers, costs, pipe, pert) -> None:
     res.gpu_hours_per_trillion_tokens = 1e12 / res.tokens_per_s_per_gpu / 3600.0
     res.cost_usd_per_trillion_tokens = res.gpu_hours_per_trillion_tokens * hw.price_per_gpu_hour
     if spec.is_moe:
-        from simulator.costs import replica_model, replicas_per_rank
-
-        res.moe = {"dispatcher": par.dispatcher, "maxvio": par.maxvio,
-                   "replicas_per_rank": replicas_per_rank(spec, par),
-                   "replica_model": replica_model() if par.dispatcher == "moonep" else "none",
-                   "experts_per_rank": spec.num_experts // par.ep}
+        res.moe = {
+            "dispatcher": par.dispatcher,
+            "maxvio": par.maxvio,
+            "replicas_per_rank": replicas_per_rank(spec, par),
+            "replica_model": replica_model() if par.dispatcher == "moonep" else "none",
+            "experts_per_rank": spec.num_experts // par.ep,
+        }

@@ -20,9 +20,11 @@ wall time one rank sees while all ``world_size`` local ranks do the same work at
 ``calibrate`` measures the kernel rates in its own process, launches ``measure_in_group`` (without them) on
 fresh ranks and turns the measurements into a profile with ``profile_from``; a job can call
 ``measure_in_group`` between its own steps instead, so that the profile and the steps see the same machine
-(the 20% test does). This is the only simulator module that imports torch, collectives and cp_kda (lazily):
-it measures them.
+(the 20% test does). This is the only simulator module that imports torch (the rest of the simulator is numbers
+in, numbers out), and ``collectives`` and ``cp_kda`` inside the two functions that run them, as the layering's
+listed exceptions (``tests/test_layers.py``): it measures them.
 """
+
 from __future__ import annotations
 
 import os
@@ -30,6 +32,13 @@ import platform
 import statistics
 import time
 from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from simulator.specs import load_model
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -52,18 +61,22 @@ class CalibrationSizes:
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"CalibrationSizes.{name} must be a positive integer, got {getattr(self, name)!r}")
         if self.tokens % self.seq_len or self.tokens < 2:
-            raise ValueError(f"CalibrationSizes.tokens {self.tokens} must be a multiple of seq_len {self.seq_len} "
-                             "and >= 2")
+            raise ValueError(
+                f"CalibrationSizes.tokens {self.tokens} must be a multiple of seq_len {self.seq_len} and >= 2"
+            )
 
     @classmethod
     def from_model(cls, model, seq_len: int | None = None, micro_batch: int = 1) -> "CalibrationSizes":
         """Sizes of ``model`` (anything ``load_model`` takes) at ``micro_batch`` sequences of ``seq_len``."""
-        from simulator.specs import load_model
-
         spec = load_model(model)
         seq = seq_len or spec.seq_len
-        return cls(tokens=micro_batch * seq, hidden=spec.hidden, seq_len=seq, kda_heads=spec.kda_heads or 2,
-                   kda_head_dim=spec.kda_head_dim or 16)
+        return cls(
+            tokens=micro_batch * seq,
+            hidden=spec.hidden,
+            seq_len=seq,
+            kda_heads=spec.kda_heads or 2,
+            kda_head_dim=spec.kda_head_dim or 16,
+        )
 
 
 def _timed(fn, repeats: int, clock=time.perf_counter) -> float:
@@ -77,15 +90,11 @@ def _timed(fn, repeats: int, clock=time.perf_counter) -> float:
 
 
 def _sync(device: str):
-    import torch
-
     return torch.cuda.synchronize if device == "cuda" else (lambda: None)
 
 
 def measure_gemm(m: int, k: int, n: int, repeats: int, device: str) -> float:
     """Dense GEMM TFLOP/s of ``[m, k] x [k, n]`` (enough products per timing to dwarf the call overhead)."""
-    import torch
-
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     a = torch.randn(m, k, device=device, dtype=dtype)
     b = torch.randn(k, n, device=device, dtype=dtype)
@@ -102,9 +111,6 @@ def measure_gemm(m: int, k: int, n: int, repeats: int, device: str) -> float:
 
 def measure_attention(seq: int, heads: int, repeats: int, device: str) -> float:
     """Causal attention forward TFLOP/s (FLOPs = 2 * 2 * heads * seq^2 * d / 2)."""
-    import torch
-    import torch.nn.functional as F
-
     d = 128
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     q, k, v = (torch.randn(1, heads, seq, d, device=device, dtype=dtype) for _ in range(3))
@@ -119,8 +125,6 @@ def measure_attention(seq: int, heads: int, repeats: int, device: str) -> float:
 
 def measure_copy(nbytes: int, repeats: int, device: str) -> float:
     """Device memory bandwidth in TB/s (read + write of a tensor copy)."""
-    import torch
-
     src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).fill_(1.0)
     dst = torch.empty_like(src)
     sync = _sync(device)
@@ -134,8 +138,6 @@ def measure_copy(nbytes: int, repeats: int, device: str) -> float:
 
 def _a2a_rank(comm, nbytes: int, repeats: int) -> float:
     """Per-rank all-to-all bandwidth in GB/s (bytes this rank sends / time, slowest rank's time)."""
-    import torch
-
     device = "cuda" if torch.cuda.is_available() and comm.backend != "mpi" else "cpu"
     rows = max(comm.world_size, nbytes // 1024 // comm.world_size * comm.world_size)
     inp = torch.ones(rows, 512, dtype=torch.bfloat16, device=device)
@@ -159,8 +161,6 @@ def _a2a_rank(comm, nbytes: int, repeats: int) -> float:
 def _reference_block(width: int):
     """A small eager block in the style of model code: RMS norm, tanh/sigmoid gate, softmax mix of two sources
     and a row gather, each an ``nn.Module`` call under autograd."""
-    import torch
-    from torch import nn
 
     class Block(nn.Module):
         def __init__(self):
@@ -180,8 +180,6 @@ def _reference_block(width: int):
 
 
 def _count_ops(fn) -> int:
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     class Count(TorchDispatchMode):
         n = 0
 
@@ -202,8 +200,6 @@ def solo_timer(repeats: int):
 def _agreed_count(comm, fn, seconds: float, minimum: int) -> int:
     """How many calls of ``fn`` take about ``seconds`` of CPU time on this rank (after a warm-up call); the
     largest over ranks, so that every rank runs the same count."""
-    import torch
-
     fn()
     t0 = time.process_time()
     fn()
@@ -215,8 +211,6 @@ def _agreed_count(comm, fn, seconds: float, minimum: int) -> int:
 def _wall_per_call(comm, fn, count: int) -> float:
     """Seconds per call of ``fn`` looped ``count`` times by every rank at once after a barrier: wall time,
     mean over ranks."""
-    import torch
-
     comm.barrier()
     t0 = time.perf_counter()
     for _ in range(count):
@@ -238,8 +232,6 @@ def shared_timer(comm, seconds: float):
 def measure_ops(tokens: int, width: int, timer) -> tuple[float, float, float]:
     """Microseconds per framework op of the reference block: (forward, backward, no-grad forward), as
     ``timer`` (``solo_timer`` or ``shared_timer``) measures a call."""
-    import torch
-
     blocks, x = _reference_block(width), torch.randn(tokens, width, requires_grad=True)
 
     def fwd():
@@ -256,9 +248,7 @@ def measure_ops(tokens: int, width: int, timer) -> tuple[float, float, float]:
 
 def measure_kda(batch: int, seq: int, heads: int, dim: int, timer) -> float:
     """Microseconds of one ``cp_kda`` gate + chunk call, forward and backward, on ``[batch, seq, heads, dim]``."""
-    import torch
-
-    import cp_kda
+    import cp_kda  # layering exception: times the real kernel (listed in tests/test_layers.py)
 
     gen = torch.Generator().manual_seed(0)
     shape = (batch, seq, heads, dim)
@@ -287,8 +277,6 @@ def _per_call_us(comm, fn, repeats: int) -> float:
 
 def _collective_costs(comm, repeats: int, big: int) -> dict:
     """Per-call and per-MB wall costs of the collectives a training step issues (small vs ``big`` bytes)."""
-    import torch
-
     R, out = comm.world_size, {}
     for nbytes, tag in ((1024, "small"), (big, "big")):
         rows = max(R, nbytes // 128 // R * R)
@@ -311,8 +299,6 @@ granularity (a 50 ms probe scattered 0.6-2.0 effective cores on one idle-ish mac
 
 def _effective_cores(comm, sizes: CalibrationSizes, rounds: int) -> float:
     """Throughput of all ranks busy at once, in units of one rank alone: R * (CPU time alone) / (wall together)."""
-    import torch
-
     blocks, x = _reference_block(sizes.hidden), torch.randn(sizes.tokens, sizes.hidden, requires_grad=True)
 
     def step():
@@ -350,9 +336,13 @@ def _op_costs(sizes: CalibrationSizes, timer) -> dict:
     """Per-op and KDA host costs as ``timer`` measures them."""
     tiny, act = measure_ops(8, 8, timer), measure_ops(sizes.tokens, sizes.hidden, timer)
     rows, tiny_tokens = sizes.tokens // sizes.seq_len, min(16, sizes.tokens // 2)  # tiny: the fixed cost
-    return {"ops_tiny": tiny, "ops_act": act, "tiny_tokens": tiny_tokens,
-            "kda": measure_kda(rows, sizes.seq_len, sizes.kda_heads, sizes.kda_head_dim, timer),
-            "kda_tiny": measure_kda(1, tiny_tokens, sizes.kda_heads, sizes.kda_head_dim, timer)}
+    return {
+        "ops_tiny": tiny,
+        "ops_act": act,
+        "tiny_tokens": tiny_tokens,
+        "kda": measure_kda(rows, sizes.seq_len, sizes.kda_heads, sizes.kda_head_dim, timer),
+        "kda_tiny": measure_kda(1, tiny_tokens, sizes.kda_heads, sizes.kda_head_dim, timer),
+    }
 
 
 def _ranks_body(comm, sizes: CalibrationSizes, repeats: int, nbytes: int, host: bool) -> dict:
@@ -373,16 +363,28 @@ def calibrate_host(m: dict) -> dict:
     per_mb = lambda key: max(0.0, m.get(f"{key}_big", 0.0) - m.get(f"{key}_small", 0.0)) / (BIG / 1e6)  # noqa: E731
     (tf, tb, tn), (af, ab, _) = m["ops_tiny"], m["ops_act"]
     sizes = CalibrationSizes(**m["sizes"])
-    return {"timing": "shared_wall", "cores": len(os.sched_getaffinity(0)),
-            "effective_cores": m.get("effective_cores", 1.0), "ranks": m["world_size"],
-            "op_fwd_tiny_us": tf, "op_bwd_tiny_us": tb, "op_nograd_tiny_us": tn,
-            "op_fwd_us": af, "op_bwd_us": ab, "ref_elements": sizes.tokens * sizes.hidden,
-            "kda_us": m["kda"], "kda_tiny_us": m["kda_tiny"],
-            "kda_elements": sizes.tokens * sizes.kda_heads * sizes.kda_head_dim,
-            "kda_tiny_elements": m["tiny_tokens"] * sizes.kda_heads * sizes.kda_head_dim,
-            "a2a_call_us": m.get("a2a_small", 0.0), "all_reduce_call_us": m.get("ar_small", 0.0),
-            "checked_all_reduce_call_us": m.get("checked", 0.0), "all_gather_call_us": m.get("ag", 0.0),
-            "a2a_us_per_mb": per_mb("a2a"), "all_reduce_us_per_mb": per_mb("ar")}
+    return {
+        "timing": "shared_wall",
+        "cores": len(os.sched_getaffinity(0)),
+        "effective_cores": m.get("effective_cores", 1.0),
+        "ranks": m["world_size"],
+        "op_fwd_tiny_us": tf,
+        "op_bwd_tiny_us": tb,
+        "op_nograd_tiny_us": tn,
+        "op_fwd_us": af,
+        "op_bwd_us": ab,
+        "ref_elements": sizes.tokens * sizes.hidden,
+        "kda_us": m["kda"],
+        "kda_tiny_us": m["kda_tiny"],
+        "kda_elements": sizes.tokens * sizes.kda_heads * sizes.kda_head_dim,
+        "kda_tiny_elements": m["tiny_tokens"] * sizes.kda_heads * sizes.kda_head_dim,
+        "a2a_call_us": m.get("a2a_small", 0.0),
+        "all_reduce_call_us": m.get("ar_small", 0.0),
+        "checked_all_reduce_call_us": m.get("checked", 0.0),
+        "all_gather_call_us": m.get("ag", 0.0),
+        "a2a_us_per_mb": per_mb("a2a"),
+        "all_reduce_us_per_mb": per_mb("ar"),
+    }
 
 
 def _kernel_rates(sizes: CalibrationSizes, repeats: int, quick: bool, device: str) -> dict:
@@ -391,9 +393,11 @@ def _kernel_rates(sizes: CalibrationSizes, repeats: int, quick: bool, device: st
         gemm = measure_gemm(8192, 8192, 8192, repeats, device)
     else:
         gemm = measure_gemm(sizes.tokens, sizes.hidden, sizes.hidden, repeats, device)
-    return {"gemm_tflops": gemm,
-            "attention_tflops": measure_attention(256 if quick else 2048, 4 if quick else 16, repeats, device),
-            "copy_tbps": measure_copy((16 if quick else 256) * 2**20, repeats, device)}
+    return {
+        "gemm_tflops": gemm,
+        "attention_tflops": measure_attention(256 if quick else 2048, 4 if quick else 16, repeats, device),
+        "copy_tbps": measure_copy((16 if quick else 256) * 2**20, repeats, device),
+    }
 
 
 def _repeats(quick: bool) -> int:
@@ -414,8 +418,6 @@ def measure_in_group(comm, *, sizes: CalibrationSizes, quick: bool = False, kern
     ``calibrate`` launches it on fresh ranks; a job can also call it between its own steps, so that profile and
     steps see the same machine (``profile_from`` turns rank 0's dict into a profile).
     """
-    import torch
-
     device = "cuda" if torch.cuda.is_available() else "cpu"
     repeats = _repeats(quick)
     threads = torch.get_num_threads()
@@ -432,11 +434,10 @@ def measure_in_group(comm, *, sizes: CalibrationSizes, quick: bool = False, kern
     return {**out, **rates, **_settings(sizes, quick, device, comm.world_size)}
 
 
-def calibrate(*, world_size: int = 2, quick: bool = False, backend: str = "torch",
-              sizes: CalibrationSizes | None = None) -> dict:
+def calibrate(
+    *, world_size: int = 2, quick: bool = False, backend: str = "torch", sizes: CalibrationSizes | None = None
+) -> dict:
     """Measure and return a hardware profile dict loadable by ``hardware.load_hardware``."""
-    import torch
-
     sizes = sizes or CalibrationSizes()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     repeats = _repeats(quick)
@@ -446,10 +447,19 @@ def calibrate(*, world_size: int = 2, quick: bool = False, backend: str = "torch
     try:  # kernel rates here, alone and without a collective timeout (a large model's GEMM takes a while)
         measured = {**_kernel_rates(sizes, repeats, quick, device), **_settings(sizes, quick, device, 1)}
         if world_size > 1:
-            from collectives import launch
+            from collectives import launch  # layering exception: real ranks (listed in tests/test_layers.py)
 
-            measured.update(launch(measure_in_group, world_size, backend=backend, timeout=120.0, sizes=sizes,
-                                   quick=quick, kernel_rates=False))
+            measured.update(
+                launch(
+                    measure_in_group,
+                    world_size,
+                    backend=backend,
+                    timeout=120.0,
+                    sizes=sizes,
+                    quick=quick,
+                    kernel_rates=False,
+                )
+            )
         elif device == "cpu":  # one rank: the host costs alone, in this process
             measured.update(_op_costs(sizes, solo_timer(repeats)))
     finally:
@@ -459,26 +469,46 @@ def calibrate(*, world_size: int = 2, quick: bool = False, backend: str = "torch
 
 def profile_from(measured: dict, backend: str = "torch") -> dict:
     """A hardware profile (loadable by ``hardware.load_hardware``) from ``measure_in_group``'s rank-0 dict."""
-    import torch
-
     device, world_size = measured["device"], measured["world_size"]
     gemm, attn, a2a = measured["gemm_tflops"], measured["attention_tflops"], measured.get("a2a_gbps", 0.0)
     name = torch.cuda.get_device_name(0) if device == "cuda" else platform.processor() or platform.machine()
-    mem_gib = (torch.cuda.get_device_properties(0).total_memory / 2**30 if device == "cuda" else 16.0)
+    mem_gib = torch.cuda.get_device_properties(0).total_memory / 2**30 if device == "cuda" else 16.0
     link = max(a2a, 1e-3)
     return {
-        "name": f"calibrated {device}: {name}", "bf16_tflops": gemm, "fp8_tflops": 0.0, "hbm_gib": mem_gib,
-        "hbm_tbps": measured["copy_tbps"], "nvlink_gbps": link, "nic_gbps": link,
+        "name": f"calibrated {device}: {name}",
+        "bf16_tflops": gemm,
+        "fp8_tflops": 0.0,
+        "hbm_gib": mem_gib,
+        "hbm_tbps": measured["copy_tbps"],
+        "nvlink_gbps": link,
+        "nic_gbps": link,
         "gpus_per_node": max(8, world_size) if device == "cpu" else max(1, world_size),
-        "nvlink_latency_us": 10.0, "nic_latency_us": 20.0, "reserved_gib": 0.5,
+        "nvlink_latency_us": 10.0,
+        "nic_latency_us": 20.0,
+        "reserved_gib": 0.5,
         "host": calibrate_host(measured) if device == "cpu" else None,
-        "efficiency": {"gemm": 1.0, "grouped_gemm": 1.0 if device == "cpu" else 0.8,
-                       "attention": min(1.0, attn / gemm), "kda": 0.3, "hbm": 1.0, "nvlink": 1.0, "network": 1.0,
-                       "flash_attention": True, "gemm_half_gflop": 0.0},
-        "measured": {"device": device, "gemm_tflops": gemm, "attention_tflops": attn,
-                     "copy_tbps": measured["copy_tbps"], "all_to_all_gbps_per_rank": a2a,
-                     "world_size": world_size, "backend": backend, "quick": measured["quick"],
-                     "sizes": measured["sizes"]},
+        "efficiency": {
+            "gemm": 1.0,
+            "grouped_gemm": 1.0 if device == "cpu" else 0.8,
+            "attention": min(1.0, attn / gemm),
+            "kda": 0.3,
+            "hbm": 1.0,
+            "nvlink": 1.0,
+            "network": 1.0,
+            "flash_attention": True,
+            "gemm_half_gflop": 0.0,
+        },
+        "measured": {
+            "device": device,
+            "gemm_tflops": gemm,
+            "attention_tflops": attn,
+            "copy_tbps": measured["copy_tbps"],
+            "all_to_all_gbps_per_rank": a2a,
+            "world_size": world_size,
+            "backend": backend,
+            "quick": measured["quick"],
+            "sizes": measured["sizes"],
+        },
     }
 
 

@@ -1,29 +1,61 @@
 """``moonep simulate run | search | whatif | calibrate`` (also ``python -m simulator simulate ...``).
 
+The cost model is imported at module level (``import simulator`` loads it anyway: it is numbers only); the
+calibration, which imports torch, only in its handler, so ``--help`` loads no torch.
+
 Exit status: 0 feasible, 1 infeasible (the reason is printed and in the JSON), 2 usage errors.
 """
+
 from __future__ import annotations
 
 import argparse
+import json
+import sys
+
+from moonep_base import write_json
+from simulator.analytic import simulate
+from simulator.hardware import load_hardware
+from simulator.memory import GIB, inference_memory
+from simulator.network import ClusterSpec
+from simulator.parallel import ParallelConfig
+from simulator.report import format_result, format_search, write_plots
+from simulator.search import SearchSpace, search
+from simulator.specs import load_model
+from simulator.whatif import whatif
 
 
 def register(commands, bench) -> None:
-    p = commands.add_parser("simulate", help="capacity planning: step time, memory, MFU and cost of a training job",
-                            description="Analytic and event-level simulator of MoE/dense training on GPU clusters.")
+    p = commands.add_parser(
+        "simulate",
+        help="capacity planning: step time, memory, MFU and cost of a training job",
+        description="Analytic and event-level simulator of MoE/dense training on GPU clusters.",
+    )
     sub = p.add_subparsers(dest="simulate_command", metavar="SUBCOMMAND")
     p.set_defaults(func=lambda args: _usage(p))
+    _register_run(sub)
+    _register_search(sub)
+    _register_whatif(sub)
+    _register_calibrate(sub)
 
+
+def _register_run(sub) -> None:
     run = sub.add_parser("run", help="predict one configuration (table; --json for the stable JSON)")
     _model_args(run)
     _parallel_args(run)
     run.add_argument("--engine", choices=("analytic", "event"), default="analytic", help="which engine times it")
     run.add_argument("--plots", metavar="DIR", help="write timeline, memory and maxvio plots (+ JSON) here")
-    run.add_argument("--inference-context", type=int, metavar="TOKENS",
-                     help="also report inference memory per GPU at this context length")
+    run.add_argument(
+        "--inference-context",
+        type=int,
+        metavar="TOKENS",
+        help="also report inference memory per GPU at this context length",
+    )
     run.add_argument("--inference-batch", type=int, default=1, help="sequences for --inference-context")
     run.add_argument("--json", metavar="FILE", help="write the result as JSON")
     run.set_defaults(func=_run)
 
+
+def _register_search(sub) -> None:
     se = sub.add_parser("search", help="rank feasible parallel layouts by tokens/s/GPU")
     _model_args(se)
     _job_args(se)
@@ -36,23 +68,41 @@ def register(commands, bench) -> None:
     se.add_argument("--json", metavar="FILE", help="write the ranked results as JSON")
     se.set_defaults(func=_search)
 
+
+def _register_whatif(sub) -> None:
     wi = sub.add_parser("whatif", help="step-time impact of slow GPUs and degraded links")
     _model_args(wi)
     _parallel_args(wi)
-    wi.add_argument("--slow", action="append", default=[], metavar="RANK=FACTOR",
-                    help="GPU RANK's kernels take FACTOR x longer (repeatable)")
-    wi.add_argument("--link", action="append", default=[], metavar="WHO=FACTOR",
-                    help="RANK:nic=0.5, RANK:nvlink=0.5 or leaf:I=0.5 (bandwidth factor; repeatable)")
+    wi.add_argument(
+        "--slow",
+        action="append",
+        default=[],
+        metavar="RANK=FACTOR",
+        help="GPU RANK's kernels take FACTOR x longer (repeatable)",
+    )
+    wi.add_argument(
+        "--link",
+        action="append",
+        default=[],
+        metavar="WHO=FACTOR",
+        help="RANK:nic=0.5, RANK:nvlink=0.5 or leaf:I=0.5 (bandwidth factor; repeatable)",
+    )
     wi.add_argument("--engine", choices=("analytic", "event"), default="event")
     wi.add_argument("--json", metavar="FILE", help="write the result as JSON")
     wi.set_defaults(func=_whatif)
 
+
+def _register_calibrate(sub) -> None:
     ca = sub.add_parser("calibrate", help="measure GEMM, attention, copy and all-to-all; write a hardware profile")
     ca.add_argument("--world-size", type=int, default=2, help="local ranks for the all-to-all (1 skips it)")
     ca.add_argument("--backend", choices=("torch", "mpi"), default="torch")
     ca.add_argument("--quick", action="store_true", help="small sizes, few repeats (smoke run)")
-    ca.add_argument("--model", default=None, help="measure GEMM, framework ops and KDA at this model's sizes "
-                    "(preset or config.json; default: the k3-tiny shapes)")
+    ca.add_argument(
+        "--model",
+        default=None,
+        help="measure GEMM, framework ops and KDA at this model's sizes "
+        "(preset or config.json; default: the k3-tiny shapes)",
+    )
     ca.add_argument("--seq-len", type=int, default=None, help="sequence length for --model (default: the model's)")
     ca.add_argument("--micro-batch", type=int, default=1, help="sequences per rank for --model")
     ca.add_argument("--out", "--json", dest="out", default="hardware_profile.json", help="profile JSON to write")
@@ -60,15 +110,17 @@ def register(commands, bench) -> None:
 
 
 def _usage(p) -> int:
-    import sys
-
     p.print_help(sys.stderr)
     return 2
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="k3", help="preset (k3, kimi-k2, deepseek-v3, llama3-405b, gpt3-175b, "
-                   "gpt-22b/175b/530b/1t) or a config.json / ModelSpec JSON")
+    p.add_argument(
+        "--model",
+        default="k3",
+        help="preset (k3, kimi-k2, deepseek-v3, llama3-405b, gpt3-175b, "
+        "gpt-22b/175b/530b/1t) or a config.json / ModelSpec JSON",
+    )
     p.add_argument("--hardware", default="h200", help="a100, h100, h800, h200, b200 or a hardware JSON")
     p.add_argument("--gpus", type=int, required=True, help="GPUs in the job")
     p.add_argument("--topology", choices=("rail", "fat-tree"), default="rail", help="scale-out network")
@@ -99,37 +151,62 @@ def _parallel_args(p: argparse.ArgumentParser) -> None:
 
 def _setup(args):
     """(model spec, hardware, cluster, parallel config or reason) from the flags; raises ValueError."""
-    from simulator.hardware import load_hardware
-    from simulator.network import ClusterSpec
-    from simulator.parallel import ParallelConfig
-    from simulator.specs import load_model
-
     spec, hw = load_model(args.model), load_hardware(args.hardware)
-    cluster = ClusterSpec(topology=args.topology, oversubscription=args.oversubscription,
-                          nodes_per_leaf=args.nodes_per_leaf)
+    cluster = ClusterSpec(
+        topology=args.topology, oversubscription=args.oversubscription, nodes_per_leaf=args.nodes_per_leaf
+    )
     seq = args.seq_len or spec.seq_len
     gbt = args.global_batch_tokens or max(2**24, seq * args.gpus)
     if not hasattr(args, "tp"):
-        return spec, hw, cluster, ParallelConfig(seq_len=seq, global_batch_tokens=gbt, precision=args.precision,
-                                                 dispatcher=args.dispatcher, maxvio=args.maxvio,
-                                                 zero_stage=args.zero)
+        return (
+            spec,
+            hw,
+            cluster,
+            ParallelConfig(
+                seq_len=seq,
+                global_batch_tokens=gbt,
+                precision=args.precision,
+                dispatcher=args.dispatcher,
+                maxvio=args.maxvio,
+                zero_stage=args.zero,
+            ),
+        )
     denom = args.tp * args.cp * args.pp
     dp = args.dp if args.dp is not None else args.gpus // denom
     if dp < 1:
         raise ValueError(f"TP x CP x PP = {denom} is larger than {args.gpus} GPUs")
-    par = ParallelConfig(tp=args.tp, pp=args.pp, ep=args.ep, cp=args.cp, dp=dp, vpp=args.vpp,
-                         micro_batch=args.micro_batch, global_batch_tokens=gbt, seq_len=seq,
-                         recompute=args.recompute, zero_stage=args.zero, schedule=args.schedule,
-                         dispatcher=args.dispatcher, maxvio=args.maxvio, precision=args.precision,
-                         sequence_parallel=not args.no_sequence_parallel)
+    par = ParallelConfig(
+        tp=args.tp,
+        pp=args.pp,
+        ep=args.ep,
+        cp=args.cp,
+        dp=dp,
+        vpp=args.vpp,
+        micro_batch=args.micro_batch,
+        global_batch_tokens=gbt,
+        seq_len=seq,
+        recompute=args.recompute,
+        zero_stage=args.zero,
+        schedule=args.schedule,
+        dispatcher=args.dispatcher,
+        maxvio=args.maxvio,
+        precision=args.precision,
+        sequence_parallel=not args.no_sequence_parallel,
+    )
     return spec, hw, cluster, par
 
 
 def _bad(args, reason: str) -> int:
-    from moonep.cli import write_json
-
-    out = {"feasible": False, "reason": reason, "step_time_s": None, "tokens_per_s_per_gpu": None,
-           "tflops_per_gpu": None, "mfu": None, "memory_gib_per_gpu": None, "breakdown": {}}
+    out = {
+        "feasible": False,
+        "reason": reason,
+        "step_time_s": None,
+        "tokens_per_s_per_gpu": None,
+        "tflops_per_gpu": None,
+        "mfu": None,
+        "memory_gib_per_gpu": None,
+        "breakdown": {},
+    }
     print(f"INFEASIBLE: {reason}")
     if getattr(args, "json", None):
         write_json(args.json, out)
@@ -137,10 +214,6 @@ def _bad(args, reason: str) -> int:
 
 
 def _run(args) -> int:
-    from moonep.cli import write_json
-    from simulator.analytic import simulate
-    from simulator.report import format_result, write_plots
-
     try:
         spec, hw, cluster, par = _setup(args)
     except (ValueError, OSError) as exc:
@@ -148,8 +221,6 @@ def _run(args) -> int:
     res = simulate(spec, hw, par, args.gpus, cluster, engine=args.engine)
     out = _clean(res.to_dict())
     if args.inference_context:
-        from simulator.memory import GIB, inference_memory
-
         inf = inference_memory(spec, batch=args.inference_batch, context=args.inference_context, tp=par.tp, ep=par.ep)
         out["inference_memory_gib"] = {k: (v / GIB if "per_" not in k else v) for k, v in inf.items()}
     print(format_result(res))
@@ -168,19 +239,18 @@ def _clean(d: dict) -> dict:
 
 
 def _search(args) -> int:
-    from moonep.cli import write_json
-    from simulator.report import format_search
-    from simulator.search import SearchSpace, search
-
     try:
         spec, hw, cluster, base = _setup(args)
-        space = SearchSpace(schedules=tuple(args.schedules.split(",")),
-                            recompute=tuple(args.recompute_modes.split(",")),
-                            micro_batch=tuple(int(x) for x in args.micro_batches.split(",")))
+        space = SearchSpace(
+            schedules=tuple(args.schedules.split(",")),
+            recompute=tuple(args.recompute_modes.split(",")),
+            micro_batch=tuple(int(x) for x in args.micro_batches.split(",")),
+        )
     except (ValueError, OSError) as exc:
         return _bad(args, str(exc))
-    report = search(spec, hw, args.gpus, base, cluster, space, top=args.top, event_top=args.event_top,
-                    max_seconds=args.max_seconds)
+    report = search(
+        spec, hw, args.gpus, base, cluster, space, top=args.top, event_top=args.event_top, max_seconds=args.max_seconds
+    )
     report["results"] = [_clean(r) for r in report["results"]]
     print(format_search(report))
     if args.json:
@@ -202,11 +272,6 @@ def _parse_links(items: list[str]) -> list[dict]:
 
 
 def _whatif(args) -> int:
-    import json
-
-    from moonep.cli import write_json
-    from simulator.whatif import whatif
-
     try:
         spec, hw, cluster, par = _setup(args)
         slow = {int(k): float(v) for k, v in (s.split("=") for s in args.slow)}
@@ -221,25 +286,31 @@ def _whatif(args) -> int:
 
 
 def _calibrate(args) -> int:
-    from moonep.cli import write_json
-    from simulator.calibrate import CalibrationSizes, calibrate
+    from simulator.calibrate import CalibrationSizes, calibrate  # heavy: torch, kept out of --help
 
     try:
-        sizes = (CalibrationSizes.from_model(args.model, args.seq_len, args.micro_batch) if args.model
-                 else CalibrationSizes())
+        sizes = (
+            CalibrationSizes.from_model(args.model, args.seq_len, args.micro_batch)
+            if args.model
+            else CalibrationSizes()
+        )
     except (ValueError, OSError) as exc:
         print(f"calibrate: {exc}")
         return 2
     profile = calibrate(world_size=args.world_size, quick=args.quick, backend=args.backend, sizes=sizes)
     m = profile["measured"]
-    print(f"{profile['name']}: GEMM {m['gemm_tflops']:.3f} TFLOP/s, attention {m['attention_tflops']:.3f} "
-          f"TFLOP/s, copy {m['copy_tbps'] * 1e3:.1f} GB/s, all-to-all {m['all_to_all_gbps_per_rank']:.2f} "
-          f"GB/s per rank ({m['world_size']} ranks)")
+    print(
+        f"{profile['name']}: GEMM {m['gemm_tflops']:.3f} TFLOP/s, attention {m['attention_tflops']:.3f} "
+        f"TFLOP/s, copy {m['copy_tbps'] * 1e3:.1f} GB/s, all-to-all {m['all_to_all_gbps_per_rank']:.2f} "
+        f"GB/s per rank ({m['world_size']} ranks)"
+    )
     if profile["host"]:
         h = profile["host"]
-        print(f"host: {h['op_fwd_us']:.1f}/{h['op_bwd_us']:.1f} us per forward/backward op at {h['ref_elements']} "
-              f"elements, KDA call {h['kda_us'] / 1e3:.2f} ms, all-to-all call {h['a2a_call_us']:.0f} us, "
-              f"{h['effective_cores']:.2f} effective cores for {h['ranks']} ranks ({h['cores']} cores)")
+        print(
+            f"host: {h['op_fwd_us']:.1f}/{h['op_bwd_us']:.1f} us per forward/backward op at {h['ref_elements']} "
+            f"elements, KDA call {h['kda_us'] / 1e3:.2f} ms, all-to-all call {h['a2a_call_us']:.0f} us, "
+            f"{h['effective_cores']:.2f} effective cores for {h['ranks']} ranks ({h['cores']} cores)"
+        )
     write_json(args.out, profile)
     print(f"wrote {args.out} (use it as --hardware {args.out})")
     return 0

@@ -13,21 +13,21 @@ Modelling choices (why, not just what):
 - MoE: dispatch + combine forward, their transposes backward. ``classic``: the busiest EP rank has
   ``(1 + maxvio)`` x the mean tokens, so expert GEMMs and the all-to-all (incast) scale by it, the excess
   reported as ``imbalance``. ``moonep``: exact balance, plus the replica-weight traffic of the busiest
-  receiver (``replicas_per_rank``: priced by ``planner.plan`` on a synthetic load of that ``maxvio``, or the
-  closed-form upper bound ``min(E/EP, ceil(maxvio E/EP))`` without the planner) per layer per micro-batch,
+  receiver (``replicas.replicas_per_rank``: priced by ``planner.plan`` on a synthetic load of that ``maxvio``, or
+  the closed-form upper bound ``min(E/EP, ceil(maxvio E/EP))`` without the planner) per layer per micro-batch,
   fetched forward, fetched again and their gradients returned backward.
 """
+
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
-from functools import lru_cache
 
 from simulator import host
 from simulator import network as net
 from simulator.hardware import HardwareSpec
 from simulator.layers import layer_stats
 from simulator.parallel import ParallelConfig
+from simulator.replicas import replicas_per_rank
 from simulator.specs import ModelSpec
 
 COMPUTE_CLASSES = ("gemm", "grouped_gemm", "attention", "kda", "elementwise", "imbalance", "recompute", "host")
@@ -60,50 +60,24 @@ class ChunkCost:
         return sum(d[k] for k in COMPUTE_CLASSES)
 
 
-def replicas_per_rank(spec: ModelSpec, par: ParallelConfig) -> int:
-    """Replica experts a ``moonep`` plan moves to the busiest receiving EP rank per layer (0 when balanced).
-
-    Priced by ``planner.plan`` on a synthetic load with the requested ``maxvio`` when the planner is importable
-    (``replica_model`` says which); otherwise the closed-form upper bound ``min(E/EP, ceil(maxvio E/EP))``.
-    """
-    if par.dispatcher != "moonep" or not spec.is_moe or par.ep == 1 or par.maxvio <= 0:
-        return 0
-    return _replicas(spec.num_experts, par.ep, round(par.maxvio, 4))[0]
-
-
-def replica_model() -> str:
-    """``planner`` when replica traffic is priced by ``planner.plan``, else ``closed-form``."""
-    try:
-        import planner  # noqa: F401
-    except ImportError:
-        return "closed-form"
-    return "planner"
-
-
-@lru_cache(maxsize=256)
-def _replicas(E: int, R: int, maxvio: float) -> tuple[int, str]:
-    epn = E // R
-    bound = min(epn, math.ceil(maxvio * epn - 1e-9))
-    if replica_model() != "planner" or maxvio >= R - 1:
-        return bound, "closed-form"
-    import numpy as np
-    import planner
-
-    # Rank 0's experts are hot so that its load is (1 + maxvio) x the mean; inside it popularity halves
-    # expert by expert (a realistic hot-expert shape); every source rank routes the same distribution.
-    w_hot = (1 + maxvio) * (R - 1) / (R - 1 - maxvio)
-    inner = 0.5 ** np.arange(epn)
-    p = np.ones(E)
-    p[:epn] = w_hot * epn * inner / inner.sum()
-    rows = np.round(4096 * 16 * p / p.sum()).astype(np.int64)
-    plan = planner.plan(np.tile(rows, (R, 1)))
-    return int((plan.experts_to_copy >= 0).sum(axis=1).max()), "planner"
-
-
 def _size(eff, flops: float) -> float:
     """Size factor of the GEMM efficiency curve for one GEMM of ``flops``."""
     half = eff.gemm_half_gflop * 1e9
     return flops / (flops + half) if half > 0 else 1.0
+
+
+def _ep_seconds(spec, par, st, t, tiers, comm_scale, skew) -> tuple[float, float]:
+    """Raw (forward, backward) seconds of one MoE layer's EP traffic: dispatch, combine, replica weights."""
+    if par.ep <= 1:
+        return 0.0, 0.0
+    tp = par.tp
+    epg = net.group(par.ep, tp, tiers)
+    rows = t / tp * spec.top_k * st.dispatch_dim
+    disp = rows * (1.03 if par.precision == "fp8" else 2.0)  # fp8 payload + one fp32 scale per 128
+    weights = net.all_to_all(replicas_per_rank(spec, par) * st.expert_bytes_bf16 / tp, epg, tiers, comm_scale)
+    tokens = net.all_to_all(rows * 2.0, epg, tiers, comm_scale, incast=skew)
+    ep_f = net.all_to_all(disp, epg, tiers, comm_scale, incast=skew) + tokens + weights
+    return ep_f, 2 * tokens + 2 * weights
 
 
 def _layer(spec, hw, par, kind, t, tiers, scale, comm_scale):
@@ -145,15 +119,7 @@ def _layer(spec, hw, par, kind, t, tiers, scale, comm_scale):
         else:
             ring = net.all_gather(t * st.cp_kv_bytes / tp * par.cp, cpg, tiers, comm_scale)
             cp_f, cp_b = max(0.0, ring - f["attention"]), max(0.0, 2 * ring - b["attention"])
-    ep_f = ep_b = 0.0
-    if kind[1] == "moe" and par.ep > 1:
-        epg = net.group(par.ep, tp, tiers)
-        rows = t / tp * spec.top_k * st.dispatch_dim
-        disp = rows * (1.03 if par.precision == "fp8" else 2.0)  # fp8 payload + one fp32 scale per 128
-        weights = replicas_per_rank(spec, par) * st.expert_bytes_bf16 / tp
-        a2a = lambda n: net.all_to_all(n, epg, tiers, comm_scale, incast=skew)
-        ep_f = a2a(disp) + a2a(rows * 2.0) + net.all_to_all(weights, epg, tiers, comm_scale)
-        ep_b = 2 * a2a(rows * 2.0) + 2 * net.all_to_all(weights, epg, tiers, comm_scale)
+    ep_f, ep_b = _ep_seconds(spec, par, st, t, tiers, comm_scale, skew) if kind[1] == "moe" else (0.0, 0.0)
     f["tp"], b["tp"], f["cp"], b["cp"] = tp_f, tp_f, cp_f, cp_b
     keep = 1.0 - eff.ep_overlap if par.schedule != "dualpipe" else 1.0
     f["ep"], b["ep"] = ep_f * keep, ep_b * keep
@@ -186,17 +152,27 @@ def _recompute(par: ParallelConfig, f: dict, s2: float) -> float:
     if par.recompute == "none":
         return 0.0
     if par.recompute == "full":
-        return sum(f[k] for k in ("gemm", "grouped_gemm", "imbalance", "attention", "kda", "elementwise",
-                                  "tp", "cp", "ep"))
+        return sum(
+            f[k] for k in ("gemm", "grouped_gemm", "imbalance", "attention", "kda", "elementwise", "tp", "cp", "ep")
+        )
     extra = f["attention"] + s2
     if par.recompute == "selective+act":
         extra += 0.3 * (f["elementwise"] - s2) + 0.5 * f["kda"]
     return extra
 
 
-def chunk_cost(spec: ModelSpec, hw: HardwareSpec, par: ParallelConfig, layers: list[int], tiers: net.Tiers,
-               *, first: bool = False, last: bool = False, scale: float = 1.0,
-               comm_scale: tuple[float, float, float] = (1.0, 1.0, 1.0)) -> ChunkCost:
+def chunk_cost(
+    spec: ModelSpec,
+    hw: HardwareSpec,
+    par: ParallelConfig,
+    layers: list[int],
+    tiers: net.Tiers,
+    *,
+    first: bool = False,
+    last: bool = False,
+    scale: float = 1.0,
+    comm_scale: tuple[float, float, float] = (1.0, 1.0, 1.0),
+) -> ChunkCost:
     """Costs of ``layers`` for one micro-batch; ``first``/``last`` add the embedding / LM head and loss.
 
     ``scale`` >= 1 slows this GPU's compute (what-if); ``comm_scale`` multiplies each tier's bandwidth.

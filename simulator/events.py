@@ -12,6 +12,7 @@ opposite directions whose EP all-to-alls hide under each other's compute, then c
 its published description without the zero-bubble weight/input split (a backward includes its weight
 gradient). Micro-batches 0..m/2-1 enter at rank 0, m/2..m-1 at rank p-1.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -110,11 +111,12 @@ def _duration(entry, costs_r, par) -> tuple[float, float]:
     loc = [(k, costs_r[_locate(par, d, s)[1]]) for k, d, _, s in entry]
     if len(loc) == 1:
         k, c = loc[0]
-        return ((c.tf - c.fwd["ep"], c.fwd["ep"]) if k == "F" else (c.tb - c.bwd["ep"], c.bwd["ep"]))
+        return (c.tf - c.fwd["ep"], c.fwd["ep"]) if k == "F" else (c.tb - c.bwd["ep"], c.bwd["ep"])
     comp = sum((c.tf - c.fwd["ep"]) if k == "F" else (c.tb - c.bwd["ep"]) for k, c in loc)
     ep = sum(c.ep_raw_fwd if k == "F" else c.ep_raw_bwd for k, c in loc)
-    solo = max(((c.tf - c.fwd["ep"] + c.ep_raw_fwd) if k == "F" else (c.tb - c.bwd["ep"] + c.ep_raw_bwd))
-               for k, c in loc)
+    solo = max(
+        ((c.tf - c.fwd["ep"] + c.ep_raw_fwd) if k == "F" else (c.tb - c.bwd["ep"] + c.ep_raw_bwd)) for k, c in loc
+    )
     return max(comp, ep, solo), 0.0
 
 

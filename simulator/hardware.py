@@ -5,6 +5,7 @@ Efficiencies are the *only* tuning knobs and there is exactly one set per hardwa
 A100 set was fitted once to all eight Korthikanti et al. runs together (see ``simulator/README.md``); the Hopper
 and Blackwell sets are engineering estimates, to be replaced by ``moonep simulate calibrate`` profiles.
 """
+
 from __future__ import annotations
 
 import json
@@ -118,18 +119,23 @@ class HostSpec:
 
     def __post_init__(self):
         if self.timing != "shared_wall":
-            raise ValueError(f"HostSpec.timing must be 'shared_wall', got {self.timing!r}: the profile is from an "
-                             "older `moonep simulate calibrate` (solo CPU times); calibrate again")
+            raise ValueError(
+                f"HostSpec.timing must be 'shared_wall', got {self.timing!r}: the profile is from an "
+                "older `moonep simulate calibrate` (solo CPU times); calibrate again"
+            )
         if not isinstance(self.cores, int) or self.cores < 1 or not isinstance(self.ranks, int) or self.ranks < 1:
             raise ValueError(f"HostSpec.cores and ranks must be positive integers, got {self.cores!r}, {self.ranks!r}")
         if not 0 < self.effective_cores <= self.ranks + 1e-9:
-            raise ValueError(f"HostSpec.effective_cores must be in (0, ranks={self.ranks}], "
-                             f"got {self.effective_cores!r}")
+            raise ValueError(
+                f"HostSpec.effective_cores must be in (0, ranks={self.ranks}], got {self.effective_cores!r}"
+            )
         for f in fields(self):
             if f.name not in ("timing", "cores", "ranks", "effective_cores") and not getattr(self, f.name) >= 0:
                 raise ValueError(f"HostSpec.{f.name} must be >= 0, got {getattr(self, f.name)!r}")
-        if min(self.ref_elements, self.kda_elements, self.kda_tiny_elements) < 1 or \
-                self.kda_elements <= self.kda_tiny_elements:
+        if (
+            min(self.ref_elements, self.kda_elements, self.kda_tiny_elements) < 1
+            or self.kda_elements <= self.kda_tiny_elements
+        ):
             raise ValueError("HostSpec: ref_elements, kda_*elements must be >= 1 and kda_elements > kda_tiny_elements")
 
     def stretch(self, local_ranks: int) -> float:
@@ -220,25 +226,91 @@ class HardwareSpec:
 
 # A100 set: fitted once, jointly, to the eight Korthikanti et al. 2022 runs (Megatron-LM 2022: no fused
 # attention, no TP/DP overlap); see simulator/README.md. Do not tune per case.
-A100_EFFICIENCY = Efficiency(gemm=0.78, gemm_half_gflop=0.0, grouped_gemm=0.65, attention=0.45, kda=0.30,
-                             hbm=0.80, elementwise_bytes=75.0, nvlink=0.55, network=0.80, flash_attention=False)
+A100_EFFICIENCY = Efficiency(
+    gemm=0.78,
+    gemm_half_gflop=0.0,
+    grouped_gemm=0.65,
+    attention=0.45,
+    kda=0.30,
+    hbm=0.80,
+    elementwise_bytes=75.0,
+    nvlink=0.55,
+    network=0.80,
+    flash_attention=False,
+)
 # Hopper/Blackwell: estimates for current Megatron/TE + DeepEP-class software (TP comm overlap, overlapped DP).
-HOPPER_EFFICIENCY = Efficiency(gemm=0.62, gemm_half_gflop=10.0, grouped_gemm=0.50, attention=0.45, kda=0.30, hbm=0.80,
-                               elementwise_bytes=60.0, nvlink=0.80, network=0.85, tp_overlap=0.5, dp_overlap=0.8)
+HOPPER_EFFICIENCY = Efficiency(
+    gemm=0.62,
+    gemm_half_gflop=10.0,
+    grouped_gemm=0.50,
+    attention=0.45,
+    kda=0.30,
+    hbm=0.80,
+    elementwise_bytes=60.0,
+    nvlink=0.80,
+    network=0.85,
+    tp_overlap=0.5,
+    dp_overlap=0.8,
+)
 BLACKWELL_EFFICIENCY = replace(HOPPER_EFFICIENCY, gemm=0.60, grouped_gemm=0.48, attention=0.45)
 
 PRESETS: dict[str, HardwareSpec] = {
-    "a100": HardwareSpec(name="a100-80g", bf16_tflops=312.0, fp8_tflops=0.0, hbm_gib=80.0, hbm_tbps=2.039,
-                         nvlink_gbps=300.0, nic_gbps=25.0, reserved_gib=2.0, price_per_gpu_hour=1.5,
-                         efficiency=A100_EFFICIENCY),
-    "h100": HardwareSpec(name="h100-sxm", bf16_tflops=989.0, fp8_tflops=1979.0, hbm_gib=79.6, hbm_tbps=3.35,
-                         nvlink_gbps=450.0, nic_gbps=50.0, price_per_gpu_hour=2.5, efficiency=HOPPER_EFFICIENCY),
-    "h800": HardwareSpec(name="h800", bf16_tflops=989.0, fp8_tflops=1979.0, hbm_gib=79.6, hbm_tbps=3.35,
-                         nvlink_gbps=200.0, nic_gbps=50.0, price_per_gpu_hour=2.0, efficiency=HOPPER_EFFICIENCY),
-    "h200": HardwareSpec(name="h200", bf16_tflops=989.0, fp8_tflops=1979.0, hbm_gib=140.0, hbm_tbps=4.8,
-                         nvlink_gbps=450.0, nic_gbps=50.0, price_per_gpu_hour=3.0, efficiency=HOPPER_EFFICIENCY),
-    "b200": HardwareSpec(name="b200", bf16_tflops=2250.0, fp8_tflops=4500.0, hbm_gib=179.0, hbm_tbps=8.0,
-                         nvlink_gbps=900.0, nic_gbps=50.0, price_per_gpu_hour=5.0, efficiency=BLACKWELL_EFFICIENCY),
+    "a100": HardwareSpec(
+        name="a100-80g",
+        bf16_tflops=312.0,
+        fp8_tflops=0.0,
+        hbm_gib=80.0,
+        hbm_tbps=2.039,
+        nvlink_gbps=300.0,
+        nic_gbps=25.0,
+        reserved_gib=2.0,
+        price_per_gpu_hour=1.5,
+        efficiency=A100_EFFICIENCY,
+    ),
+    "h100": HardwareSpec(
+        name="h100-sxm",
+        bf16_tflops=989.0,
+        fp8_tflops=1979.0,
+        hbm_gib=79.6,
+        hbm_tbps=3.35,
+        nvlink_gbps=450.0,
+        nic_gbps=50.0,
+        price_per_gpu_hour=2.5,
+        efficiency=HOPPER_EFFICIENCY,
+    ),
+    "h800": HardwareSpec(
+        name="h800",
+        bf16_tflops=989.0,
+        fp8_tflops=1979.0,
+        hbm_gib=79.6,
+        hbm_tbps=3.35,
+        nvlink_gbps=200.0,
+        nic_gbps=50.0,
+        price_per_gpu_hour=2.0,
+        efficiency=HOPPER_EFFICIENCY,
+    ),
+    "h200": HardwareSpec(
+        name="h200",
+        bf16_tflops=989.0,
+        fp8_tflops=1979.0,
+        hbm_gib=140.0,
+        hbm_tbps=4.8,
+        nvlink_gbps=450.0,
+        nic_gbps=50.0,
+        price_per_gpu_hour=3.0,
+        efficiency=HOPPER_EFFICIENCY,
+    ),
+    "b200": HardwareSpec(
+        name="b200",
+        bf16_tflops=2250.0,
+        fp8_tflops=4500.0,
+        hbm_gib=179.0,
+        hbm_tbps=8.0,
+        nvlink_gbps=900.0,
+        nic_gbps=50.0,
+        price_per_gpu_hour=5.0,
+        efficiency=BLACKWELL_EFFICIENCY,
+    ),
 }
 ALIASES = {"a100-80g": "a100", "h100-sxm": "h100"}
 

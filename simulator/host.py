@@ -19,13 +19,16 @@ beyond the free cores time-share them. This module prices one rank's step from
 
 Pure model code: numbers in, numbers out.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
 
 from simulator.hardware import HardwareSpec, HostSpec
+from simulator.layers import embedding_params, head_params, layer_stats
 from simulator.parallel import ParallelConfig
+from simulator.replicas import replicas_per_rank
 from simulator.specs import ModelSpec
 
 # Framework ops per sublayer call, (forward, backward), of the k3 implementation (k3/*.py on moonep and
@@ -37,10 +40,12 @@ FWD_OPS = {"norm": 7, "attn_res": 15, "kda": 205, "mla": 84, "mha": 84, "dense":
 BWD_OPS = {"norm": 20, "attn_res": 34, "kda": 266, "mla": 132, "mha": 132, "dense": 45, "moe": 182, "ends": 0}
 MOE_SEGMENT_OPS = (21, 67)
 """Extra (forward, backward) ops per non-empty expert segment of the grouped SiTU-GLU loop."""
-NS5_BLOCK_OPS = 52
-"""Ops of one Newton-Schulz (5 steps) orthogonalisation of one Muon block."""
-MUON_PARAM_OPS, ADAMW_PARAM_OPS = 7, 13
-"""Ops per Muon parameter (momentum, split/cat, update) and per AdamW parameter."""
+NS5_STACK_OPS, NS5_SHARD_OPS = 52, 6
+"""Ops of one batched Newton-Schulz (5 steps) over a stack of same-shape Muon blocks (k3.muon stacks every
+block of one shape, whatever the layer), and the extra ops a stack's data-parallel share adds (slice, pad,
+gather)."""
+MUON_PARAM_OPS, ADAMW_PARAM_OPS = 8, 13
+"""Ops per Muon parameter (momentum, head views, update) and per AdamW parameter."""
 SYNC_OPS_PER_PARAM, CLIP_OPS_PER_PARAM = 4, 5
 """Gradient packing for the data-parallel all-reduce (per replicated tensor) and grad-norm clipping."""
 BALANCE_OPS = (66, 0)
@@ -63,6 +68,8 @@ class StepCensus:
     """The same, backward."""
     step_ops: int
     """No-grad ops outside forward/backward: optimizer, gradient packing, clipping, balancing."""
+    opt_ops: int
+    """The optimizer's share of ``step_ops`` (batched Newton-Schulz stacks, Muon and AdamW updates)."""
     replicated_params: int
     """Parameter elements all-reduced every step (everything but the routed experts)."""
     ns5_flops: float
@@ -71,8 +78,6 @@ class StepCensus:
 
 def segments(spec: ModelSpec, par: ParallelConfig) -> int:
     """Non-empty expert segments per MoE layer: local experts plus replica slots the plan fills."""
-    from simulator.costs import replicas_per_rank
-
     return spec.num_experts // par.ep + replicas_per_rank(spec, par)
 
 
@@ -88,37 +93,50 @@ def _attn_res_sources(spec: ModelSpec) -> list[tuple[int, int]]:
     return out
 
 
-def _muon_blocks(spec: ModelSpec, kind: tuple[str, str], epn: int) -> list[tuple[int, int, int]]:
-    """(count, rows, cols) of the Muon blocks of one layer: head-structured matrices split per head."""
+def _muon_blocks(spec: ModelSpec, kind: tuple[str, str], epn: int) -> list[tuple[int, int, int, bool]]:
+    """(count, rows, cols, local) of the Muon blocks of one layer: head-structured matrices split per head;
+    local = this rank's routed experts (not shared with the other data-parallel ranks)."""
     d, attn, ffn = spec.hidden, kind[0], kind[1]
     if attn == "kda":
         h, k = spec.kda_heads, spec.kda_head_dim
-        out = [(4 * h, k, d), (h, k, k), (h, d, k), (1, k, d), (1, h, d)]   # q k v g, f_b, o; f_a, beta
+        out = [
+            (4 * h, k, d, False),
+            (h, k, k, False),
+            (h, d, k, False),
+            (1, k, d, False),
+            (1, h, d, False),
+        ]  # q k v g, f_b, o; f_a, beta
     else:
         h, v = spec.num_heads, spec.v_head_dim or spec.dhead
         qk = (spec.qk_nope_dim + spec.qk_rope_dim) or spec.dhead
         ql, kvl = spec.q_lora_rank or d, spec.kv_lora_rank or d
-        out = [(h, qk, ql), (h, (spec.qk_nope_dim or qk) + v, kvl), (h, v, d), (h, d, v), (1, ql, d),
-               (1, kvl + spec.qk_rope_dim, d)]
+        out = [
+            (h, qk, ql, False),
+            (h, (spec.qk_nope_dim or qk) + v, kvl, False),
+            (h, v, d, False),
+            (h, d, v, False),
+            (1, ql, d, False),
+            (1, kvl + spec.qk_rope_dim, d, False),
+        ]
     if ffn == "dense":
-        out += [(2, spec.ffn_hidden, d), (1, d, spec.ffn_hidden)]
+        out += [(2, spec.ffn_hidden, d, False), (1, d, spec.ffn_hidden, False)]
     else:
         lat, f, fs = spec.moe_latent_dim or d, spec.moe_ffn_hidden, spec.num_shared_experts * spec.moe_ffn_hidden
-        out += [(1, lat, d), (1, d, lat), (2 * epn, f, lat), (epn, lat, f)]
-        out += [(2, fs, d), (1, d, fs)] if fs else []
+        out += [(1, lat, d, False), (1, d, lat, False), (2 * epn, f, lat, True), (epn, lat, f, True)]
+        out += [(2, fs, d, False), (1, d, fs, False)] if fs else []
     return out
 
 
 def _ns5_flops(rows: int, cols: int) -> float:
     r, c = min(rows, cols), max(rows, cols)
-    return 5 * (4.0 * r * r * c + 2.0 * r ** 3)   # X X^T, A A, (bA + cA^2) X per step
+    return 5 * (4.0 * r * r * c + 2.0 * r**3)  # X X^T, A A, (bA + cA^2) X per step
 
 
 def _param_tensors(spec: ModelSpec, kind: tuple[str, str]) -> tuple[int, int]:
     """(all parameter tensors, Muon-updated matrices) of one layer of the k3 implementation."""
     gate = int(spec.attn_output_gate)
     if kind[0] == "kda":
-        attn = (14, 8)             # q k v g o f_a f_b beta projections, 3 conv taps, A_log, dt_bias, o_norm
+        attn = (14, 8)  # q k v g o f_a f_b beta projections, 3 conv taps, A_log, dt_bias, o_norm
     elif kind[0] == "mla":
         attn = (7 + gate, 5 + gate)  # q_a, q_a norm, q_b, kv_a, kv_a norm, kv_b, o (+ gate)
     else:
@@ -132,8 +150,6 @@ def _param_tensors(spec: ModelSpec, kind: tuple[str, str]) -> tuple[int, int]:
 @lru_cache(maxsize=256)
 def census(spec: ModelSpec, par: ParallelConfig) -> StepCensus:
     """The op census of one step of ``spec`` on one rank of ``par`` (k3's eager implementation)."""
-    from simulator.layers import embedding_params, head_params, layer_stats
-
     seg = segments(spec, par) if spec.is_moe else 0
     fwd, bwd = dict(FWD_OPS), dict(BWD_OPS)
     fwd["moe"] += MOE_SEGMENT_OPS[0] * seg
@@ -148,28 +164,43 @@ def census(spec: ModelSpec, par: ParallelConfig) -> StepCensus:
         f_kind.setdefault(kind, []).append(f)
         b_kind.setdefault(kind, []).append(b)
     epn = spec.num_experts // par.ep if spec.is_moe else 0
-    tensors = muon = blocks = 0
+    tensors = muon = 0
     flops = 0.0
+    shapes: set = set()
     replicated = embedding_params(spec) + head_params(spec)
     for kind in spec.layer_kinds():
         t, m = _param_tensors(spec, kind)
         tensors, muon = tensors + t, muon + m
-        for count, rows, cols in _muon_blocks(spec, kind, epn):
-            blocks += count
-            flops += count * _ns5_flops(rows, cols)
+        for count, rows, cols, local in _muon_blocks(spec, kind, epn):
+            shapes.add((rows, cols))
+            # replicated blocks are orthogonalised once per step over all ranks (each rank its share);
+            # a rank's own routed experts stay local
+            flops += count * _ns5_flops(rows, cols) / (1 if local else par.dp)
         st = layer_stats(spec, kind)
         replicated += st.dense_params
     tensors += 5  # embedding, LM head, final norm, output AttnRes query and gain
     moe_layers = sum(1 for k in spec.layer_kinds() if k[1] == "moe")
     expert_tensors = 3 * moe_layers
-    step = (NS5_BLOCK_OPS * blocks + MUON_PARAM_OPS * muon + ADAMW_PARAM_OPS * (tensors - muon)
-            + SYNC_OPS_PER_PARAM * (tensors - expert_tensors) + CLIP_OPS_PER_PARAM * tensors
-            + moe_layers * (BALANCE_OPS[0] + BALANCE_OPS[1] * spec.num_experts))
+    ns_ops = (NS5_STACK_OPS + (NS5_SHARD_OPS if par.dp > 1 else 0)) * len(shapes)
+    opt = ns_ops + MUON_PARAM_OPS * muon + ADAMW_PARAM_OPS * (tensors - muon)
+    step = (
+        opt
+        + SYNC_OPS_PER_PARAM * (tensors - expert_tensors)
+        + CLIP_OPS_PER_PARAM * tensors
+        + moe_layers * (BALANCE_OPS[0] + BALANCE_OPS[1] * spec.num_experts)
+    )
     avg = lambda d: {k: sum(v) / len(v) for k, v in d.items()}  # noqa: E731
     out_mix = (fwd["attn_res"], bwd["attn_res"] + sources[-1][1]) if spec.attn_res else (0, 0)
-    return StepCensus(fwd_ops=avg(f_kind), bwd_ops=avg(b_kind), ends_fwd=fwd["ends"] + out_mix[0] + fwd["norm"],
-                      ends_bwd=bwd["ends"] + out_mix[1] + bwd["norm"], step_ops=step, replicated_params=replicated,
-                      ns5_flops=flops)
+    return StepCensus(
+        fwd_ops=avg(f_kind),
+        bwd_ops=avg(b_kind),
+        ends_fwd=fwd["ends"] + out_mix[0] + fwd["norm"],
+        ends_bwd=bwd["ends"] + out_mix[1] + bwd["norm"],
+        step_ops=step,
+        opt_ops=opt,
+        replicated_params=replicated,
+        ns5_flops=flops,
+    )
 
 
 def op_seconds(host: HostSpec, elements: float) -> tuple[float, float]:
@@ -207,21 +238,19 @@ def moe_comm_seconds(spec: ModelSpec, hw: HardwareSpec, par: ParallelConfig, tok
     host = hw.host
     if par.ep == 1 or host is None:
         return 0.0, 0.0
-    from simulator.costs import replicas_per_rank
-    from simulator.layers import layer_stats
-
     st = layer_stats(spec, next(k for k in spec.layer_kinds() if k[1] == "moe"))
     slots = tokens * spec.top_k
     rows = tokens * min(spec.top_k, par.ep) * st.dispatch_dim * 4.0
-    weights = replicas_per_rank(spec, par) * st.expert_bytes_bf16 * 2.0 / 3   # fp32, one of w1/w3/w2
+    weights = replicas_per_rank(spec, par) * st.expert_bytes_bf16 * 2.0 / 3  # fp32, one of w1/w3/w2
     ag = host.all_gather_call_us * 1e-6
     fwd = ag + _a2a(host, slots * 24) + 2 * _a2a(host, rows) + 3 * _a2a(host, weights) + _all_reduce(host, 8, False)
     bwd = 2 * _all_reduce(host, 8, False) + 2 * _a2a(host, rows) + 3 * _a2a(host, weights) + _a2a(host, slots * 4)
     return fwd, bwd
 
 
-def layer_host(spec: ModelSpec, hw: HardwareSpec, par: ParallelConfig, kind: tuple[str, str],
-               tokens: float) -> tuple[float, float, float]:
+def layer_host(
+    spec: ModelSpec, hw: HardwareSpec, par: ParallelConfig, kind: tuple[str, str], tokens: float
+) -> tuple[float, float, float]:
     """(forward framework-op seconds, backward framework-op seconds, KDA kernel seconds) of one layer."""
     host = hw.host
     c = census(spec, par)
@@ -244,16 +273,17 @@ def step_host(spec: ModelSpec, hw: HardwareSpec, par: ParallelConfig) -> tuple[f
     checked all-reduce of the replicated gradients (fp32), the grad-norm and QK-Clip all-reduces and the
     balancing all-reduce of load counts and histograms (int64)."""
     host, c, share = hw.host, census(spec, par), share_factor(hw, par)
-    opt = (c.step_ops * host.op_nograd_tiny_us * 1e-6 * share
-           + c.ns5_flops / (hw.bf16_tflops * 1e12) * stretch(hw, par))
+    opt = c.step_ops * host.op_nograd_tiny_us * 1e-6 * share + c.ns5_flops / (hw.bf16_tflops * 1e12) * stretch(hw, par)
     if par.dp * par.cp == 1:
         return opt, 0.0
     moe_layers = sum(1 for k in spec.layer_kinds() if k[1] == "moe")
     mla_layers = sum(1 for k in spec.layer_kinds() if k[0] != "kda")
-    comm = (_all_reduce(host, 4.0 * (c.replicated_params + 1), True) + _all_reduce(host, 8.0, True)
-            + (_all_reduce(host, 4.0 * mla_layers * spec.num_heads, True) if mla_layers else 0.0)
-            + (_all_reduce(host, 8.0 * moe_layers * spec.num_experts * (1 + HIST_BINS), True) if moe_layers
-               else 0.0))
+    comm = (
+        _all_reduce(host, 4.0 * (c.replicated_params + 1), True)
+        + _all_reduce(host, 8.0, True)
+        + (_all_reduce(host, 4.0 * mla_layers * spec.num_heads, True) if mla_layers else 0.0)
+        + (_all_reduce(host, 8.0 * moe_layers * spec.num_experts * (1 + HIST_BINS), True) if moe_layers else 0.0)
+    )
     return opt, comm * share
 
 
@@ -283,5 +313,19 @@ def time_share(hw: HardwareSpec, par: ParallelConfig, part: dict) -> dict:
     return {n: v * (share if n in HOST_TIMED else k) for n, v in part.items()}
 
 
-__all__ = ["StepCensus", "census", "segments", "op_seconds", "kda_seconds", "moe_comm_seconds", "layer_host",
-           "ends_host", "step_host", "stretch", "share_factor", "time_share", "local_ranks", "HOST_TIMED"]
+__all__ = [
+    "StepCensus",
+    "census",
+    "segments",
+    "op_seconds",
+    "kda_seconds",
+    "moe_comm_seconds",
+    "layer_host",
+    "ends_host",
+    "step_host",
+    "stretch",
+    "share_factor",
+    "time_share",
+    "local_ranks",
+    "HOST_TIMED",
+]

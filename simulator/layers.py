@@ -14,6 +14,7 @@ Conventions (stated because published tables differ):
   ``34 s b h + 5 a s^2 b`` bytes (no recompute), of which ``10 s b h`` is not split by TP without sequence
   parallelism. Other layer types are generalised term by term (bf16 tensors = 2 bytes, dropout masks = 1 byte).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -71,8 +72,18 @@ def _attention(spec: ModelSpec, kind: str) -> dict:
         p = nh * d
         mat = 4 * h * p + p * h + h * d + d * p + h * nh  # q, k, v, g, o, f_a, f_b, beta
         vec = 3 * p * spec.kda_conv + p + nh + d
-        return dict(mat=mat, vec=vec, core=0.0, kda=nh * (6 * d * d + 2 * KDA_CHUNK * 2 * d),
-                    par=20 * p + 2 * d, fn=8 * p, s2=0.0, kv=0.0, cp_kv=0.0, state=nh * d * 2 * d * 4)
+        return dict(
+            mat=mat,
+            vec=vec,
+            core=0.0,
+            kda=nh * (6 * d * d + 2 * KDA_CHUNK * 2 * d),
+            par=20 * p + 2 * d,
+            fn=8 * p,
+            s2=0.0,
+            kv=0.0,
+            cp_kv=0.0,
+            state=nh * d * 2 * d * 4,
+        )
     nh = spec.num_heads
     if kind == "mla":
         dqk, dv = spec.qk_nope_dim + spec.qk_rope_dim, spec.v_head_dim
@@ -95,8 +106,9 @@ def _attention(spec: ModelSpec, kind: str) -> dict:
     s2 = nh * (5 if spec.dropout else 2)  # softmax out (2) [+ dropout mask (1) + dropout out (2)]
     cp_kv = 2 * nh * (dqk + dv) if kind == "mla" else 2 * 2 * spec.kv_heads * dqk
     del qkv_width
-    return dict(mat=mat, vec=vec, core=2.0 * nh * (dqk + dv), kda=0.0, par=par, fn=0.0, s2=s2, kv=kv,
-                cp_kv=cp_kv, state=0.0)
+    return dict(
+        mat=mat, vec=vec, core=2.0 * nh * (dqk + dv), kda=0.0, par=par, fn=0.0, s2=s2, kv=kv, cp_kv=cp_kv, state=0.0
+    )
 
 
 def _ffn(spec: ModelSpec, kind: str) -> dict:
@@ -116,8 +128,17 @@ def _ffn(spec: ModelSpec, kind: str) -> dict:
     routed = k * (2 * de + 4 * fe + 2 * fe + 2 * de)
     latent = 6 * spec.moe_latent_dim if spec.moe_latent_dim else 0
     par = 4 * e + latent + routed + 6 * fs
-    return dict(mat=mat, vec=vec, experts=e * one, active_experts=k * one, grouped=2.0 * k * one, par=par,
-                fn=k * 2 * fe + 2 * fs, dim=de, eb=2 * one)
+    return dict(
+        mat=mat,
+        vec=vec,
+        experts=e * one,
+        active_experts=k * one,
+        grouped=2.0 * k * one,
+        par=par,
+        fn=k * 2 * fe + 2 * fs,
+        dim=de,
+        eb=2 * one,
+    )
 
 
 def _norm_params(spec: ModelSpec) -> int:
@@ -135,12 +156,24 @@ def layer_stats(spec: ModelSpec, kind: tuple[str, str]) -> LayerStats:
     dense = a["mat"] + a["vec"] + f["mat"] + f["vec"] + _norm_params(spec)
     rep = 4 * h + 2 * h + 2 * h + (2 * h if spec.dropout else 0)  # 2 norm inputs, 2 block inputs, 2 masks
     return LayerStats(
-        kind=kind, dense_params=dense, expert_params=f["experts"], active_params=dense + f["active_experts"],
-        gemm_flops=2.0 * (a["mat"] + f["mat"]), grouped_flops=f["grouped"], attn_flops_per_s=a["core"],
-        kda_flops=float(a["kda"]), act_rep=float(rep), act_par=float(a["par"] + f["par"]),
-        act_s2_per_s=float(a["s2"]) if a["core"] else 0.0, act_fn=float(a["fn"] + f["fn"]),
-        mla_kv=float(a["kv"]), cp_kv_bytes=float(a["cp_kv"]), kda_state_bytes=float(a["state"]),
-        dispatch_dim=f["dim"], expert_bytes_bf16=f["eb"])
+        kind=kind,
+        dense_params=dense,
+        expert_params=f["experts"],
+        active_params=dense + f["active_experts"],
+        gemm_flops=2.0 * (a["mat"] + f["mat"]),
+        grouped_flops=f["grouped"],
+        attn_flops_per_s=a["core"],
+        kda_flops=float(a["kda"]),
+        act_rep=float(rep),
+        act_par=float(a["par"] + f["par"]),
+        act_s2_per_s=float(a["s2"]) if a["core"] else 0.0,
+        act_fn=float(a["fn"] + f["fn"]),
+        mla_kv=float(a["kv"]),
+        cp_kv_bytes=float(a["cp_kv"]),
+        kda_state_bytes=float(a["state"]),
+        dispatch_dim=f["dim"],
+        expert_bytes_bf16=f["eb"],
+    )
 
 
 def embedding_params(spec: ModelSpec) -> int:
@@ -177,8 +210,13 @@ def param_counts(spec: ModelSpec) -> ParamCounts:
         experts += st.expert_params
     emb, head = embedding_params(spec), head_params(spec)
     head_mat = spec.vocab * spec.hidden  # a tied head still multiplies every token
-    return ParamCounts(total=total + emb + head, active=active + head + (head_mat if spec.tie_embeddings else 0),
-                       experts=experts, embedding=emb, head=head)
+    return ParamCounts(
+        total=total + emb + head,
+        active=active + head + (head_mat if spec.tie_embeddings else 0),
+        experts=experts,
+        embedding=emb,
+        head=head,
+    )
 
 
 def model_flops_per_token(spec: ModelSpec, seq_len: int) -> float:

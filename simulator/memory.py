@@ -10,15 +10,16 @@ warm-up, which gives the paper's ``1 + (p-1)/(p v)`` factor on rank 0); DualPipe
 of its two chunks and two weight copies. Full recompute keeps each layer's ``[t, H]`` input plus one layer's
 working set.
 """
+
 from __future__ import annotations
 
 import math
 from functools import lru_cache
 
-from simulator.costs import replicas_per_rank
 from simulator.hardware import HardwareSpec
 from simulator.layers import embedding_params, head_params, layer_stats
 from simulator.parallel import ParallelConfig, rank_chunks, stage_layers
+from simulator.replicas import replicas_per_rank
 from simulator.specs import ModelSpec
 
 GIB = float(2**30)
@@ -109,8 +110,16 @@ def rank_memory(spec: ModelSpec, hw: HardwareSpec, par: ParallelConfig, rank: in
         skew = 1.0 + par.maxvio if par.dispatcher == "classic" else 1.0
         ep_buf = 2 * (t / par.tp) * spec.top_k * st.dispatch_dim * 2.0 * skew  # send + receive, bf16
         ep_buf += 2 * replicas_per_rank(spec, par) * st.expert_bytes_bf16 / par.tp * 2  # weights+grads, x2 buf
-    return {"params": params, "grads": grads, "optimizer": optim, "activations": act, "kda_states": kda,
-            "mla_kv": kv, "ep_buffers": ep_buf, "reserved": hw.reserved_gib * GIB}
+    return {
+        "params": params,
+        "grads": grads,
+        "optimizer": optim,
+        "activations": act,
+        "kda_states": kda,
+        "mla_kv": kv,
+        "ep_buffers": ep_buf,
+        "reserved": hw.reserved_gib * GIB,
+    }
 
 
 def peak_memory(spec: ModelSpec, hw: HardwareSpec, par: ParallelConfig) -> tuple[int, dict[str, float]]:
@@ -123,9 +132,17 @@ def peak_memory(spec: ModelSpec, hw: HardwareSpec, par: ParallelConfig) -> tuple
     return best
 
 
-def inference_memory(spec: ModelSpec, *, batch: int, context: int, tp: int = 1, ep: int = 1,
-                     weight_bits: float = 16.0, expert_weight_bits: float | None = None,
-                     kv_bytes: float = 2.0) -> dict[str, float]:
+def inference_memory(
+    spec: ModelSpec,
+    *,
+    batch: int,
+    context: int,
+    tp: int = 1,
+    ep: int = 1,
+    weight_bits: float = 16.0,
+    expert_weight_bits: float | None = None,
+    kv_bytes: float = 2.0,
+) -> dict[str, float]:
     """Inference bytes per GPU: weights + MLA latent KV per token + fixed fp32 KDA state per sequence.
 
     For K3: MLA caches ``(512 + 64)`` values x 24 layers per token (27.6 KB in bf16); KDA keeps
@@ -149,10 +166,14 @@ def inference_memory(spec: ModelSpec, *, batch: int, context: int, tp: int = 1, 
             kv_per_token += 2 * spec.kv_heads * spec.dhead * kv_bytes / min(tp, spec.kv_heads)
     dense += embedding_params(spec) + head_params(spec)
     weights = dense * weight_bits / 8 / tp + expert * ebits / 8 / (tp * ep)
-    return {"weights": weights, "mla_kv": kv_per_token * context * batch,
-            "kda_state": state_per_seq * batch / tp, "kv_bytes_per_token": kv_per_token,
-            "kda_state_bytes_per_sequence": state_per_seq,
-            "total": weights + kv_per_token * context * batch + state_per_seq * batch / tp}
+    return {
+        "weights": weights,
+        "mla_kv": kv_per_token * context * batch,
+        "kda_state": state_per_seq * batch / tp,
+        "kv_bytes_per_token": kv_per_token,
+        "kda_state_bytes_per_sequence": state_per_seq,
+        "total": weights + kv_per_token * context * batch + state_per_seq * batch / tp,
+    }
 
 
 def gib(x: float) -> float:

@@ -12,6 +12,7 @@ by ``oversubscription``. Collectives see three tiers of per-GPU bandwidth read o
 TP fastest, then CP, then DP (EP groups are consecutive DP x CP ranks), then PP (Megatron's order), so a
 group of ``n`` ranks with rank stride ``st`` has ``k`` members per node and ``l`` per leaf domain.
 """
+
 from __future__ import annotations
 
 import math
@@ -94,9 +95,12 @@ def cluster_tiers(num_gpus: int, hw: HardwareSpec, cluster: ClusterSpec) -> Tier
     g = build_graph(small, hw, cluster)
     bw0, bw1, bw2 = tiers_from_graph(g, hw)
     eff = hw.efficiency
-    return Tiers(bw=(bw0 * eff.nvlink, bw1 * eff.network, bw2 * eff.network),
-                 alpha=(hw.nvlink_latency_us * 1e-6, hw.nic_latency_us * 1e-6, 2 * hw.nic_latency_us * 1e-6),
-                 gpus_per_node=hw.gpus_per_node, gpus_per_leaf=hw.gpus_per_node * cluster.nodes_per_leaf)
+    return Tiers(
+        bw=(bw0 * eff.nvlink, bw1 * eff.network, bw2 * eff.network),
+        alpha=(hw.nvlink_latency_us * 1e-6, hw.nic_latency_us * 1e-6, 2 * hw.nic_latency_us * 1e-6),
+        gpus_per_node=hw.gpus_per_node,
+        gpus_per_leaf=hw.gpus_per_node * cluster.nodes_per_leaf,
+    )
 
 
 # ------------------------------------------------------------------------------------------- group shapes
@@ -151,8 +155,11 @@ def all_to_all(nbytes: float, gr: Group, t: Tiers, scale=(1.0, 1.0, 1.0), incast
     if gr.n <= 1 or nbytes <= 0:
         return 0.0
     n, k, l = gr.n, gr.k, gr.l
-    parts = (nbytes * (k - 1) / n / (t.bw[0] * scale[0]), nbytes * (n - k) / n / (t.bw[1] * scale[1]),
-             nbytes * (n - l) / n / (t.bw[2] * scale[2]))
+    parts = (
+        nbytes * (k - 1) / n / (t.bw[0] * scale[0]),
+        nbytes * (n - k) / n / (t.bw[1] * scale[1]),
+        nbytes * (n - l) / n / (t.bw[2] * scale[2]),
+    )
     return max(parts) * 1e-9 * incast + t.alpha[gr.top_tier] * (1 + math.log2(n))
 
 

@@ -4,6 +4,7 @@ Sizes: TP x CP x PP x DP = GPUs; EP is carved out of the DP x CP ranks (EP divid
 are additionally split by TP (expert-TP = TP). A step processes ``global_batch_tokens`` tokens in
 ``micro_batches = global_batch_tokens / seq_len / (DP x micro_batch)`` micro-batches per pipeline.
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
@@ -117,7 +118,7 @@ def infeasible_reason(spec: ModelSpec, hw: HardwareSpec, par: ParallelConfig, gp
     if par.global_batch_tokens % par.seq_len:
         return f"global batch {par.global_batch_tokens} tokens is not a whole number of {par.seq_len}-token sequences"
     if par.sequences % (par.dp * par.micro_batch):
-        return (f"{par.sequences} sequences do not split into DP {par.dp} x micro-batch {par.micro_batch}")
+        return f"{par.sequences} sequences do not split into DP {par.dp} x micro-batch {par.micro_batch}"
     if par.seq_len % par.cp:
         return f"sequence length {par.seq_len} is not divisible by CP {par.cp}"
     if par.schedule == "interleaved" and par.vpp < 2:

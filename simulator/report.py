@@ -1,8 +1,11 @@
 """Human tables and plots (matplotlib object API, Agg): timeline, memory bar, step time vs maxvio."""
+
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
+from moonep_base import write_json
 from simulator.analytic import SimResult, pipeline_costs, simulate
 from simulator.events import simulate_pipeline
 from simulator.hardware import load_hardware
@@ -17,21 +20,41 @@ def format_result(res: SimResult | dict) -> str:
     p = d["parallel"]
     lines = [f"model {d['model']}  hardware {d['hardware']}  GPUs {d['gpus']}  engine {d['engine']}"]
     if p:
-        lines.append("  ".join(f"{k} {p[k]}" for k in ("tp", "pp", "vpp", "ep", "cp", "dp", "micro_batch",
-                                                          "seq_len", "recompute", "schedule", "dispatcher",
-                                                          "maxvio", "precision")))
+        lines.append(
+            "  ".join(
+                f"{k} {p[k]}"
+                for k in (
+                    "tp",
+                    "pp",
+                    "vpp",
+                    "ep",
+                    "cp",
+                    "dp",
+                    "micro_batch",
+                    "seq_len",
+                    "recompute",
+                    "schedule",
+                    "dispatcher",
+                    "maxvio",
+                    "precision",
+                )
+            )
+        )
     if not d["feasible"]:
         lines.append(f"INFEASIBLE: {d['reason']}")
         if d["step_time_s"] != d["step_time_s"]:  # NaN: nothing was timed
             return "\n".join(lines)
-    lines += [f"{'step time':<28}{d['step_time_s']:>12.3f} s",
-              f"{'tokens/s/GPU':<28}{d['tokens_per_s_per_gpu']:>12.1f}",
-              f"{'model TFLOP/s/GPU':<28}{d['tflops_per_gpu']:>12.1f}",
-              f"{'MFU (bf16 peak)':<28}{d['mfu']:>12.1%}",
-              f"{'memory/GPU (peak rank)':<28}{d['memory_gib_per_gpu']:>12.1f} GiB (rank {d['peak_memory_rank']})",
-              f"{'GPU-hours per 1T tokens':<28}{d['gpu_hours_per_trillion_tokens']:>12.0f}",
-              f"{'cost per 1T tokens':<28}{d['cost_usd_per_trillion_tokens']:>12,.0f} USD", "",
-              f"{'time breakdown':<28}{'seconds':>12}{'share':>8}"]
+    lines += [
+        f"{'step time':<28}{d['step_time_s']:>12.3f} s",
+        f"{'tokens/s/GPU':<28}{d['tokens_per_s_per_gpu']:>12.1f}",
+        f"{'model TFLOP/s/GPU':<28}{d['tflops_per_gpu']:>12.1f}",
+        f"{'MFU (bf16 peak)':<28}{d['mfu']:>12.1%}",
+        f"{'memory/GPU (peak rank)':<28}{d['memory_gib_per_gpu']:>12.1f} GiB (rank {d['peak_memory_rank']})",
+        f"{'GPU-hours per 1T tokens':<28}{d['gpu_hours_per_trillion_tokens']:>12.0f}",
+        f"{'cost per 1T tokens':<28}{d['cost_usd_per_trillion_tokens']:>12,.0f} USD",
+        "",
+        f"{'time breakdown':<28}{'seconds':>12}{'share':>8}",
+    ]
     step = d["step_time_s"]
     for k, v in d["breakdown"].items():
         if v:
@@ -45,25 +68,31 @@ def format_result(res: SimResult | dict) -> str:
 
 def format_search(report: dict) -> str:
     """The ``moonep simulate search`` ranked table."""
-    head = (f"{report['model']} on {report['gpus']} x {report['hardware']}: {report['evaluated']} configs in "
-            f"{report['seconds']:.1f} s ({report['configs_per_s']:.0f}/s), {report['feasible']} feasible")
-    cols = f"{'#':>3} {'tp':>3} {'pp':>3} {'vpp':>3} {'cp':>3} {'ep':>4} {'dp':>5} {'mb':>3} {'recompute':<14}" \
-           f"{'schedule':<12}{'step s':>9}{'tok/s/GPU':>11}{'MFU':>7}{'GiB':>7}{'event s':>9}"
+    head = (
+        f"{report['model']} on {report['gpus']} x {report['hardware']}: {report['evaluated']} configs in "
+        f"{report['seconds']:.1f} s ({report['configs_per_s']:.0f}/s), {report['feasible']} feasible"
+    )
+    cols = (
+        f"{'#':>3} {'tp':>3} {'pp':>3} {'vpp':>3} {'cp':>3} {'ep':>4} {'dp':>5} {'mb':>3} {'recompute':<14}"
+        f"{'schedule':<12}{'step s':>9}{'tok/s/GPU':>11}{'MFU':>7}{'GiB':>7}{'event s':>9}"
+    )
     lines = [head, cols]
     for i, r in enumerate(report["results"], 1):
         p = r["parallel"]
         ev = r.get("event_step_time_s")
-        lines.append(f"{i:>3} {p['tp']:>3} {p['pp']:>3} {p['vpp']:>3} {p['cp']:>3} {p['ep']:>4} {p['dp']:>5} "
-                     f"{p['micro_batch']:>3} {p['recompute']:<14}{p['schedule']:<12}{r['step_time_s']:>9.2f}"
-                     f"{r['tokens_per_s_per_gpu']:>11.0f}{r['mfu']:>7.1%}{r['memory_gib_per_gpu']:>7.1f}"
-                     f"{ev if ev is not None else float('nan'):>9.2f}")
+        lines.append(
+            f"{i:>3} {p['tp']:>3} {p['pp']:>3} {p['vpp']:>3} {p['cp']:>3} {p['ep']:>4} {p['dp']:>5} "
+            f"{p['micro_batch']:>3} {p['recompute']:<14}{p['schedule']:<12}{r['step_time_s']:>9.2f}"
+            f"{r['tokens_per_s_per_gpu']:>11.0f}{r['mfu']:>7.1%}{r['memory_gib_per_gpu']:>7.1f}"
+            f"{ev if ev is not None else float('nan'):>9.2f}"
+        )
     if report["infeasible_reasons"]:
         lines.append("infeasible: " + "; ".join(f"{k} x{v}" for k, v in report["infeasible_reasons"].items()))
     return "\n".join(lines)
 
 
 def _figure(w: float, h: float):
-    from matplotlib.figure import Figure
+    from matplotlib.figure import Figure  # heavy: matplotlib (~0.4 s), only when plotting
 
     return Figure(figsize=(w, h), layout="constrained")
 
@@ -73,8 +102,6 @@ def plot_timeline(model, hardware, par: ParallelConfig, gpus: int, path: str, cl
 
     The ops also go to ``<path>.json`` (``[rank, kind, micro_batch, stage, start_s, end_s]`` rows).
     """
-    from moonep.cli import write_json
-
     spec, hw = load_model(model), load_hardware(hardware)
     tiers = cluster_tiers(gpus, hw, cluster or ClusterSpec())
     tl = simulate_pipeline(par, pipeline_costs(spec, hw, par, tiers))
@@ -88,8 +115,10 @@ def plot_timeline(model, hardware, par: ParallelConfig, gpus: int, path: str, cl
     ax.invert_yaxis()
     ax.set_xlabel("seconds")
     ax.set_ylabel("pipeline rank")
-    ax.set_title(f"{spec.name} {par.schedule}: pp {par.pp}, {par.micro_batches} micro-batches "
-                 f"(blue F, orange B, purple F&B pair)")
+    ax.set_title(
+        f"{spec.name} {par.schedule}: pp {par.pp}, {par.micro_batches} micro-batches "
+        f"(blue F, orange B, purple F&B pair)"
+    )
     fig.savefig(path, dpi=110)
     return path
 
@@ -111,15 +140,16 @@ def plot_memory(res: SimResult, path: str) -> str:
     return path
 
 
-def maxvio_sweep(model, hardware, par: ParallelConfig, gpus: int, values=(0.0, 0.1, 0.2, 0.4, 0.8, 1.6),
-                 cluster=None) -> dict:
+def maxvio_sweep(
+    model, hardware, par: ParallelConfig, gpus: int, values=(0.0, 0.1, 0.2, 0.4, 0.8, 1.6), cluster=None
+) -> dict:
     """Step time of both dispatchers over routing skew ``maxvio`` (JSON next to the plot)."""
-    from dataclasses import replace
-
     out = {"maxvio": list(values)}
     for disp in ("moonep", "classic"):
-        out[disp] = [simulate(model, hardware, replace(par, dispatcher=disp, maxvio=v), gpus, cluster).step_time_s
-                     for v in values]
+        out[disp] = [
+            simulate(model, hardware, replace(par, dispatcher=disp, maxvio=v), gpus, cluster).step_time_s
+            for v in values
+        ]
     return out
 
 
@@ -138,11 +168,11 @@ def plot_maxvio(sweep: dict, path: str, title: str = "") -> str:
 
 def write_plots(model, hardware, par: ParallelConfig, gpus: int, res: SimResult, folder: str, cluster=None) -> dict:
     """Timeline, memory bar and maxvio sweep (PNG + JSON) into ``folder``; returns the paths."""
-    from moonep.cli import write_json
-
     os.makedirs(folder, exist_ok=True)
-    paths = {"timeline": plot_timeline(model, hardware, par, gpus, os.path.join(folder, "timeline.png"), cluster),
-             "memory": plot_memory(res, os.path.join(folder, "memory.png"))}
+    paths = {
+        "timeline": plot_timeline(model, hardware, par, gpus, os.path.join(folder, "timeline.png"), cluster),
+        "memory": plot_memory(res, os.path.join(folder, "memory.png")),
+    }
     if load_model(model).is_moe:
         sweep = maxvio_sweep(model, hardware, par, gpus, cluster=cluster)
         write_json(os.path.join(folder, "maxvio.json"), sweep)

@@ -6,11 +6,12 @@ micro-batch, recompute mode and schedule (1F1B, interleaved with 2 virtual stage
 checks run first, memory next, the step-time model only for what fits. The best ``event_top`` are re-run
 on the event engine (``engine: event`` in their rows).
 """
+
 from __future__ import annotations
 
 import itertools
-import re
 import os
+import re
 import sys
 import time
 from collections import Counter
@@ -64,28 +65,52 @@ def candidates(spec, gpus: int, base: ParallelConfig, space: SearchSpace):
         dp = gpus // (tp * cp * pp)
         eps = [1]
         if spec.is_moe:
-            eps = [e for e in (2 ** i for i in range(0, 20)) if e <= min(space.max_ep, dp * cp)
-                   and (dp * cp) % e == 0 and spec.num_experts % e == 0]
-        for ep, mb, rc, sched, zs in itertools.product(eps, space.micro_batch, space.recompute, space.schedules,
-                                                       space.zero_stage):
+            eps = [
+                e
+                for e in (2**i for i in range(0, 20))
+                if e <= min(space.max_ep, dp * cp) and (dp * cp) % e == 0 and spec.num_experts % e == 0
+            ]
+        for ep, mb, rc, sched, zs in itertools.product(
+            eps, space.micro_batch, space.recompute, space.schedules, space.zero_stage
+        ):
             if sched != "1f1b" and pp == 1:
                 continue
-            yield replace(base, tp=tp, cp=cp, pp=pp, dp=dp, ep=ep, micro_batch=mb, recompute=rc, schedule=sched,
-                          vpp=space.vpp if sched == "interleaved" else 1, zero_stage=zs)
+            yield replace(
+                base,
+                tp=tp,
+                cp=cp,
+                pp=pp,
+                dp=dp,
+                ep=ep,
+                micro_batch=mb,
+                recompute=rc,
+                schedule=sched,
+                vpp=space.vpp if sched == "interleaved" else 1,
+                zero_stage=zs,
+            )
 
 
 def _progress(total: int):
     disable = bool(os.environ.get("TQDM_DISABLE")) or not sys.stderr.isatty()
     try:
-        from tqdm import tqdm
+        from tqdm import tqdm  # optional: tqdm, a progress bar only
     except ImportError:  # tqdm is optional at run time
         return None
     return tqdm(total=total, disable=disable, desc="simulate search", unit="cfg")
 
 
-def search(model, hardware, gpus: int, base: ParallelConfig | None = None, cluster: ClusterSpec | None = None,
-           space: SearchSpace | None = None, *, top: int = 20, event_top: int = 3,
-           max_seconds: float | None = None) -> dict:
+def search(
+    model,
+    hardware,
+    gpus: int,
+    base: ParallelConfig | None = None,
+    cluster: ClusterSpec | None = None,
+    space: SearchSpace | None = None,
+    *,
+    top: int = 20,
+    event_top: int = 3,
+    max_seconds: float | None = None,
+) -> dict:
     """Ranked feasible configurations by tokens/s/GPU plus search statistics (``configs_per_s``)."""
     spec, hw = load_model(model), load_hardware(hardware)
     base = base or ParallelConfig(seq_len=spec.seq_len, global_batch_tokens=max(spec.seq_len * gpus, 2**24))
@@ -124,10 +149,18 @@ def search(model, hardware, gpus: int, base: ParallelConfig | None = None, clust
     for i in range(min(event_top, len(rows))):
         ev = simulate(spec, hw, ParallelConfig(**rows[i]["parallel"]), gpus, cluster, engine="event")
         rows[i]["event_step_time_s"] = ev.step_time_s
-    return {"model": spec.name, "hardware": hw.name, "gpus": gpus, "candidates": len(cands),
-            "evaluated": evaluated, "feasible": len(results), "seconds": seconds,
-            "configs_per_s": evaluated / seconds if seconds > 0 else float("inf"),
-            "infeasible_reasons": dict(reasons.most_common()), "results": rows}
+    return {
+        "model": spec.name,
+        "hardware": hw.name,
+        "gpus": gpus,
+        "candidates": len(cands),
+        "evaluated": evaluated,
+        "feasible": len(results),
+        "seconds": seconds,
+        "configs_per_s": evaluated / seconds if seconds > 0 else float("inf"),
+        "infeasible_reasons": dict(reasons.most_common()),
+        "results": rows,
+    }
 
 
 def _reason_class(reason: str) -> str:

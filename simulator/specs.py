@@ -10,6 +10,7 @@ Presets (``PRESETS``): ``k3`` (released config, see ``k3_architecture.md`` secti
 (``gpt-22b``, ``gpt-175b``, ``gpt-530b``, ``gpt-1t``; Megatron conventions: vocab 51200, learned positions,
 LayerNorm, biases, dropout, tied embeddings).
 """
+
 from __future__ import annotations
 
 import json
@@ -17,6 +18,8 @@ import os
 from dataclasses import asdict, dataclass, fields, replace
 from functools import lru_cache
 from typing import Any, Callable
+
+from k3.config import K3Config
 
 ATTENTION_KINDS = ("mha", "mla")
 
@@ -159,8 +162,10 @@ class ModelSpec:
 def _layer_kinds(spec: ModelSpec) -> tuple[tuple[str, str], ...]:
     kda = set(spec.kda_layers)
     moe = spec.is_moe
-    return tuple(("kda" if i in kda else spec.attention, "moe" if moe and i >= spec.first_k_dense else "dense")
-                 for i in range(spec.num_layers))
+    return tuple(
+        ("kda" if i in kda else spec.attention, "moe" if moe and i >= spec.first_k_dense else "dense")
+        for i in range(spec.num_layers)
+    )
 
 
 # ----------------------------------------------------------------------------------------------- presets
@@ -170,48 +175,100 @@ def k3() -> ModelSpec:
     Built from ``k3.K3Config.preset("full")``, the one place the released config lives (k3.config is pure
     Python: no torch), through the same adapter any K3Config-like object takes.
     """
-    from k3.config import K3Config
-
     return from_config_object(K3Config.preset("full"), name="k3")
 
 
 def k3_preset(name: str) -> Callable[[], ModelSpec]:
     """``k3-tiny`` / ``k3-small``: the CPU presets of ``k3.K3Config`` (what ``moonep train --preset`` trains),
     at the training job's sequence length."""
-    def build() -> ModelSpec:
-        from k3.config import K3Config
 
+    def build() -> ModelSpec:
         # seq 64 = k3.train.TrainConfig.seq_len (k3.train is not imported here: it pulls in torch)
         return replace(from_config_object(K3Config.preset(name), name=f"k3-{name}"), seq_len=64)
+
     return build
 
 
 def kimi_k2() -> ModelSpec:
     """Kimi K2: 61 MLA layers, 64 heads, 384 experts top-8, 1 shared, first layer dense (about 1.04T / 32.6B)."""
-    return ModelSpec(name="kimi-k2", hidden=7168, num_layers=61, vocab=163840, num_heads=64, attention="mla",
-                     q_lora_rank=1536, kv_lora_rank=512, qk_nope_dim=128, qk_rope_dim=64, v_head_dim=128,
-                     ffn_hidden=18432, num_experts=384, top_k=8, moe_ffn_hidden=2048, num_shared_experts=1,
-                     first_k_dense=1, router_bias=True, seq_len=4096)
+    return ModelSpec(
+        name="kimi-k2",
+        hidden=7168,
+        num_layers=61,
+        vocab=163840,
+        num_heads=64,
+        attention="mla",
+        q_lora_rank=1536,
+        kv_lora_rank=512,
+        qk_nope_dim=128,
+        qk_rope_dim=64,
+        v_head_dim=128,
+        ffn_hidden=18432,
+        num_experts=384,
+        top_k=8,
+        moe_ffn_hidden=2048,
+        num_shared_experts=1,
+        first_k_dense=1,
+        router_bias=True,
+        seq_len=4096,
+    )
 
 
 def deepseek_v3() -> ModelSpec:
     """DeepSeek-V3 (main model, no MTP): 61 MLA layers, 256 experts top-8, 3 dense layers (671B / 37B)."""
-    return ModelSpec(name="deepseek-v3", hidden=7168, num_layers=61, vocab=129280, num_heads=128,
-                     attention="mla", q_lora_rank=1536, kv_lora_rank=512, qk_nope_dim=128, qk_rope_dim=64,
-                     v_head_dim=128, ffn_hidden=18432, num_experts=256, top_k=8, moe_ffn_hidden=2048,
-                     num_shared_experts=1, first_k_dense=3, router_bias=True, seq_len=4096)
+    return ModelSpec(
+        name="deepseek-v3",
+        hidden=7168,
+        num_layers=61,
+        vocab=129280,
+        num_heads=128,
+        attention="mla",
+        q_lora_rank=1536,
+        kv_lora_rank=512,
+        qk_nope_dim=128,
+        qk_rope_dim=64,
+        v_head_dim=128,
+        ffn_hidden=18432,
+        num_experts=256,
+        top_k=8,
+        moe_ffn_hidden=2048,
+        num_shared_experts=1,
+        first_k_dense=3,
+        router_bias=True,
+        seq_len=4096,
+    )
 
 
 def llama3_405b() -> ModelSpec:
     """Llama 3 405B: 126 layers, H 16384, FFN 53248, 128 heads, 8 KV heads, vocab 128256."""
-    return ModelSpec(name="llama3-405b", hidden=16384, num_layers=126, vocab=128256, num_heads=128,
-                     num_kv_heads=8, ffn_hidden=53248, seq_len=8192)
+    return ModelSpec(
+        name="llama3-405b",
+        hidden=16384,
+        num_layers=126,
+        vocab=128256,
+        num_heads=128,
+        num_kv_heads=8,
+        ffn_hidden=53248,
+        seq_len=8192,
+    )
 
 
 def _megatron_gpt(name: str, layers: int, hidden: int, heads: int, vocab: int = 51200) -> ModelSpec:
-    return ModelSpec(name=name, hidden=hidden, num_layers=layers, vocab=vocab, num_heads=heads,
-                     ffn_hidden=4 * hidden, gated_ffn=False, bias=True, norm="layernorm", dropout=True,
-                     tie_embeddings=True, position_embeddings=2048, seq_len=2048)
+    return ModelSpec(
+        name=name,
+        hidden=hidden,
+        num_layers=layers,
+        vocab=vocab,
+        num_heads=heads,
+        ffn_hidden=4 * hidden,
+        gated_ffn=False,
+        bias=True,
+        norm="layernorm",
+        dropout=True,
+        tie_embeddings=True,
+        position_embeddings=2048,
+        seq_len=2048,
+    )
 
 
 def gpt3_175b() -> ModelSpec:
@@ -220,8 +277,13 @@ def gpt3_175b() -> ModelSpec:
 
 
 PRESETS: dict[str, Callable[[], ModelSpec]] = {
-    "k3": k3, "k3-tiny": k3_preset("tiny"), "k3-small": k3_preset("small"), "kimi-k2": kimi_k2,
-    "deepseek-v3": deepseek_v3, "llama3-405b": llama3_405b, "gpt3-175b": gpt3_175b,
+    "k3": k3,
+    "k3-tiny": k3_preset("tiny"),
+    "k3-small": k3_preset("small"),
+    "kimi-k2": kimi_k2,
+    "deepseek-v3": deepseek_v3,
+    "llama3-405b": llama3_405b,
+    "gpt3-175b": gpt3_175b,
     "gpt-22b": lambda: _megatron_gpt("gpt-22b", 48, 6144, 64),
     "gpt-175b": lambda: _megatron_gpt("gpt-175b", 96, 12288, 96),
     "gpt-530b": lambda: _megatron_gpt("gpt-530b", 105, 20480, 128),
@@ -244,25 +306,39 @@ def from_hf_config(cfg: dict, name: str = "hf") -> ModelSpec:
     kda = tuple(int(i) - 1 for i in lin.get("kda_layers", ()))
     experts = int(get("n_routed_experts") or get("num_experts") or get("num_local_experts") or 0)
     return ModelSpec(
-        name=name, hidden=hidden, num_layers=int(get("num_hidden_layers")), vocab=int(get("vocab_size")),
-        num_heads=heads, num_kv_heads=0 if mla else int(get("num_key_value_heads") or heads),
-        head_dim=0 if mla else int(get("head_dim") or hidden // heads), attention="mla" if mla else "mha",
-        q_lora_rank=int(get("q_lora_rank") or 0), kv_lora_rank=int(get("kv_lora_rank") or 0),
-        qk_nope_dim=int(get("qk_nope_head_dim") or 0), qk_rope_dim=int(get("qk_rope_head_dim") or 0),
-        v_head_dim=int(get("v_head_dim") or 0), attn_output_gate=bool(get("mla_use_output_gate", False)),
-        kda_layers=kda, kda_heads=int(lin.get("num_heads", 0)), kda_head_dim=int(lin.get("head_dim", 0)),
-        kda_conv=int(lin.get("short_conv_kernel_size", 4)), ffn_hidden=int(get("intermediate_size") or 0),
+        name=name,
+        hidden=hidden,
+        num_layers=int(get("num_hidden_layers")),
+        vocab=int(get("vocab_size")),
+        num_heads=heads,
+        num_kv_heads=0 if mla else int(get("num_key_value_heads") or heads),
+        head_dim=0 if mla else int(get("head_dim") or hidden // heads),
+        attention="mla" if mla else "mha",
+        q_lora_rank=int(get("q_lora_rank") or 0),
+        kv_lora_rank=int(get("kv_lora_rank") or 0),
+        qk_nope_dim=int(get("qk_nope_head_dim") or 0),
+        qk_rope_dim=int(get("qk_rope_head_dim") or 0),
+        v_head_dim=int(get("v_head_dim") or 0),
+        attn_output_gate=bool(get("mla_use_output_gate", False)),
+        kda_layers=kda,
+        kda_heads=int(lin.get("num_heads", 0)),
+        kda_head_dim=int(lin.get("head_dim", 0)),
+        kda_conv=int(lin.get("short_conv_kernel_size", 4)),
+        ffn_hidden=int(get("intermediate_size") or 0),
         num_experts=experts,
         top_k=int(get("num_experts_per_tok") or get("num_experts_per_token") or 0) if experts else 0,
         moe_ffn_hidden=int(get("moe_intermediate_size") or 0) if experts else 0,
         num_shared_experts=int(get("n_shared_experts") or get("num_shared_experts") or 0) if experts else 0,
         first_k_dense=int(get("first_k_dense_replace") or 0) if experts else 0,
         moe_latent_dim=int(get("routed_expert_hidden_size") or 0)
-        if get("routed_expert_hidden_size") not in (None, hidden) else 0,
-        router_bias=get("topk_method") == "noaux_tc", attn_res=bool(get("attn_res_block_size")),
+        if get("routed_expert_hidden_size") not in (None, hidden)
+        else 0,
+        router_bias=get("topk_method") == "noaux_tc",
+        attn_res=bool(get("attn_res_block_size")),
         attn_res_block_size=int(get("attn_res_block_size") or 0),
         tie_embeddings=bool(cfg.get("tie_word_embeddings", get("tie_word_embeddings", False))),
-        seq_len=min(int(get("max_position_embeddings") or 4096), 8192))
+        seq_len=min(int(get("max_position_embeddings") or 4096), 8192),
+    )
 
 
 def from_config_object(obj: Any, name: str = "k3config") -> ModelSpec:

@@ -6,12 +6,16 @@ Table 5 iteration times (seconds) and Fig. 1 memory (GiB per GPU), as replayed b
 3 for 175B and 530B as in Calculon's replay files (the Fig. 1 activation memory of those two models matches the
 interleaved formula, which supports it). The A100 efficiency set in ``hardware.py`` is one set for all rows.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from simulator.analytic import simulate
+from simulator.hardware import load_hardware
+from simulator.memory import GIB, rank_memory
 from simulator.parallel import ParallelConfig
+from simulator.specs import load_model
 
 
 @dataclass(frozen=True)
@@ -38,15 +42,26 @@ RUNS = (
     Run("gpt-530b", 280, 8, 35, 3, 280, 1, 49.05, 37.83, 31.64, 114.02, 23.08),
     Run("gpt-1t", 512, 8, 64, 1, 512, 1, 94.42, 71.49, 32.96, 131.25, 26.56),
 )
-SOURCE = ("Korthikanti et al. 2022, 'Reducing Activation Recomputation in Large Transformer Models' "
-          "(arXiv 2205.05198), Table 5 and Fig. 1, as replayed in calculon-ai/calculon validation/seqsel")
+SOURCE = (
+    "Korthikanti et al. 2022, 'Reducing Activation Recomputation in Large Transformer Models' "
+    "(arXiv 2205.05198), Table 5 and Fig. 1, as replayed in calculon-ai/calculon validation/seqsel"
+)
 
 
 def config(run: Run, recompute: str, sequence_parallel: bool = True) -> ParallelConfig:
-    return ParallelConfig(tp=run.tp, pp=run.pp, dp=run.gpus // (run.tp * run.pp), vpp=run.vpp,
-                          schedule="interleaved" if run.vpp > 1 else "1f1b", micro_batch=run.micro_batch,
-                          global_batch_tokens=run.global_batch * 2048, seq_len=2048, recompute=recompute,
-                          sequence_parallel=sequence_parallel, zero_stage=0)
+    return ParallelConfig(
+        tp=run.tp,
+        pp=run.pp,
+        dp=run.gpus // (run.tp * run.pp),
+        vpp=run.vpp,
+        schedule="interleaved" if run.vpp > 1 else "1f1b",
+        micro_batch=run.micro_batch,
+        global_batch_tokens=run.global_batch * 2048,
+        seq_len=2048,
+        recompute=recompute,
+        sequence_parallel=sequence_parallel,
+        zero_stage=0,
+    )
 
 
 def time_table(engine: str = "analytic") -> list[dict]:
@@ -55,27 +70,41 @@ def time_table(engine: str = "analytic") -> list[dict]:
     for run in RUNS:
         for mode, published in (("full", run.full_recompute_s), ("selective", run.selective_sp_s)):
             res = simulate(run.model, "a100", config(run, mode), run.gpus, engine=engine)
-            rows.append({"model": run.model, "gpus": run.gpus, "recompute": mode, "published_s": published,
-                         "predicted_s": res.step_time_s, "error": res.step_time_s / published - 1.0,
-                         "mfu": res.mfu, "feasible": res.feasible, "reason": res.reason})
+            rows.append(
+                {
+                    "model": run.model,
+                    "gpus": run.gpus,
+                    "recompute": mode,
+                    "published_s": published,
+                    "predicted_s": res.step_time_s,
+                    "error": res.step_time_s / published - 1.0,
+                    "mfu": res.mfu,
+                    "feasible": res.feasible,
+                    "reason": res.reason,
+                }
+            )
     return rows
 
 
 def memory_table() -> list[dict]:
     """Predicted vs published activation memory per GPU (Fig. 1) for no recompute (no SP) and selective+SP."""
-    from simulator.memory import GIB, rank_memory
-    from simulator.specs import load_model
-    from simulator.hardware import load_hardware
-
     rows = []
     for run in RUNS:
         spec, hw = load_model(run.model), load_hardware("a100")
-        for mode, sp, published in (("none", False, run.activations_none_gib),
-                                    ("selective", True, run.activations_selective_gib)):
+        for mode, sp, published in (
+            ("none", False, run.activations_none_gib),
+            ("selective", True, run.activations_selective_gib),
+        ):
             mem = rank_memory(spec, hw, config(run, mode, sp), 0)
-            rows.append({"model": run.model, "recompute": mode, "published_gib": published,
-                         "predicted_gib": mem["activations"] / GIB,
-                         "error": mem["activations"] / GIB / published - 1.0})
+            rows.append(
+                {
+                    "model": run.model,
+                    "recompute": mode,
+                    "published_gib": published,
+                    "predicted_gib": mem["activations"] / GIB,
+                    "error": mem["activations"] / GIB / published - 1.0,
+                }
+            )
     return rows
 
 

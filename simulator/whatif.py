@@ -10,6 +10,7 @@ the EP all-to-all couples the DP replicas of a stage too, so a stage runs at the
 with EP = 1 the replicas only meet at the gradient reduction, so each replica is simulated and the slowest
 wins. Global ranks are numbered TP fastest, then CP, DP, PP (``network`` module).
 """
+
 from __future__ import annotations
 
 from simulator.analytic import Perturbation, simulate
@@ -37,8 +38,9 @@ def _link_ranks(link: dict, par: ParallelConfig, gpus_per_node: int, cluster: Cl
     return list(ranks)
 
 
-def perturbations(par: ParallelConfig, rank_slowdown: dict[int, float], links: list[dict], gpus_per_node: int,
-                  cluster: ClusterSpec) -> dict[int | None, Perturbation]:
+def perturbations(
+    par: ParallelConfig, rank_slowdown: dict[int, float], links: list[dict], gpus_per_node: int, cluster: ClusterSpec
+) -> dict[int | None, Perturbation]:
     """Per-replica (None = all replicas coupled) per-stage perturbations."""
     coupled = par.ep > 1
     out: dict[int | None, Perturbation] = {}
@@ -74,9 +76,18 @@ def perturbations(par: ParallelConfig, rank_slowdown: dict[int, float], links: l
     return out
 
 
-def whatif(model, hardware, par: ParallelConfig, gpus: int | None = None, cluster: ClusterSpec | None = None, *,
-           rank_slowdown: dict[int, float] | None = None, links: list[dict] | None = None,
-           engine: str = "event", attribute: bool = True) -> dict:
+def whatif(
+    model,
+    hardware,
+    par: ParallelConfig,
+    gpus: int | None = None,
+    cluster: ClusterSpec | None = None,
+    *,
+    rank_slowdown: dict[int, float] | None = None,
+    links: list[dict] | None = None,
+    engine: str = "event",
+    attribute: bool = True,
+) -> dict:
     """Step time with the perturbations, the healthy baseline, the slowdown and per-perturbation attribution."""
     hw = load_hardware(hardware)
     cluster = cluster or ClusterSpec()

@@ -12,6 +12,7 @@ Without a GPU, numba-cuda kernels run under numba's CUDA simulator (``NUMBA_ENAB
 The GPU checks skip wherever their GPU, library or driver is missing, so on the machine meant to run them a skip
 means a check silently did not happen.
 """
+
 import os
 
 import pytest
@@ -43,8 +44,9 @@ def _skip_reason(longrepr) -> str:
 
 def _fail_skip(report, where: str) -> None:
     report.outcome = "failed"
-    report.longrepr = (f"{where} skipped under {GPU_CHECK_ENV}=1, where every GPU check must run "
-                       f"({_skip_reason(report.longrepr)})")
+    report.longrepr = (
+        f"{where} skipped under {GPU_CHECK_ENV}=1, where every GPU check must run ({_skip_reason(report.longrepr)})"
+    )
 
 
 @pytest.hookimpl(hookwrapper=True)

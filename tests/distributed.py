@@ -4,6 +4,7 @@ A battery runs inside ``collectives.launch`` (one spawn per backend and world si
 rank and returns ``{check: None | "failed on ranks [...]; rank r: <its message>"}``, identical on all ranks, so
 the pytest side asserts on rank 0's copy for every rank.
 """
+
 from __future__ import annotations
 
 import traceback
@@ -35,14 +36,19 @@ def gather_verdicts(comm, results: dict) -> dict:
     text = torch.zeros(len(names), width, dtype=torch.uint8)
     for j, m in enumerate(msgs):
         if m:
-            text[j, :len(m)] = torch.frombuffer(bytearray(m), dtype=torch.uint8)
+            text[j, : len(m)] = torch.frombuffer(bytearray(m), dtype=torch.uint8)
     all_text = torch.empty(comm.world_size * len(names), width, dtype=torch.uint8)
     comm.all_gather(all_text, text)
     all_text = all_text.view(comm.world_size, len(names), width)
     merged = {}
     for j, name in enumerate(names):
         bad = [i for i in range(comm.world_size) if everyone[i, j]]
-        merged[name] = None if not bad else (
-            f"failed on ranks {bad}; rank {bad[0]}: "
-            + bytes(all_text[bad[0], j, :int(everyone[bad[0], j])].tolist()).decode(errors="replace"))
+        merged[name] = (
+            None
+            if not bad
+            else (
+                f"failed on ranks {bad}; rank {bad[0]}: "
+                + bytes(all_text[bad[0], j, : int(everyone[bad[0], j])].tolist()).decode(errors="replace")
+            )
+        )
     return merged

@@ -4,20 +4,43 @@
     report, tables = analyse("trace/")          # stable JSON (see tools/README.md) + the per-rank tables
     report["findings"]                          # [] when nothing is wrong
 
-Reads traces only (``collectives`` writes them); may ask the simulator what-if (``tools.simwhatif``).
+Reads traces only (``collectives`` writes them); may ask the simulator what-if (``tools.simwhatif``). The fault
+specs of the demo and of ``moonep train`` (``Slowdown``, ``DataDelay``, ``LinkDelay`` and their parsers) live in
+``collectives.faults``.
 """
+
 from tools.analysis import Tables, build_tables, load_tables
 from tools.detect import KINDS, Finding, Thresholds
 from tools.findings import diagnose, rank_scores
 from tools.follow import Tail, follow
-from tools.inject import DataDelay, LinkDelay, Slowdown, parse_data_delays, parse_link_delays, parse_slowdowns
 from tools.probe import ProbeConfig, run_probe
 from tools.report import SCHEMA_VERSION, analyse, apply_probe, format_report, plot
 from tools.telemetry import Sampler
 from tools.traces import TraceWarning, load_dir
 from tools.workload import WorkloadConfig, run_local, run_workload
 
-__all__ = ["KINDS", "SCHEMA_VERSION", "DataDelay", "Finding", "LinkDelay", "ProbeConfig", "Sampler", "Slowdown",
-           "Tables", "Tail", "Thresholds", "TraceWarning", "WorkloadConfig", "analyse", "apply_probe",
-           "build_tables", "diagnose", "follow", "format_report", "load_dir", "load_tables", "parse_data_delays",
-           "parse_link_delays", "parse_slowdowns", "plot", "rank_scores", "run_local", "run_probe", "run_workload"]
+__all__ = [
+    "KINDS",
+    "SCHEMA_VERSION",
+    "Finding",
+    "ProbeConfig",
+    "Sampler",
+    "Tables",
+    "Tail",
+    "Thresholds",
+    "TraceWarning",
+    "WorkloadConfig",
+    "analyse",
+    "apply_probe",
+    "build_tables",
+    "diagnose",
+    "follow",
+    "format_report",
+    "load_dir",
+    "load_tables",
+    "plot",
+    "rank_scores",
+    "run_local",
+    "run_probe",
+    "run_workload",
+]

@@ -1,3 +1,7 @@
-from moonep.cli import main
+"""``python -m tools``: the tools package's commands alone (no package above it is imported)."""
+
+from moonep_base import run_package
+from tools.cli import register
+
 if __name__ == "__main__":
-    raise SystemExit(main(packages=["tools"], prog="python -m tools"))
+    raise SystemExit(run_package(register, prog="python -m tools"))

@@ -7,6 +7,7 @@ order). With all ranks on one host clock, the last rank to enter defines when th
 call splits into *waiting* (``last enter - my enter``, blamed on the last arriver) and *transfer*
 (``median exit - last enter``): the ByteDance what-if paper's ``transfer_duration``.
 """
+
 from __future__ import annotations
 
 import os
@@ -145,8 +146,9 @@ def build_tables(traces: dict[int, RankTrace]) -> Tables:
         spans = [traces[r].span[s] for r in ranks if s in traces[r].span]
         step_time[j] = max(b for _, b in spans) - min(a for a, _ in spans)
     waits, series = _cross_rank(traces, ranks)
-    return Tables(ranks, steps, compute, norm, tokens, data, step_time, waits, series,
-                  {r: traces[r].stage for r in ranks})
+    return Tables(
+        ranks, steps, compute, norm, tokens, data, step_time, waits, series, {r: traces[r].stage for r in ranks}
+    )
 
 
 def load_tables(trace_dir: str | os.PathLike) -> Tables:

@@ -8,14 +8,29 @@
 
 Exit status: 0 no finding, 1 findings (scripts can alert on it), 2 usage or input errors.
 """
+
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import sys
+import tempfile
+import warnings
+
+from collectives.faults import parse_data_delays, parse_link_delay_specs, parse_slowdowns
+from moonep_base import write_json
+from tools.bench import bench_telemetry
+from tools.follow import follow
+from tools.probe import ProbeConfig, run_probe
+from tools.report import analyse, format_report, plot
+from tools.workload import WorkloadConfig, run_local
 
 
 def register(commands, bench) -> None:
-    d = commands.add_parser("diagnose", help="straggler diagnosis of a trace folder (which rank or link, why, "
-                            "since when, what it costs)")
+    d = commands.add_parser(
+        "diagnose", help="straggler diagnosis of a trace folder (which rank or link, why, since when, what it costs)"
+    )
     d.add_argument("trace_dir", metavar="TRACE_DIR", help="folder of rank<N>.jsonl traces (or 'probe', see below)")
     d.add_argument("--json", metavar="FILE", help="write the stable findings JSON here")
     d.add_argument("--plot", metavar="DIR", help="write rank x step heatmap and wait-matrix PNGs here")
@@ -31,8 +46,9 @@ def register(commands, bench) -> None:
     _probe_args(p, with_world=True)
     p.set_defaults(func=_probe)
 
-    demo = commands.add_parser("straggler-demo", help="run a synthetic MoE step on local ranks with injected "
-                               "faults, then diagnose its trace")
+    demo = commands.add_parser(
+        "straggler-demo", help="run a synthetic MoE step on local ranks with injected faults, then diagnose its trace"
+    )
     demo.add_argument("--world-size", type=int, default=4)
     demo.add_argument("--steps", type=int, default=40)
     demo.add_argument("--trace-dir", help="keep the trace here (default: a temporary folder)")
@@ -47,8 +63,12 @@ def register(commands, bench) -> None:
     demo.set_defaults(func=_demo)
 
     b = bench.add_parser("telemetry", help="step time with vs without telemetry sampling (goal <= 2%% slower)")
-    b.add_argument("--world-size", type=int, default=1,
-                   help="ranks (1: no cross-rank coupling, so host noise does not drown a 2%% effect)")
+    b.add_argument(
+        "--world-size",
+        type=int,
+        default=1,
+        help="ranks (1: no cross-rank coupling, so host noise does not drown a 2%% effect)",
+    )
     b.add_argument("--steps", type=int, default=200)
     b.add_argument("--blocks", type=int, default=20, help="alternating off/on blocks of steps")
     b.add_argument("--interval", type=float, default=0.05, help="sampling period, seconds (default harsh: 50 ms)")
@@ -63,38 +83,36 @@ def _probe_args(p, with_world: bool) -> None:
     p.add_argument("--rounds", type=int, default=5, help="probe: timed sends per ordered pair")
     p.add_argument("--nbytes", type=int, default=4096, help="probe: bytes per send")
     if with_world:
-        p.add_argument("--inject-link-delay", default="", metavar="src=A,dst=B,ms=M",
-                       help="fault injection for demos and tests")
+        p.add_argument(
+            "--inject-link-delay", default="", metavar="src=A,dst=B,ms=M", help="fault injection for demos and tests"
+        )
     else:
         p.add_argument("--inject-link-delay", default="", help=argparse.SUPPRESS)
 
 
 def _err(message: str) -> int:
-    import sys
-
     print(f"error: {message}", file=sys.stderr)
     return 2
 
 
 def _run_probe(args) -> dict:
-    from tools.probe import ProbeConfig, run_probe
-
-    return run_probe(args.world_size, ProbeConfig(rounds=args.rounds, nbytes=args.nbytes),
-                     link_delay=args.inject_link_delay)
+    return run_probe(
+        args.world_size, ProbeConfig(rounds=args.rounds, nbytes=args.nbytes), link_delay=args.inject_link_delay
+    )
 
 
 def _print_probe(result: dict) -> None:
     print(f"median one-way {result['median_s'] * 1e3:.3f} ms over {len(result['one_way_s'])} ranks")
     for pair in result["slow_pairs"]:
-        print(f"slow pair {pair['ranks'][0]} -> {pair['ranks'][1]}: {pair['seconds'] * 1e3:.2f} ms "
-              f"({pair['ratio']:.1f}x the median)")
+        print(
+            f"slow pair {pair['ranks'][0]} -> {pair['ranks'][1]}: {pair['seconds'] * 1e3:.2f} ms "
+            f"({pair['ratio']:.1f}x the median)"
+        )
     if not result["slow_pairs"]:
         print("no slow pair")
 
 
 def _probe(args) -> int:
-    from moonep.cli import write_json
-
     try:
         result = _run_probe(args)
     except ValueError as exc:
@@ -106,14 +124,9 @@ def _probe(args) -> int:
 
 
 def _diagnose(args) -> int:
-    import json
-    import os
-
     if args.trace_dir == "probe" and args.world_size is not None:
         return _probe(args)
     if args.follow:  # the job may not have created the folder yet: Tail waits for it
-        from tools.follow import follow
-
         try:
             found = follow(args.trace_dir, interval_s=args.interval, max_seconds=args.max_seconds)
         except KeyboardInterrupt:
@@ -129,11 +142,6 @@ def _diagnose(args) -> int:
 
 
 def _finish(trace_dir: str, probe, json_path, plot_dir) -> int:
-    import warnings
-
-    from moonep.cli import write_json
-    from tools.report import analyse, format_report, plot
-
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the report lists skipped files itself
         report, tables = analyse(trace_dir, probe=probe)
@@ -147,16 +155,15 @@ def _finish(trace_dir: str, probe, json_path, plot_dir) -> int:
 
 
 def _demo(args) -> int:
-    import tempfile
-
-    from tools.inject import parse_data_delays, parse_link_delays, parse_slowdowns
-    from tools.workload import WorkloadConfig, run_local
-
     try:
-        cfg = WorkloadConfig(steps=args.steps, skew=args.skew, hot_rank=args.hot_rank,
-                             slowdowns=tuple(parse_slowdowns(args.inject_slowdown)),
-                             data_delays=tuple(parse_data_delays(args.inject_data_delay)),
-                             link_delays=tuple(parse_link_delays(args.inject_link_delay)))
+        cfg = WorkloadConfig(
+            steps=args.steps,
+            skew=args.skew,
+            hot_rank=args.hot_rank,
+            slowdowns=tuple(parse_slowdowns(args.inject_slowdown)),
+            data_delays=tuple(parse_data_delays(args.inject_data_delay)),
+            link_delays=tuple(parse_link_delay_specs(args.inject_link_delay)),
+        )
     except ValueError as exc:
         return _err(str(exc))
     trace_dir = args.trace_dir or tempfile.mkdtemp(prefix="moonep-demo-trace-")
@@ -174,16 +181,15 @@ def _demo(args) -> int:
 
 
 def _bench(args) -> int:
-    from moonep.cli import write_json
-    from tools.bench import bench_telemetry
-
     try:
         result = bench_telemetry(args.world_size, args.steps, args.blocks, args.interval)
     except ValueError as exc:
         return _err(str(exc))
-    print(f"telemetry ({result['source']}, every {result['interval_s']} s): step {result['median_step_off_s'] * 1e3:.2f}"
-          f" ms off, {result['median_step_on_s'] * 1e3:.2f} ms on, ratio {result['ratio']:.4f} "
-          f"(goal <= {result['goal_ratio']}); sampler thread duty {result['sampler_duty'] * 100:.2f}%")
+    print(
+        f"telemetry ({result['source']}, every {result['interval_s']} s): step {result['median_step_off_s'] * 1e3:.2f}"
+        f" ms off, {result['median_step_on_s'] * 1e3:.2f} ms on, ratio {result['ratio']:.4f} "
+        f"(goal <= {result['goal_ratio']}); sampler thread duty {result['sampler_duty'] * 100:.2f}%"
+    )
     if args.json:
         write_json(args.json, result)
     return 0

@@ -16,6 +16,7 @@ Every detector follows one recipe, so their behaviour is easy to predict:
 Compute is compared after rescaling routed work to the median load (``Tables.norm_compute_s``), so a rank that is
 slow because the router sent it more rows is blamed on routing, not on its hardware.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -105,11 +106,15 @@ class Finding:
             raise ValueError(f"confidence must be in [0, 1], got {self.confidence}")
 
     def to_json(self) -> dict:
-        return {"kind": self.kind, "ranks": [int(r) for r in self.ranks],
-                "onset_step": None if self.onset_step is None else int(self.onset_step),
-                "confidence": round(float(self.confidence), 3),
-                "what_if_step_time_s": None if self.what_if_step_time_s is None else float(self.what_if_step_time_s),
-                "detail": self.detail, "evidence": self.evidence}
+        return {
+            "kind": self.kind,
+            "ranks": [int(r) for r in self.ranks],
+            "onset_step": None if self.onset_step is None else int(self.onset_step),
+            "confidence": round(float(self.confidence), 3),
+            "what_if_step_time_s": None if self.what_if_step_time_s is None else float(self.what_if_step_time_s),
+            "detail": self.detail,
+            "evidence": self.evidence,
+        }
 
 
 @dataclass(slots=True)
@@ -128,7 +133,7 @@ def _rolling(a: np.ndarray, w: int, fn=np.nanmedian) -> np.ndarray:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # a rank without data in a window stays NaN, silently
         for s in range(a.shape[-1]):
-            chunk = a[..., max(0, s - w + 1):s + 1]
+            chunk = a[..., max(0, s - w + 1) : s + 1]
             if np.isfinite(chunk).any():
                 out[..., s] = fn(chunk, axis=-1)
     return out
@@ -151,15 +156,16 @@ def episode(ratio: np.ndarray, raw: np.ndarray, rolled_ok: np.ndarray, th: Thres
                 onset -= 1
             if not raw[onset]:
                 onset = start
-            after = raw[onset:onset + th.persist_steps]
+            after = raw[onset : onset + th.persist_steps]
             if after.size < th.min_evidence_steps:
                 return None  # too recent to tell from a blip; --follow will see it again next poll
             if after.mean() < th.min_persistence or _longest_false_run(after) >= th.window:
                 run = 0  # a blip (or one that ended before the fault began): keep looking later on
                 continue
             flagged = ratio[onset:][raw[onset:]]
-            return Episode(onset, float(np.median(flagged)) if flagged.size else float(ratio[start]),
-                           float(after.mean()))
+            return Episode(
+                onset, float(np.median(flagged)) if flagged.size else float(ratio[start]), float(after.mean())
+            )
     return None
 
 
@@ -171,8 +177,7 @@ def _longest_false_run(flags: np.ndarray) -> int:
     return longest
 
 
-def peer_stats(x: np.ndarray, groups: list[list[int]], leave_one_out_max: int = 16
-               ) -> tuple[np.ndarray, np.ndarray]:
+def peer_stats(x: np.ndarray, groups: list[list[int]], leave_one_out_max: int = 16) -> tuple[np.ndarray, np.ndarray]:
     """``(median, MAD)``, each ``[R, S]``: per step, over each row's peer group (rows listed in ``groups``).
 
     In groups of up to ``leave_one_out_max`` ranks a row's own value is left out: with 4 ranks a straggler
@@ -188,13 +193,19 @@ def peer_stats(x: np.ndarray, groups: list[list[int]], leave_one_out_max: int = 
             ok = np.isfinite(sub).any(axis=0)
             m = np.nanmedian(sub[:, ok], axis=0)
             d = np.nanmedian(np.abs(sub[:, ok] - m), axis=0)
-            for target in ([i] if loo else rows):
+            for target in [i] if loo else rows:
                 med[target, ok], mad[target, ok] = m, d
     return med, mad
 
 
-def outliers(x: np.ndarray, groups: list[list[int]], ratio_thr: float, min_excess_s: float, th: Thresholds,
-             abs_floor: float = 0.0) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def outliers(
+    x: np.ndarray,
+    groups: list[list[int]],
+    ratio_thr: float,
+    min_excess_s: float,
+    th: Thresholds,
+    abs_floor: float = 0.0,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """``(ratio, raw flags, rolled flags, excess seconds)``, each ``[R, S]``, for values ``x [R, S]``."""
     med, mad = peer_stats(x, groups)
     with np.errstate(all="ignore"):
@@ -204,9 +215,11 @@ def outliers(x: np.ndarray, groups: list[list[int]], ratio_thr: float, min_exces
         z = (x - med) / scale
     excess = np.nan_to_num(x - med, nan=0.0)
     raw = (np.nan_to_num(ratio) >= ratio_thr) & (np.nan_to_num(z) >= th.z) & (excess >= min_excess_s)
-    rolled = ((np.nan_to_num(_rolling(ratio, th.window)) >= ratio_thr)
-              & (np.nan_to_num(_rolling(z, th.window)) >= th.z)
-              & (np.nan_to_num(_rolling(excess, th.window)) >= min_excess_s))
+    rolled = (
+        (np.nan_to_num(_rolling(ratio, th.window)) >= ratio_thr)
+        & (np.nan_to_num(_rolling(z, th.window)) >= th.z)
+        & (np.nan_to_num(_rolling(excess, th.window)) >= min_excess_s)
+    )
     return ratio, raw, rolled, excess
 
 

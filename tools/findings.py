@@ -5,13 +5,23 @@ its GPU would send someone to swap healthy hardware), then pipeline stages (a lo
 issue), then individual ranks' compute and data loading against peers of the same stage, then links from
 transfer time, which excludes waiting for late arrivers by construction.
 """
+
 from __future__ import annotations
 
 import numpy as np
 
 from tools.analysis import Tables
-from tools.detect import (Finding, Thresholds, confidence, episode, link_reference, outliers, series_flags,
-                          what_if, _rolling)
+from tools.detect import (
+    Finding,
+    Thresholds,
+    _rolling,
+    confidence,
+    episode,
+    link_reference,
+    outliers,
+    series_flags,
+    what_if,
+)
 
 
 def stage_groups(t: Tables) -> list[list[int]]:
@@ -27,9 +37,17 @@ def _median_step(t: Tables) -> float:
     return float(np.median(finite)) if finite.size else 0.0
 
 
-def _per_rank(t: Tables, x: np.ndarray, kind: str, thr: float, th: Thresholds, what: str,
-              abs_floor: float = 0.0, min_excess: float | None = None, excess_of: np.ndarray | None = None
-              ) -> list[Finding]:
+def _per_rank(
+    t: Tables,
+    x: np.ndarray,
+    kind: str,
+    thr: float,
+    th: Thresholds,
+    what: str,
+    abs_floor: float = 0.0,
+    min_excess: float | None = None,
+    excess_of: np.ndarray | None = None,
+) -> list[Finding]:
     min_excess = th.min_excess_frac * _median_step(t) if min_excess is None else min_excess
     ratio, raw, rolled, excess = outliers(x, stage_groups(t), thr, min_excess, th, abs_floor)
     if excess_of is not None:  # the seconds the cause adds may differ from the detection signal (routing)
@@ -39,13 +57,19 @@ def _per_rank(t: Tables, x: np.ndarray, kind: str, thr: float, th: Thresholds, w
         ep = episode(ratio[i], raw[i], rolled[i], th)
         if ep is None:
             continue
-        extra = float(np.median(excess[i, ep.onset:]))
-        out.append(Finding(kind=kind, ranks=[rank], onset_step=t.steps[ep.onset], confidence=confidence(ep, thr),
-                           what_if_step_time_s=what_if(t.step_time_s, excess[i], ep.onset),
-                           detail=f"rank {rank}: {what} {ep.ratio:.2f}x its peers' median from step "
-                                  f"{t.steps[ep.onset]} (+{extra * 1e3:.1f} ms/step)",
-                           evidence={"ratio": round(ep.ratio, 3), "excess_s": extra,
-                                     "persistence": round(ep.persistence, 3)}))
+        extra = float(np.median(excess[i, ep.onset :]))
+        out.append(
+            Finding(
+                kind=kind,
+                ranks=[rank],
+                onset_step=t.steps[ep.onset],
+                confidence=confidence(ep, thr),
+                what_if_step_time_s=what_if(t.step_time_s, excess[i], ep.onset),
+                detail=f"rank {rank}: {what} {ep.ratio:.2f}x its peers' median from step "
+                f"{t.steps[ep.onset]} (+{extra * 1e3:.1f} ms/step)",
+                evidence={"ratio": round(ep.ratio, 3), "excess_s": extra, "persistence": round(ep.persistence, 3)},
+            )
+        )
     return out
 
 
@@ -67,12 +91,18 @@ def _stages(t: Tables, th: Thresholds) -> list[Finding]:
     for k, s in enumerate(stages):
         ep = episode(ratio[k], raw[k], rolled[k], th)
         if ep is not None:
-            out.append(Finding(kind="pipeline_stage", ranks=[t.ranks[i] for i in rows[s]],
-                               onset_step=t.steps[ep.onset], confidence=confidence(ep, th.stage_ratio),
-                               what_if_step_time_s=what_if(t.step_time_s, excess[k], ep.onset),
-                               detail=f"pipeline stage {s} computes {ep.ratio:.2f}x the other stages' median: "
-                                      f"stage partitioning, not one slow GPU",
-                               evidence={"stage": s, "ratio": round(ep.ratio, 3)}))
+            out.append(
+                Finding(
+                    kind="pipeline_stage",
+                    ranks=[t.ranks[i] for i in rows[s]],
+                    onset_step=t.steps[ep.onset],
+                    confidence=confidence(ep, th.stage_ratio),
+                    what_if_step_time_s=what_if(t.step_time_s, excess[k], ep.onset),
+                    detail=f"pipeline stage {s} computes {ep.ratio:.2f}x the other stages' median: "
+                    f"stage partitioning, not one slow GPU",
+                    evidence={"stage": s, "ratio": round(ep.ratio, 3)},
+                )
+            )
     return out
 
 
@@ -93,14 +123,18 @@ def _links(t: Tables, th: Thresholds) -> list[Finding]:
         if ep is None:
             continue
         total[s.group] = total.get(s.group, 0.0) + np.where(np.arange(len(excess)) >= ep.onset, excess, 0.0)
-        extra = float(np.median(excess[ep.onset:]))
-        f = Finding(kind="slow_link", ranks=sorted(s.group), onset_step=t.steps[ep.onset],
-                    confidence=0.5 * confidence(ep, 2.0),  # half: the pair inside the group is not localised
-                    what_if_step_time_s=None,
-                    detail=f"{s.op} on ranks {list(s.group)}: transfer {extra * 1e3:.1f} ms over the group's "
-                           f"{refs[s.group] * 1e3:.2f} ms reference latency with no late arriver; a link in this "
-                           f"group is slow (run `moonep probe` to name the pair)",
-                    evidence={"op": s.op, "excess_s": extra, "reference_s": refs[s.group]})
+        extra = float(np.median(excess[ep.onset :]))
+        f = Finding(
+            kind="slow_link",
+            ranks=sorted(s.group),
+            onset_step=t.steps[ep.onset],
+            confidence=0.5 * confidence(ep, 2.0),  # half: the pair inside the group is not localised
+            what_if_step_time_s=None,
+            detail=f"{s.op} on ranks {list(s.group)}: transfer {extra * 1e3:.1f} ms over the group's "
+            f"{refs[s.group] * 1e3:.2f} ms reference latency with no late arriver; a link in this "
+            f"group is slow (run `moonep probe` to name the pair)",
+            evidence={"op": s.op, "excess_s": extra, "reference_s": refs[s.group]},
+        )
         if s.group not in best or extra > best[s.group].evidence["excess_s"]:
             best[s.group] = f
     for g, f in best.items():
@@ -118,11 +152,21 @@ def rank_scores(t: Tables) -> list[dict]:
     out = []
     for i, r in enumerate(t.ranks):
         with np.errstate(all="ignore"):
-            score = np.nanmedian(np.minimum(1.0, med / t.norm_compute_s[i])) if np.isfinite(
-                t.norm_compute_s[i]).any() else float("nan")
-        out.append({"rank": r, "score": None if not np.isfinite(score) else round(float(score), 4),
-                    "compute_s": _nanmed(t.compute_s[i]), "data_s": _nanmed(t.data_s[i]),
-                    "tokens": _nanmed(t.tokens[i]), "stage": t.stages.get(r)})
+            score = (
+                np.nanmedian(np.minimum(1.0, med / t.norm_compute_s[i]))
+                if np.isfinite(t.norm_compute_s[i]).any()
+                else float("nan")
+            )
+        out.append(
+            {
+                "rank": r,
+                "score": None if not np.isfinite(score) else round(float(score), 4),
+                "compute_s": _nanmed(t.compute_s[i]),
+                "data_s": _nanmed(t.data_s[i]),
+                "tokens": _nanmed(t.tokens[i]),
+                "stage": t.stages.get(r),
+            }
+        )
     return out
 
 
@@ -138,12 +182,14 @@ def diagnose(t: Tables, th: Thresholds | None = None) -> list[Finding]:
         return []
     findings = []
     if t.tokens.any():
-        findings += _per_rank(t, t.tokens, "routing_imbalance", th.token_ratio, th, "routed rows",
-                              min_excess=0.5, excess_of=t.compute_s)
+        findings += _per_rank(
+            t, t.tokens, "routing_imbalance", th.token_ratio, th, "routed rows", min_excess=0.5, excess_of=t.compute_s
+        )
     findings += _stages(t, th)
-    findings += _per_rank(t, t.norm_compute_s, "slow_compute", th.compute_ratio, th,
-                          "compute (routing load factored out)")
+    findings += _per_rank(
+        t, t.norm_compute_s, "slow_compute", th.compute_ratio, th, "compute (routing load factored out)"
+    )
     findings += _per_rank(t, t.data_s, "data_loader", th.data_ratio, th, "data loading", abs_floor=1e-4)
     findings += _links(t, th)
     base = _median_step(t)
-    return sorted(findings, key=lambda f: (f.what_if_step_time_s if f.what_if_step_time_s is not None else base))
+    return sorted(findings, key=lambda f: f.what_if_step_time_s if f.what_if_step_time_s is not None else base)

@@ -4,6 +4,7 @@ Each poll reads only the bytes appended since the last poll (complete lines; a l
 for the next poll), adds them to the per-rank tables, and re-runs the detectors. A finding is alerted once per
 (kind, ranks). A file with a corrupt complete line is dropped with one warning naming it, as in offline mode.
 """
+
 from __future__ import annotations
 
 import os
@@ -61,8 +62,15 @@ class Tail:
         return new
 
 
-def follow(trace_dir: str | os.PathLike, *, interval_s: float = 1.0, max_seconds: float | None = None,
-           max_polls: int | None = None, thresholds: Thresholds | None = None, out: TextIO | None = None) -> list:
+def follow(
+    trace_dir: str | os.PathLike,
+    *,
+    interval_s: float = 1.0,
+    max_seconds: float | None = None,
+    max_polls: int | None = None,
+    thresholds: Thresholds | None = None,
+    out: TextIO | None = None,
+) -> list:
     """Poll until ``max_seconds`` / ``max_polls`` (forever when both are None); return the alerted findings."""
     if interval_s <= 0:
         raise ValueError(f"interval_s must be > 0, got {interval_s}")
@@ -81,8 +89,12 @@ def follow(trace_dir: str | os.PathLike, *, interval_s: float = 1.0, max_seconds
                 if key not in seen:
                     seen.add(key)
                     alerted.append(f)
-                    print(f"ALERT at step {tables.steps[-1]}: {f.kind} ranks {f.ranks} since step {f.onset_step} "
-                          f"(confidence {f.confidence:.2f}): {f.detail}", file=out, flush=True)
+                    print(
+                        f"ALERT at step {tables.steps[-1]}: {f.kind} ranks {f.ranks} since step {f.onset_step} "
+                        f"(confidence {f.confidence:.2f}): {f.detail}",
+                        file=out,
+                        flush=True,
+                    )
         if max_polls is not None and polls >= max_polls:
             return alerted
         if max_seconds is not None and time.monotonic() - start >= max_seconds:

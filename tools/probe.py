@@ -4,16 +4,22 @@
 ``(src, dst)`` and each round, all ranks meet at a barrier, ``src`` sends ``nbytes`` to ``dst``, and the one-way
 time is ``dst's recv exit - src's send enter`` (one host clock: ranks launched here share it). The *minimum* over
 rounds fills ``one_way_s[src][dst]``: a slow link adds its delay to every round, while scheduling jitter on
-shared cores only adds to some, so the minimum keeps the link and drops the jitter; a pair whose time is ``factor`` x the median pair and at least
+shared cores only adds to some, so the minimum keeps the link and drops the jitter; a pair whose time is ``factor`` x
+the median pair and at least
 ``min_extra_s`` more is a *slow pair*. Injected link delays (``MOONEP_INJECT_LINK_DELAY`` or ``link_delay=``)
 apply to the probe's sends like any others, which is how tests check that a delayed pair stands out.
 """
+
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
 
 import numpy as np
+import torch
+
+from collectives import launch
+from collectives.faults import parse_link_delay_specs
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -38,8 +44,6 @@ class ProbeConfig:
 
 def probe_rank(comm, cfg: ProbeConfig, link_delays: list[tuple[int, int, float]] = ()) -> np.ndarray:
     """Run on every rank; returns (on every rank) ``[R, R, rounds]`` one-way seconds (diagonal 0)."""
-    import torch
-
     for src, dst, ms in link_delays:
         comm.inject_link_delay(src, dst, ms)
     world, me = comm.world_size, comm.rank
@@ -70,30 +74,49 @@ def summarise(one_way: np.ndarray, cfg: ProbeConfig) -> dict:
     typical = float(np.nanmedian(med))
     slow = []
     for src, dst in zip(*np.nonzero(np.nan_to_num(med) >= max(cfg.factor * typical, typical + cfg.min_extra_s))):
-        slow.append({"ranks": [int(src), int(dst)], "seconds": float(med[src, dst]),
-                     "ratio": float(med[src, dst] / typical) if typical > 0 else float("inf")})
+        slow.append(
+            {
+                "ranks": [int(src), int(dst)],
+                "seconds": float(med[src, dst]),
+                "ratio": float(med[src, dst] / typical) if typical > 0 else float("inf"),
+            }
+        )
     slow.sort(key=lambda p: -p["seconds"])
-    return {"one_way_s": [[None if not np.isfinite(x) else float(x) for x in row] for row in med],
-            "median_s": typical, "slow_pairs": slow, "rounds": cfg.rounds}
+    return {
+        "one_way_s": [[None if not np.isfinite(x) else float(x) for x in row] for row in med],
+        "median_s": typical,
+        "slow_pairs": slow,
+        "rounds": cfg.rounds,
+    }
 
 
 def _probe_job(comm, cfg: ProbeConfig, link_delays) -> np.ndarray:
     return probe_rank(comm, cfg, link_delays)
 
 
-def run_probe(world_size: int, cfg: ProbeConfig | None = None, *, link_delay: str = "", backend: str = "torch",
-              timeout: float = 60.0) -> dict:
+def run_probe(
+    world_size: int,
+    cfg: ProbeConfig | None = None,
+    *,
+    link_delay: str = "",
+    backend: str = "torch",
+    timeout: float = 60.0,
+) -> dict:
     """Launch ``world_size`` local ranks, probe every ordered pair, return ``summarise``'s JSON."""
-    from collectives import launch
-    from tools.inject import parse_link_delays
-
     if world_size < 2:
         raise ValueError(f"the probe needs world_size >= 2, got {world_size}")
     cfg = cfg or ProbeConfig()
-    delays = [(d.src, d.dst, d.ms) for d in parse_link_delays(link_delay)]
+    delays = [(d.src, d.dst, d.ms) for d in parse_link_delay_specs(link_delay)]
     bad = [d for d in delays if max(d[0], d[1]) >= world_size]
     if bad:
         raise ValueError(f"link delay ranks {bad} outside world_size={world_size}")
-    one_way = launch(_probe_job, world_size, backend=backend, timeout=timeout, job_timeout=max(60.0, 3 * timeout),
-                     cfg=cfg, link_delays=delays)
+    one_way = launch(
+        _probe_job,
+        world_size,
+        backend=backend,
+        timeout=timeout,
+        job_timeout=max(60.0, 3 * timeout),
+        cfg=cfg,
+        link_delays=delays,
+    )
     return summarise(one_way, cfg)

@@ -10,6 +10,7 @@ JSON (``schema_version`` 1; keys are only ever added):
   waited for column), ``collectives`` (per group and op: calls, median transfer and wait), ``probe`` (or null),
   ``warnings`` (skipped files and lines).
 """
+
 from __future__ import annotations
 
 import os
@@ -43,38 +44,61 @@ def apply_probe(findings: list[Finding], probe: dict, factor: float = 3.0) -> li
             f.evidence["probe_pair"] = list(inside[0])
     for p, info in zip(pairs, probe.get("slow_pairs", [])):
         if p not in used:
-            findings.append(Finding(kind="slow_link", ranks=sorted(p), onset_step=None, confidence=0.6,
-                                    what_if_step_time_s=None,
-                                    detail=f"probe: ranks {sorted(p)} round trip {info['seconds'] * 1e3:.1f} ms, "
-                                           f"{info['ratio']:.1f}x the median pair",
-                                    evidence={"probe_seconds": info["seconds"], "probe_ratio": info["ratio"]}))
+            findings.append(
+                Finding(
+                    kind="slow_link",
+                    ranks=sorted(p),
+                    onset_step=None,
+                    confidence=0.6,
+                    what_if_step_time_s=None,
+                    detail=f"probe: ranks {sorted(p)} round trip {info['seconds'] * 1e3:.1f} ms, "
+                    f"{info['ratio']:.1f}x the median pair",
+                    evidence={"probe_seconds": info["seconds"], "probe_ratio": info["ratio"]},
+                )
+            )
     return findings
 
 
-def build_report(t: Tables, findings: list[Finding], *, trace_dir: str = "", probe: dict | None = None,
-                 notes: list[str] | None = None) -> dict:
+def build_report(
+    t: Tables,
+    findings: list[Finding],
+    *,
+    trace_dir: str = "",
+    probe: dict | None = None,
+    notes: list[str] | None = None,
+) -> dict:
     finite = t.step_time_s[np.isfinite(t.step_time_s)]
     return {
         "schema_version": SCHEMA_VERSION,
         "trace_dir": trace_dir,
         "findings": [f.to_json() for f in findings],
         "ranks": list(t.ranks),
-        "steps": {"first": t.steps[0] if t.steps else None, "last": t.steps[-1] if t.steps else None,
-                  "count": len(t.steps)},
+        "steps": {
+            "first": t.steps[0] if t.steps else None,
+            "last": t.steps[-1] if t.steps else None,
+            "count": len(t.steps),
+        },
         "step_time_s": float(np.median(finite)) if finite.size else None,
         "rank_scores": rank_scores(t),
         "wait_matrix_s": {"ranks": list(t.ranks), "seconds": np.round(t.wait_matrix_s, 6).tolist()},
-        "collectives": [{"group": list(s.group), "op": s.op, "calls": len(s.transfer_s),
-                         "median_transfer_s": float(np.median(s.transfer_s)) if s.transfer_s else None,
-                         "median_max_wait_s": float(np.median(s.max_wait_s)) if s.max_wait_s else None}
-                        for s in t.series],
+        "collectives": [
+            {
+                "group": list(s.group),
+                "op": s.op,
+                "calls": len(s.transfer_s),
+                "median_transfer_s": float(np.median(s.transfer_s)) if s.transfer_s else None,
+                "median_max_wait_s": float(np.median(s.max_wait_s)) if s.max_wait_s else None,
+            }
+            for s in t.series
+        ],
         "probe": probe,
         "warnings": list(notes or []),
     }
 
 
-def analyse(trace_dir: str | os.PathLike, thresholds: Thresholds | None = None,
-            probe: dict | None = None) -> tuple[dict, Tables]:
+def analyse(
+    trace_dir: str | os.PathLike, thresholds: Thresholds | None = None, probe: dict | None = None
+) -> tuple[dict, Tables]:
     """Read ``trace_dir``, diagnose, and return ``(report JSON, tables)``.
 
     Skipped files are warned about (``TraceWarning``, naming the file) and listed in ``report["warnings"]``.
@@ -87,30 +111,37 @@ def analyse(trace_dir: str | os.PathLike, thresholds: Thresholds | None = None,
     findings = diagnose(tables, thresholds)
     if probe:
         findings = apply_probe(findings, probe)
-    return build_report(tables, findings, trace_dir=os.fspath(trace_dir), probe=probe,
-                        notes=[str(w.message) for w in caught]), tables
+    return build_report(
+        tables, findings, trace_dir=os.fspath(trace_dir), probe=probe, notes=[str(w.message) for w in caught]
+    ), tables
 
 
 def format_report(report: dict) -> str:
     """A few lines for a terminal."""
     step = report["step_time_s"]
-    lines = [f"trace {report['trace_dir']}: {len(report['ranks'])} ranks, {report['steps']['count']} steps, "
-             f"median step {step * 1e3:.1f} ms" if step else f"trace {report['trace_dir']}: no steps"]
+    lines = [
+        f"trace {report['trace_dir']}: {len(report['ranks'])} ranks, {report['steps']['count']} steps, "
+        f"median step {step * 1e3:.1f} ms"
+        if step
+        else f"trace {report['trace_dir']}: no steps"
+    ]
     lines += [f"warning: {w}" for w in report["warnings"]]
     if not report["findings"]:
         lines.append("no straggler found")
     for f in report["findings"]:
         wi = f["what_if_step_time_s"]
         gain = f", step {wi * 1e3:.1f} ms without it" if wi is not None else ""
-        lines.append(f"{f['kind']:<18} ranks {f['ranks']} from step {f['onset_step']} "
-                     f"(confidence {f['confidence']:.2f}{gain}): {f['detail']}")
+        lines.append(
+            f"{f['kind']:<18} ranks {f['ranks']} from step {f['onset_step']} "
+            f"(confidence {f['confidence']:.2f}{gain}): {f['detail']}"
+        )
     return "\n".join(lines)
 
 
 def plot(t: Tables, out_dir: str | os.PathLike) -> list[str]:
     """``rank_step_heatmap.png`` (normalised compute over the step median) and ``wait_matrix.png``."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # heavy: matplotlib (~0.4 s), only when plotting
+    from matplotlib.figure import Figure  # heavy: matplotlib, as above
 
     os.makedirs(out_dir, exist_ok=True)
     paths = []
@@ -119,9 +150,15 @@ def plot(t: Tables, out_dir: str | os.PathLike) -> list[str]:
     fig = Figure(figsize=(max(6.0, 0.08 * len(t.steps) + 3), 1.0 + 0.4 * max(1, len(t.ranks))))
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
-    im = ax.imshow(ratio, aspect="auto", cmap="viridis", interpolation="nearest", vmin=0.8,
-                   vmax=max(1.3, float(np.nanmax(ratio)) if np.isfinite(ratio).any() else 1.3),
-                   extent=(t.steps[0] - 0.5, t.steps[-1] + 0.5, len(t.ranks) - 0.5, -0.5) if t.steps else None)
+    im = ax.imshow(
+        ratio,
+        aspect="auto",
+        cmap="viridis",
+        interpolation="nearest",
+        vmin=0.8,
+        vmax=max(1.3, float(np.nanmax(ratio)) if np.isfinite(ratio).any() else 1.3),
+        extent=(t.steps[0] - 0.5, t.steps[-1] + 0.5, len(t.ranks) - 0.5, -0.5) if t.steps else None,
+    )
     ax.set_yticks(range(len(t.ranks)), [str(r) for r in t.ranks])
     ax.set_xlabel("step")
     ax.set_ylabel("rank")

@@ -7,7 +7,10 @@ NIC bandwidth factor on both ends (``reference / (reference + excess)``: the mea
 the simulator's predicted slowdown scales the measured step time back to the healthy one. Causes the simulator
 does not model (data loading, routing, stage partitioning) return ``None``.
 """
+
 from __future__ import annotations
+
+from simulator import whatif
 
 
 def simulator_inputs(finding: dict) -> tuple[dict[int, float], list[dict]] | None:
@@ -21,24 +24,41 @@ def simulator_inputs(finding: dict) -> tuple[dict[int, float], list[dict]] | Non
     return None
 
 
-def simulated_what_if(finding: dict, model, hardware, par, gpus: int | None = None, cluster=None, *,
-                      measured_step_s: float | None = None, engine: str = "analytic") -> dict | None:
+def simulated_what_if(
+    finding: dict,
+    model,
+    hardware,
+    par,
+    gpus: int | None = None,
+    cluster=None,
+    *,
+    measured_step_s: float | None = None,
+    engine: str = "analytic",
+) -> dict | None:
     """``{"slowdown", "step_s", "baseline_step_s", "what_if_step_time_s"}`` or None when not modelled.
 
     ``what_if_step_time_s`` is ``measured_step_s / slowdown`` when the measured step time is given (the
     simulator's relative impact applied to the real run), else the simulator's healthy step time.
     """
-    from simulator import whatif
-
     inputs = simulator_inputs(finding)
     if inputs is None:
         return None
     rank_slowdown, links = inputs
-    res = whatif(model, hardware, par, gpus, cluster, rank_slowdown=rank_slowdown, links=links, engine=engine,
-                 attribute=False)
+    res = whatif(
+        model, hardware, par, gpus, cluster, rank_slowdown=rank_slowdown, links=links, engine=engine, attribute=False
+    )
     if "slowdown" not in res:
-        return {"slowdown": None, "step_s": None, "baseline_step_s": res.get("baseline_step_s"),
-                "what_if_step_time_s": None, "reason": res.get("reason")}
+        return {
+            "slowdown": None,
+            "step_s": None,
+            "baseline_step_s": res.get("baseline_step_s"),
+            "what_if_step_time_s": None,
+            "reason": res.get("reason"),
+        }
     healthy = measured_step_s / res["slowdown"] if measured_step_s is not None else res["baseline_step_s"]
-    return {"slowdown": res["slowdown"], "step_s": res["step_s"], "baseline_step_s": res["baseline_step_s"],
-            "what_if_step_time_s": healthy}
+    return {
+        "slowdown": res["slowdown"],
+        "step_s": res["step_s"],
+        "baseline_step_s": res["baseline_step_s"],
+        "what_if_step_time_s": healthy,
+    }

@@ -20,6 +20,7 @@ Sources, chosen once at ``start``:
 
 Record fields: ``t`` (``time.time()``), ``rank``, ``source``, then the source's fields.
 """
+
 from __future__ import annotations
 
 import json
@@ -28,9 +29,17 @@ import threading
 import time
 
 # NVML clock-event reason bits (nvmlClocksEventReason*): the ones that mean "slowed down" are the point
-THROTTLE_BITS = {0x1: "gpu_idle", 0x2: "applications_clocks", 0x4: "sw_power_cap", 0x8: "hw_slowdown",
-                 0x10: "sync_boost", 0x20: "sw_thermal", 0x40: "hw_thermal", 0x80: "hw_power_brake",
-                 0x100: "display_clock"}
+THROTTLE_BITS = {
+    0x1: "gpu_idle",
+    0x2: "applications_clocks",
+    0x4: "sw_power_cap",
+    0x8: "hw_slowdown",
+    0x10: "sync_boost",
+    0x20: "sw_thermal",
+    0x40: "hw_thermal",
+    0x80: "hw_power_brake",
+    0x100: "display_clock",
+}
 
 
 def pci_bus_id(domain: int, bus: int, device: int, function: int = 0) -> str:
@@ -44,7 +53,7 @@ def pci_bus_id(domain: int, bus: int, device: int, function: int = 0) -> str:
 def _cuda_properties(index: int):
     """torch's properties of CUDA device ``index``, or None without a CUDA torch or device (then NVML indexes)."""
     try:
-        import torch
+        import torch  # heavy: torch, only to match the GPU by PCI bus id (this module imports only the stdlib)
 
         if not torch.cuda.is_available():
             return None
@@ -73,7 +82,7 @@ class _NvmlSource:
     name = "nvml"
 
     def __init__(self, index: int):
-        import pynvml  # lazy: optional dependency
+        import pynvml  # optional: nvidia-ml-py (the gpu extra)
 
         self.nv = pynvml
         pynvml.nvmlInit()
@@ -89,22 +98,33 @@ class _NvmlSource:
     def sample(self) -> dict:
         nv, h = self.nv, self.handle
         reasons_fn = getattr(nv, "nvmlDeviceGetCurrentClocksEventReasons", None) or getattr(
-            nv, "nvmlDeviceGetCurrentClocksThrottleReasons", None)
+            nv, "nvmlDeviceGetCurrentClocksThrottleReasons", None
+        )
         reasons = self._try(reasons_fn, h) if reasons_fn else None
         power = self._try(nv.nvmlDeviceGetPowerUsage, h)
-        ecc = self._try(nv.nvmlDeviceGetTotalEccErrors, h, getattr(nv, "NVML_MEMORY_ERROR_TYPE_UNCORRECTED", 1),
-                        getattr(nv, "NVML_VOLATILE_ECC", 0)) if hasattr(nv, "nvmlDeviceGetTotalEccErrors") else None
-        return {"gpu": self.gpu,
-                "sm_clock_mhz": self._try(nv.nvmlDeviceGetClockInfo, h, nv.NVML_CLOCK_SM),
-                "mem_clock_mhz": self._try(nv.nvmlDeviceGetClockInfo, h, nv.NVML_CLOCK_MEM),
-                "max_sm_clock_mhz": self.max_sm,
-                "temperature_c": self._try(nv.nvmlDeviceGetTemperature, h, nv.NVML_TEMPERATURE_GPU),
-                "power_w": None if power is None else power / 1000.0,
-                "throttle_reasons": reasons,
-                "throttle_names": None if reasons is None else [n for b, n in THROTTLE_BITS.items() if reasons & b],
-                "ecc_uncorrected": ecc,
-                "pcie_replay": self._try(getattr(nv, "nvmlDeviceGetPcieReplayCounter", lambda _: None), h),
-                "nvlink_replay": self._nvlink_replays()}
+        ecc = (
+            self._try(
+                nv.nvmlDeviceGetTotalEccErrors,
+                h,
+                getattr(nv, "NVML_MEMORY_ERROR_TYPE_UNCORRECTED", 1),
+                getattr(nv, "NVML_VOLATILE_ECC", 0),
+            )
+            if hasattr(nv, "nvmlDeviceGetTotalEccErrors")
+            else None
+        )
+        return {
+            "gpu": self.gpu,
+            "sm_clock_mhz": self._try(nv.nvmlDeviceGetClockInfo, h, nv.NVML_CLOCK_SM),
+            "mem_clock_mhz": self._try(nv.nvmlDeviceGetClockInfo, h, nv.NVML_CLOCK_MEM),
+            "max_sm_clock_mhz": self.max_sm,
+            "temperature_c": self._try(nv.nvmlDeviceGetTemperature, h, nv.NVML_TEMPERATURE_GPU),
+            "power_w": None if power is None else power / 1000.0,
+            "throttle_reasons": reasons,
+            "throttle_names": None if reasons is None else [n for b, n in THROTTLE_BITS.items() if reasons & b],
+            "ecc_uncorrected": ecc,
+            "pcie_replay": self._try(getattr(nv, "nvmlDeviceGetPcieReplayCounter", lambda _: None), h),
+            "nvlink_replay": self._nvlink_replays(),
+        }
 
     def _nvlink_replays(self) -> int | None:
         fn = getattr(self.nv, "nvmlDeviceGetNvLinkErrorCounter", None)
@@ -148,7 +168,7 @@ def open_source(device_index: int | None = None, prefer: str = "auto"):
         return _CpuSource("cpu requested")
     index = int(os.environ.get("LOCAL_RANK", "0")) if device_index is None else device_index
     try:
-        import pynvml
+        import pynvml  # optional: nvidia-ml-py (the gpu extra); the CPU source without it
     except ImportError:
         return _CpuSource("pynvml not installed (pip install nvidia-ml-py)")
     try:
@@ -160,8 +180,15 @@ def open_source(device_index: int | None = None, prefer: str = "auto"):
 class Sampler:
     """Background telemetry sampling for one rank; ``start``/``stop`` may be called repeatedly."""
 
-    def __init__(self, rank: int, out_dir: str | os.PathLike | None, interval_s: float = 1.0, *,
-                 device_index: int | None = None, prefer: str = "auto"):
+    def __init__(
+        self,
+        rank: int,
+        out_dir: str | os.PathLike | None,
+        interval_s: float = 1.0,
+        *,
+        device_index: int | None = None,
+        prefer: str = "auto",
+    ):
         if interval_s <= 0:
             raise ValueError(f"interval_s must be > 0, got {interval_s}")
         if prefer not in ("auto", "nvml", "cpu"):

@@ -11,6 +11,7 @@ stage of the rank) and ``cpu_s`` (seconds the rank really computed: thread CPU t
 GPU). When ``cpu_s`` is present it replaces the wall duration in compute scores, so time a rank spent
 descheduled on a shared host (noise of the host, not of the rank) does not look like a slow rank.
 """
+
 from __future__ import annotations
 
 import json
@@ -20,8 +21,19 @@ import warnings
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-COLLECTIVE_OPS = frozenset({"all_to_all_single", "all_gather", "all_reduce", "reduce_scatter", "broadcast",
-                            "barrier", "send", "recv", "validate"})
+COLLECTIVE_OPS = frozenset(
+    {
+        "all_to_all_single",
+        "all_gather",
+        "all_reduce",
+        "reduce_scatter",
+        "broadcast",
+        "barrier",
+        "send",
+        "recv",
+        "validate",
+    }
+)
 _RANK_FILE = re.compile(r"^rank(\d+)\.jsonl$")
 _REQUIRED = {"op": str, "rank": int, "t_enter": (int, float), "t_exit": (int, float)}
 
@@ -91,13 +103,15 @@ def parse_lines(path: str, text: str) -> list[dict] | None:
         except ValueError:
             rec = None
         if not _valid(rec):
-            warnings.warn(f"{path}: line {number} is not a valid trace record; skipping the file", TraceWarning,
-                          stacklevel=2)
+            warnings.warn(
+                f"{path}: line {number} is not a valid trace record; skipping the file", TraceWarning, stacklevel=2
+            )
             return None
         records.append(rec)
     if tail.strip():
-        warnings.warn(f"{path}: last line is truncated (run still writing, or killed); ignoring it",
-                      TraceWarning, stacklevel=2)
+        warnings.warn(
+            f"{path}: last line is truncated (run still writing, or killed); ignoring it", TraceWarning, stacklevel=2
+        )
     return records
 
 

@@ -12,14 +12,18 @@ of extra matmuls (an extra GEMM stream), so a factor means the same on any machi
 
     python -m tools straggler-demo --world-size 4 --steps 40 --inject-slowdown rank=2,factor=1.3,from_step=10
 """
+
 from __future__ import annotations
 
 import os
 import time
 from dataclasses import dataclass
 
-from collectives.faults import faults_at
-from tools.inject import DataDelay, LinkDelay, Slowdown
+import torch
+
+from collectives import launch
+from collectives.faults import DataDelay, LinkDelay, Slowdown, check_fault_ranks, faults_at
+from tools.telemetry import Sampler
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -86,8 +90,6 @@ def _compute(comm, name: str, x, w, n: int, factor: float, **fields):
 
 def _route(cfg: WorkloadConfig, world: int, rank: int, step: int):
     """Destination rank of each of this rank's rows, ``[T]`` int64, and the per-destination counts ``[R]``."""
-    import torch
-
     g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step * 1009 + rank)
     dest = torch.randint(0, world, (cfg.tokens,), generator=g)
     if cfg.skew > 0:
@@ -98,8 +100,6 @@ def _route(cfg: WorkloadConfig, world: int, rank: int, step: int):
 
 
 def _step(comm, cfg: WorkloadConfig, step: int, w) -> None:
-    import torch
-
     world, rank = comm.world_size, comm.rank
     factor, delay, _ = faults_at(cfg, rank, step)
     t0 = time.time()
@@ -132,11 +132,7 @@ def run_workload(comm, cfg: WorkloadConfig, out_dir: str | None = None) -> dict:
     Returns ``{"step_s": [...], "sampling": [...]}``: this rank's wall time per step and whether telemetry
     sampling was on during it (benchmark mode alternates it in ``telemetry_blocks`` blocks).
     """
-    import torch
-
-    from tools.telemetry import Sampler
-
-    w = torch.randn(cfg.hidden, cfg.hidden, generator=torch.Generator().manual_seed(1)) / cfg.hidden ** 0.5
+    w = torch.randn(cfg.hidden, cfg.hidden, generator=torch.Generator().manual_seed(1)) / cfg.hidden**0.5
     sampler = None
     out_dir = out_dir or (os.path.dirname(comm.tracer.path) if comm.tracer is not None else None)
     if cfg.telemetry_interval_s > 0:
@@ -167,12 +163,22 @@ def run_workload(comm, cfg: WorkloadConfig, out_dir: str | None = None) -> dict:
     return {"step_s": step_s, "sampling": sampling}
 
 
-def run_local(cfg: WorkloadConfig, world_size: int, trace_dir: str | None, *, timeout: float = 60.0,
-              job_timeout: float | None = 300.0) -> dict:
+def run_local(
+    cfg: WorkloadConfig,
+    world_size: int,
+    trace_dir: str | None,
+    *,
+    timeout: float = 60.0,
+    job_timeout: float | None = 300.0,
+) -> dict:
     """Launch ``world_size`` local gloo ranks running the workload; rank 0's result."""
-    from collectives import launch
-    from collectives.faults import check_fault_ranks
-
     check_fault_ranks(world_size, cfg.slowdowns, cfg.data_delays, cfg.link_delays)
-    return launch(run_workload, world_size, timeout=timeout, trace_dir=trace_dir, job_timeout=job_timeout,
-                  cfg=cfg, out_dir=trace_dir)
+    return launch(
+        run_workload,
+        world_size,
+        timeout=timeout,
+        trace_dir=trace_dir,
+        job_timeout=job_timeout,
+        cfg=cfg,
+        out_dir=trace_dir,
+    )

@@ -4,9 +4,10 @@
 (megatron-core's six-stage token dispatcher, with ``MoonEPDispatcherConfig`` and ``SequentialExperts``); the
 Megatron names are also importable from here, resolved on first use (torch is imported only then).
 """
+
 from __future__ import annotations
 
-from moonep._lazy import lazy_exports
+from moonep_base import lazy_exports
 
 _LAZY = {
     "MoonEPTokenDispatcher": ("moonep.compat.megatron", "MoonEPTokenDispatcher"),

@@ -18,6 +18,7 @@ unweighted sum of the rows sent back (plus optional biases). This is the *unbala
 send_order [sum send])``. There are no CUDA events on this path: ``EventOverlap`` is a no-op placeholder, and the
 low-latency mode is not provided.
 """
+
 from __future__ import annotations
 
 import torch
@@ -35,11 +36,13 @@ class EventOverlap:
 class Buffer:
     """DeepEP-compatible expert-parallel buffer (normal mode) over ``group``, a Communicator or ProcessGroup."""
 
-    def __init__(self, group, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0, low_latency_mode: bool = False,
-                 **unused_tuning):
+    def __init__(
+        self, group, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0, low_latency_mode: bool = False, **unused_tuning
+    ):
         if low_latency_mode:
-            raise ValueError("moonep.compat.deepep.Buffer supports DeepEP's normal mode only "
-                             "(low_latency_mode=True is not provided)")
+            raise ValueError(
+                "moonep.compat.deepep.Buffer supports DeepEP's normal mode only (low_latency_mode=True is not provided)"
+            )
         self.comm = as_communicator(group)
         self.group = group
         self.group_size = self.comm.world_size
@@ -47,8 +50,14 @@ class Buffer:
         self.num_nvl_bytes, self.num_rdma_bytes, self.low_latency_mode = num_nvl_bytes, num_rdma_bytes, False
 
     # ------------------------------------------------------------------------------------------ layout
-    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int, previous_event=None,
-                            async_finish: bool = False, allocate_on_comm_stream: bool = False):
+    def get_dispatch_layout(
+        self,
+        topk_idx: torch.Tensor,
+        num_experts: int,
+        previous_event=None,
+        async_finish: bool = False,
+        allocate_on_comm_stream: bool = False,
+    ):
         """topk_idx [T, K] (``-1`` = no expert) -> (num_tokens_per_rank [R] int32, None, num_tokens_per_expert
         [E] int32, is_token_in_rank [T, R] bool, event)."""
         R = self.group_size
@@ -68,18 +77,33 @@ class Buffer:
         return in_rank.sum(0).to(torch.int32), None, per_expert, in_rank, EventOverlap()
 
     # ------------------------------------------------------------------------------------------ dispatch
-    def dispatch(self, x: torch.Tensor, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
-                 is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None, topk_weights=None,
-                 expert_alignment: int = 1, num_worst_tokens: int = 0, config=None, previous_event=None,
-                 async_finish: bool = False, allocate_on_comm_stream: bool = False):
+    def dispatch(
+        self,
+        x: torch.Tensor,
+        handle=None,
+        num_tokens_per_rank=None,
+        num_tokens_per_rdma_rank=None,
+        is_token_in_rank=None,
+        num_tokens_per_expert=None,
+        topk_idx=None,
+        topk_weights=None,
+        expert_alignment: int = 1,
+        num_worst_tokens: int = 0,
+        config=None,
+        previous_event=None,
+        async_finish: bool = False,
+        allocate_on_comm_stream: bool = False,
+    ):
         """x [T, H] -> (recv_x [N, H], recv_topk_idx [N, K], recv_topk_weights [N, K], num_recv_tokens_per_expert
         list, handle, event); with ``handle`` (cached mode) -> (recv_x, None, None, None, None, event)."""
         if handle is not None:
             rank_prefix, send_counts, recv_counts, _, _, order = handle
             return self._exchange(x[order], send_counts, recv_counts), None, None, None, None, EventOverlap()
         if topk_idx is None or is_token_in_rank is None or num_tokens_per_rank is None:
-            raise ValueError("a fresh dispatch needs topk_idx, is_token_in_rank and num_tokens_per_rank "
-                             "(from get_dispatch_layout), or a cached handle")
+            raise ValueError(
+                "a fresh dispatch needs topk_idx, is_token_in_rank and num_tokens_per_rank "
+                "(from get_dispatch_layout), or a cached handle"
+            )
         R, T = self.group_size, x.shape[0]
         order = is_token_in_rank.t().nonzero()[:, 1]  # destination-major, token order within a destination
         send_counts = num_tokens_per_rank.to(torch.int64)
@@ -92,8 +116,9 @@ class Buffer:
             raise ValueError("num_tokens_per_expert (from get_dispatch_layout) is needed to localise expert ids")
         epn = int(num_tokens_per_expert.numel()) // R
         recv_x = self._exchange(x[order], send_counts, recv_counts)
-        recv_src_idx = self._exchange(torch.arange(T, dtype=torch.int64, device=x.device)[order], send_counts,
-                                      recv_counts)
+        recv_src_idx = self._exchange(
+            torch.arange(T, dtype=torch.int64, device=x.device)[order], send_counts, recv_counts
+        )
         recv_idx = self._exchange(topk_idx.long()[order], send_counts, recv_counts)
         local = recv_idx - self.rank * epn
         recv_idx = torch.where((recv_idx >= 0) & (local >= 0) & (local < epn), local, torch.full_like(local, -1))
@@ -107,8 +132,17 @@ class Buffer:
         return recv_x, recv_idx.to(topk_idx.dtype), recv_w, per_expert, handle, EventOverlap()
 
     # ------------------------------------------------------------------------------------------ combine
-    def combine(self, x: torch.Tensor, handle, topk_weights=None, bias=None, config=None, previous_event=None,
-                async_finish: bool = False, allocate_on_comm_stream: bool = False):
+    def combine(
+        self,
+        x: torch.Tensor,
+        handle,
+        topk_weights=None,
+        bias=None,
+        config=None,
+        previous_event=None,
+        async_finish: bool = False,
+        allocate_on_comm_stream: bool = False,
+    ):
         """x [N, H] (rows as dispatched) -> (combined_x [T, H] unweighted sum over visited ranks (+ bias),
         combined_topk_weights [T, K] or None, event)."""
         _, send_counts, recv_counts, _, in_rank, order = handle
@@ -117,7 +151,7 @@ class Buffer:
             raise ValueError(f"combine got {x.shape[0]} rows, the handle dispatched {int(recv_counts.sum())}")
         back = self._exchange(x, recv_counts, send_counts)
         out = torch.zeros(T, *x.shape[1:], dtype=x.dtype, device=x.device).index_add_(0, order, back)
-        for b in (bias if isinstance(bias, (tuple, list)) else [bias] if bias is not None else []):
+        for b in bias if isinstance(bias, (tuple, list)) else [bias] if bias is not None else []:
             out += b
         weights = None
         if topk_weights is not None:
@@ -128,8 +162,7 @@ class Buffer:
     def _exchange(self, rows: torch.Tensor, send_counts, recv_counts) -> torch.Tensor:
         out = torch.empty(int(recv_counts.sum()), *rows.shape[1:], dtype=rows.dtype, device=rows.device)
         # splits are consistent by construction (exchanged counts): skip the argument header
-        self.comm.all_to_all_single(out, rows.contiguous(), recv_counts.tolist(), send_counts.tolist(),
-                                    validate=False)
+        self.comm.all_to_all_single(out, rows.contiguous(), recv_counts.tolist(), send_counts.tolist(), validate=False)
         return out
 
     def destroy(self) -> None:

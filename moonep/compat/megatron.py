@@ -25,6 +25,7 @@ home experts. This is moonep.MoE's layout, not the DeepEP adapter's home-expert 
 unbalanced semantics; this one exists to get MoonEP's balance). Megatron's own experts modules therefore do not
 run on it unchanged; ``SequentialExperts`` wraps a ``SequentialMLP``-like module (``.local_experts``) so they do.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ import torch
 from torch import nn
 
 from .. import autograd as ep
+from .._checks import raise_agreed
 from ..buffer import Buffer
 from ._group import as_communicator
 
@@ -69,12 +71,22 @@ class MoonEPTokenDispatcher:
     One micro-batch in flight per dispatcher, as in Megatron.
     """
 
-    def __init__(self, num_local_experts: int, local_expert_indices, config, pg_collection=None, *,
-                 max_tokens: int | None = None, buffer: Buffer | None = None, token_padding: int = 1) -> None:
+    def __init__(
+        self,
+        num_local_experts: int,
+        local_expert_indices,
+        config,
+        pg_collection=None,
+        *,
+        max_tokens: int | None = None,
+        buffer: Buffer | None = None,
+        token_padding: int = 1,
+    ) -> None:
         group = getattr(pg_collection, "ep", pg_collection)
         if group is None:
-            raise ValueError("MoonEPTokenDispatcher needs pg_collection (ProcessGroupCollection, ProcessGroup "
-                             "or Communicator)")
+            raise ValueError(
+                "MoonEPTokenDispatcher needs pg_collection (ProcessGroupCollection, ProcessGroup or Communicator)"
+            )
         tp = getattr(pg_collection, "expt_tp", None)
         if tp is not None and tp.size() != 1:
             raise ValueError("MoonEPTokenDispatcher needs expert tensor parallel size 1")
@@ -84,13 +96,17 @@ class MoonEPTokenDispatcher:
         self.hidden_size = int(config.hidden_size)
         R, r = self.comm.world_size, self.comm.rank
         if self.num_experts % R or not 1 <= self.topk <= self.num_experts:
-            raise ValueError(f"num_moe_experts={self.num_experts} must be a multiple of the EP size {R} and "
-                             f">= moe_router_topk={self.topk} >= 1")
+            raise ValueError(
+                f"num_moe_experts={self.num_experts} must be a multiple of the EP size {R} and "
+                f">= moe_router_topk={self.topk} >= 1"
+            )
         self.epn = self.num_experts // R
         want = list(range(r * self.epn, (r + 1) * self.epn))
         if num_local_experts != self.epn or list(local_expert_indices) != want:
-            raise ValueError(f"rank {r} must own experts {want} (num_local_experts={self.epn}), got "
-                             f"{num_local_experts} experts {list(local_expert_indices)}")
+            raise ValueError(
+                f"rank {r} must own experts {want} (num_local_experts={self.epn}), got "
+                f"{num_local_experts} experts {list(local_expert_indices)}"
+            )
         if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
             raise ValueError(f"max_tokens must be a positive int or None, got {max_tokens!r}")
         self.num_local_experts, self.local_expert_indices = num_local_experts, want
@@ -112,13 +128,12 @@ class MoonEPTokenDispatcher:
         except Exception as exc:  # never raise here: the peers are about to enter a collective
             self._code, self._detail = 1, f"H={self.hidden_size}, got shape {self.hidden_shape}: {exc}"
             return hidden_states, probs
-        self._code, self._detail = _routing_problem(routing_map, probs, tokens.shape[0], self.num_experts,
-                                                    self.topk)
+        self._code, self._detail = _routing_problem(routing_map, probs, tokens.shape[0], self.num_experts, self.topk)
         if self._code:
             return tokens, probs
         E = self.num_experts
         ids = torch.arange(E, device=routing_map.device).expand_as(routing_map)
-        sel = torch.where(routing_map, ids, torch.full_like(ids, E)).sort(dim=1).values[:, :self.topk]
+        sel = torch.where(routing_map, ids, torch.full_like(ids, E)).sort(dim=1).values[:, : self.topk]
         if sel.shape[1] < self.topk:
             sel = nn.functional.pad(sel, (0, self.topk - sel.shape[1]), value=E)
         valid = sel < E
@@ -129,17 +144,21 @@ class MoonEPTokenDispatcher:
     def token_dispatch(self, hidden_states: torch.Tensor, probs: torch.Tensor):
         """Collective: agree on the inputs (one all-gather of [code, s]), then MoonEP's balanced dispatch.
 
-        Returns (rows [nvs, H], row probs [nvs] fp32): grouped by (own expert, then replica slot), padded."""
+        Returns (rows [recv_rows, H], row probs [recv_rows] fp32): grouped by (own expert, then replica slot),
+        padded."""
         dev = hidden_states.device if isinstance(hidden_states, torch.Tensor) else self.comm.device
         mine = torch.zeros(2, dtype=torch.int64, device=dev)
         mine[0], mine[1] = self._code, hidden_states.shape[0] if self._code == 0 else 0
         every = torch.empty(self.comm.world_size * 2, dtype=torch.int64, device=dev)
         self.comm.all_gather(every, mine, validate=False)
         codes, sizes = every.view(-1, 2).t().tolist()
-        _raise_agreed(self.comm.rank, codes, self._detail)
+        # the failing rank names the generic problem and its own detail; the others the generic one
+        mine = f"{PROBLEMS[self._code]} ({self._detail})" if self._code and self._detail else ""
+        raise_agreed("MoonEPTokenDispatcher", self.comm.rank, codes, mine, problems=PROBLEMS, prefix="")
         self._ensure_buffer(max(sizes), hidden_states.dtype, hidden_states.device)
-        rows, row_probs, cu, self.plan = ep.dispatch(self.buffer, hidden_states, probs, self.topk_idx,
-                                                     total_num_tokens=sum(sizes))
+        rows, row_probs, cu, self.plan = ep.dispatch(
+            self.buffer, hidden_states, probs, self.topk_idx, total_num_tokens=sum(sizes)
+        )
         self.cu_seqlens, self.num_rows = cu, self.plan.cu_host[-1]  # host copy from dispatch's one read
         return rows, row_probs
 
@@ -148,7 +167,7 @@ class MoonEPTokenDispatcher:
         permuted_probs [n] fp32); n = rows up to the last segment (padding rows have zero tokens and probs)."""
         cu = torch.tensor(self.plan.cu_host, dtype=torch.int64)  # Megatron wants these on the CPU
         tokens_per_expert = torch.diff(cu, prepend=cu.new_zeros(1))
-        return hidden_states[:self.num_rows], tokens_per_expert, probs[:self.num_rows]
+        return hidden_states[: self.num_rows], tokens_per_expert, probs[: self.num_rows]
 
     def expert_weights(self, tokens: torch.Tensor, *local_weights: torch.Tensor):
         """Collective: (tokens [n, H], weights [epn, ...] each) -> (tokens, tuple of [2*epn, ...] views).
@@ -164,14 +183,14 @@ class MoonEPTokenDispatcher:
 
     # ------------------------------------------------------------------------------------------- combine
     def combine_preprocess(self, hidden_states: torch.Tensor):
-        """Local: expert output [n, H] -> [nvs, H] (zero rows appended; a wrong shape is refused by combine)."""
+        """Local: expert output [n, H] -> [recv_rows, H] (zero rows appended; a wrong shape is refused by combine)."""
         n, H = self.num_rows, self.buffer.H
         if hidden_states.dim() == 2 and tuple(hidden_states.shape) == (n, H):
-            hidden_states = nn.functional.pad(hidden_states, (0, 0, 0, self.plan.nvs - n))
+            hidden_states = nn.functional.pad(hidden_states, (0, 0, 0, self.plan.recv_rows - n))
         return hidden_states
 
     def token_combine(self, hidden_states: torch.Tensor):
-        """Collective: [nvs, H] -> [s, H], the unweighted sum of each token's expert outputs."""
+        """Collective: [recv_rows, H] -> [s, H], the unweighted sum of each token's expert outputs."""
         return ep.combine(self.buffer, self.plan, hidden_states)
 
     def combine_postprocess(self, hidden_states: torch.Tensor):
@@ -180,8 +199,7 @@ class MoonEPTokenDispatcher:
 
     def set_shared_experts(self, shared_experts) -> None:
         """Megatron's shared-expert overlap hook: not provided (run the shared expert beside the layer)."""
-        raise ValueError("MoonEPTokenDispatcher does not overlap shared experts; set moe_shared_expert_overlap="
-                         "False")
+        raise ValueError("MoonEPTokenDispatcher does not overlap shared experts; set moe_shared_expert_overlap=False")
 
     def _ensure_buffer(self, s_max: int, dtype: torch.dtype, device: torch.device) -> None:
         """Build (or grow, or move) an owned Buffer on the tokens' device; every rank sees the same s_max, so
@@ -193,8 +211,16 @@ class MoonEPTokenDispatcher:
         if b is not None and (not self._owns_buffer or (b.dtype == dtype and b.S >= need and b.device == device)):
             return
         S = self.max_tokens or max(s_max, 1, 0 if b is None else b.S)
-        self.buffer = Buffer(self.comm, S, self.hidden_size, self.topk, self.num_experts,
-                             token_padding=self.token_padding, dtype=dtype, device=device)
+        self.buffer = Buffer(
+            self.comm,
+            S=S,
+            H=self.hidden_size,
+            K=self.topk,
+            E=self.num_experts,
+            token_padding=self.token_padding,
+            dtype=dtype,
+            device=device,
+        )
 
 
 class _SlotWeights(torch.autograd.Function):
@@ -248,10 +274,16 @@ class SequentialExperts(nn.Module):
 def _routing_problem(routing_map, probs, s: int, E: int, K: int) -> tuple[int, str]:
     """(code, detail) for routing_map / probs; code 0 = fine. Never raises."""
     try:
-        if not isinstance(routing_map, torch.Tensor) or routing_map.dtype != torch.bool or \
-                tuple(routing_map.shape) != (s, E):
-            got = (routing_map.dtype, list(routing_map.shape)) if isinstance(routing_map, torch.Tensor) else \
-                type(routing_map).__name__
+        if (
+            not isinstance(routing_map, torch.Tensor)
+            or routing_map.dtype != torch.bool
+            or tuple(routing_map.shape) != (s, E)
+        ):
+            got = (
+                (routing_map.dtype, list(routing_map.shape))
+                if isinstance(routing_map, torch.Tensor)
+                else type(routing_map).__name__
+            )
             return 2, f"want [{s}, {E}] torch.bool, got {got}"
         if not isinstance(probs, torch.Tensor) or not probs.dtype.is_floating_point or tuple(probs.shape) != (s, E):
             got = (probs.dtype, list(probs.shape)) if isinstance(probs, torch.Tensor) else type(probs).__name__
@@ -265,18 +297,6 @@ def _routing_problem(routing_map, probs, s: int, E: int, K: int) -> tuple[int, s
         return 0, ""
     except Exception as exc:
         return 3, f"could not inspect routing_map/probs: {type(exc).__name__}: {exc}"
-
-
-def _raise_agreed(rank: int, codes: list[int], detail: str) -> None:
-    """The same ValueError on every rank when any rank's inputs were bad (the failing rank adds its detail)."""
-    bad = [r for r, c in enumerate(codes) if c]
-    if not bad:
-        return
-    first = bad[0]
-    msg = f"MoonEPTokenDispatcher: rank {first}: {PROBLEMS[codes[first]]}"
-    if first == rank and detail:
-        msg += f" ({detail})"
-    raise ValueError(msg + (f" (also ranks {bad[1:]})" if len(bad) > 1 else ""))
 
 
 __all__ = ["MoonEPDispatcherConfig", "MoonEPTokenDispatcher", "SequentialExperts"]

@@ -4,6 +4,7 @@ Every expected value is computed locally from the same deterministic formulas th
 fail on any rank. ``run_battery`` returns ``{check name: None | "rank r: what went wrong"}`` gathered from all
 ranks, so the pytest side asserts on rank 0's result for every rank.
 """
+
 from __future__ import annotations
 
 import torch
@@ -46,8 +47,12 @@ def check_even_all_to_all(comm):
     inp = torch.arange(w * 2 * 4, dtype=torch.float32).reshape(w * 2, 2, 2) + 1000 * r
     out = torch.empty_like(inp)
     comm.all_to_all_single(out, inp)
-    want = torch.cat([torch.arange(w * 2 * 4, dtype=torch.float32).reshape(w * 2, 2, 2)[2 * r:2 * r + 2] + 1000 * i
-                      for i in range(w)])
+    want = torch.cat(
+        [
+            torch.arange(w * 2 * 4, dtype=torch.float32).reshape(w * 2, 2, 2)[2 * r : 2 * r + 2] + 1000 * i
+            for i in range(w)
+        ]
+    )
     return None if torch.equal(out, want) else f"even all_to_all: {out.flatten().tolist()}"
 
 
@@ -67,8 +72,9 @@ def check_all_reduce(comm, dtype, op):
     t = per_rank[r].to(dtype).clone()
     comm.all_reduce(t, op=op)
     stacked = torch.stack([x.to(dtype).double() for x in per_rank])
-    want = {"sum": stacked.sum(0), "max": stacked.max(0).values, "min": stacked.min(0).values,
-            "prod": stacked.prod(0)}[op].to(dtype)
+    want = {"sum": stacked.sum(0), "max": stacked.max(0).values, "min": stacked.min(0).values, "prod": stacked.prod(0)}[
+        op
+    ].to(dtype)
     return None if torch.equal(t, want) else f"all_reduce {op} {dtype}: {t.tolist()} want {want.tolist()}"
 
 
@@ -77,7 +83,7 @@ def check_reduce_scatter(comm):
     inp = torch.arange(3 * w, dtype=torch.float32).reshape(w, 3) * (r + 1)
     out = torch.empty(1, 3)
     comm.reduce_scatter(out, inp)
-    want = torch.arange(3 * w, dtype=torch.float32).reshape(w, 3)[r:r + 1] * sum(i + 1 for i in range(w))
+    want = torch.arange(3 * w, dtype=torch.float32).reshape(w, 3)[r : r + 1] * sum(i + 1 for i in range(w))
     return None if torch.equal(out, want) else f"reduce_scatter: {out.tolist()} want {want.tolist()}"
 
 
@@ -152,23 +158,32 @@ def check_bad_input(comm):
     problems = []
     x = torch.zeros(w, 2)
     bad_splits = [1] * w if r != 0 else [2] + [1] * (w - 1)  # rank 0's do not add up to its rows
-    problems.append(_expect_value_error(lambda: comm.all_to_all_single(x.clone(), x, [1] * w, bad_splits),
-                                        "rank 0" if r else "in_splits sums to"))
-    problems.append(_expect_value_error(lambda: comm.all_gather(torch.zeros(w, 2, dtype=torch.float64), x[:1]),
-                                        "dtype mismatch"))
-    problems.append(_expect_value_error(lambda: comm.all_to_all_single(
-        torch.empty(w, 2, device="meta"), x), "device mismatch"))
+    problems.append(
+        _expect_value_error(
+            lambda: comm.all_to_all_single(x.clone(), x, [1] * w, bad_splits), "rank 0" if r else "in_splits sums to"
+        )
+    )
+    problems.append(
+        _expect_value_error(lambda: comm.all_gather(torch.zeros(w, 2, dtype=torch.float64), x[:1]), "dtype mismatch")
+    )
+    problems.append(
+        _expect_value_error(lambda: comm.all_to_all_single(torch.empty(w, 2, device="meta"), x), "device mismatch")
+    )
     if w > 1:  # consistent per rank, inconsistent across ranks: only the header exchange can see it
         ins = [0] * w
         ins[(r + 1) % w] = w
         outs = [0] * w
         outs[(r + 1) % w] = w  # wrong: the rows come from r-1, not r+1 (unless w == 2)
         if w > 2:
-            problems.append(_expect_value_error(
-                lambda: comm.all_to_all_single(torch.zeros(w, 2), x, outs, ins), "split sizes do not match"))
+            problems.append(
+                _expect_value_error(
+                    lambda: comm.all_to_all_single(torch.zeros(w, 2), x, outs, ins), "split sizes do not match"
+                )
+            )
         dtype = torch.float32 if r == 0 else torch.float64
-        problems.append(_expect_value_error(lambda: comm.all_reduce(torch.zeros(2, dtype=dtype)),
-                                            "ranks disagree on dtype"))
+        problems.append(
+            _expect_value_error(lambda: comm.all_reduce(torch.zeros(2, dtype=dtype)), "ranks disagree on dtype")
+        )
     problems.append(_expect_value_error(lambda: comm.all_reduce(x, op="mean"), "op must be one of"))
     problems.append(_expect_value_error(lambda: comm.send(x, w), "dst="))
     problems.append(check_all_to_all(comm, torch.float32, salt=9))  # nothing was exchanged: still consistent
@@ -176,16 +191,21 @@ def check_bad_input(comm):
 
 
 def run_battery(comm) -> dict:
-    checks = {"even_all_to_all": lambda: check_even_all_to_all(comm),
-              "reduce_scatter": lambda: check_reduce_scatter(comm), "broadcast": lambda: check_broadcast(comm),
-              "ring": lambda: check_ring(comm), "split": lambda: check_split(comm),
-              "bad_input": lambda: check_bad_input(comm)}
+    checks = {
+        "even_all_to_all": lambda: check_even_all_to_all(comm),
+        "reduce_scatter": lambda: check_reduce_scatter(comm),
+        "broadcast": lambda: check_broadcast(comm),
+        "ring": lambda: check_ring(comm),
+        "split": lambda: check_split(comm),
+        "bad_input": lambda: check_bad_input(comm),
+    }
     for dtype in DTYPES:
         name = str(dtype).replace("torch.", "")
-        checks[f"all_to_all_{name}"] = lambda d=dtype: (check_all_to_all(comm, d, 0) or check_all_to_all(comm, d, 1))
+        checks[f"all_to_all_{name}"] = lambda d=dtype: check_all_to_all(comm, d, 0) or check_all_to_all(comm, d, 1)
         checks[f"all_gather_{name}"] = lambda d=dtype: check_all_gather(comm, d)
     for dtype in (torch.float32, torch.bfloat16, torch.int32, torch.int64):
         for op in ("sum", "max", "min", "prod"):
-            checks[f"all_reduce_{op}_{str(dtype).replace('torch.', '')}"] = (
-                lambda d=dtype, o=op: check_all_reduce(comm, d, o))
+            checks[f"all_reduce_{op}_{str(dtype).replace('torch.', '')}"] = lambda d=dtype, o=op: check_all_reduce(
+                comm, d, o
+            )
     return run_checks(comm, checks, limit=4)

@@ -1,4 +1,5 @@
 """One user script, five ways to start it (see test_launchers.py): python, torchrun, mpiexec."""
+
 import json
 import os
 import sys

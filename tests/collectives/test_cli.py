@@ -1,10 +1,16 @@
 """The moonep command line: help, the collectives benchmark JSON, and the round-trip demo."""
+
+import inspect
 import json
 import os
+import statistics
 import subprocess
 import sys
 
-from moonep.cli import build_parser, main
+import pytest
+
+from collectives.bench import QUICK_SIZES, MiB, round_trip
+from moonep.console import build_parser, main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -20,22 +26,53 @@ def test_bench_collectives_quick_writes_stable_json(tmp_path):
     out = tmp_path / "bench.json"
     assert main(["bench", "collectives", "--quick", "--world-size", "2", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
-    assert report["backend"] == "torch" and report["world_size"] == 2
-    ops = {(r["op"], r["bytes"]) for r in report["results"]}
-    assert {op for op, _ in ops} == {"all_to_all", "all_gather"}
+    assert set(report) == {"backend", "world_size", "threads_per_rank", "results", "summary"}
+    assert (report["backend"], report["world_size"], report["threads_per_rank"]) == ("torch", 2, 1)  # launch's
+    # one row per op and --quick size; each rank sends (all-to-all) or receives (all-gather) the size rounded down
+    # to a multiple of the world size
+    assert sorted((r["op"], r["bytes"]) for r in report["results"]) == sorted(
+        (op, max(1, n // 2) * 2) for op in ("all_to_all", "all_gather") for n in QUICK_SIZES
+    )
     for r in report["results"]:
+        assert set(r) == {
+            "op",
+            "bytes",
+            "iterations",
+            "raw_s",
+            "ours_s",
+            "ours_validated_s",
+            "raw_gbps",
+            "ours_gbps",
+            "overhead",
+            "overhead_validated",
+        }
+        assert r["iterations"] == 3  # --quick
         assert r["raw_s"] > 0 and r["ours_s"] > 0 and r["ours_validated_s"] > 0
-        assert r["iterations"] >= 3 and r["overhead"] > -1.0 and r["overhead_validated"] > -1.0
-    assert set(report["summary"]) == {"goal_overhead_ge_1MiB", "median_overhead_ge_1MiB",
-                                      "max_overhead_ge_1MiB", "met"}
+        assert r["raw_gbps"] == pytest.approx(r["bytes"] / r["raw_s"] / 1e9)
+        assert r["ours_gbps"] == pytest.approx(r["bytes"] / r["ours_s"] / 1e9)
+        assert r["overhead"] > -1.0 and r["overhead_validated"] > -1.0  # ratios of positive times, minus 1
+    big = [r["overhead"] for r in report["results"] if r["bytes"] >= MiB]
+    s = report["summary"]
+    assert set(s) == {"goal_overhead_ge_1MiB", "median_overhead_ge_1MiB", "max_overhead_ge_1MiB", "met"}
+    assert len(big) == 2 and s["median_overhead_ge_1MiB"] == pytest.approx(statistics.median(big))
+    assert s["max_overhead_ge_1MiB"] == max(big)
+    assert s["met"] == (s["median_overhead_ge_1MiB"] <= s["goal_overhead_ge_1MiB"])
 
 
 def test_roundtrip_demo_via_python_m(tmp_path):
     out = tmp_path / "rt.json"
-    proc = subprocess.run([sys.executable, "-m", "collectives", "roundtrip", "--world-size", "3", "--json",
-                           str(out)], capture_output=True, text=True, timeout=180,
-                          env=dict(os.environ, PYTHONPATH=ROOT))
+    proc = subprocess.run(
+        [sys.executable, "-m", "collectives", "roundtrip", "--world-size", "3", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=dict(os.environ, PYTHONPATH=ROOT),
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "data back intact" in proc.stdout
     report = json.loads(out.read_text())
     assert report["world_size"] == 3 and all(r["verified"] for r in report["results"])
+    sizes = inspect.signature(round_trip).parameters["sizes"].default  # the demo's sizes; rows of 1024 bf16
+    assert [r["bytes_per_rank"] for r in report["results"]] == [max(3, n // 2048) * 2048 for n in sizes]
+    for r in report["results"]:
+        assert r["dispatch_gbps"] == pytest.approx(r["bytes_per_rank"] / r["dispatch_s"] / 1e9)

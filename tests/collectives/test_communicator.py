@@ -3,6 +3,7 @@
 One job per (backend, world size) runs the whole battery (tests/collectives/battery.py) and reports per check,
 so the suite pays one spawn per job rather than one per assertion.
 """
+
 import functools
 
 import pytest
@@ -10,7 +11,6 @@ import pytest
 from collectives import launch
 from tests.collectives import battery
 from tests.collectives.conftest import needs_mpi
-
 
 JOBS = [("torch", n) for n in (1, 2, 3, 4)] + [("mpi", n) for n in (1, 2, 3, 4)]
 

@@ -1,4 +1,5 @@
 """A rank that raises or dies must fail the whole job quickly, naming that rank: never a hang."""
+
 import os
 import signal
 import time
@@ -119,7 +120,8 @@ def test_sigterm_to_the_launcher_leaves_no_ranks_behind(tmp_path):
         "    open(os.path.join(folder, str(os.getpid())), 'w').close()\n"
         "    time.sleep(120)\n"
         "if __name__ == '__main__':\n"
-        "    launch(hang, 2, folder=sys.argv[1])\n")
+        "    launch(hang, 2, folder=sys.argv[1])\n"
+    )
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     proc = subprocess.Popen([sys.executable, str(script), str(pids)], env=dict(os.environ, PYTHONPATH=root))
     deadline = time.monotonic() + 60
@@ -140,18 +142,24 @@ def test_sigterm_to_the_launcher_leaves_no_ranks_behind(tmp_path):
     assert not alive, f"ranks {alive} outlived their launcher"
 
 
-
 def test_script_without_main_guard_gets_a_hint(tmp_path):
     import subprocess
     import sys
 
     script = tmp_path / "noguard.py"
-    script.write_text("from collectives import launch\n"
-                      "def work(comm):\n"
-                      "    return comm.rank\n"
-                      "print(launch(work, 2, job_timeout=60))\n")
+    script.write_text(
+        "from collectives import launch\n"
+        "def work(comm):\n"
+        "    return comm.rank\n"
+        "print(launch(work, 2, job_timeout=60))\n"
+    )
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    proc = subprocess.run([sys.executable, str(script)], env=dict(os.environ, PYTHONPATH=root),
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, str(script)],
+        env=dict(os.environ, PYTHONPATH=root),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode != 0
     assert "__main__" in proc.stderr and "guard" in proc.stderr, proc.stderr[-2000:]

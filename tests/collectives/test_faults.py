@@ -1,4 +1,5 @@
 """Injected link delays: parsed strictly, spent inside the op on the sending rank only, visible in the trace."""
+
 import pytest
 import torch
 
@@ -11,9 +12,16 @@ def test_parse_link_delays():
     assert parse_link_delays("") == {}
 
 
-@pytest.mark.parametrize("spec,match", [("src=0,dst=1", "exactly src"), ("src=0,dst=0,ms=1", "different ranks"),
-                                        ("src=a,dst=1,ms=1", "integers"), ("src=0,dst,ms=1", "key=value"),
-                                        ("src=0,dst=1,ms=-2", "ms >= 0")])
+@pytest.mark.parametrize(
+    "spec,match",
+    [
+        ("src=0,dst=1", "exactly src"),
+        ("src=0,dst=0,ms=1", "different ranks"),
+        ("src=a,dst=1,ms=1", "integers"),
+        ("src=0,dst,ms=1", "key=value"),
+        ("src=0,dst=1,ms=-2", "ms >= 0"),
+    ],
+)
 def test_parse_link_delays_rejects(spec, match):
     with pytest.raises(ValueError, match=match):
         parse_link_delays(spec)

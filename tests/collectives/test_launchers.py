@@ -1,4 +1,5 @@
 """The same script runs under our launcher, torchrun and mpiexec (each process joins the job it is in)."""
+
 import json
 import os
 import subprocess
@@ -19,7 +20,7 @@ def _run(cmd):
         env.pop(key, None)
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return [json.loads(line[len("RESULT "):]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    return [json.loads(line[len("RESULT ") :]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
 
 
 def _check(results, backend, processes):

@@ -3,6 +3,7 @@
 The MPS checks run on the CPU: the detection reads ``CUDA_MPS_PIPE_DIRECTORY``, pointed here at a tmp dir that
 holds a listening, a stale or no control socket, and asks a fake ``nvidia-cuda-mps-control``.
 """
+
 import contextlib
 import os
 import socket
@@ -10,10 +11,16 @@ import socket
 import pytest
 import torch
 
-from collectives import launch
-from collectives import nvshmem_backend
-from collectives.nvshmem_backend import (NVSHMEMCommunicator, mps_control_path, mps_daemon, mps_state,
-                                         nvshmem_available, require_mps_if_shared, shared_gpu_error)
+from collectives import launch, nvshmem_backend
+from collectives.nvshmem_backend import (
+    NVSHMEMCommunicator,
+    mps_control_path,
+    mps_daemon,
+    mps_state,
+    nvshmem_available,
+    require_mps_if_shared,
+    shared_gpu_error,
+)
 from tests.collectives import battery
 
 AVAILABLE, REASON = nvshmem_available()
@@ -48,6 +55,7 @@ def _control(servers="4242\n", percentage="100\n"):
     def control(command, env):
         asked.append(command)
         return servers if command == "get_server_list" else percentage
+
     control.asked = asked
     return control
 
@@ -85,7 +93,7 @@ def test_client_percentage_wins_and_missing_control_tool_is_inactive(tmp_path):
 
 def test_mps_control_pipes_the_command_as_nvshmem_does(tmp_path):
     tool = tmp_path / "nvidia-cuda-mps-control"
-    tool.write_text("#!/bin/sh\nread cmd\n[ \"$cmd\" = get_server_list ] && echo 4242\n")
+    tool.write_text('#!/bin/sh\nread cmd\n[ "$cmd" = get_server_list ] && echo 4242\n')
     tool.chmod(0o755)
     assert nvshmem_backend.mps_control("get_server_list", {"PATH": str(tmp_path)}) == "4242\n"
     assert nvshmem_backend.mps_control("get_server_list", {"PATH": str(tmp_path / "none")}) is None
@@ -159,8 +167,7 @@ def gpu_all_to_all(comm):
     want = torch.cat([battery._rows_for(i, r, outs[i], 3, torch.bfloat16) for i in range(w)])
     gathered = torch.empty(2 * w, 5, dtype=torch.float32, device="cuda")
     comm.all_gather(gathered, battery._rows_for(r, r, 2, 5, torch.float32).cuda())
-    ok_gather = torch.equal(gathered.cpu(), torch.cat([battery._rows_for(i, i, 2, 5, torch.float32)
-                                                       for i in range(w)]))
+    ok_gather = torch.equal(gathered.cpu(), torch.cat([battery._rows_for(i, i, 2, 5, torch.float32) for i in range(w)]))
     comm.barrier()
     result = torch.equal(out.cpu(), want) and ok_gather
     comm.close()

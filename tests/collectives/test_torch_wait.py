@@ -3,6 +3,7 @@
 Runs without a GPU: a FakeTensor carries CUDA device metadata without memory, and a stub stands in for the
 ``Work`` object, so the test sees exactly how ``wait`` was called.
 """
+
 from datetime import timedelta
 
 import pytest

@@ -1,4 +1,5 @@
 """Tracing (off by default, JSON lines when on) and Topology (JSON, flags, detection, bad values)."""
+
 import argparse
 import json
 import os
@@ -77,9 +78,15 @@ def test_topology_from_flags_overrides_file(tmp_path):
     assert Topology.from_args(parser.parse_args(["--nodes", "2"]), world_size=6).ranks_per_node == 3
 
 
-@pytest.mark.parametrize("bad,match", [
-    ({"num_nodes": 0}, "num_nodes"), ({"ranks_per_node": 1.5}, "ranks_per_node"),
-    ({"inter_bw_gbps": 0}, "inter_bw_gbps"), ({"intra_latency_us": -1}, "intra_latency_us")])
+@pytest.mark.parametrize(
+    "bad,match",
+    [
+        ({"num_nodes": 0}, "num_nodes"),
+        ({"ranks_per_node": 1.5}, "ranks_per_node"),
+        ({"inter_bw_gbps": 0}, "inter_bw_gbps"),
+        ({"intra_latency_us": -1}, "intra_latency_us"),
+    ],
+)
 def test_topology_rejects_bad_values(bad, match):
     with pytest.raises(ValueError, match=match):
         Topology(**bad)

@@ -1,4 +1,5 @@
 """Shared input makers and the comparison metric of the cp_kda tests."""
+
 from __future__ import annotations
 
 import torch
@@ -11,7 +12,10 @@ def make_inputs(B, T, H, K, V, dtype=torch.float64, seed=0, lower_bound=None, wi
     Returns ``[q, k, v, g, beta, h0]`` (h0 ``[N,H,K,V]`` or None).
     """
     gen = torch.Generator().manual_seed(seed)
-    rnd = lambda *s: torch.randn(*s, generator=gen, dtype=dtype)
+
+    def rnd(*s):
+        return torch.randn(*s, generator=gen, dtype=dtype)
+
     q = F.normalize(rnd(B, T, H, K), dim=-1)
     k = F.normalize(rnd(B, T, H, K), dim=-1)
     v = rnd(B, T, H, V)

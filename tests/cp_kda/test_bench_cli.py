@@ -1,9 +1,10 @@
 """The benchmark's quick mode through the real command line, and the CLI's import weight."""
+
 import json
 import subprocess
 import sys
 
-from moonep.cli import main
+from moonep.console import main
 
 
 def test_quick_bench_writes_the_stable_schema(tmp_path):
@@ -24,5 +25,7 @@ def test_quick_bench_writes_the_stable_schema(tmp_path):
 def test_cli_module_is_light():
     """``moonep --help`` imports every package's cli module: ours must not pull in torch."""
     code = "import sys, cp_kda.cli; print('torch' in sys.modules)"
-    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          check=True).stdout.strip() == "False"
+    assert (
+        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+        == "False"
+    )

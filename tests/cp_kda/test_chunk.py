@@ -1,7 +1,9 @@
 """Chunked KDA (forward and its own backward) against the token recurrence."""
+
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from cp_kda import kda_chunk, kda_recurrent
 
@@ -9,8 +11,8 @@ from .helpers import loss_grads, make_inputs, max_abs, rel_rms
 
 FP64_CASES = [  # B, T, H, K, V, chunk, lower_bound
     (1, 64, 1, 16, 16, 64, None),
-    (2, 100, 3, 12, 8, 64, None),     # T not a multiple of the chunk
-    (1, 203, 2, 8, 20, 64, -5.0),     # K3 gate, ragged last chunk
+    (2, 100, 3, 12, 8, 64, None),  # T not a multiple of the chunk
+    (1, 203, 2, 8, 20, 64, -5.0),  # K3 gate, ragged last chunk
     (2, 70, 1, 32, 16, 32, -5.0),
     (1, 50, 2, 20, 10, 16, None),
 ]
@@ -19,8 +21,7 @@ FP64_CASES = [  # B, T, H, K, V, chunk, lower_bound
 def _both(xs, chunk_size, cu=None, seed=7):
     q, k, v, g, beta, h0 = xs
     ref = kda_recurrent(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu)
-    out = kda_chunk(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu,
-                    chunk_size=chunk_size)
+    out = kda_chunk(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu, chunk_size=chunk_size)
     gen = torch.Generator().manual_seed(seed)
     cot = [torch.randn(t.shape, generator=gen, dtype=t.dtype) for t in ref]
     return ref, out, loss_grads(ref, cot, xs), loss_grads(out, cot, xs)
@@ -113,8 +114,15 @@ def test_bf16_inputs_close_to_fp32_reference():
 
 
 @settings(max_examples=12, deadline=None)
-@given(B=st.integers(1, 2), T=st.integers(1, 70), H=st.integers(1, 2), K=st.integers(1, 9), V=st.integers(1, 7),
-       C=st.sampled_from([1, 3, 16, 32]), seed=st.integers(0, 2 ** 16))
+@given(
+    B=st.integers(1, 2),
+    T=st.integers(1, 70),
+    H=st.integers(1, 2),
+    K=st.integers(1, 9),
+    V=st.integers(1, 7),
+    C=st.sampled_from([1, 3, 16, 32]),
+    seed=st.integers(0, 2**16),
+)
 def test_property_any_shape_and_chunk(B, T, H, K, V, C, seed):
     """Any shape and chunk size (including chunks of 1 and sizes that are not multiples of 16)."""
     xs = make_inputs(B, T, H, K, V, seed=seed)
@@ -196,6 +204,10 @@ def test_factored_diagonal_matches_its_exact_twin():
     assert not exact
     rows = torch.stack([q, k], dim=-3)
     keep = intra._keep(16, g.dtype, g.device)
-    torch.testing.assert_close(intra._diag_factored(rows * up.unsqueeze(-3), k * down) * keep,
-                               intra._diag_exact(rows, k, g) * keep, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(
+        intra._diag_factored(rows * up.unsqueeze(-3), k * down) * keep,
+        intra._diag_exact(rows, k, g) * keep,
+        rtol=1e-12,
+        atol=1e-12,
+    )
     assert intra._block_factors(g * 100)[-1]

@@ -2,6 +2,7 @@
 
 One launch per world size; each runs every case inside (a spawn costs seconds on a 2-core machine).
 """
+
 import pytest
 import torch
 
@@ -34,8 +35,9 @@ def _kda_case(comm, B, cu, strategy, dtype=torch.float64):
     rows = slice(comm.rank * n, (comm.rank + 1) * n)
     local = [x.detach()[:, rows].clone().requires_grad_() for x in xs]
     stats = {}
-    o_cp, ht_cp = context_parallel_kda(*local, comm, strategy=strategy, cu_seqlens=cut, chunk_size=8,
-                                       output_final_state=True, stats=stats)
+    o_cp, ht_cp = context_parallel_kda(
+        *local, comm, strategy=strategy, cu_seqlens=cut, chunk_size=8, output_final_state=True, stats=stats
+    )
     # every rank holds the replicated final state: give each 1/W of its cotangent so the sum is dht
     grads = loss_grads((o_cp, ht_cp), (do[:, rows], dht / comm.world_size), local)
     metric = max_abs if dtype == torch.float64 else rel_rms
@@ -73,7 +75,7 @@ def cp_worker(comm):
             results[f"bytes/{strategy}/{name}"] = float(nbytes != (expected if cu is None else expected // B))
     err, nbytes = _kda_case(comm, 1, [0, 30, 48], "scan", dtype=torch.float32)
     results["kda/scan/fp32-rel-rms"] = err
-    results["bytes/scan/fp32"] = float(nbytes != 4 * H * K * (K + V))    # fp32 M and B, independent of T
+    results["bytes/scan/fp32"] = float(nbytes != 4 * H * K * (K + V))  # fp32 M and B, independent of T
     for cu in (None, [0, 11, 13, 14, 40, 48]):
         results[f"conv/{cu}"] = _conv_case(comm, cu)
     names = sorted(results)

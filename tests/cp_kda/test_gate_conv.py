@@ -1,7 +1,9 @@
 """Gates and the short convolution against their plain twins."""
+
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from cp_kda import kda_gate, kda_gate_naive, short_conv, short_conv_naive
 
@@ -16,10 +18,16 @@ def _gate_inputs(with_A=True, with_bias=True, seed=0):
     return f, A, b
 
 
-@pytest.mark.parametrize("lower_bound,with_A,with_bias", [
-    (None, True, True), (None, True, False),                     # softplus form (needs A_log)
-    (-5.0, True, True), (-5.0, True, False), (-5.0, False, True),  # K3 lower-bound form
-])
+@pytest.mark.parametrize(
+    "lower_bound,with_A,with_bias",
+    [
+        (None, True, True),
+        (None, True, False),  # softplus form (needs A_log)
+        (-5.0, True, True),
+        (-5.0, True, False),
+        (-5.0, False, True),  # K3 lower-bound form
+    ],
+)
 def test_gate_matches_naive(lower_bound, with_A, with_bias):
     """Values and grads of f, A_log, dt_bias of the hand-written backward vs autograd (FLA tests 1e-4)."""
     f, A, b = _gate_inputs(with_A, with_bias)
@@ -33,7 +41,8 @@ def test_gate_matches_naive(lower_bound, with_A, with_bias):
 
 
 def test_gate_ranges_and_formula():
-    """Softplus gate <= 0; K3 gate in [lb, 0] (open interval up to rounding) and equal to lb * sigmoid(exp(A_log) * (f + dt_bias))."""
+    """Softplus gate <= 0; K3 gate in [lb, 0] (open interval up to rounding) and equal to lb * sigmoid(exp(A_log) *
+    (f + dt_bias))."""
     f, A, b = _gate_inputs()
     assert (kda_gate(f, A, b) <= 0).all()
     g = kda_gate(f, A, b, lower_bound=-5.0)
@@ -65,8 +74,10 @@ def test_conv_matches_naive(cu):
     bias = torch.randn(6, generator=gen, dtype=torch.float64, requires_grad=True)
     state = torch.randn(N, 6, 3, generator=gen, dtype=torch.float64, requires_grad=True)
     cut = None if cu is None else torch.tensor(cu)
-    outs = [fn(x, w, bias, initial_state=state, output_final_state=True, cu_seqlens=cut)
-            for fn in (short_conv, short_conv_naive)]
+    outs = [
+        fn(x, w, bias, initial_state=state, output_final_state=True, cu_seqlens=cut)
+        for fn in (short_conv, short_conv_naive)
+    ]
     dy = torch.randn_like(outs[0][0])
     grads = [torch.autograd.grad((y * dy).sum() + s.sum(), [x, w, bias, state]) for y, s in outs]
     assert max_abs(outs[0][0], outs[1][0]) < 1e-12 and max_abs(outs[0][1], outs[1][1]) == 0

@@ -1,4 +1,5 @@
 """The recurrent reference against the definition written another way (the DPLR transition matrix)."""
+
 import torch
 
 from cp_kda import kda_recurrent
@@ -17,7 +18,9 @@ def _dplr_reference(q, k, v, g, beta, scale, h0):
             S = S_all[b, h]
             for t in range(T):
                 kt, bt = k[b, t, h], beta[b, t, h]
-                S = (eye - bt * torch.outer(kt, kt)) @ torch.diag(g[b, t, h].exp()) @ S + bt * torch.outer(kt, v[b, t, h])
+                S = (eye - bt * torch.outer(kt, kt)) @ torch.diag(g[b, t, h].exp()) @ S + bt * torch.outer(
+                    kt, v[b, t, h]
+                )
                 o[b, t, h] = scale * S.T @ q[b, t, h]
             S_all[b, h] = S
     return o, S_all
@@ -46,9 +49,10 @@ def test_varlen_equals_separate_sequences():
     o, S = kda_recurrent(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=torch.tensor(cu))
     for i, (a, b) in enumerate(zip(cu[:-1], cu[1:])):
         sl = slice(a, b)
-        o_i, S_i = kda_recurrent(q[:, sl], k[:, sl], v[:, sl], g[:, sl], beta[:, sl], initial_state=h0[i:i + 1],
-                                 output_final_state=True)
-        assert max_abs(o[:, sl], o_i) < 1e-14 and max_abs(S[i:i + 1], S_i) < 1e-14
+        o_i, S_i = kda_recurrent(
+            q[:, sl], k[:, sl], v[:, sl], g[:, sl], beta[:, sl], initial_state=h0[i : i + 1], output_final_state=True
+        )
+        assert max_abs(o[:, sl], o_i) < 1e-14 and max_abs(S[i : i + 1], S_i) < 1e-14
 
 
 def test_dtypes_of_outputs():

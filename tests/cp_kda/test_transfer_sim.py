@@ -1,7 +1,9 @@
 """Rank bookkeeping, the affine state map, and context parallelism simulated in one process."""
+
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from cp_kda import fold, kda_chunk, kda_recurrent, plan_rank, plan_ranks, reverse_fold, simulate_context_parallel
 from cp_kda.transfer import transfer_map
@@ -20,8 +22,8 @@ def test_plan_matches_fla_example():
 
 def test_plan_boundaries_on_rank_edges_and_long_spans():
     plans = plan_ranks(4, 12, [0, 12, 48])
-    assert plans[0].last_to is None and plans[1].first_from is None     # sequence ends exactly on the edge
-    assert plans[1].last_to == 3 and plans[3].first_from == 1            # one sequence over 3 ranks
+    assert plans[0].last_to is None and plans[1].first_from is None  # sequence ends exactly on the edge
+    assert plans[1].last_to == 3 and plans[3].first_from == 1  # one sequence over 3 ranks
     assert plans[2].local_bounds == (0, 12) and plans[2].first_offset == 12
     with pytest.raises(ValueError, match="cu_seqlens"):
         plan_rank(0, 4, 12, [0, 40])
@@ -43,10 +45,14 @@ def test_transfer_is_the_affine_map_and_composes():
 
 
 SIM_CASES = [  # world_size, B, cu_seqlens (T = 48)
-    (1, 2, None), (2, 2, None), (3, 1, None),
-    (4, 1, [0, 5, 12, 13, 24, 40, 48]),   # boundaries on rank edges, a 1-token sequence, several per rank
-    (4, 1, [0, 7, 48]),                    # one sequence over all 4 ranks after a short one
-    (3, 1, [0, 47, 48]), (4, 1, [0, 12, 24, 36, 48]), (2, 1, [0, 48]),
+    (1, 2, None),
+    (2, 2, None),
+    (3, 1, None),
+    (4, 1, [0, 5, 12, 13, 24, 40, 48]),  # boundaries on rank edges, a 1-token sequence, several per rank
+    (4, 1, [0, 7, 48]),  # one sequence over all 4 ranks after a short one
+    (3, 1, [0, 47, 48]),
+    (4, 1, [0, 12, 24, 36, 48]),
+    (2, 1, [0, 48]),
 ]
 
 
@@ -64,8 +70,12 @@ def test_simulated_cp_matches_recurrent(world, B, cu):
 
 
 @settings(max_examples=10, deadline=None)
-@given(world=st.integers(1, 5), per_rank=st.integers(1, 9), cuts=st.lists(st.integers(1, 44), max_size=6),
-       seed=st.integers(0, 999))
+@given(
+    world=st.integers(1, 5),
+    per_rank=st.integers(1, 9),
+    cuts=st.lists(st.integers(1, 44), max_size=6),
+    seed=st.integers(0, 999),
+)
 def test_property_random_cuts(world, per_rank, cuts, seed):
     """Any split of any packing: sequences starting and ending anywhere, ranks of a single token; fwd + bwd."""
     T = world * per_rank
@@ -74,7 +84,6 @@ def test_property_random_cuts(world, per_rank, cuts, seed):
     o, ht = kda_recurrent(*xs, output_final_state=True, cu_seqlens=cu)
     do, dht = torch.randn_like(o), torch.randn_like(ht)
     ref = loss_grads((o, ht), (do, dht), xs)
-    o2, ht2, grads = simulate_context_parallel(*xs, world_size=world, cu_seqlens=cu, chunk_size=4, do=do,
-                                               dfinal=dht)
+    o2, ht2, grads = simulate_context_parallel(*xs, world_size=world, cu_seqlens=cu, chunk_size=4, do=do, dfinal=dht)
     assert max_abs(o, o2) < 1e-10 and max_abs(ht, ht2) < 1e-10
     assert all(max_abs(a, b) < 1e-10 for a, b in zip(ref, grads))

@@ -1,4 +1,5 @@
 """Bad input raises ValueError naming the offending argument."""
+
 import pytest
 import torch
 
@@ -14,16 +15,19 @@ def _inputs():
 
 
 @pytest.mark.parametrize("op", OPS)
-@pytest.mark.parametrize("index,name,bad", [
-    (1, "k", lambda t: t[:, :, :1]),                 # wrong heads
-    (2, "v", lambda t: t[:, :5]),                     # wrong length
-    (3, "g", lambda t: t[..., :3]),                   # wrong K
-    (4, "beta", lambda t: t.unsqueeze(-1)),           # extra dim
-    (1, "k", lambda t: t.float()),                    # dtype mismatch with q
-    (0, "q", lambda t: t[0]),                         # not 4-D
-    (0, "q", lambda t: t.long()),                     # integer dtype
-    (4, "beta", lambda t: t.to("meta")),              # device mismatch
-])
+@pytest.mark.parametrize(
+    "index,name,bad",
+    [
+        (1, "k", lambda t: t[:, :, :1]),  # wrong heads
+        (2, "v", lambda t: t[:, :5]),  # wrong length
+        (3, "g", lambda t: t[..., :3]),  # wrong K
+        (4, "beta", lambda t: t.unsqueeze(-1)),  # extra dim
+        (1, "k", lambda t: t.float()),  # dtype mismatch with q
+        (0, "q", lambda t: t[0]),  # not 4-D
+        (0, "q", lambda t: t.long()),  # integer dtype
+        (4, "beta", lambda t: t.to("meta")),  # device mismatch
+    ],
+)
 def test_shape_dtype_device(op, index, name, bad):
     xs = _inputs()
     xs[index] = bad(xs[index])
@@ -52,7 +56,7 @@ def test_bad_cu_seqlens(op, cu):
 def test_bad_initial_state(op):
     xs = _inputs()
     with pytest.raises(ValueError, match="^initial_state:"):
-        op(*xs, initial_state=torch.zeros(1, 2, 4, 3, dtype=torch.float32))   # fp64 inputs need fp64 state
+        op(*xs, initial_state=torch.zeros(1, 2, 4, 3, dtype=torch.float32))  # fp64 inputs need fp64 state
     with pytest.raises(ValueError, match="^initial_state:"):
         op(*xs, initial_state=torch.zeros(2, 2, 4, 3, dtype=torch.float64))
 

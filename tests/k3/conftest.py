@@ -1,4 +1,5 @@
 """Shared fixtures: an in-process world-size-1 communicator (the same code path as many ranks)."""
+
 from __future__ import annotations
 
 import pytest

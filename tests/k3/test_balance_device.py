@@ -3,6 +3,7 @@ within a bin of the exact quantile, reads nothing back from the device, and runs
 
 Also the tests of tests/hostreads.py, the read counter the zero-read checks rely on.
 """
+
 from __future__ import annotations
 
 import threading
@@ -18,25 +19,25 @@ from k3.moe import K3Router
 from k3.reference import qb_bias_loop, qb_histogram_host
 from moonep.hostreads import READ_METHODS, HostReads
 
-BIASES = st.sampled_from([-1.0, -0.25, 0.0, 1e-3, 0.5, 2.0]) | st.floats(-3, 3, width=32)   # ties, and any value
+BIASES = st.sampled_from([-1.0, -0.25, 0.0, 1e-3, 0.5, 2.0]) | st.floats(-3, 3, width=32)  # ties, and any value
 DTYPES = st.sampled_from([torch.float32, torch.float64, torch.bfloat16])
 
 
 def _row(draw, kind: str, m: int, nb: int, target: int) -> list[int]:
     """One expert's histogram row [nb] of ``kind``; every kind but "any" sums to m, as real rows do."""
     row = [0] * nb
-    if kind == "any":                                   # unequal row sums: the rank may pass the end
+    if kind == "any":  # unequal row sums: the rank may pass the end
         return draw(st.lists(st.integers(0, 5), min_size=nb, max_size=nb))
-    if kind == "one_bin":                               # all mass in one bin, the others empty
+    if kind == "one_bin":  # all mass in one bin, the others empty
         row[draw(st.integers(0, nb - 1))] = m
-    elif kind == "edge":                                # the cumulative count hits the rank exactly at bin i
+    elif kind == "edge":  # the cumulative count hits the rank exactly at bin i
         i = draw(st.integers(0, nb - 1))
         head = min(target, m)
         first = draw(st.integers(0, head))
         row[draw(st.integers(0, i))] += first
         row[i] += head - first
         row[draw(st.integers(i, nb - 1))] += m - head
-    else:                                               # "split": m cut at random points, many bins empty
+    else:  # "split": m cut at random points, many bins empty
         cuts = sorted(draw(st.lists(st.integers(0, m), min_size=nb - 1, max_size=nb - 1)))
         row = [b - a for a, b in zip([0] + cuts, cuts + [m])]
     return row
@@ -50,7 +51,7 @@ def qb_cases(draw):
     kind = draw(st.sampled_from(["split", "one_bin", "edge", "any"]))
     target = -(-m * K // E)
     rows = [_row(draw, kind, m, nb, target) for _ in range(E)]
-    if draw(st.booleans()):                              # tied experts: identical rows
+    if draw(st.booleans()):  # tied experts: identical rows
         rows = [rows[0]] * E
     bias = torch.tensor(draw(st.lists(BIASES, min_size=E, max_size=E)), dtype=draw(DTYPES))
     return torch.tensor(rows, dtype=torch.int64), bias, K
@@ -68,13 +69,17 @@ def test_qb_bias_equals_loop_twin(case):
 
 
 @settings(max_examples=100, deadline=None)
-@given(st.integers(2, 9).flatmap(lambda E: st.tuples(st.just(E), st.integers(1, E - 1))),
-       st.integers(1, 60), st.integers(0, 2**31 - 1), st.booleans())
+@given(
+    st.integers(2, 9).flatmap(lambda E: st.tuples(st.just(E), st.integers(1, E - 1))),
+    st.integers(1, 60),
+    st.integers(0, 2**31 - 1),
+    st.booleans(),
+)
 def test_qb_histogram_equals_host_twin(EK, nb, seed, on_edges):
     """Bitwise, also with tied scores sitting exactly on bin edges; would catch a range or bin-index change."""
     E, K = EK
     g = torch.Generator().manual_seed(seed)
-    if on_edges:   # r = alpha - s in quarters with a quarter-valued bias: bin edges of nb = 2, 4, 8, ...
+    if on_edges:  # r = alpha - s in quarters with a quarter-valued bias: bin edges of nb = 2, 4, 8, ...
         scores = torch.randint(1, 4, (50, E), generator=g) / 4.0
         bias = torch.randint(-2, 3, (E,), generator=g) / 4.0
     else:
@@ -86,14 +91,17 @@ def test_qb_histogram_equals_host_twin(EK, nb, seed, on_edges):
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.integers(2, 12).flatmap(lambda E: st.tuples(st.just(E), st.integers(1, E - 1))),
-       st.sampled_from([4, 16, 100, NUM_BINS]), st.integers(0, 2**31 - 1))
+@given(
+    st.integers(2, 12).flatmap(lambda E: st.tuples(st.just(E), st.integers(1, E - 1))),
+    st.sampled_from([4, 16, 100, NUM_BINS]),
+    st.integers(0, 2**31 - 1),
+)
 def test_qb_bias_within_a_bin_of_exact(EK, nb, seed):
     """Each b_hat is interpolated inside the bin holding the exact quantile, so it is off by less than a bin
     width w, and after centring by less than 2w (tests/k3/test_components.py checks 1000 bins at 3w)."""
     E, K = EK
     g = torch.Generator().manual_seed(seed)
-    scores = torch.sigmoid(torch.randn(300, E, generator=g) + torch.linspace(-1, 1, E))   # skewed experts
+    scores = torch.sigmoid(torch.randn(300, E, generator=g) + torch.linspace(-1, 1, E))  # skewed experts
     bias = torch.randn(E, generator=g) * 0.1
     lo, hi = qb_range(bias)
     width = float((hi - lo) / nb)
@@ -138,8 +146,9 @@ def test_update_router_biases_matches_the_loop_twin():
     """Per layer, the new bias equals the host twins' on the same scores; the metric equals max_violation."""
     moes = _routers(3, 8, 2, 64)
     before = [moe.gate.e_score_correction_bias.clone() for moe in moes]
-    expect = [qb_bias_loop(qb_histogram_host(moe.gate.last_scores, b, 2, NUM_BINS), b, 2)
-              for moe, b in zip(moes, before)]
+    expect = [
+        qb_bias_loop(qb_histogram_host(moe.gate.last_scores, b, 2, NUM_BINS), b, 2) for moe, b in zip(moes, before)
+    ]
     viol = update_router_biases(moes, None, "qb")
     for moe, want in zip(moes, expect):
         assert torch.equal(moe.gate.e_score_correction_bias, want)
@@ -167,15 +176,23 @@ def test_qb_runs_on_meta_tensors():
 
 # --- tests/hostreads.py ---
 
+
 def test_hostreads_counts_each_kind_of_read_on_cpu():
     """Each read once, named, with this file in its stack; plain arithmetic and searchsorted count nothing."""
     t, mask = torch.arange(4.0), torch.tensor([True, False, True, False])
-    reads_of = {   # lambdas: a method bound before the context opens is the unpatched one
-        "Tensor.item": lambda: t[1].item(), "Tensor.tolist": lambda: t.tolist(), "Tensor.numpy": lambda: t.numpy(),
-        "Tensor.cpu": lambda: t.cpu(), "Tensor.__bool__": lambda: bool(t[1]), "Tensor.__int__": lambda: int(t[1]),
-        "Tensor.__float__": lambda: float(t[1]), "Tensor.__index__": lambda: [0, 1][t[1].long()],
-        "Tensor.__format__": lambda: f"{t[1]:.2f}", "Tensor.__repr__": lambda: repr(t),
-        "aten.nonzero": lambda: t.nonzero(), "aten.index(bool mask)": lambda: t[mask],
+    reads_of = {  # lambdas: a method bound before the context opens is the unpatched one
+        "Tensor.item": lambda: t[1].item(),
+        "Tensor.tolist": lambda: t.tolist(),
+        "Tensor.numpy": lambda: t.numpy(),
+        "Tensor.cpu": lambda: t.cpu(),
+        "Tensor.__bool__": lambda: bool(t[1]),
+        "Tensor.__int__": lambda: int(t[1]),
+        "Tensor.__float__": lambda: float(t[1]),
+        "Tensor.__index__": lambda: [0, 1][t[1].long()],
+        "Tensor.__format__": lambda: f"{t[1]:.2f}",
+        "Tensor.__repr__": lambda: repr(t),
+        "aten.nonzero": lambda: t.nonzero(),
+        "aten.index(bool mask)": lambda: t[mask],
         "aten.equal": lambda: torch.equal(t, t),
         "aten._local_scalar_dense": lambda: torch.ops.aten._local_scalar_dense(t[1]),
         "aten.bincount": lambda: torch.bincount(t.long()),
@@ -183,7 +200,7 @@ def test_hostreads_counts_each_kind_of_read_on_cpu():
     for name, read in reads_of.items():
         with HostReads() as reads:
             read()
-        assert [n for n, _ in reads.where] == [name], (name, reads.report())   # once: lowering not recounted
+        assert [n for n, _ in reads.where] == [name], (name, reads.report())  # once: lowering not recounted
         assert "test_balance_device.py" in reads.where[0][1]
     with HostReads() as reads:
         (t * 2 + 1).sum().sqrt()
@@ -200,15 +217,15 @@ def test_hostreads_skips_meta_nests_and_restores():
         for read in (lambda: meta[0].item(), lambda: meta.tolist(), lambda: float(meta[0]), lambda: bool(meta[0])):
             with pytest.raises((RuntimeError, NotImplementedError)):
                 read()
-        repr(meta)                                          # works, but reads no data
+        repr(meta)  # works, but reads no data
         assert outer.count == 0, outer.report()
         with pytest.raises(ZeroDivisionError):
-            with HostReads() as inner, inner:              # nested, and the same one entered twice
+            with HostReads() as inner, inner:  # nested, and the same one entered twice
                 float(torch.ones(()))
                 1 / 0
         assert inner.count == 1 and outer.count == 1
         assert torch.Tensor.item is not originals["item"]  # the outer context still counts
-        other = threading.Thread(target=lambda: torch.ones(()).item())    # another thread: not this context's
+        other = threading.Thread(target=lambda: torch.ones(()).item())  # another thread: not this context's
         other.start()
         other.join()
         float(torch.ones(()))

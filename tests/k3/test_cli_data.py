@@ -1,4 +1,5 @@
 """Command line, data pipeline, checkpoint layout and the training config checks."""
+
 from __future__ import annotations
 
 import pytest
@@ -9,11 +10,29 @@ from k3.train import TrainConfig
 
 
 def test_cli_registers_train_and_bench():
-    from moonep.cli import build_parser
+    from moonep.console import build_parser
 
     parser = build_parser(packages=["k3"])
-    args = parser.parse_args(["train", "--preset", "tiny", "--world-size", "2", "--cp", "2", "--steps", "7",
-                              "--seed", "3", "--data", "/tmp", "--run-dir", "/tmp/r", "--resume"])
+    args = parser.parse_args(
+        [
+            "train",
+            "--preset",
+            "tiny",
+            "--world-size",
+            "2",
+            "--cp",
+            "2",
+            "--steps",
+            "7",
+            "--seed",
+            "3",
+            "--data",
+            "/tmp",
+            "--run-dir",
+            "/tmp/r",
+            "--resume",
+        ]
+    )
     assert (args.preset, args.world_size, args.cp, args.steps, args.seed, args.resume) == ("tiny", 2, 2, 7, 3, True)
     assert callable(args.func)
     assert callable(parser.parse_args(["bench", "train", "--quick"]).func)
@@ -39,9 +58,15 @@ def test_data_folder(tmp_path):
         load_corpus(str(tmp_path / "missing"))
 
 
-@pytest.mark.parametrize("change, field", [({"global_batch": 6, "world_size": 4}, "global_batch"),
-                                           ({"cp": 3, "world_size": 4}, "cp"),
-                                           ({"balance": "aux"}, "balance"), ({"steps": 0}, "steps")])
+@pytest.mark.parametrize(
+    "change, field",
+    [
+        ({"global_batch": 6, "world_size": 4}, "global_batch"),
+        ({"cp": 3, "world_size": 4}, "cp"),
+        ({"balance": "aux"}, "balance"),
+        ({"steps": 0}, "steps"),
+    ],
+)
 def test_train_config_checks(change, field):
     with pytest.raises(ValueError, match=field):
         TrainConfig(**change)

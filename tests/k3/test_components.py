@@ -1,4 +1,5 @@
 """Each component against a naive formula implementation (fp32 unless noted), and the full tiny model."""
+
 from __future__ import annotations
 
 import math
@@ -30,7 +31,7 @@ def test_situ_glu_formula_and_bound():
     assert situ_glu(g, v).abs().max() < 100
     small = torch.randn(100) * 1e-3
     swiglu = torch.nn.functional.silu(small) * small
-    assert rel(situ_glu(small, small), swiglu) < 1e-3        # first-order equal to SwiGLU near 0
+    assert rel(situ_glu(small, small), swiglu) < 1e-3  # first-order equal to SwiGLU near 0
 
 
 def test_attn_res_matches_loop_and_is_mean_at_init():
@@ -86,7 +87,7 @@ def test_mla_matches_naive_and_has_no_position():
     assert rel(y, y2) < 1e-5 and rel(gx, gx2) < 1e-5
     for n in gp:
         assert rel(gp[n], gp2[n]) < 1e-4, n
-    same = x[:, :1].expand(2, 6, -1)           # identical tokens: with no positions every output is identical
+    same = x[:, :1].expand(2, 6, -1)  # identical tokens: with no positions every output is identical
     out = layer(same)
     assert rel(out[:, 1:], out[:, :1].expand_as(out[:, 1:])) < 1e-5
 
@@ -114,7 +115,7 @@ def test_latent_moe_on_moonep_matches_formula(comm1):
     moe.gate.e_score_correction_bias.normal_(std=0.1)
     x = torch.randn(3, 7, TINY.hidden_size)
     ref, gx_ref, gp_ref = _grads(moe, lambda u: _moe_reference(moe, u.reshape(-1, u.shape[-1])).view_as(u), x)
-    moe.attach(moonep.Buffer(comm1, 21, TINY.routed_expert_hidden_size, moe.K, moe.E))
+    moe.attach(moonep.Buffer(comm1, S=21, H=TINY.routed_expert_hidden_size, K=moe.K, E=moe.E))
     out, gx, gp = _grads(moe, moe, x)
     moe.attach(None)
     assert rel(out, ref) < 1e-5 and rel(gx, gx_ref) < 1e-5
@@ -126,7 +127,7 @@ def test_quantile_balancing_histogram_vs_exact():
     """1000-bin estimate within ~one bin of the exact sorted quantile; would catch a wrong quantile side."""
     torch.manual_seed(0)
     E, K = 8, 2
-    scores = torch.sigmoid(torch.randn(4000, E) + torch.linspace(-1, 1, E))   # skewed experts
+    scores = torch.sigmoid(torch.randn(4000, E) + torch.linspace(-1, 1, E))  # skewed experts
     bias = torch.zeros(E)
     est = qb_bias(qb_histogram(scores, bias, K), bias, K)
     exact = qb_exact(scores, bias, K)
@@ -148,7 +149,7 @@ def test_tiny_model_forward_backward_and_ep_independent_init():
     assert abs(float(loss.detach()) - math.log(256)) < 0.2
     loss.backward()
     missing = [n for n, p in model.named_parameters() if p.grad is None]
-    assert missing == ["layers.0.attn_res.proj", "layers.0.attn_res.norm"]   # layer 0 reads the embedding only
+    assert missing == ["layers.0.attn_res.proj", "layers.0.attn_res.norm"]  # layer 0 reads the embedding only
     half = build_model(TINY, seed=3, ep_size=2, ep_rank=1)
     assert torch.equal(half.layers[1].mlp.w2, model.layers[1].mlp.w2[4:])
     assert torch.equal(half.layers[1].mlp.gate.weight, model.layers[1].mlp.gate.weight)
@@ -159,4 +160,4 @@ def test_meta_model_allocates_nothing():
 
     model = K3Model(K3Config.preset("full"), device="meta")
     assert all(p.is_meta for p in model.parameters())
-    assert all(moe.buffer is None for moe in model.moe_layers())          # no EP group touched
+    assert all(moe.buffer is None for moe in model.moe_layers())  # no EP group touched

@@ -1,4 +1,5 @@
 """K3Config presets, JSON round trip, validation and parameter counts (arithmetic and meta-device model)."""
+
 from __future__ import annotations
 
 import json
@@ -36,12 +37,12 @@ def test_tiny_keeps_every_structural_switch():
     """Would catch a tiny preset that silently drops a feature the full model has."""
     c = K3Config.preset("tiny")
     L = c.num_hidden_layers
-    assert c.layer_kind(L - 1) == c.layer_kind(L - 2) == "mla"         # extra final MLA
+    assert c.layer_kind(L - 1) == c.layer_kind(L - 2) == "mla"  # extra final MLA
     assert {c.layer_kind(i) for i in range(L)} == {"kda", "mla"}
-    assert not c.is_moe(0) and c.is_moe(1)                                # dense first layer
-    assert L % c.attn_res_block_size != 0                                 # partial tail block
+    assert not c.is_moe(0) and c.is_moe(1)  # dense first layer
+    assert L % c.attn_res_block_size != 0  # partial tail block
     assert c.num_shared_experts > 0 and c.num_experts_per_token < c.num_experts
-    assert c.routed_expert_hidden_size < c.hidden_size                    # latent experts
+    assert c.routed_expert_hidden_size < c.hidden_size  # latent experts
 
 
 def test_json_round_trip_nested(tmp_path):
@@ -59,21 +60,30 @@ def test_from_hf_layout_with_vision_and_top_level_ids(tmp_path):
     text = K3Config.preset("full").to_dict()["text_config"]
     for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
         del text[k]
-    data = {"bos_token_id": 163584, "eos_token_id": 163586, "pad_token_id": 163839, "text_config": text,
-            "vision_config": {"vt_hidden_size": 1024}, "quantization_config": {"format": "mxfp4"}}
+    data = {
+        "bos_token_id": 163584,
+        "eos_token_id": 163586,
+        "pad_token_id": 163839,
+        "text_config": text,
+        "vision_config": {"vt_hidden_size": 1024},
+        "quantization_config": {"format": "mxfp4"},
+    }
     path = tmp_path / "config.json"
     path.write_text(json.dumps(data))
     assert K3Config.from_json(path) == K3Config.preset("full")
 
 
-@pytest.mark.parametrize("change, field", [
-    ({"hidden_size": 0}, "hidden_size"),
-    ({"num_experts_per_token": 8, "num_experts": 8}, "num_experts_per_token"),
-    ({"hidden_act": "silu"}, "hidden_act"),
-    ({"num_key_value_heads": 1}, "num_key_value_heads"),
-    ({"first_k_dense_replace": 99}, "first_k_dense_replace"),
-    ({"tie_word_embeddings": True}, "tie_word_embeddings"),
-])
+@pytest.mark.parametrize(
+    "change, field",
+    [
+        ({"hidden_size": 0}, "hidden_size"),
+        ({"num_experts_per_token": 8, "num_experts": 8}, "num_experts_per_token"),
+        ({"hidden_act": "silu"}, "hidden_act"),
+        ({"num_key_value_heads": 1}, "num_key_value_heads"),
+        ({"first_k_dense_replace": 99}, "first_k_dense_replace"),
+        ({"tie_word_embeddings": True}, "tie_word_embeddings"),
+    ],
+)
 def test_invalid_configs_name_the_field(change, field):
     with pytest.raises(ValueError, match=field):
         K3Config(**change)
@@ -81,8 +91,10 @@ def test_invalid_configs_name_the_field(change, field):
 
 def test_invalid_schedule_names_the_field():
     with pytest.raises(ValueError, match="kda_layers"):
-        K3Config(num_hidden_layers=9, linear_attn_config=LinearAttnConfig(full_attn_layers=[4, 8],
-                                                                          kda_layers=[1, 2, 3, 5, 6, 7]))
+        K3Config(
+            num_hidden_layers=9,
+            linear_attn_config=LinearAttnConfig(full_attn_layers=[4, 8], kda_layers=[1, 2, 3, 5, 6, 7]),
+        )
     with pytest.raises(ValueError, match="gate_lower_bound"):
         LinearAttnConfig(gate_lower_bound=1.0)
 

@@ -2,6 +2,7 @@
 the same losses as on CPU (1 rank; 2 ranks with replicas, prefetch and grad reduce over NCCL when 2 GPUs are
 visible), an exact resume, and a clear error for more ranks than GPUs. These skip without CUDA; ``make
 gpu-check`` runs them."""
+
 from __future__ import annotations
 
 import pytest
@@ -15,8 +16,15 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 def _cfg(tmp_path, name: str, **kw) -> TrainConfig:
-    base = dict(world_size=1, steps=3, val_every=2, ckpt_every=0, progress=False, max_data_bytes=SMALL_DATA,
-                run_dir=str(tmp_path / name))
+    base = dict(
+        world_size=1,
+        steps=3,
+        val_every=2,
+        ckpt_every=0,
+        progress=False,
+        max_data_bytes=SMALL_DATA,
+        run_dir=str(tmp_path / name),
+    )
     return TrainConfig(**{**base, **kw})
 
 
@@ -75,8 +83,9 @@ def test_two_gpu_ranks_match_cpu(tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.single_gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() > 1,
-                    reason="needs exactly one CUDA device")
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() > 1, reason="needs exactly one CUDA device"
+)
 def test_more_ranks_than_gpus_is_a_clear_error(tmp_path):
     with pytest.raises(Exception, match="2 ranks on this host but 1 visible GPU"):
         train(_cfg(tmp_path, "shared", world_size=2, device="cuda"))

@@ -1,4 +1,5 @@
 """load_hf_checkpoint on a tiny checkpoint written here in the released layout (sharded, MXFP4 experts)."""
+
 from __future__ import annotations
 
 import json
@@ -72,9 +73,16 @@ def test_load_round_trip_with_mxfp4_experts(tmp_path):
     assert torch.equal(half.layers[1].mlp.w1, src.layers[1].mlp.w1[4:])
 
 
-@pytest.mark.parametrize("damage, message", [
-    ("missing_shard", "shard files missing"), ("missing_tensor", "missing"),
-    ("wrong_shape", "shape"), ("no_index", "index"), ("corrupt_shard", "unreadable|shard")])
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        ("missing_shard", "shard files missing"),
+        ("missing_tensor", "missing"),
+        ("wrong_shape", "shape"),
+        ("no_index", "index"),
+        ("corrupt_shard", "unreadable|shard"),
+    ],
+)
 def test_bad_checkpoint_raises_and_loads_nothing(tmp_path, damage, message):
     src = build_model(CFG, seed=1)
     _write(src, tmp_path, mxfp4=False)
@@ -88,6 +96,7 @@ def test_bad_checkpoint_raises_and_loads_nothing(tmp_path, damage, message):
     elif damage == "wrong_shape":
         file = data["weight_map"]["language_model.model.norm.weight"]
         from safetensors.torch import load_file
+
         part = load_file(str(tmp_path / file))
         part["language_model.model.norm.weight"] = torch.ones(3)
         save_file(part, str(tmp_path / file))

@@ -1,5 +1,6 @@
 """`python -m k3.train` joins the job it is launched in: under torchrun and mpiexec (CPU, gloo) it trains the
 same losses as under our own launcher (the issue's "also runs under torchrun / mpiexec"; on GPUs it is untested)."""
+
 import json
 import os
 import subprocess

@@ -1,5 +1,6 @@
 """Fault flags and phase records of the trainer, without launching ranks (the traced 4-rank run is in
 tests/tools/test_train_trace.py)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -18,18 +19,21 @@ from k3.train import TrainConfig
 
 
 def _train_cli(argv: list[str]) -> int:
-    from moonep.cli import main
+    from moonep.console import main
 
     return main(["train", "--no-progress", *argv], packages=["k3"])
 
 
-@pytest.mark.parametrize("flag, spec, words", [
-    ("--inject-slowdown", "rank=4,factor=2", ["slowdown rank 4", "world_size=4"]),
-    ("--inject-link-delay", "src=0,dst=9,ms=5", ["link delay rank 9", "world_size=4"]),
-    ("--inject-data-delay", "rank=7,ms=5", ["data delay rank 7"]),
-    ("--inject-slowdown", "rank=1", ["'rank=1'", "missing ['factor']"]),
-    ("--inject-link-delay", "src=2,dst=2,ms=5", ["two different ranks"]),
-])
+@pytest.mark.parametrize(
+    "flag, spec, words",
+    [
+        ("--inject-slowdown", "rank=4,factor=2", ["slowdown rank 4", "world_size=4"]),
+        ("--inject-link-delay", "src=0,dst=9,ms=5", ["link delay rank 9", "world_size=4"]),
+        ("--inject-data-delay", "rank=7,ms=5", ["data delay rank 7"]),
+        ("--inject-slowdown", "rank=1", ["'rank=1'", "missing ['factor']"]),
+        ("--inject-link-delay", "src=2,dst=2,ms=5", ["two different ranks"]),
+    ],
+)
 def test_bad_fault_flags_fail_before_launch(tmp_path, capsys, flag, spec, words):
     """Exit 2 with one line naming the problem, and nothing launched (no run folder): a typo in a fault spec
     must never run a clean 4-rank job that then 'finds nothing'."""
@@ -43,8 +47,12 @@ def test_bad_fault_flags_fail_before_launch(tmp_path, capsys, flag, spec, words)
 
 def test_fault_specs_survive_the_trip_to_the_ranks():
     """launch() hands the ranks dataclasses.asdict(tc): the specs must come back as the same typed values."""
-    tc = TrainConfig(world_size=4, slowdowns=(Slowdown(rank=2, factor=1.5, from_step=3),),
-                     data_delays=(DataDelay(rank=0, ms=40.0),), link_delays=(LinkDelay(src=1, dst=3, ms=10.0),))
+    tc = TrainConfig(
+        world_size=4,
+        slowdowns=(Slowdown(rank=2, factor=1.5, from_step=3),),
+        data_delays=(DataDelay(rank=0, ms=40.0),),
+        link_delays=(LinkDelay(src=1, dst=3, ms=10.0),),
+    )
     again = TrainConfig(**dataclasses.asdict(tc))
     assert again == tc and isinstance(again.slowdowns[0], Slowdown)
     json.dumps(dataclasses.asdict(tc))  # train.json and checkpoints store it as JSON
@@ -119,13 +127,14 @@ def test_sublayer_records_partition_each_phase(tmp_path):
     assert len([r for r in recs if r["op"] == "forward"]) == 2 * n_layers + 1  # attention + MLP per layer
 
 
-
 def test_faults_start_at_their_step_on_their_rank():
     """Would catch a fault applied before from_step, on the wrong rank, or a link delay never handed over."""
-    tc = TrainConfig(world_size=4, slowdowns=(Slowdown(rank=2, factor=1.5, from_step=3),
-                                              Slowdown(rank=2, factor=1.2, from_step=1)),
-                     data_delays=(DataDelay(rank=0, ms=40.0, from_step=2),),
-                     link_delays=(LinkDelay(src=1, dst=3, ms=10.0, from_step=2),))
+    tc = TrainConfig(
+        world_size=4,
+        slowdowns=(Slowdown(rank=2, factor=1.5, from_step=3), Slowdown(rank=2, factor=1.2, from_step=1)),
+        data_delays=(DataDelay(rank=0, ms=40.0, from_step=2),),
+        link_delays=(LinkDelay(src=1, dst=3, ms=10.0, from_step=2),),
+    )
     assert faults_at(tc, 2, 0) == (1.0, 0.0, [])
     assert faults_at(tc, 2, 1)[0] == 1.2 and faults_at(tc, 2, 5)[0] == 1.5  # overlapping: the larger factor
     assert faults_at(tc, 1, 5)[:2] == (1.0, 0.0)

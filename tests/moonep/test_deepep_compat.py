@@ -3,6 +3,7 @@
 Checks mirror DeepEP's own intranode test: layout against a Python reference, provenance of received rows,
 local expert ids, per-expert counts, cached-handle dispatch, and combine = x * (ranks the token visited).
 """
+
 import functools
 
 import pytest
@@ -51,13 +52,19 @@ def deepep_checks(comm):
 
     def dispatch():
         event.current_stream_wait()
-        out = buf.dispatch(x, num_tokens_per_rank=n_rank, is_token_in_rank=in_rank, num_tokens_per_expert=n_expert,
-                           topk_idx=idx, topk_weights=weights)
+        out = buf.dispatch(
+            x,
+            num_tokens_per_rank=n_rank,
+            is_token_in_rank=in_rank,
+            num_tokens_per_expert=n_expert,
+            topk_idx=idx,
+            topk_weights=weights,
+        )
         recv.update(zip(("x", "idx", "w", "per_expert", "handle"), out[:5]))
         prefix = recv["handle"][0]
         starts = [0] + prefix[:, r].tolist()
         for src in range(R):  # provenance: each source's block holds that source's rows, in token order
-            block = recv["x"][starts[src]:starts[src + 1]]
+            block = recv["x"][starts[src] : starts[src + 1]]
             if block.numel() and not torch.all(block.floor() == src):
                 return f"rows from rank {src} are not where rank_prefix_matrix says"
         everyone = [_routing(i, R)[0] for i in range(R)]
@@ -85,13 +92,21 @@ def deepep_checks(comm):
         y = torch.zeros_like(recv["x"])
         for k in range(K):
             mine = recv["idx"][:, k] >= 0
-            y[mine] += recv["w"][mine, k:k + 1] * 2 * recv["x"][mine]
+            y[mine] += recv["w"][mine, k : k + 1] * 2 * recv["x"][mine]
         out, _, _ = buf.combine(y, recv["handle"])
         want = 2 * x * torch.where(idx >= 0, weights, torch.zeros_like(weights)).sum(1, keepdim=True)
         return None if torch.allclose(out, want, atol=1e-5) else "weighted expert round trip wrong"
 
-    return run_checks(comm, {"layout": layout, "dispatch": dispatch, "cached": cached, "combine": combine,
-                             "expert_round_trip": expert_round_trip})
+    return run_checks(
+        comm,
+        {
+            "layout": layout,
+            "dispatch": dispatch,
+            "cached": cached,
+            "combine": combine,
+            "expert_round_trip": expert_round_trip,
+        },
+    )
 
 
 @functools.lru_cache(maxsize=None)
@@ -109,9 +124,11 @@ def one_rank_bad_input(comm):
     from moonep.compat.deepep import Buffer
 
     buf, problems = Buffer(comm), []
-    for call, needle in ((lambda: buf.get_dispatch_layout(torch.tensor([[0, 7]]), 4), "outside"),
-                         (lambda: buf.get_dispatch_layout(torch.tensor([[0.0, 1.0]]), 4), "integer"),
-                         (lambda: buf.dispatch(torch.zeros(1, 2)), "fresh dispatch needs")):
+    for call, needle in (
+        (lambda: buf.get_dispatch_layout(torch.tensor([[0, 7]]), 4), "outside"),
+        (lambda: buf.get_dispatch_layout(torch.tensor([[0.0, 1.0]]), 4), "integer"),
+        (lambda: buf.dispatch(torch.zeros(1, 2)), "fresh dispatch needs"),
+    ):
         try:
             call()
             problems.append(f"no error for {needle!r}")

@@ -7,6 +7,7 @@
   table (``Buffer._read_step``). The planner's CPU-kernel entry (a zero-copy numpy view; the device kernel
   replaces it on CUDA) is the one exemption.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -69,6 +70,7 @@ def test_device_layout_equals_numpy_twin(case, device_kernel: bool):
     host = planner.plan(T)
     if device_kernel:
         from planner.device import plan_with_device_kernel
+
         dev = plan_with_device_kernel(torch.from_numpy(T))
     else:
         dev = planner.plan(torch.from_numpy(T))
@@ -78,7 +80,7 @@ def test_device_layout_equals_numpy_twin(case, device_kernel: bool):
         for r, lay in enumerate(sent):
             before = int(lay.slot_splits[:q].sum())
             n = int(lay.slot_splits[q])
-            meta.append(torch.stack((lay.dest_row[before:before + n], lay.uniq_local[before:before + n]), 1))
+            meta.append(torch.stack((lay.dest_row[before : before + n], lay.uniq_local[before : before + n]), 1))
         meta = torch.cat(meta)
         tables = reference.recv_layout(meta.numpy(), host.send_counts[:, q])
         uniq_in = torch.stack([lay.uniq_splits[q] for lay in sent])
@@ -94,8 +96,12 @@ def test_layout_runs_on_meta_tensors():
     idx = torch.empty(s, K, dtype=torch.int64, device="meta")
     dest, row = layout.route_slots(p, 2, idx)
     lay = layout.send_layout(p, 2, idx)
-    got = layout.recv_layout(torch.empty(7, dtype=torch.int32, device="meta"),
-                             torch.empty(7, dtype=torch.int32, device="meta"), p.send_counts[:, 1], lay.uniq_splits)
+    got = layout.recv_layout(
+        torch.empty(7, dtype=torch.int32, device="meta"),
+        torch.empty(7, dtype=torch.int32, device="meta"),
+        p.send_counts[:, 1],
+        lay.uniq_splits,
+    )
     push, mine = layout.replica_maps(p, 1)
     assert dest.shape == row.shape == lay.slot_pos.shape == lay.uniq_token.shape == (s * K,)
     assert lay.slot_splits.shape == lay.uniq_splits.shape == (R,)
@@ -109,8 +115,8 @@ def _moe_step(comm, layers: int) -> tuple[list, int]:
 
     torch.manual_seed(0)
     H, F, E, K, s = 8, 8, 4 * comm.world_size, 2, 16
-    buf = Buffer(comm, s, H, K, E, check_combine=False)
-    moes = [moonep.MoE(comm, H, F, E, K, s, buffer=buf) for _ in range(layers)]
+    buf = Buffer(comm, S=s, H=H, K=K, E=E, check_reuse=False)
+    moes = [moonep.MoE(comm, H=H, F=F, E=E, K=K, S=s, buffer=buf) for _ in range(layers)]
     x = torch.randn(s, H, generator=torch.Generator().manual_seed(comm.rank), requires_grad=True)
     for m in moes:  # a hot expert: the plan replicates, so prefetch_weight and reduce_grad move weights
         with torch.no_grad():
@@ -121,7 +127,7 @@ def _moe_step(comm, layers: int) -> tuple[list, int]:
         for m in moes:
             y = m(y)
         y.sum().backward()
-    replicas = moes[0].last_plan.plan.num_replicas
+    replicas = moes[0].last_plan.global_plan.num_replicas
     return reads.where, replicas
 
 
@@ -136,11 +142,12 @@ def test_one_host_read_per_moe_layer(world_size: int, layers: int):
 
 def test_buffer_device_follows_its_communicator():
     """device=None takes the communicator's device; an explicit device wins; 'cuda' names the current GPU."""
+
     class Comm:
         world_size, rank, device = 2, 0, torch.device("meta")
 
-    assert Buffer(Comm(), 4, 8, 2, 4).device.type == "meta"
-    assert Buffer(Comm(), 4, 8, 2, 4, device="cpu")._recv.device.type == "cpu"
+    assert Buffer(Comm(), S=4, H=8, K=2, E=4).device.type == "meta"
+    assert Buffer(Comm(), S=4, H=8, K=2, E=4, device="cpu")._recv.device.type == "cpu"
     del Comm.device
     assert resolve_device(Comm(), None) == torch.device("cpu")
     if torch.cuda.is_available():
@@ -150,11 +157,11 @@ def test_buffer_device_follows_its_communicator():
 def _cuda_moe_step(comm) -> dict:
     """One MoE layer fwd+bwd on the GPU with sync debug mode "error" around all but the step's read."""
     import moonep
-    from moonep.moe import dense_moe
+    from moonep.reference import dense_moe
 
     torch.manual_seed(0)
     H, F, E, K, s = 16, 16, 8, 2, 64
-    m = moonep.MoE(comm, H, F, E, K, s)
+    m = moonep.MoE(comm, H=H, F=F, E=E, K=K, S=s)
     ref_router = m.router
     x = torch.randn(s, H)
     want = dense_moe(x, ref_router, m.w13.detach(), m.w2.detach())  # R = 1: this rank holds every expert

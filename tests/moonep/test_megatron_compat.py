@@ -5,6 +5,7 @@ dispatched tokens over the dispatcher's [2*epn] weight view, times ``permuted_pr
 the probs). Each rank compares its output, its input and probs grads and its own experts' weight grads with a
 single-process dense reference that regenerates every rank's inputs and holds all experts (fp32, 1e-5 relative).
 """
+
 import functools
 import importlib.util
 
@@ -46,7 +47,7 @@ def _inputs(case: str, rank: int, R: int):
         rm[:, 0] = True
     if case == "fewer":  # tokens with K, 1 and 0 selected experts
         for t in range(s):
-            rm[t, chosen[t, t % (K + 1):]] = False
+            rm[t, chosen[t, t % (K + 1) :]] = False
     probs = torch.where(rm, scores, torch.zeros_like(scores))
     probs = probs / probs.sum(1, keepdim=True).clamp(min=1e-6)
     shape = (s, 1, H) if case == "varlen_3d" else (s, H)
@@ -54,7 +55,7 @@ def _inputs(case: str, rank: int, R: int):
 
 
 def _weights(R: int) -> torch.Tensor:
-    return torch.randn(EPN * R, H, H, generator=torch.Generator().manual_seed(7)) / H ** 0.5
+    return torch.randn(EPN * R, H, H, generator=torch.Generator().manual_seed(7)) / H**0.5
 
 
 def _dense(case: str, R: int):
@@ -89,24 +90,29 @@ def _numerics(comm, d, case: str) -> str | None:
     R, r = comm.world_size, comm.rank
     x, rm, probs, G = _inputs(case, r, R)
     x, probs = x.clone().requires_grad_(), probs.clone().requires_grad_()
-    W_local = _weights(R)[r * EPN:(r + 1) * EPN].clone().requires_grad_()
+    W_local = _weights(R)[r * EPN : (r + 1) * EPN].clone().requires_grad_()
     out, tpe, rows = _megatron_order(d, x, rm, probs, W_local, G)
     ref, ref_gw = _dense(case, R)
     ref_out, ref_gx, ref_gp = ref[r]
     problems = []
     if out.shape != x.shape:
         problems.append(f"output shape {tuple(out.shape)} != input shape {tuple(x.shape)}")
-    for name, got, want in (("output", out, ref_out), ("x.grad", x.grad, ref_gx), ("probs.grad", probs.grad, ref_gp),
-                            ("expert grads", W_local.grad, ref_gw[r * EPN:(r + 1) * EPN])):
+    for name, got, want in (
+        ("output", out, ref_out),
+        ("x.grad", x.grad, ref_gx),
+        ("probs.grad", probs.grad, ref_gp),
+        ("expert grads", W_local.grad, ref_gw[r * EPN : (r + 1) * EPN]),
+    ):
         if got is None or got.shape != want.shape:
             problems.append(f"{name} is {None if got is None else tuple(got.shape)}, want {tuple(want.shape)}")
         elif _rel(got, want) > TOL:
             problems.append(f"{name} differs: rel {_rel(got, want):.3g}")
     if tpe.numel() != 2 * EPN or int(tpe.sum()) != rows or (tpe % d.token_padding).any():
         problems.append(f"tokens_per_expert {tpe.tolist()} is not [2*epn] padded segments summing to {rows}")
-    caps = d.plan.plan.caps
-    if int(caps.max()) - int(caps.min()) > 1 or int(caps.sum()) != int(sum(_inputs(case, i, R)[1].sum()
-                                                                             for i in range(R))):
+    caps = d.plan.global_plan.caps
+    if int(caps.max()) - int(caps.min()) > 1 or int(caps.sum()) != int(
+        sum(_inputs(case, i, R)[1].sum() for i in range(R))
+    ):
         problems.append(f"rows per rank {caps.tolist()} are not the balanced split of the routed slots")
     return "; ".join(problems) or None
 
@@ -134,7 +140,7 @@ def _bad_input(comm, d, case: str) -> str | None:
         want = f"MoonEPTokenDispatcher: rank {R - 1}: {BAD[case]}"
         if not str(exc).startswith(want):
             return f"message {str(exc)!r} does not start with {want!r}"
-        if r == R - 1 and "(" not in str(exc)[len(want):]:
+        if r == R - 1 and "(" not in str(exc)[len(want) :]:
             return f"the failing rank's message has no detail: {exc}"
         return None
     return "no ValueError"
@@ -205,8 +211,12 @@ def _megatron_layer(ep_group, solo_group, cfg, E: int):
     for name in ("tp", "cp", "tp_cp", "tp_dp_cp", "expt_tp", "pp", "expt_dp"):
         setattr(pgc, name, solo_group)
     pgc.ep = pgc.tp_ep = ep_group
-    spec = MoESubmodules(experts=ModuleSpec(module=SequentialMLP, submodules=MLPSubmodules(
-        linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)))
+    spec = MoESubmodules(
+        experts=ModuleSpec(
+            module=SequentialMLP,
+            submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
+        )
+    )
     return MoELayer(cfg, spec, layer_number=1, pg_collection=pgc), pgc
 
 
@@ -230,17 +240,30 @@ def megatron_layer_check(comm) -> dict:
 
     import torch.distributed as dist
     from megatron.core.transformer.transformer_config import TransformerConfig
+
     from moonep.compat.megatron import MoonEPTokenDispatcher, SequentialExperts
 
     R, r = comm.world_size, comm.rank
     E, F = EPN * R, 4
     solo = [dist.new_group([i]) for i in range(R)][r]
-    cfg = TransformerConfig(num_layers=1, hidden_size=H, num_attention_heads=1, num_moe_experts=E, moe_router_topk=K,
-                            moe_ffn_hidden_size=F, ffn_hidden_size=F, moe_token_dispatcher_type="allgather",
-                            moe_router_load_balancing_type="none", use_cpu_initialization=True,
-                            add_bias_linear=False, gated_linear_unit=True, activation_func=torch.nn.functional.silu,
-                            bias_activation_fusion=False, gradient_accumulation_fusion=False,
-                            expert_model_parallel_size=R)
+    cfg = TransformerConfig(
+        num_layers=1,
+        hidden_size=H,
+        num_attention_heads=1,
+        num_moe_experts=E,
+        moe_router_topk=K,
+        moe_ffn_hidden_size=F,
+        ffn_hidden_size=F,
+        moe_token_dispatcher_type="allgather",
+        moe_router_load_balancing_type="none",
+        use_cpu_initialization=True,
+        add_bias_linear=False,
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        bias_activation_fusion=False,
+        gradient_accumulation_fusion=False,
+        expert_model_parallel_size=R,
+    )
     layer, pgc = _megatron_layer(dist.group.WORLD, solo, cfg, E)
     ref, _ = _megatron_layer(solo, solo, dataclasses.replace(cfg, expert_model_parallel_size=1), E)
     g = torch.Generator().manual_seed(5)
@@ -262,18 +285,26 @@ def megatron_layer_check(comm) -> dict:
     comm.all_reduce(router_grad, "sum")  # replicated router: its grad is a per-rank partial sum
 
     def numerics():
-        pairs = [("output", out, want[r][0]), ("x.grad", x.grad, want[r][1].grad),
-                 ("router grad", router_grad, ref.router.weight.grad)]
+        pairs = [
+            ("output", out, want[r][0]),
+            ("x.grad", x.grad, want[r][1].grad),
+            ("router grad", router_grad, ref.router.weight.grad),
+        ]
         for i, ex in enumerate(layer.experts.experts.local_experts):
             mine = ref.experts.local_experts[r * EPN + i]
-            pairs += [(f"expert {r * EPN + i} {n}", q.grad, w.grad) for (n, q), w in
-                      zip(ex.named_parameters(), mine.parameters())]
-        bad = [f"{n}: {'no grad' if a is None else f'rel {_rel(a, b):.3g}'}" for n, a, b in pairs
-               if a is None or _rel(a, b) > TOL]
+            pairs += [
+                (f"expert {r * EPN + i} {n}", q.grad, w.grad)
+                for (n, q), w in zip(ex.named_parameters(), mine.parameters())
+            ]
+        bad = [
+            f"{n}: {'no grad' if a is None else f'rel {_rel(a, b):.3g}'}"
+            for n, a, b in pairs
+            if a is None or _rel(a, b) > TOL
+        ]
         return "; ".join(bad) or None
 
     def replicas():
-        used = int((layer.token_dispatcher.plan.plan.experts_to_copy >= 0).sum())
+        used = int((layer.token_dispatcher.plan.global_plan.experts_to_copy >= 0).sum())
         return None if R == 1 or used else "the hot expert was not replicated: the check proves little"
 
     return run_checks(comm, {"numerics": numerics, "replicas": replicas})

@@ -1,19 +1,20 @@
-"""moonep.memory.PeakBytes: measured peak bytes of the storages a block allocates (CPU included)."""
+"""moonep.peak_memory.PeakBytes: measured peak bytes of the storages a block allocates (CPU included)."""
+
 import gc
 
 import torch
 
-from moonep.memory import PeakBytes, peak_bytes
+from moonep.peak_memory import PeakBytes, peak_bytes
 
 MB = 1 << 20
 
 
 def test_peak_is_the_most_alive_at_once_not_the_total():
     def fn():
-        a = torch.ones(MB // 4)         # 1 MiB
-        b = torch.ones(2 * MB // 4)     # 3 MiB alive
-        del a                           # 2 MiB alive
-        c = torch.ones(MB // 4)         # 3 MiB alive again
+        a = torch.ones(MB // 4)  # 1 MiB
+        b = torch.ones(2 * MB // 4)  # 3 MiB alive
+        del a  # 2 MiB alive
+        c = torch.ones(MB // 4)  # 3 MiB alive again
         return b, c
 
     with PeakBytes() as mem:
@@ -29,10 +30,10 @@ def test_views_in_place_and_existing_storage_are_not_new_bytes():
     out = torch.empty(MB // 4)
 
     def fn():
-        v = base.view(4, -1).t()        # view of pre-existing storage
-        base.mul_(2.0)                  # in place
-        torch.add(base, 1.0, out=out)   # out=
-        return v[:, 0].clone()          # one new row of 256 KiB
+        v = base.view(4, -1).t()  # view of pre-existing storage
+        base.mul_(2.0)  # in place
+        torch.add(base, 1.0, out=out)  # out=
+        return v[:, 0].clone()  # one new row of 256 KiB
 
     assert peak_bytes(fn) == MB // 4
 
@@ -44,7 +45,7 @@ def test_backward_allocations_are_seen_and_released():
         (x @ w).relu().sum().backward()
     gc.collect()
     assert w.grad is not None and mem.current == w.grad.nbytes  # made by the backward; all the rest freed
-    assert mem.peak >= 2 * 1024 * 256 * 4                     # the product and its relu, alive together
+    assert mem.peak >= 2 * 1024 * 256 * 4  # the product and its relu, alive together
 
 
 def test_nothing_counted_outside_the_block():

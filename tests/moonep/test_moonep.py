@@ -1,25 +1,47 @@
 """moonep on real ranks: one launched job per (backend, world size) runs the whole battery (battery.py,
 battery_moe.py) and reports per check; gloo for world sizes 1-4, MPI for 2 and 3."""
+
 import functools
 import subprocess
 import sys
 
 import pytest
-import torch
 
 from collectives import launch
 from tests.collectives.conftest import needs_mpi
 from tests.moonep import battery
 
 JOBS = [("torch", n) for n in (1, 2, 3, 4)] + [("mpi", 2), ("mpi", 3)]
-CHECKS = (["dispatch_" + k for k in ("random", "one_expert", "dup_rank", "masked", "skew", "padding", "varlen",
-                                     "k1")]
-          + ["prefetch_reduce"] + ["autograd_" + k for k in ("random", "masked", "one_expert")]
-          + ["classic_baseline_random", "classic_baseline_hot", "moe_random", "moe_all_to_experts_0_to_K", "moe_every_token_to_one_expert", "moe_varlen_shared",
-             "moe_two_layers_shared_pools"]
-          + ["bad_" + c for c in ("id_too_big", "id_negative", "id_float", "hidden_shape", "hidden_dtype",
-                                  "hidden_device", "s_gt_S", "tpe_mismatch", "total_differs", "nan_weights",
-                                  "combine_shape")])
+CHECKS = (
+    ["dispatch_" + k for k in ("random", "one_expert", "dup_rank", "masked", "skew", "padding", "varlen", "k1")]
+    + ["prefetch_reduce"]
+    + ["autograd_" + k for k in ("random", "masked", "one_expert")]
+    + [
+        "classic_baseline_random",
+        "classic_baseline_hot",
+        "moe_random",
+        "moe_all_to_experts_0_to_K",
+        "moe_every_token_to_one_expert",
+        "moe_varlen_shared",
+        "moe_two_layers_shared_pools",
+    ]
+    + [
+        "bad_" + c
+        for c in (
+            "id_too_big",
+            "id_negative",
+            "id_float",
+            "hidden_shape",
+            "hidden_dtype",
+            "hidden_device",
+            "s_gt_S",
+            "tpe_mismatch",
+            "total_differs",
+            "nan_weights",
+            "combine_shape",
+        )
+    ]
+)
 
 
 @functools.lru_cache(maxsize=None)
@@ -52,42 +74,63 @@ def test_buffer_rejects_bad_geometry():
 
     class FakeComm:  # construction only checks the group size and rank
         world_size, rank = 3, 0
+
     with pytest.raises(ValueError, match="multiple"):
-        Buffer(FakeComm(), 4, 8, 2, 8)
+        Buffer(FakeComm(), S=4, H=8, K=2, E=8)
     with pytest.raises(ValueError, match="S must be"):
-        Buffer(FakeComm(), 0, 8, 2, 9)
-    with pytest.raises(ValueError, match="backend"):
-        Buffer(FakeComm(), 4, 8, 2, 9, backend="bogus")
-    b = Buffer(FakeComm(), 4, 8, 2, 9, token_padding=4)
-    assert b.max_rows == -(-(4 * 2 + 3 * 2 * 3) // 4) * 4 and b.nbytes > 0
+        Buffer(FakeComm(), S=0, H=8, K=2, E=9)
+    with pytest.raises(TypeError):  # sizes are keyword-only: no silent mix-up of their order
+        Buffer(FakeComm(), 4, 8, 2, 9)
+    assert Buffer(FakeComm(), S=4, H=8, K=2, E=9, token_padding=4).nbytes > 0
 
 
-def test_nvshmem_backend_needs_gpu_communicator():
+def test_receive_rows_match_moonep_worked_example():
+    """MoonEP's own NvS example (S=4096, K=8, E=256, R=8, token_padding=128): 32768 + 127*64 -> 40960 rows."""
     from moonep.buffer import Buffer
 
-    class TorchLike:  # argument checks only: no communication happens in the constructor
-        world_size, rank, backend = 1, 0, "torch"
+    class EightRanks:
+        world_size, rank = 8, 0
 
-    class NvshmemLike(TorchLike):
-        backend = "nvshmem"
+    assert Buffer(EightRanks(), S=4096, H=1, K=8, E=256, token_padding=128).max_recv_rows == 40960
 
-    with pytest.raises(ValueError, match="nvshmem"):
-        Buffer(TorchLike(), 4, 8, 2, 4, backend="nvshmem")
-    assert Buffer(NvshmemLike(), 4, 8, 2, 4, backend="nvshmem").max_rows > 0  # the nvshmem backend's name passes
+
+def test_moe_refuses_a_buffer_of_another_geometry():
+    import moonep
+    from moonep.buffer import Buffer
+
+    class OneRank:
+        world_size, rank = 1, 0
+
+    buf = Buffer(OneRank(), S=8, H=4, K=2, E=4, token_padding=2)
+    assert moonep.MoE(OneRank(), H=4, F=4, E=4, K=2, S=8, buffer=buf).buffer is buf  # padding: the buffer's
+    with pytest.raises(ValueError, match="differs from the layer"):
+        moonep.MoE(OneRank(), H=4, F=4, E=4, K=2, S=16, buffer=buf)
+    with pytest.raises(ValueError, match="differs from the layer"):
+        moonep.MoE(OneRank(), H=4, F=4, E=4, K=2, S=8, token_padding=4, buffer=buf)
 
 
 def test_bench_quick_schema(tmp_path):
     """`moonep bench ep --quick` writes the stable JSON schema and a plot; ours computes exactly cap rows."""
     import json
 
-    from moonep.cli import main
+    from moonep.console import main
 
     out, png = tmp_path / "ep.json", tmp_path / "ep.png"
-    assert main(["bench", "ep", "--world-size", "2", "--maxvio", "0,4", "--quick", "--json", str(out),
-                 "--plot", str(png)]) == 0
+    assert (
+        main(["bench", "ep", "--world-size", "2", "--maxvio", "0,4", "--quick", "--json", str(out), "--plot", str(png)])
+        == 0
+    )
     report = json.loads(out.read_text())
-    keys = {"maxvio", "cap", "ours_max_rows", "baseline_max_rows", "ours_layer_s", "baseline_layer_s",
-            "ours_peak_bytes", "baseline_peak_bytes"}
+    keys = {
+        "maxvio",
+        "cap",
+        "ours_max_rows",
+        "baseline_max_rows",
+        "ours_layer_s",
+        "baseline_layer_s",
+        "ours_peak_bytes",
+        "baseline_peak_bytes",
+    }
     assert [e["maxvio"] for e in report["results"]] == [0.0, 4.0]
     for e in report["results"]:
         assert keys <= set(e)

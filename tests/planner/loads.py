@@ -1,4 +1,5 @@
 """Adversarial load families for the planner tests, built from a few hypothesis-drawn integers."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -24,10 +25,10 @@ def make_counts(family: str, R: int, epn: int, scale: int, seed: int) -> np.ndar
         T[:, int(rng.integers(E))] = scale
     elif family == "one_rank_hot":  # one home group takes everything
         h = int(rng.integers(R))
-        T[:, h * epn:(h + 1) * epn] = rng.integers(0, scale + 1, size=(R, epn))
+        T[:, h * epn : (h + 1) * epn] = rng.integers(0, scale + 1, size=(R, epn))
     elif family == "home_heavy":  # every rank routes to its own experts, unevenly
         for r in range(R):
-            T[r, r * epn:(r + 1) * epn] = rng.integers(0, scale + 1, size=epn)
+            T[r, r * epn : (r + 1) * epn] = rng.integers(0, scale + 1, size=epn)
     elif family == "varlen":  # per-rank token counts differ wildly
         for r in range(R):
             T[r] = rng.multinomial(int(rng.integers(0, 2 * scale + 1)), np.full(E, 1.0 / E))
@@ -35,7 +36,7 @@ def make_counts(family: str, R: int, epn: int, scale: int, seed: int) -> np.ndar
         per_group = scale
         for r in range(R):
             for h in range(R):
-                T[r, h * epn:(h + 1) * epn] = rng.multinomial(per_group, rng.dirichlet(np.ones(epn)))
+                T[r, h * epn : (h + 1) * epn] = rng.multinomial(per_group, rng.dirichlet(np.ones(epn)))
     return T
 
 
@@ -64,8 +65,15 @@ class Case:
 def cases(max_R: int = 16, max_epn: int = 6, max_scale: int = 200) -> st.SearchStrategy[Case]:
     """Small geometries with odd R and R = 1 over-represented."""
     R = st.one_of(st.sampled_from([1, 2, 3, 5, 7]), st.integers(1, max_R))
-    return st.builds(Case, st.sampled_from(FAMILIES), R, st.integers(1, max_epn), st.integers(0, max_scale),
-                     st.integers(0, 2**31 - 1), st.sampled_from([1, 1, 2, 3, 8]))
+    return st.builds(
+        Case,
+        st.sampled_from(FAMILIES),
+        R,
+        st.integers(1, max_epn),
+        st.integers(0, max_scale),
+        st.integers(0, 2**31 - 1),
+        st.sampled_from([1, 1, 2, 3, 8]),
+    )
 
 
 @dataclass(frozen=True)

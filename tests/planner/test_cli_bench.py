@@ -1,4 +1,5 @@
 """The ``plan`` command and the ``planner`` bench target: exit codes, JSON schema, exact balance."""
+
 from __future__ import annotations
 
 import argparse
@@ -10,7 +11,7 @@ from planner import cli
 
 
 def parser() -> argparse.ArgumentParser:
-    """The same tree moonep.cli builds, with the planner package alone."""
+    """The same tree moonep.console builds, with the planner package alone."""
     root = argparse.ArgumentParser(prog="test")
     commands = root.add_subparsers(dest="command")
     bench = commands.add_parser("bench").add_subparsers(dest="target")
@@ -41,8 +42,27 @@ def test_bench_quick_writes_stable_json(tmp_path, capsys):
 def test_plan_command_synthetic_with_plot_and_json(tmp_path, capsys):
     """Before/after loads, replicas and the flow minimum reach the JSON; the chart is written."""
     js, png = tmp_path / "plan.json", tmp_path / "plan.png"
-    rc = run(["plan", "--ranks", "8", "--experts", "32", "--topk", "4", "--tokens", "64", "--synthetic",
-              "zipf:1.3", "--nodes", "2", "--json", str(js), "--plot", str(png)])
+    rc = run(
+        [
+            "plan",
+            "--ranks",
+            "8",
+            "--experts",
+            "32",
+            "--topk",
+            "4",
+            "--tokens",
+            "64",
+            "--synthetic",
+            "zipf:1.3",
+            "--nodes",
+            "2",
+            "--json",
+            str(js),
+            "--plot",
+            str(png),
+        ]
+    )
     assert rc == 0
     data = json.loads(js.read_text())
     assert sum(data["before"]) == sum(data["after"]) == data["total_rows"]
@@ -56,8 +76,26 @@ def test_plan_command_synthetic_with_plot_and_json(tmp_path, capsys):
 def test_plan_command_router_load(tmp_path):
     """--synthetic router:SKEW plans the counts of top-k lists: no rank sends an expert more than S slots."""
     js = tmp_path / "plan.json"
-    assert run(["plan", "--ranks", "4", "--experts", "16", "--topk", "4", "--tokens", "32", "--synthetic",
-                "router:2.0", "--json", str(js)]) == 0
+    assert (
+        run(
+            [
+                "plan",
+                "--ranks",
+                "4",
+                "--experts",
+                "16",
+                "--topk",
+                "4",
+                "--tokens",
+                "32",
+                "--synthetic",
+                "router:2.0",
+                "--json",
+                str(js),
+            ]
+        )
+        == 0
+    )
     data = json.loads(js.read_text())
     assert data["total_rows"] == 4 * 32 * 4 and max(data["after"]) - min(data["after"]) <= 1
 
@@ -65,7 +103,7 @@ def test_plan_command_router_load(tmp_path):
 def test_plan_command_load_file_and_bad_input(tmp_path, capsys):
     """--load reads [R, E]; a bad file or shape mismatch exits 2 with a message, not a traceback."""
     counts = tmp_path / "counts.json"
-    counts.write_text(json.dumps({"tokens_per_expert": np.arange(12).reshape(3, 4).tolist()}))
+    counts.write_text(json.dumps({"slots_per_expert": np.arange(12).reshape(3, 4).tolist()}))
     assert run(["plan", "--load", str(counts)]) == 2  # 4 experts on 3 ranks: E % R != 0
     assert "E % R" in capsys.readouterr().err
     counts.write_text(json.dumps(np.arange(16).reshape(4, 4).tolist()))

@@ -5,6 +5,7 @@ few threads per block so that every strided stage is shared; with one (``make gp
 device. ``test_kernel_compiles_to_ptx`` compiles the same source with numba-cuda's real compiler (NVVM) for
 sm_90, so code the simulator accepts but a GPU would not (allocation, unsupported calls) fails here too.
 """
+
 from __future__ import annotations
 
 import os
@@ -26,8 +27,17 @@ from .loads import FAMILIES, Case, cases, make_counts
 pytestmark = pytest.mark.gpu  # on CPU under numba's CUDA simulator; on the GPU under make gpu-check
 
 DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("NUMBA_ENABLE_CUDASIM") == "0" else "cpu"
-FIELDS = ("tokens_per_expert", "caps", "alloc", "donor", "experts_to_copy", "send_counts", "cu_seqlens", "flows",
-          "capacity")
+FIELDS = (
+    "slots_per_expert",
+    "caps",
+    "alloc",
+    "donor",
+    "experts_to_copy",
+    "send_counts",
+    "cu_seqlens",
+    "flows",
+    "recv_rows",
+)
 
 
 def assert_same_plan(host, dev: TensorPlan) -> None:
@@ -51,8 +61,9 @@ def device_plan(T, threads=None, **kw) -> TensorPlan:
 def test_device_kernel_equals_cpu_kernel(case: Case, threads: int):
     """Catches any stage of the kernel that differs from the CPU kernel: tie-breaks, padding, flows, pieces."""
     T = case.counts()
-    assert_same_plan(plan(T, token_padding=case.token_padding),
-                     device_plan(T, threads, token_padding=case.token_padding))
+    assert_same_plan(
+        plan(T, token_padding=case.token_padding), device_plan(T, threads, token_padding=case.token_padding)
+    )
 
 
 @settings(max_examples=60, deadline=None)
@@ -154,7 +165,8 @@ def test_kernel_compiles_to_ptx():
         "sig = (a2, a1, nt.boolean, nt.int64, a1, a2, nt.boolean, b2, b2, a2, a1, a1, a2, a2, a2, a2, a1, a1,"
         " a1, a1, a1, a2, a2, a1, a1, a1, a1, a1, a1, a1)\n"
         "ptx, _ = cuda.compile_ptx(plan_kernel.py_func, sig, cc=(9, 0))\n"
-        "print('bar.sync' in ptx, 'atom.' in ptx)\n")
+        "print('bar.sync' in ptx, 'atom.' in ptx)\n"
+    )
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=240)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -1,4 +1,5 @@
 """``rebalance_experts``: DeepSeek EPLB semantics (README example, placement invariants, policy choice)."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -8,15 +9,19 @@ from hypothesis import strategies as st
 
 from planner import rebalance_experts
 
-README_WEIGHT = [[90, 132, 40, 61, 104, 165, 39, 4, 73, 56, 183, 86],
-                 [20, 107, 104, 64, 19, 197, 187, 157, 172, 86, 16, 27]]
+README_WEIGHT = [
+    [90, 132, 40, 61, 104, 165, 39, 4, 73, 56, 183, 86],
+    [20, 107, 104, 64, 19, 197, 187, 157, 172, 86, 16, 27],
+]
 
 
 def test_eplb_readme_worked_example():
     """The only hard-coded expectation: EPLB's README output for this input."""
     phy2log, log2phy, logcnt = rebalance_experts(np.array(README_WEIGHT), 16, 4, 2, 8)
-    assert phy2log.tolist() == [[5, 6, 5, 7, 8, 4, 3, 4, 10, 9, 10, 2, 0, 1, 11, 1],
-                                [7, 10, 6, 8, 6, 11, 8, 9, 2, 4, 5, 1, 5, 0, 3, 1]]
+    assert phy2log.tolist() == [
+        [5, 6, 5, 7, 8, 4, 3, 4, 10, 9, 10, 2, 0, 1, 11, 1],
+        [7, 10, 6, 8, 6, 11, 8, 9, 2, 4, 5, 1, 5, 0, 3, 1],
+    ]
     assert log2phy.shape == (2, 12, int(logcnt.max()))
 
 
@@ -73,13 +78,16 @@ def test_torch_in_torch_out():
     assert out[0].tolist()[0][:4] == [5, 6, 5, 7]
 
 
-@pytest.mark.parametrize("args, match", [
-    ((15, 4, 2, 8), "multiple of num_gpus"),
-    ((16, 4, 3, 8), "multiple of num_nodes"),
-    ((16, 5, 1, 8), "multiple of num_groups"),
-    ((8, 4, 2, 8), ">= the number of experts"),
-    ((16, 0, 2, 8), "positive"),
-])
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        ((15, 4, 2, 8), "multiple of num_gpus"),
+        ((16, 4, 3, 8), "multiple of num_nodes"),
+        ((16, 5, 1, 8), "multiple of num_groups"),
+        ((8, 4, 2, 8), ">= the number of experts"),
+        ((16, 0, 2, 8), "positive"),
+    ],
+)
 def test_bad_arguments(args, match):
     with pytest.raises(ValueError, match=match):
         rebalance_experts(np.array(README_WEIGHT), *args)

@@ -1,4 +1,5 @@
 """Bad input is refused with a ValueError that names the problem."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -12,16 +13,19 @@ from .loads import Topo
 T = zipf_counts(4, 8, 2, 10, 1.0, 0)
 
 
-@pytest.mark.parametrize("counts, match", [
-    (np.array([[1, -2], [3, 4]]), "non-negative"),
-    (np.array([[1.5, 2.0], [3.0, 4.0]]), "integer"),
-    (np.array([[True, False], [True, True]]), "integer"),
-    (np.array(["a", "b"]), "integer|2-D"),
-    (np.arange(4), "2-D"),
-    (np.ones((2, 2, 2), np.int64), "2-D"),
-    (np.ones((3, 4), np.int64), "E % R"),
-    (np.ones((0, 4), np.int64), "at least one"),
-])
+@pytest.mark.parametrize(
+    "counts, match",
+    [
+        (np.array([[1, -2], [3, 4]]), "non-negative"),
+        (np.array([[1.5, 2.0], [3.0, 4.0]]), "integer"),
+        (np.array([[True, False], [True, True]]), "integer"),
+        (np.array(["a", "b"]), "integer|2-D"),
+        (np.arange(4), "2-D"),
+        (np.ones((2, 2, 2), np.int64), "2-D"),
+        (np.ones((3, 4), np.int64), "E % R"),
+        (np.ones((0, 4), np.int64), "at least one"),
+    ],
+)
 def test_bad_counts(counts, match):
     with pytest.raises(ValueError, match=match):
         plan(counts)

@@ -1,5 +1,6 @@
 """numba's cache of a jitted function only watches its own file; ``refresh_cache`` makes it follow the files
 whose jitted functions it calls (``_kernel`` calls ``_topology``)."""
+
 from __future__ import annotations
 
 import os
@@ -45,8 +46,14 @@ def test_cached_caller_recompiles_after_an_edit_to_its_callee_only(tmp_path: Pat
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(repo)])}
 
     def run() -> list[str]:
-        out = subprocess.run([sys.executable, "-c", "from pk import caller; print(caller.f(), caller.FLUSHED)"],
-                             cwd=tmp_path, env=env, capture_output=True, text=True, check=True)
+        out = subprocess.run(
+            [sys.executable, "-c", "from pk import caller; print(caller.f(), caller.FLUSHED)"],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         return out.stdout.split()
 
     assert run() == ["1", "True"]  # first import: no digest yet

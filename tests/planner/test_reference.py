@@ -1,4 +1,5 @@
 """The compiled fast path and its plain-Python twin (planner.reference) give identical plans."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -56,7 +57,7 @@ def test_topology_passes_equal_twin_on_skewed_nodes(case: Case, data):
     total = int(T.sum())
     caps = None
     if data.draw(st.booleans()):  # floor/ceil caps with the +1 on drawn ranks
-        extra = data.draw(st.permutations(range(R)))[:total % R]
+        extra = data.draw(st.permutations(range(R)))[: total % R]
         caps = np.full(R, total // R)
         caps[list(extra)] += 1
     p = plan(T, caps=caps, topology=topo)
@@ -72,7 +73,7 @@ def test_custom_caps_equal_twin(case: Case):
     R = T.shape[0]
     total = int(T.sum())
     caps = np.full(R, total // R)
-    caps[R - total % R:] += 1 if total % R else 0  # the +1 goes to the last ranks this time
+    caps[R - total % R :] += 1 if total % R else 0  # the +1 goes to the last ranks this time
     p = plan(T, caps=caps)
     assert np.array_equal(p.recv_counts, caps)
     assert_same(p, plan_reference(T, caps))
@@ -88,8 +89,15 @@ def test_compiled_path_is_active():
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.integers(1, 6), st.integers(1, 3), st.integers(1, 3), st.integers(0, 12), st.floats(0, 2.5),
-       st.booleans(), st.integers(0, 10**6))
+@given(
+    st.integers(1, 6),
+    st.integers(1, 3),
+    st.integers(1, 3),
+    st.integers(0, 12),
+    st.floats(0, 2.5),
+    st.booleans(),
+    st.integers(0, 10**6),
+)
 def test_route_equals_twin(R, epn, K, S, skew, topo, seed):
     """The vectorised Plan.route and its loop twin place every (token, k) on the same rank and row."""
     from planner.reference import route_reference
@@ -161,5 +169,13 @@ def test_an_order_that_hits_uneven_caps_gives_way_to_the_other():
     Tl = T.tolist()
     _, c, bal, alloc = initial_state(Tl, caps)
     with pytest.raises(ValueError, match="too uneven"):
-        _ordered_pairs(bal, c, topo.nodes().tolist(), 2, [-1] * 10, [0] * 10,
-                       _giver(Tl, alloc, 1, 3 * 2048, topo.nodes().tolist(), 2), True)
+        _ordered_pairs(
+            bal,
+            c,
+            topo.nodes().tolist(),
+            2,
+            [-1] * 10,
+            [0] * 10,
+            _giver(Tl, alloc, 1, 3 * 2048, topo.nodes().tolist(), 2),
+            True,
+        )

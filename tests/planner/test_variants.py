@@ -1,4 +1,5 @@
 """Sticky and topology-aware plans: exact balance kept, and the measured gains the issue asks for."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -19,7 +20,7 @@ def test_sticky_and_topology_plans_keep_every_guarantee(a: Case, b: Case, topo: 
     """Any previous plan of the right shape, any topology: still exact, one donor, bijective."""
     R = a.R
     T0 = a.counts()
-    T1 = b.counts()[:, :T0.shape[1]] if b.R == R and b.epn == a.epn else T0[::-1].copy()
+    T1 = b.counts()[:, : T0.shape[1]] if b.R == R and b.epn == a.epn else T0[::-1].copy()
     top = None
     if topo:
         rpn = max(d for d in range(1, R + 1) if R % d == 0 and d <= max(1, R // 2))
@@ -106,8 +107,9 @@ def test_no_plan_reaches_the_goal_on_router_loads_with_many_tokens():
     plain plan's bytes, so the >= 30 % goal is out of reach there; the planner stays within 0.08 of it."""
     from planner.bench import topology_section
 
-    rows = topology_section(quick=False, seed=0, timed=False,
-                            grid=[("router", 16, 128, 8, 4096), ("router", 32, 256, 8, 4096)])
+    rows = topology_section(
+        quick=False, seed=0, timed=False, grid=[("router", 16, 128, 8, 4096), ("router", 32, 256, 8, 4096)]
+    )
     for r in rows:
         assert 0.7 < r["bytes_ratio_bound"] <= r["bytes_ratio"] <= r["bytes_ratio_bound"] + 0.08, r
 
@@ -325,7 +327,7 @@ def test_gain_bound_is_never_below_the_hand_over_gain(case: Case, weight_rows: i
         alloc[e, d] += t
     state = _topology.cross_state(T, alloc, epn, node, nodes, weight_rows)
     for h in range(R):
-        held = int(alloc[h * epn:(h + 1) * epn, h].sum())
+        held = int(alloc[h * epn : (h + 1) * epn, h].sum())
         for u in range(R):
             if node[u] == node[h]:
                 continue

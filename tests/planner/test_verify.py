@@ -1,4 +1,5 @@
 """``verify`` catches every kind of broken plan (each mutation below must raise)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -51,7 +52,7 @@ def _mutations(p):
     if len(f) > 1:
         f[[0, 1], 2] = f[[1, 0], 2]  # two flows swap destinations: rows land in wrong segments
         yield "flows", _with(p, flows=f)
-    yield "capacity", dataclasses.replace(p, capacity=int(p.cu_seqlens[:, -1].max()) - 1)
+    yield "recv_rows", dataclasses.replace(p, recv_rows=int(p.cu_seqlens[:, -1].max()) - 1)
 
 
 def test_every_mutation_is_caught(good):

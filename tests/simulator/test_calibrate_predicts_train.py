@@ -23,13 +23,14 @@ measured, from the same launch:
 - within 35% on every host, in ``make test``: a dropped breakdown part (the MoE collectives are ~45% of the
   step), a unit slip or a field read as another would leave that band.
 """
+
 import dataclasses
 import json
 import statistics
 
 import pytest
 
-from moonep.cli import main
+from moonep.console import main
 
 TOLERANCE = 0.20
 SANITY = 0.35
@@ -43,7 +44,7 @@ def _calibrate_and_train(comm, train: dict, sizes, rounds: int, steps: int) -> l
     import torch
 
     from k3.bench import timed_steps
-    from k3.train import Trainer, TrainConfig
+    from k3.train import TrainConfig, Trainer
     from simulator.calibrate import measure_in_group
 
     torch.set_num_threads(1)
@@ -61,10 +62,30 @@ def _predict(tmp_path, profile: dict, tc) -> dict:
     hw, out = tmp_path / "profile.json", tmp_path / "prediction.json"
     hw.write_text(json.dumps(profile))
     world = tc.world_size
-    rc = main(["simulate", "run", "--model", "k3-tiny", "--hardware", str(hw), "--gpus", str(world),
-               "--ep", str(world), "--seq-len", str(tc.seq_len), "--global-batch-tokens",
-               str(tc.global_batch * tc.seq_len), "--micro-batch", str(tc.global_batch // world),
-               "--recompute", "none", "--json", str(out)])
+    rc = main(
+        [
+            "simulate",
+            "run",
+            "--model",
+            "k3-tiny",
+            "--hardware",
+            str(hw),
+            "--gpus",
+            str(world),
+            "--ep",
+            str(world),
+            "--seq-len",
+            str(tc.seq_len),
+            "--global-batch-tokens",
+            str(tc.global_batch * tc.seq_len),
+            "--micro-batch",
+            str(tc.global_batch // world),
+            "--recompute",
+            "none",
+            "--json",
+            str(out),
+        ]
+    )
     res = json.loads(out.read_text())
     assert rc == 0 and res["feasible"], res["reason"]
     return res
@@ -79,28 +100,40 @@ def rounds(tmp_path_factory) -> list[tuple[float, float]]:
 
     tmp_path = tmp_path_factory.mktemp("calibrate_train")
     tc = TrainConfig()  # what `moonep train --preset tiny` runs: world size, global batch, sequence length
-    tc = dataclasses.replace(tc, steps=ROUNDS * STEPS + 1, progress=False, run_dir=str(tmp_path / "run"),
-                             max_data_bytes=1 << 20)
+    tc = dataclasses.replace(
+        tc, steps=ROUNDS * STEPS + 1, progress=False, run_dir=str(tmp_path / "run"), max_data_bytes=1 << 20
+    )
     sizes = CalibrationSizes.from_model("k3-tiny", tc.seq_len, tc.global_batch // tc.world_size)
-    raw = launch(_calibrate_and_train, tc.world_size, timeout=300, train=dataclasses.asdict(tc), sizes=sizes,
-                 rounds=ROUNDS, steps=STEPS)
+    raw = launch(
+        _calibrate_and_train,
+        tc.world_size,
+        timeout=300,
+        train=dataclasses.asdict(tc),
+        sizes=sizes,
+        rounds=ROUNDS,
+        steps=STEPS,
+    )
     out = []
     for i, r in enumerate(raw):
         res = _predict(tmp_path, profile_from(r["measured"]), tc)
         assert res["breakdown"]["host"] > 0 and res["breakdown"]["ep"] > 0 and res["breakdown"]["kda"] > 0
         out.append((res["step_time_s"], r["step_s"]))
-        print(f"\nround {i + 1}: measured {r['step_s']:.3f} s/step (steps {[round(t, 3) for t in r['times']]}), "
-              f"predicted {res['step_time_s']:.3f}, ratio {res['step_time_s'] / r['step_s']:.3f}, effective "
-              f"cores {r['measured']['effective_cores']:.2f}; breakdown "
-              f"{json.dumps({k: round(v, 4) for k, v in res['breakdown'].items() if v})}")
+        print(
+            f"\nround {i + 1}: measured {r['step_s']:.3f} s/step (steps {[round(t, 3) for t in r['times']]}), "
+            f"predicted {res['step_time_s']:.3f}, ratio {res['step_time_s'] / r['step_s']:.3f}, effective "
+            f"cores {r['measured']['effective_cores']:.2f}; breakdown "
+            f"{json.dumps({k: round(v, 4) for k, v in res['breakdown'].items() if v})}"
+        )
     return out
 
 
 def _pooled_ratio(rounds: list[tuple[float, float]]) -> float:
     predicted, measured = (sum(col) for col in zip(*rounds))
     ratio = predicted / measured
-    print(f"\ntiny K3, 4 ranks: measured {measured / len(rounds):.3f} s/step, predicted "
-          f"{predicted / len(rounds):.3f} s/step, ratio {ratio:.3f}")
+    print(
+        f"\ntiny K3, 4 ranks: measured {measured / len(rounds):.3f} s/step, predicted "
+        f"{predicted / len(rounds):.3f} s/step, ratio {ratio:.3f}"
+    )
     return ratio
 
 

@@ -1,4 +1,5 @@
 """The event engine: schedules are complete and causal, and it agrees with the analytic engine within 3%."""
+
 from collections import Counter
 from dataclasses import replace
 
@@ -13,8 +14,9 @@ from simulator.specs import load_model
 from simulator.validation import RUNS, config
 
 K3 = ParallelConfig(pp=16, ep=64, dp=256, seq_len=8192, global_batch_tokens=64 * 2**20, recompute="full")
-DSV3 = ParallelConfig(pp=16, ep=64, dp=128, seq_len=4096, global_batch_tokens=15360 * 4096, recompute="full",
-                      precision="fp8")
+DSV3 = ParallelConfig(
+    pp=16, ep=64, dp=128, seq_len=4096, global_batch_tokens=15360 * 4096, recompute="full", precision="fp8"
+)
 CASES = [(run.model, "a100", config(run, mode), run.gpus) for run in RUNS for mode in ("full", "selective")] + [
     ("k3", "h200", K3, 4096),
     ("k3", "h200", replace(K3, schedule="interleaved", vpp=2), 4096),
@@ -22,12 +24,37 @@ CASES = [(run.model, "a100", config(run, mode), run.gpus) for run in RUNS for mo
     ("k3", "h200", replace(K3, schedule="dualpipe", maxvio=0.4, dispatcher="classic"), 4096),
     ("deepseek-v3", "h800", replace(DSV3, schedule="dualpipe"), 2048),
     ("deepseek-v3", "h800", DSV3, 2048),
-    ("kimi-k2", "h100", ParallelConfig(pp=8, ep=32, dp=64, seq_len=4096, global_batch_tokens=4096 * 2048,
-                                       recompute="full", schedule="dualpipe"), 512),
-    ("llama3-405b", "h100", ParallelConfig(tp=8, pp=16, dp=64, seq_len=8192, global_batch_tokens=2**24,
-                                           recompute="selective", schedule="interleaved", vpp=2), 8192),
-    ("gpt-175b", "b200", ParallelConfig(tp=4, pp=4, dp=4, seq_len=2048, global_batch_tokens=512 * 2048,
-                                        recompute="selective", schedule="dualpipe"), 64),
+    (
+        "kimi-k2",
+        "h100",
+        ParallelConfig(
+            pp=8, ep=32, dp=64, seq_len=4096, global_batch_tokens=4096 * 2048, recompute="full", schedule="dualpipe"
+        ),
+        512,
+    ),
+    (
+        "llama3-405b",
+        "h100",
+        ParallelConfig(
+            tp=8,
+            pp=16,
+            dp=64,
+            seq_len=8192,
+            global_batch_tokens=2**24,
+            recompute="selective",
+            schedule="interleaved",
+            vpp=2,
+        ),
+        8192,
+    ),
+    (
+        "gpt-175b",
+        "b200",
+        ParallelConfig(
+            tp=4, pp=4, dp=4, seq_len=2048, global_batch_tokens=512 * 2048, recompute="selective", schedule="dualpipe"
+        ),
+        64,
+    ),
 ]
 
 
@@ -38,8 +65,9 @@ def test_event_agrees_with_analytic(model, hw, par, gpus):
     assert abs(a.step_time_s / e.step_time_s - 1) < 0.03, (a.step_time_s, e.step_time_s)
 
 
-@pytest.mark.parametrize("sched,p,m,v", [("1f1b", 4, 7, 1), ("interleaved", 4, 8, 3), ("dualpipe", 6, 12, 1),
-                                         ("dualpipe", 8, 40, 1)])
+@pytest.mark.parametrize(
+    "sched,p,m,v", [("1f1b", 4, 7, 1), ("interleaved", 4, 8, 3), ("dualpipe", 6, 12, 1), ("dualpipe", 8, 40, 1)]
+)
 def test_every_op_once(sched, p, m, v):
     par = ParallelConfig(pp=p, vpp=v, schedule=sched, global_batch_tokens=m * 4096)
     ops = Counter()
@@ -72,4 +100,10 @@ def test_dualpipe_order_counts():
         c = Counter(op for entry in dualpipe_order(par, r) for op in entry)
         assert c == {("F", 0): 16, ("F", 1): 16, ("B", 0): 16, ("B", 1): 16}
     assert static_order(ParallelConfig(pp=2, global_batch_tokens=3 * 4096), 0) == [
-        ("F", 0, 0), ("F", 1, 0), ("B", 0, 0), ("F", 2, 0), ("B", 1, 0), ("B", 2, 0)]
+        ("F", 0, 0),
+        ("F", 1, 0),
+        ("B", 0, 0),
+        ("F", 2, 0),
+        ("B", 1, 0),
+        ("B", 2, 0),
+    ]

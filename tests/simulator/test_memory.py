@@ -1,7 +1,10 @@
 """Memory per GPU: the Korthikanti et al. Fig. 1 numbers, monotonicity, ZeRO sharding, K3 inference memory."""
-import pytest
+
 from dataclasses import replace
-from hypothesis import given, settings, strategies as st
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from simulator.hardware import load_hardware
 from simulator.memory import GIB, inference_memory, peak_memory, rank_memory
@@ -31,8 +34,11 @@ K3_PAR = ParallelConfig(pp=16, ep=64, dp=256, seq_len=8192, global_batch_tokens=
 
 
 @FAST
-@given(mb=st.sampled_from([1, 2, 4]), rc=st.sampled_from(["none", "selective", "selective+act", "full"]),
-       sched=st.sampled_from(["1f1b", "dualpipe"]))
+@given(
+    mb=st.sampled_from([1, 2, 4]),
+    rc=st.sampled_from(["none", "selective", "selective+act", "full"]),
+    sched=st.sampled_from(["1f1b", "dualpipe"]),
+)
 def test_memory_monotone_in_micro_batch(mb, rc, sched):
     """Doubling the micro-batch never lowers peak memory (catches an in-flight count that shrinks wrongly)."""
     spec, hw = load_model("k3"), load_hardware("h200")
@@ -47,8 +53,10 @@ def test_recompute_order(model, tp):
     """Activations: none >= selective >= selective+act >= full."""
     spec, hw = load_model(model), load_hardware("h200")
     base = ParallelConfig(tp=tp, pp=8, dp=4, seq_len=4096, global_batch_tokens=4096 * 64)
-    acts = [rank_memory(spec, hw, replace(base, recompute=r), 0)["activations"]
-            for r in ("none", "selective", "selective+act", "full")]
+    acts = [
+        rank_memory(spec, hw, replace(base, recompute=r), 0)["activations"]
+        for r in ("none", "selective", "selective+act", "full")
+    ]
     assert acts == sorted(acts, reverse=True)
 
 

@@ -1,7 +1,9 @@
 """Topology graph and alpha-beta collectives."""
+
 import networkx as nx
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from simulator import network as net
 from simulator.hardware import load_hardware
@@ -33,8 +35,12 @@ def test_group_shapes():
 
 
 @settings(max_examples=30, deadline=None)
-@given(a=st.floats(1e3, 1e9), b=st.floats(1e3, 1e9), n=st.sampled_from([2, 8, 16, 64, 256]),
-       stride=st.sampled_from([1, 2, 8]))
+@given(
+    a=st.floats(1e3, 1e9),
+    b=st.floats(1e3, 1e9),
+    n=st.sampled_from([2, 8, 16, 64, 256]),
+    stride=st.sampled_from([1, 2, 8]),
+)
 def test_collectives_monotone_in_bytes(a, b, n, stride):
     t = net.cluster_tiers(4096, load_hardware("h100"), net.ClusterSpec())
     g = net.group(n, stride, t)

@@ -1,4 +1,5 @@
 """Model specs and counting: the K3 arithmetic of k3_architecture.md section 3.2 must come out exactly."""
+
 import json
 from types import SimpleNamespace
 
@@ -17,8 +18,10 @@ def test_k3_totals_match_reference():
 
 def test_k3_per_block_counts():
     spec = load_model("k3")
-    assert layer_stats(spec, ("kda", "moe")).dense_params - layer_stats(spec, ("mla", "moe")).dense_params == \
-        443_740_384 - 232_196_096
+    assert (
+        layer_stats(spec, ("kda", "moe")).dense_params - layer_stats(spec, ("mla", "moe")).dense_params
+        == 443_740_384 - 232_196_096
+    )
     moe = layer_stats(spec, ("mla", "moe"))
     assert moe.expert_params == 29_595_009_024
     assert layer_stats(spec, ("kda", "dense")).dense_params == 443_740_384 + 726_663_168 + 6 * 7168
@@ -27,8 +30,10 @@ def test_k3_per_block_counts():
     assert kinds[91] == ("mla", "moe") and kinds[92] == ("mla", "moe") and kinds[0] == ("kda", "dense")
 
 
-@pytest.mark.parametrize("name,total,active,tol", [
-    ("deepseek-v3", 671e9, 37e9, 0.02), ("llama3-405b", 405e9, None, 0.01), ("gpt3-175b", 175e9, None, 0.01)])
+@pytest.mark.parametrize(
+    "name,total,active,tol",
+    [("deepseek-v3", 671e9, 37e9, 0.02), ("llama3-405b", 405e9, None, 0.01), ("gpt3-175b", 175e9, None, 0.01)],
+)
 def test_published_sizes(name, total, active, tol):
     c = param_counts(load_model(name))
     assert abs(c.total / total - 1) < tol
@@ -45,16 +50,38 @@ def test_megatron_flops_formula():
 
 
 def _k3_hf_config() -> dict:
-    text = {"vocab_size": 163840, "hidden_size": 7168, "num_hidden_layers": 93, "num_attention_heads": 96,
-            "num_key_value_heads": 96, "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
-            "qk_rope_head_dim": 64, "v_head_dim": 128, "mla_use_nope": True, "mla_use_output_gate": True,
-            "linear_attn_config": {"num_heads": 96, "head_dim": 128, "short_conv_kernel_size": 4,
-                                   "kda_layers": [i for i in range(1, 92) if i % 4],
-                                   "full_attn_layers": [*range(4, 94, 4), 93]},
-            "first_k_dense_replace": 1, "moe_layer_freq": 1, "intermediate_size": 33792, "num_experts": 896,
-            "num_experts_per_token": 16, "num_shared_experts": 2, "moe_intermediate_size": 3072,
-            "routed_expert_hidden_size": 3584, "topk_method": "noaux_tc", "attn_res_block_size": 12,
-            "max_position_embeddings": 1048576}
+    text = {
+        "vocab_size": 163840,
+        "hidden_size": 7168,
+        "num_hidden_layers": 93,
+        "num_attention_heads": 96,
+        "num_key_value_heads": 96,
+        "q_lora_rank": 1536,
+        "kv_lora_rank": 512,
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+        "mla_use_nope": True,
+        "mla_use_output_gate": True,
+        "linear_attn_config": {
+            "num_heads": 96,
+            "head_dim": 128,
+            "short_conv_kernel_size": 4,
+            "kda_layers": [i for i in range(1, 92) if i % 4],
+            "full_attn_layers": [*range(4, 94, 4), 93],
+        },
+        "first_k_dense_replace": 1,
+        "moe_layer_freq": 1,
+        "intermediate_size": 33792,
+        "num_experts": 896,
+        "num_experts_per_token": 16,
+        "num_shared_experts": 2,
+        "moe_intermediate_size": 3072,
+        "routed_expert_hidden_size": 3584,
+        "topk_method": "noaux_tc",
+        "attn_res_block_size": 12,
+        "max_position_embeddings": 1048576,
+    }
     return {"model_type": "kimi_k3", "tie_word_embeddings": False, "text_config": text}
 
 
@@ -70,8 +97,11 @@ def test_hf_config_json(tmp_path):
 def test_duck_typed_k3config_adapter():
     """A K3Config-like object (attribute names as in the released config) goes through the adapter."""
     cfg = _k3_hf_config()["text_config"]
-    obj = SimpleNamespace(**{k: v for k, v in cfg.items() if k != "linear_attn_config"},
-                          linear_attn_config=SimpleNamespace(**cfg["linear_attn_config"]), tie_word_embeddings=False)
+    obj = SimpleNamespace(
+        **{k: v for k, v in cfg.items() if k != "linear_attn_config"},
+        linear_attn_config=SimpleNamespace(**cfg["linear_attn_config"]),
+        tie_word_embeddings=False,
+    )
     assert param_counts(from_config_object(obj)).active == 104_189_612_640
 
 
@@ -93,5 +123,15 @@ def test_bad_spec_names_field(field, value):
 def test_unknown_model_is_a_value_error():
     with pytest.raises(ValueError, match="neither a preset"):
         load_model("no-such-model")
-    assert from_hf_config({"hidden_size": 64, "num_hidden_layers": 2, "vocab_size": 100,
-                           "num_attention_heads": 4, "intermediate_size": 128}).ffn_hidden == 128
+    assert (
+        from_hf_config(
+            {
+                "hidden_size": 64,
+                "num_hidden_layers": 2,
+                "vocab_size": 100,
+                "num_attention_heads": 4,
+                "intermediate_size": 128,
+            }
+        ).ffn_hidden
+        == 128
+    )

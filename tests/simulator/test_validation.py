@@ -1,4 +1,5 @@
 """Validation table (simulator/README.md): the dense Megatron A100 runs within 10%, one A100 efficiency set."""
+
 from simulator.validation import RUNS, format_rows, time_table
 
 

@@ -1,8 +1,10 @@
 """What-if: the healthy cluster is the baseline, slower parts never speed things up, input errors explained."""
+
 from dataclasses import replace
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from simulator.parallel import ParallelConfig
 from simulator.whatif import whatif
@@ -26,8 +28,14 @@ def test_monotone_in_compute_slowdown(rank, f1, f2):
 
 
 def test_slow_gpu_slows_its_pipeline_and_is_attributed():
-    out = whatif("gpt-175b", "h100", DENSE, 64, rank_slowdown={3: 1.5, 40: 1.1},
-                 links=[{"rank": 9, "tier": "nvlink", "factor": 0.5}])
+    out = whatif(
+        "gpt-175b",
+        "h100",
+        DENSE,
+        64,
+        rank_slowdown={3: 1.5, 40: 1.1},
+        links=[{"rank": 9, "tier": "nvlink", "factor": 0.5}],
+    )
     assert out["slowdown"] > 1.1
     assert out["attribution"][0]["rank"] == 3  # the biggest single cause first
 

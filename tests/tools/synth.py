@@ -4,6 +4,7 @@ A tiny timing model of a step on R ranks: data loading, compute (optionally per 
 all-to-all and an all-reduce on the whole group, each preceded by the argument-header ``validate`` exchange.
 Everyone leaves a collective at ``last enter + transfer``, exactly the relation the analysis inverts.
 """
+
 from __future__ import annotations
 
 import json
@@ -12,8 +13,23 @@ import os
 import numpy as np
 
 
-def make_records(*, ranks=4, steps=40, compute=0.02, data=0.002, noise=0.02, seed=0, slow=None, data_slow=None,
-                 tokens=None, link=None, stages=None, transfer=0.0003, latency=0.0001, validate=True):
+def make_records(
+    *,
+    ranks=4,
+    steps=40,
+    compute=0.02,
+    data=0.002,
+    noise=0.02,
+    seed=0,
+    slow=None,
+    data_slow=None,
+    tokens=None,
+    link=None,
+    stages=None,
+    transfer=0.0003,
+    latency=0.0001,
+    validate=True,
+):
     """``{rank: [record, ...]}``.
 
     slow=(rank, factor, from_step); data_slow=(rank, extra_s, from_step); tokens=[R] rows per rank per step
@@ -27,8 +43,17 @@ def make_records(*, ranks=4, steps=40, compute=0.02, data=0.002, noise=0.02, see
     t = 1000.0
 
     def rec(r, op, t0, t1, step, **extra):
-        d = {"op": op, "bytes": extra.pop("bytes", 0), "group": extra.pop("group", [r]), "rank": r, "seq": seq[r],
-             "t_enter": t0, "t_exit": t1, "ok": True, "step": step}
+        d = {
+            "op": op,
+            "bytes": extra.pop("bytes", 0),
+            "group": extra.pop("group", [r]),
+            "rank": r,
+            "seq": seq[r],
+            "t_enter": t0,
+            "t_exit": t1,
+            "ok": True,
+            "step": step,
+        }
         d.update(extra)
         seq[r] += 1
         out[r].append(d)

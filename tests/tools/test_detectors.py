@@ -1,5 +1,6 @@
 """Detectors on synthetic trace records (fast): each kind found, on the right ranks, near the onset; adversarial
 inputs (noise, slightly slow ranks, spikes, bad files) raise no alarm and never stop the analysis."""
+
 import json
 import os
 import pickle

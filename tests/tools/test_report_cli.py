@@ -1,17 +1,16 @@
 """The stable JSON, the probe merge, plots, and the CLI commands (exit codes, --json, bad input)."""
+
 import json
 import os
 import threading
 import time
 
-import pytest
-
-from moonep.cli import main
+from moonep.console import main
 from tests.tools.synth import make_records, write_dir
+from tools.analysis import load_tables
+from tools.findings import diagnose
 from tools.follow import Tail, follow
 from tools.report import SCHEMA_VERSION, analyse, apply_probe
-from tools.findings import diagnose
-from tools.analysis import load_tables
 
 FINDING_KEYS = ["kind", "ranks", "onset_step", "confidence", "what_if_step_time_s"]
 
@@ -20,8 +19,17 @@ def test_json_schema_is_stable(tmp_path):
     """Catches: renamed or missing keys that scripts depend on."""
     report, _ = analyse(write_dir(tmp_path, make_records(slow=(1, 1.5, 5))))
     assert report["schema_version"] == SCHEMA_VERSION == 1
-    for key in ("findings", "ranks", "steps", "step_time_s", "rank_scores", "wait_matrix_s", "collectives", "probe",
-                "warnings"):
+    for key in (
+        "findings",
+        "ranks",
+        "steps",
+        "step_time_s",
+        "rank_scores",
+        "wait_matrix_s",
+        "collectives",
+        "probe",
+        "warnings",
+    ):
         assert key in report
     (f,) = report["findings"]
     assert list(f)[:5] == FINDING_KEYS
@@ -47,8 +55,13 @@ def test_cli_diagnose_json_plots_and_exit_codes(tmp_path, capsys):
     slow = write_dir(tmp_path / "slow", make_records(slow=(3, 1.4, 10)))
     assert main(["diagnose", clean, "--json", str(tmp_path / "c.json")], packages=["tools"]) == 0
     assert json.loads((tmp_path / "c.json").read_text())["findings"] == []
-    assert main(["diagnose", slow, "--json", str(tmp_path / "s.json"), "--plot", str(tmp_path / "plots")],
-                packages=["tools"]) == 1
+    assert (
+        main(
+            ["diagnose", slow, "--json", str(tmp_path / "s.json"), "--plot", str(tmp_path / "plots")],
+            packages=["tools"],
+        )
+        == 1
+    )
     out = capsys.readouterr().out
     assert "slow_compute" in out and "ranks [3]" in out
     assert sorted(os.listdir(tmp_path / "plots")) == ["rank_step_heatmap.png", "wait_matrix.png"]
@@ -107,8 +120,10 @@ def test_tail_reads_only_appended_complete_lines(tmp_path):
 
 def test_cli_follow_is_bounded(tmp_path, capsys):
     write_dir(tmp_path, make_records(data_slow=(0, 0.02, 3)))
-    assert main(["diagnose", str(tmp_path), "--follow", "--interval", "0.05", "--max-seconds", "0.1"],
-                packages=["tools"]) == 1
+    assert (
+        main(["diagnose", str(tmp_path), "--follow", "--interval", "0.05", "--max-seconds", "0.1"], packages=["tools"])
+        == 1
+    )
     assert "data_loader ranks [0]" in capsys.readouterr().out
 
 

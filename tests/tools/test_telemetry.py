@@ -1,4 +1,5 @@
 """Telemetry: NVML when it works, CPU/load fallback when pynvml is missing or NVML fails; sampling off-thread."""
+
 import json
 import sys
 import threading
@@ -66,8 +67,11 @@ def test_nvml_picks_the_cuda_device_by_pci_bus_id(monkeypatch):
     nv.nvmlDeviceGetHandleByPciBusId = lambda bus: asked.append(bus) or ("gpu", bus)
     nv.nvmlDeviceGetHandleByIndex = lambda i: pytest.fail("an NVML index is not the CUDA device")
     monkeypatch.setitem(sys.modules, "pynvml", nv)
-    monkeypatch.setattr(telemetry, "_cuda_properties",
-                        lambda i: _props(pci_domain_id=0, pci_bus_id=0x9A + i, pci_device_id=0, uuid="ab-cd"))
+    monkeypatch.setattr(
+        telemetry,
+        "_cuda_properties",
+        lambda i: _props(pci_domain_id=0, pci_bus_id=0x9A + i, pci_device_id=0, uuid="ab-cd"),
+    )
     sample = open_source(1).sample()
     assert asked == ["00000000:9B:00.0"] and sample["gpu"] == "pci 00000000:9B:00.0"
 

@@ -6,6 +6,7 @@ not checked from this trace: a few ms of delay is within the host's drift of col
 and the trace detector does not flag it in this job (tools/README.md, "Tracing a training run");
 tests/k3/test_train_faults.py checks that and when the trainer injects it.
 """
+
 from __future__ import annotations
 
 import json
@@ -23,13 +24,30 @@ COMPUTE_PHASES = {"forward", "backward", "grad_sync", "optimizer"}
 
 @pytest.fixture(scope="module")
 def trace_dir(tmp_path_factory):
-    from moonep.cli import main
+    from moonep.console import main
 
     root = tmp_path_factory.mktemp("k3-trace")
-    rc = main(["train", "--preset", "tiny", "--world-size", "4", "--steps", str(STEPS), "--no-progress",
-               "--run-dir", str(root / "run"), "--trace-dir", str(root / "trace"),
-               "--inject-slowdown", f"rank=2,factor=1.5,from_step={SLOW_FROM}",
-               "--inject-data-delay", f"rank=0,ms=150,from_step={DATA_FROM}"], packages=["k3"])
+    rc = main(
+        [
+            "train",
+            "--preset",
+            "tiny",
+            "--world-size",
+            "4",
+            "--steps",
+            str(STEPS),
+            "--no-progress",
+            "--run-dir",
+            str(root / "run"),
+            "--trace-dir",
+            str(root / "trace"),
+            "--inject-slowdown",
+            f"rank=2,factor=1.5,from_step={SLOW_FROM}",
+            "--inject-data-delay",
+            f"rank=0,ms=150,from_step={DATA_FROM}",
+        ],
+        packages=["k3"],
+    )
     assert rc == 0
     return root / "trace"
 

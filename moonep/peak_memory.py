@@ -11,6 +11,7 @@ Views, in-place and ``out=`` results share an input's storage and are not new by
 runs in the backward on this thread are seen too. The mode costs Python time per operator: measure peak memory in
 a run of its own, not in a timed one.
 """
+
 from __future__ import annotations
 
 import weakref
@@ -46,8 +47,9 @@ class PeakBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
-                  if isinstance(t, torch.Tensor)}
+        inputs = {
+            t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)
+        }
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
                 storage = t.untyped_storage()

@@ -1,0 +1,96 @@
+"""``CommPlan``: one rank's view of one MoE layer's step — the planner's plan plus the row maps and split lists.
+
+Built by ``Buffer.dispatch`` from the step's one host read (split lists, segment bounds: host ints) and the
+device layout (``moonep.layout``: index tensors on the Buffer's device); reused unchanged by every other call
+of the step, forward and backward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+import planner
+
+
+@dataclass(frozen=True, eq=False)
+class CommPlan:
+    """Everything dispatch, combine, prefetch_weight and reduce_grad need for one layer and one step.
+
+    Built by ``Buffer.dispatch`` (identical ``global_plan`` on every rank); reused, unchanged, by combine, the
+    backward ``redispatch``, ``prefetch_weight`` and ``reduce_grad``. Index tensors live on the Buffer's device;
+    the split lists and segments are host ints from the step's one read.
+    """
+
+    global_plan: planner.TensorPlan
+    """the planner's plan (same on every rank): alloc [E, R], experts_to_copy [R, slots], send_counts [R, R], ..."""
+    rank: int
+    """the rank this CommPlan belongs to."""
+    buffer_id: int
+    """id() of the Buffer that made it (combine refuses a foreign plan)."""
+    num_tokens: int
+    """s: tokens this rank dispatched."""
+    total_num_tokens: int
+    """sum of s over ranks (sizes recv_rows)."""
+    recv_rows: int
+    """rows of the receive views [recv_rows, H] this step (``layout.num_recv_rows`` of total_num_tokens)."""
+    cu_seqlens: torch.Tensor
+    """[2*epn] int64 padded segment ends: own experts in id order, then replica slots."""
+    cu_host: tuple[int, ...]
+    """[2*epn] host copy of cu_seqlens, from the step's one read (per-group GEMM bounds without a sync)."""
+    slot_pos: torch.Tensor
+    """[n] flat index t*K + k of each routed slot, in send order (destination rank, then token-major)."""
+    send_slot_splits: list[int]
+    """[R] routed slots this rank sends to each rank (= plan.send_counts[rank])."""
+    uniq_token: torch.Tensor
+    """[U] token of each unique (token, destination) row, in send order."""
+    send_uniq_splits: list[int]
+    """[R] unique rows this rank sends to each rank."""
+    recv_slot_row: torch.Tensor
+    """[n_recv] row in the [recv_rows] view of each received slot, in receive order (source rank, then send order)."""
+    recv_slot_uniq: torch.Tensor
+    """[n_recv] index of each received slot's unique row among the received unique rows."""
+    recv_slot_splits: list[int]
+    """[R] routed slots received from each rank (= plan.send_counts[:, rank])."""
+    row_source: torch.Tensor
+    """[recv_rows] 1 + the received unique row of each receive row, 0 = an unfilled row (``row_sources``)."""
+    recv_uniq_splits: list[int]
+    """[R] unique rows received from each rank."""
+    push_rows: torch.Tensor
+    """[sum(push_splits)] local expert rows whose weights this rank sends to the ranks replicating them."""
+    push_splits: list[int]
+    """[R] expert weights this rank sends to each rank (prefetch_weight; reduce_grad receives as many)."""
+    my_slots: torch.Tensor
+    """[sum(slot_splits)] this rank's occupied replica slots, in slot order."""
+    slot_splits: list[int]
+    """[R] replica weights this rank receives from each rank (all from its donor)."""
+
+    def __post_init__(self) -> None:
+        if sum(self.send_slot_splits) != self.slot_pos.numel():
+            raise ValueError("send_slot_splits must sum to the number of routed slots")
+        if sum(self.recv_slot_splits) != self.recv_slot_row.numel():
+            raise ValueError("recv_slot_splits must sum to the number of received slots")
+        if self.cu_host[-1] > self.recv_rows:
+            raise ValueError(f"padded layout {self.cu_host[-1]} rows exceeds recv_rows={self.recv_rows}")
+
+    @property
+    def segments(self) -> tuple[tuple[int, int, int], ...]:
+        """(group, start, end) of the non-empty segments of this rank's layout."""
+        return segments_of(list(self.cu_host))
+
+    @property
+    def experts_per_rank(self) -> int:
+        """epn."""
+        return self.global_plan.experts_per_rank
+
+    @property
+    def real_rows(self) -> int:
+        """routed rows this rank computes (= plan.caps[rank]; a host read)."""
+        return int(self.global_plan.caps[self.rank])
+
+
+def segments_of(cu: list[int]) -> tuple[tuple[int, int, int], ...]:
+    """(group, start, end) of the non-empty segments of host cu_seqlens [G]."""
+    starts = [0] + cu[:-1]
+    return tuple((g, a, b) for g, (a, b) in enumerate(zip(starts, cu)) if b > a)

@@ -1,0 +1,78 @@
+"""The toolkit's ground floor: standard library only, imports no toolkit package, so every package may import it.
+
+It holds what every package shares:
+
+- ``write_json(path, obj)``: JSON written atomically (temp file + ``os.replace``), so readers never see half a
+  file. Library code uses it too (``K3Config.to_json``, checkpoints, the simulator's plots).
+- the argparse plumbing. A package's ``cli.py`` defines ``register(commands, bench)``: ``commands`` and ``bench``
+  are sub-parser actions, so it adds top-level commands (``plan``) and benchmark targets (``bench planner``); every
+  leaf parser sets ``func=handler`` with ``handler(args) -> int``. ``build_parser`` builds the tree from any list of
+  such functions and ``run`` parses and dispatches. ``python -m <package>`` passes its own ``register`` alone
+  (``run_package``); the ``moonep`` console script (``moonep.console``) gathers every package's.
+- ``lazy_exports`` (``moonep_base.lazy``): the PEP 562 ``__getattr__`` / ``__dir__`` pair that lets a package's
+  public names resolve on first use, so ``import <package>.cli`` stays light.
+
+Not ``moonep``: that is the expert-parallel package, above ``planner`` and ``collectives``, which must run their
+command lines without it (see ARCHITECTURE.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any, Callable, Sequence
+
+from moonep_base.lazy import lazy_exports
+
+__all__ = ["build_parser", "lazy_exports", "run", "run_package", "write_json"]
+
+Register = Callable[[Any, Any], None]
+"""``register(commands, bench)`` of a package's ``cli.py``."""
+
+
+def build_parser(registers: Sequence[Register], prog: str, description: str | None = None) -> argparse.ArgumentParser:
+    """The argparse tree: one ``commands`` level, with ``bench`` holding every benchmark target."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    bench_parser = commands.add_parser("bench", help="benchmarks (JSON output with --json)")
+    bench = bench_parser.add_subparsers(dest="target", metavar="TARGET")
+    bench_parser.set_defaults(func=lambda args: _usage(bench_parser))
+    for register in registers:
+        register(commands, bench)
+    return parser
+
+
+def run(parser: argparse.ArgumentParser, argv: Sequence[str] | None = None) -> int:
+    """Parse ``argv`` (default ``sys.argv[1:]``) and call the chosen handler; help and exit 2 without one."""
+    args = parser.parse_args(argv)
+    func = getattr(args, "func", None)
+    if func is None:
+        return _usage(parser)
+    return int(func(args) or 0)
+
+
+def run_package(register: Register, prog: str, argv: Sequence[str] | None = None) -> int:
+    """``python -m <package>``: that package's commands alone."""
+    return run(build_parser([register], prog), argv)
+
+
+def _usage(parser: argparse.ArgumentParser) -> int:
+    parser.print_help(sys.stderr)
+    return 2
+
+
+def write_json(path: str | os.PathLike, obj: Any) -> None:
+    """Write ``obj`` as JSON atomically (temp file + rename), so readers never see half a file."""
+    path = os.fspath(path)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp.{os.getpid()}"
+    try:
+        with open(tmp, "w") as f:
+            json.dump(obj, f, indent=2)
+            f.write("\n")
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):  # json.dump raised (an object JSON cannot hold): no temp file left behind
+            os.remove(tmp)
