@@ -4,7 +4,8 @@
 
 Positions before the start of a sequence read its carried state ``[N, D, W-1]`` (the W-1 inputs that preceded
 it, oldest first), or zeros. With ``cu_seqlens`` the state resets at every sequence start. ``short_conv`` is
-vectorised over W shifted copies; ``short_conv_naive`` is the token loop it is tested against. Backward is
+vectorised over W shifted copies; ``short_conv_naive`` (cp_kda/naive.py) is the token loop it is tested
+against. Backward is
 autograd for both (the op is cheap and its graph small).
 """
 
@@ -92,24 +93,4 @@ def short_conv(x, weight, bias=None, activation="silu", initial_state=None, outp
             term = term + picked * use.to(x.dtype)[None, :, None]
         y = y + term * weight[:, i]
     y = _finish(y, bias, activation)
-    return y, (_final_states(x, bounds, W, initial_state) if output_final_state else None)
-
-
-def short_conv_naive(
-    x, weight, bias=None, activation="silu", initial_state=None, output_final_state=False, cu_seqlens=None
-):
-    """Token-loop twin of :func:`short_conv` (same contract)."""
-    bounds = _check(x, weight, bias, initial_state, cu_seqlens, activation)
-    B, T, D = x.shape
-    W = weight.shape[1]
-    spans = [(0, T)] if bounds is None else list(zip(bounds[:-1], bounds[1:]))
-    outs = []
-    for n, (s, e) in enumerate(spans):
-        b_rows = slice(None) if bounds is None else slice(n, n + 1)
-        window = x.new_zeros(x.shape[0], D, W - 1) if initial_state is None else initial_state[b_rows]
-        for t in range(s, e):
-            window = torch.cat([window, x[:, t].unsqueeze(-1)], dim=-1)  # [B,D,W], oldest first
-            outs.append((window * weight).sum(-1))
-            window = window[..., 1:]
-    y = _finish(torch.stack(outs, dim=1), bias, activation)
     return y, (_final_states(x, bounds, W, initial_state) if output_final_state else None)

@@ -7,7 +7,7 @@ Two forms, both in fp32:
 
 The lower-bound form replaces the activation, it is not a clamp of the softplus form. ``kda_gate`` has a
 hand-written backward that recomputes from (f, A_log, dt_bias) instead of saving intermediates; ``kda_gate_naive``
-is its plain-autograd twin.
+(cp_kda/naive.py) is its plain-autograd twin.
 """
 
 from __future__ import annotations
@@ -41,15 +41,6 @@ def _parts(f, A_log, dt_bias):
         x = x + dt_bias.reshape(H, K).to(x.dtype)
     a = torch.ones(H, 1, dtype=x.dtype, device=x.device) if A_log is None else A_log.to(x.dtype).exp()[:, None]
     return x, a
-
-
-def kda_gate_naive(f, A_log, dt_bias=None, lower_bound=None):
-    """Plain-autograd gate. f ``[..., H, K]``, A_log ``[H]``, dt_bias ``[H*K]`` -> g ``[..., H, K]`` fp32."""
-    _check(f, A_log, dt_bias, lower_bound)
-    x, a = _parts(f, A_log, dt_bias)
-    if lower_bound is None:
-        return -a * F.softplus(x)
-    return lower_bound * torch.sigmoid(a * x)
 
 
 class _GateFunction(torch.autograd.Function):

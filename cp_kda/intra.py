@@ -20,7 +20,7 @@ two large cumulative sums, so fp32 keeps its relative accuracy deep into a chunk
   underflows too; the diagonal sub-blocks then sum the g's between j and i exactly (:func:`_diag_exact`).
 
 Row block a meets only column blocks 0..a, so the masked upper half of both matrices is never multiplied.
-:func:`decay_matrices_naive` builds the same matrices from the full ``[C, C, K]`` pairwise decays: the twin
+``naive.decay_matrices_naive`` builds the same matrices from the full ``[C, C, K]`` pairwise decays: the twin
 of :func:`decay_matrices`, too big to be the fast path.
 """
 
@@ -193,17 +193,6 @@ def decay_matrices(q, k, g):
     eG = (up * from_start.exp()).reshape(*lead, C, K)
     Kt = (right * to_end.exp()).reshape(*lead, C, K)
     return both[..., 0, :, :], both[..., 1, :, :], eG, Kt, whole.exp()
-
-
-def decay_matrices_naive(q, k, g):
-    """Twin of :func:`decay_matrices` from the full pairwise decays ``[..., C, C, K]`` (memory C²K per chunk).
-
-    q, k, g ``[..., C, K]`` -> ``(Aqk, L, eG, Kt, gamma)`` as there."""
-    E = _segsum(g).exp()  # [..., i, j, K]; 0 above
-    Aqk = torch.einsum("...id,...ijd,...jd->...ij", q, E, k)
-    L = torch.einsum("...id,...ijd,...jd->...ij", k, E, k).tril(-1)
-    G = g.cumsum(-2)
-    return Aqk, L, G.exp(), k * E[..., -1, :, :], G[..., -1, :].exp()
 
 
 def intra_chunk(q, k, v, g, beta, scale):

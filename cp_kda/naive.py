@@ -13,8 +13,14 @@ for fp64 inputs); outputs come back in ``v.dtype``.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from .checks import check_kda_inputs, resolve_scale, state_dtype
+from .conv import _check as _check_conv
+from .conv import _final_states, _finish
+from .gate import _check as _check_gate
+from .gate import _parts
+from .intra import _segsum
 
 
 def _recurrent_dense(q, k, v, g, beta, scale, h0):
@@ -77,3 +83,43 @@ def kda_recurrent(
             states.append(S_i)
         o, finals = torch.cat(outs, dim=1), torch.cat(states, dim=0)
     return o.to(out_dtype), (finals if output_final_state else None)
+
+
+def kda_gate_naive(f, A_log, dt_bias=None, lower_bound=None):
+    """Plain-autograd gate. f ``[..., H, K]``, A_log ``[H]``, dt_bias ``[H*K]`` -> g ``[..., H, K]`` fp32."""
+    _check_gate(f, A_log, dt_bias, lower_bound)
+    x, a = _parts(f, A_log, dt_bias)
+    if lower_bound is None:
+        return -a * F.softplus(x)
+    return lower_bound * torch.sigmoid(a * x)
+
+
+def short_conv_naive(
+    x, weight, bias=None, activation="silu", initial_state=None, output_final_state=False, cu_seqlens=None
+):
+    """Token-loop twin of :func:`short_conv` (same contract)."""
+    bounds = _check_conv(x, weight, bias, initial_state, cu_seqlens, activation)
+    B, T, D = x.shape
+    W = weight.shape[1]
+    spans = [(0, T)] if bounds is None else list(zip(bounds[:-1], bounds[1:]))
+    outs = []
+    for n, (s, e) in enumerate(spans):
+        b_rows = slice(None) if bounds is None else slice(n, n + 1)
+        window = x.new_zeros(x.shape[0], D, W - 1) if initial_state is None else initial_state[b_rows]
+        for t in range(s, e):
+            window = torch.cat([window, x[:, t].unsqueeze(-1)], dim=-1)  # [B,D,W], oldest first
+            outs.append((window * weight).sum(-1))
+            window = window[..., 1:]
+    y = _finish(torch.stack(outs, dim=1), bias, activation)
+    return y, (_final_states(x, bounds, W, initial_state) if output_final_state else None)
+
+
+def decay_matrices_naive(q, k, g):
+    """Twin of :func:`decay_matrices` from the full pairwise decays ``[..., C, C, K]`` (memory C²K per chunk).
+
+    q, k, g ``[..., C, K]`` -> ``(Aqk, L, eG, Kt, gamma)`` as there."""
+    E = _segsum(g).exp()  # [..., i, j, K]; 0 above
+    Aqk = torch.einsum("...id,...ijd,...jd->...ij", q, E, k)
+    L = torch.einsum("...id,...ijd,...jd->...ij", k, E, k).tril(-1)
+    G = g.cumsum(-2)
+    return Aqk, L, G.exp(), k * E[..., -1, :, :], G[..., -1, :].exp()

@@ -18,8 +18,6 @@ equal to, bit for bit.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 NUM_BINS = 1000  # the report's histogram resolution
@@ -83,16 +81,6 @@ def qb_bias(hist: torch.Tensor, bias: torch.Tensor, K: int) -> torch.Tensor:
     return (b_hat - b_hat.mean()).to(bias.dtype)
 
 
-def qb_exact(scores: torch.Tensor, bias: torch.Tensor, K: int) -> torch.Tensor:
-    """Exact single-process twin: sorted-quantile version of the same update (for tests). -> [E]."""
-    alpha = torch.topk(scores + bias, K + 1, dim=-1).values[:, -1:]
-    r = (alpha - scores).double()
-    m, E = r.shape
-    target = math.ceil(m * K / E)
-    b_hat = r.sort(0).values[target - 1]
-    return (b_hat - b_hat.mean()).to(bias.dtype)
-
-
 @torch.no_grad()
 def update_router_biases(moes, comm, method: str = "qb", rate: float = 1e-3) -> torch.Tensor:
     """Update every MoE layer's ``e_score_correction_bias`` from its last scores; one all-reduce in total.
@@ -122,4 +110,4 @@ def update_router_biases(moes, comm, method: str = "qb", rate: float = 1e-3) -> 
     return max_violation(counts)
 
 
-__all__ = ["max_violation", "qb_range", "qb_histogram", "qb_bias", "qb_exact", "update_router_biases", "NUM_BINS"]
+__all__ = ["max_violation", "qb_range", "qb_histogram", "qb_bias", "update_router_biases", "NUM_BINS"]

@@ -17,7 +17,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .config import K3Config
@@ -95,32 +94,4 @@ class KDALayer(nn.Module):
         return self.o_proj(o * torch.sigmoid(self.g_proj(x)))
 
 
-def kda_layer_naive(layer: KDALayer, x: torch.Tensor) -> torch.Tensor:
-    """Formula twin of ``KDALayer.forward``: explicit conv loop, gate formula and the token recurrence."""
-    B, T, _ = x.shape
-    h, K = layer.h, layer.K
-
-    def conv(u, w):  # u [B, T, D], w [D, W]: y_t = silu(sum_j w[:, j] u_{t-W+1+j})
-        W = w.shape[1]
-        pad = torch.cat([u.new_zeros(B, W - 1, u.shape[2]), u], dim=1)
-        return F.silu(sum(pad[:, j : j + T] * w[:, j] for j in range(W)))
-
-    q = l2_normalize(conv(layer.q_proj(x), layer.q_conv1d).view(B, T, h, K)) * K**-0.5
-    k = l2_normalize(conv(layer.k_proj(x), layer.k_conv1d).view(B, T, h, K))
-    v = conv(layer.v_proj(x), layer.v_conv1d).view(B, T, h, K)
-    f = layer.f_b_proj(layer.f_a_proj(x)).view(B, T, h, K) + layer.dt_bias.view(h, K)
-    g = layer.lower_bound * torch.sigmoid(layer.A_log.exp()[:, None] * f)
-    beta = torch.sigmoid(layer.b_proj(x))
-    S = x.new_zeros(B, h, K, K)
-    outs = []
-    for t in range(T):
-        S = torch.exp(g[:, t])[..., None] * S  # decay along the key axis
-        kt, vt, bt = k[:, t], v[:, t], beta[:, t][..., None]
-        S = S + bt[..., None] * kt[..., None] * (vt - torch.einsum("bhkv,bhk->bhv", S, kt))[:, :, None, :]
-        outs.append(torch.einsum("bhkv,bhk->bhv", S, q[:, t]))
-    o = torch.stack(outs, dim=1)
-    o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + layer.eps) * layer.o_norm
-    return layer.o_proj(o.reshape(B, T, -1) * torch.sigmoid(layer.g_proj(x)))
-
-
-__all__ = ["KDALayer", "kda_layer_naive", "l2_normalize"]
+__all__ = ["KDALayer", "l2_normalize"]

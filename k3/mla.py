@@ -99,18 +99,4 @@ class GatedMLA(nn.Module):
         return self.o_proj(o * torch.sigmoid(self.g_proj(x)))
 
 
-def mla_naive(layer: GatedMLA, x: torch.Tensor) -> torch.Tensor:
-    """Formula twin: per-head explicit masked softmax in fp32 over the same projections."""
-    B, T, _ = x.shape
-    q, k, v = layer.qkv(x)
-    mask = torch.ones(T, T, dtype=torch.bool).tril()
-    outs = []
-    for hd in range(layer.h):
-        s = torch.einsum("btc,bsc->bts", q[:, hd].float(), k[:, hd].float()) / (layer.n + layer.r) ** 0.5
-        p = torch.softmax(s.masked_fill(~mask, float("-inf")), dim=-1)
-        outs.append(torch.einsum("bts,bsc->btc", p, v[:, hd].float()))
-    o = torch.cat(outs, dim=-1).to(x.dtype)
-    return layer.o_proj(o * torch.sigmoid(layer.g_proj(x)))
-
-
-__all__ = ["GatedMLA", "mla_naive", "LORA_EPS"]
+__all__ = ["GatedMLA", "LORA_EPS"]

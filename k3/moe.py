@@ -22,6 +22,7 @@ from torch import nn
 
 from .config import K3Config
 from .layers import RMSNorm, SiTUMLP, rms_norm, situ_glu
+from .naive import moe_routed_naive
 
 
 class K3Router(nn.Module):
@@ -157,15 +158,4 @@ class LatentMoE(nn.Module):
         return y.reshape(shape)
 
 
-def moe_routed_naive(z, topk_idx, topk_w, w1, w3, w2, acts) -> torch.Tensor:
-    """Per-expert loop holding ALL experts: z [s, L], topk [s, K], w1/w3 [E, F, L], w2 [E, L, F] -> [s, L]."""
-    out = torch.zeros_like(z)
-    for e in range(w1.shape[0]):
-        tok, slot = torch.nonzero(topk_idx == e, as_tuple=True)
-        if tok.numel():
-            h = situ_glu(z[tok] @ w1[e].t(), z[tok] @ w3[e].t(), *acts) @ w2[e].t()
-            out = out.index_add(0, tok, h * topk_w[tok, slot][:, None].to(h.dtype))
-    return out
-
-
-__all__ = ["LatentMoE", "K3Router", "GroupedSiTUExperts", "moe_routed_naive", "situ_experts"]
+__all__ = ["LatentMoE", "K3Router", "GroupedSiTUExperts", "situ_experts"]

@@ -16,8 +16,9 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
-from .kda import KDALayer
+from .kda import KDALayer, l2_normalize
 from .mla import GatedMLA
 from .muon import PerHeadMuon
 
@@ -141,3 +142,55 @@ __all__ = [
     "PerHeadMuonLoop",
     "param_groups_by_name",
 ]
+
+
+def qb_exact(scores: torch.Tensor, bias: torch.Tensor, K: int) -> torch.Tensor:
+    """Exact single-process twin: sorted-quantile version of the same update (for tests). -> [E]."""
+    alpha = torch.topk(scores + bias, K + 1, dim=-1).values[:, -1:]
+    r = (alpha - scores).double()
+    m, E = r.shape
+    target = math.ceil(m * K / E)
+    b_hat = r.sort(0).values[target - 1]
+    return (b_hat - b_hat.mean()).to(bias.dtype)
+
+
+def kda_layer_naive(layer: KDALayer, x: torch.Tensor) -> torch.Tensor:
+    """Formula twin of ``KDALayer.forward``: explicit conv loop, gate formula and the token recurrence."""
+    B, T, _ = x.shape
+    h, K = layer.h, layer.K
+
+    def conv(u, w):  # u [B, T, D], w [D, W]: y_t = silu(sum_j w[:, j] u_{t-W+1+j})
+        W = w.shape[1]
+        pad = torch.cat([u.new_zeros(B, W - 1, u.shape[2]), u], dim=1)
+        return F.silu(sum(pad[:, j : j + T] * w[:, j] for j in range(W)))
+
+    q = l2_normalize(conv(layer.q_proj(x), layer.q_conv1d).view(B, T, h, K)) * K**-0.5
+    k = l2_normalize(conv(layer.k_proj(x), layer.k_conv1d).view(B, T, h, K))
+    v = conv(layer.v_proj(x), layer.v_conv1d).view(B, T, h, K)
+    f = layer.f_b_proj(layer.f_a_proj(x)).view(B, T, h, K) + layer.dt_bias.view(h, K)
+    g = layer.lower_bound * torch.sigmoid(layer.A_log.exp()[:, None] * f)
+    beta = torch.sigmoid(layer.b_proj(x))
+    S = x.new_zeros(B, h, K, K)
+    outs = []
+    for t in range(T):
+        S = torch.exp(g[:, t])[..., None] * S  # decay along the key axis
+        kt, vt, bt = k[:, t], v[:, t], beta[:, t][..., None]
+        S = S + bt[..., None] * kt[..., None] * (vt - torch.einsum("bhkv,bhk->bhv", S, kt))[:, :, None, :]
+        outs.append(torch.einsum("bhkv,bhk->bhv", S, q[:, t]))
+    o = torch.stack(outs, dim=1)
+    o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + layer.eps) * layer.o_norm
+    return layer.o_proj(o.reshape(B, T, -1) * torch.sigmoid(layer.g_proj(x)))
+
+
+def mla_naive(layer: GatedMLA, x: torch.Tensor) -> torch.Tensor:
+    """Formula twin: per-head explicit masked softmax in fp32 over the same projections."""
+    B, T, _ = x.shape
+    q, k, v = layer.qkv(x)
+    mask = torch.ones(T, T, dtype=torch.bool).tril()
+    outs = []
+    for hd in range(layer.h):
+        s = torch.einsum("btc,bsc->bts", q[:, hd].float(), k[:, hd].float()) / (layer.n + layer.r) ** 0.5
+        p = torch.softmax(s.masked_fill(~mask, float("-inf")), dim=-1)
+        outs.append(torch.einsum("bts,bsc->btc", p, v[:, hd].float()))
+    o = torch.cat(outs, dim=-1).to(x.dtype)
+    return layer.o_proj(o * torch.sigmoid(layer.g_proj(x)))

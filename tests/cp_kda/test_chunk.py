@@ -172,22 +172,22 @@ def test_decay_matrices_match_their_naive_twin(C, kind):
     """The sub-block factored Aqk, L, exp(G), K̃ and γ equal the full pairwise-decay twin (fp64), on both the
     middle-token path and the exact one. Catches: a wrong reference token, a cross-block factor off by one
     block, the upper half not masked, a sub-block layout slip when C is not a multiple of 16."""
-    from cp_kda import intra
+    from cp_kda import intra, naive
 
     q, k, g = _block_inputs((2, 3, C, 24), kind)
     if C % 16 == 0:  # both paths are exercised: ordinary gates factor, steep ones take the exact path
         assert intra._block_factors(g.unflatten(-2, (C // 16, 16)))[-1] == (kind != "ordinary")
-    for a, b in zip(intra.decay_matrices_naive(q, k, g), intra.decay_matrices(q, k, g)):
+    for a, b in zip(naive.decay_matrices_naive(q, k, g), intra.decay_matrices(q, k, g)):
         assert max_abs(a, b) <= 1e-12
 
 
 def test_decay_matrices_fp32_keep_relative_accuracy_on_steep_gates():
     """fp32 against the fp64 twin: no overflow, and the matrices keep ~1e-6 relative accuracy although the
     cumulative decays inside a chunk reach -10^4 (catches decays formed as differences of cumulative sums)."""
-    from cp_kda import intra
+    from cp_kda import intra, naive
 
     q, k, g = _block_inputs((2, 3, 64, 24), "steep")
-    ref = intra.decay_matrices_naive(q, k, g)
+    ref = naive.decay_matrices_naive(q, k, g)
     out = intra.decay_matrices(q.float(), k.float(), g.float())
     assert all(torch.isfinite(t).all() for t in out)
     for a, b in zip(ref[:4], out[:4]):  # gamma = exp(-10^4) underflows in fp32, as it must

@@ -14,9 +14,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from k3.balance import NUM_BINS, max_violation, qb_bias, qb_exact, qb_histogram, qb_range, update_router_biases
+from k3.balance import NUM_BINS, max_violation, qb_bias, qb_histogram, qb_range, update_router_biases
 from k3.moe import K3Router
-from k3.reference import qb_bias_loop, qb_histogram_host
+from k3.reference import qb_bias_loop, qb_exact, qb_histogram_host
 from moonep.hostreads import READ_METHODS, HostReads
 
 BIASES = st.sampled_from([-1.0, -0.25, 0.0, 1e-3, 0.5, 2.0]) | st.floats(-3, 3, width=32)  # ties, and any value

@@ -8,12 +8,14 @@ import torch
 
 from k3 import K3Config
 from k3.attnres import AttnResQuery, attn_res_mix
-from k3.balance import max_violation, qb_bias, qb_exact, qb_histogram
-from k3.kda import KDALayer, kda_layer_naive
+from k3.balance import max_violation, qb_bias, qb_histogram
+from k3.kda import KDALayer
 from k3.layers import situ_glu
-from k3.mla import GatedMLA, mla_naive
+from k3.mla import GatedMLA
 from k3.model import build_model, token_loss_sum
-from k3.moe import LatentMoE, moe_routed_naive
+from k3.moe import LatentMoE
+from k3.naive import moe_routed_naive
+from k3.reference import kda_layer_naive, mla_naive, qb_exact
 
 TINY = K3Config.preset("tiny")
 
