@@ -8,7 +8,7 @@ PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
 PYTHON ?= python3
 
-.PHONY: test demo roundtrip bench gpu-check clean
+.PHONY: test demo roundtrip bench gpu-check gpu-bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -67,6 +67,11 @@ gpu-check:
 	  echo "gpu-check: $$n GPU(s): running the tests marked '$$sel'" && \
 	  NUMBA_ENABLE_CUDASIM=0 MOONEP_GPU_CHECK=1 TQDM_DISABLE=1 MPLBACKEND=Agg $(GPU_PY) -m pytest -q -rs \
 	  -m "$$sel" --continue-on-collection-errors $(GPU_TESTS)
+
+# The prepared GPU measurement (run after gpu-check, same GPU_PY): the device planner's latency per plan with CUDA
+# events at K3's shape (R=64, E=896; goal <= 100 us), checked against the numpy planner, as JSON.
+gpu-bench:
+	NUMBA_ENABLE_CUDASIM=0 $(GPU_PY) -m planner bench device-planner --device cuda --json out/device_planner.json
 
 clean:
 	rm -rf $(VENV) out .pytest_cache

@@ -161,15 +161,14 @@ class Buffer:
         """THE host read of a dispatch: every rank's (code, s, total), the plan's error and send counts, the
         unique-row counts, donors, replica counts and this rank's segment ends, in one transfer."""
         R = self.R
-        plan = global_plan
         parts = (
             g[:, self.E :].reshape(-1),
-            plan.err,
-            plan.send_counts.reshape(-1),
+            global_plan.err,
+            global_plan.send_counts.reshape(-1),
             uniq.reshape(-1),
-            plan.donor,
-            (plan.experts_to_copy >= 0).sum(1),
-            plan.cu_seqlens[self.rank],
+            global_plan.donor,
+            (global_plan.experts_to_copy >= 0).sum(1),
+            global_plan.cu_seqlens[self.rank],
         )
         flat = torch.cat(parts).tolist()
         cut, out = 0, {}

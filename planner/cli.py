@@ -44,6 +44,12 @@ def register(commands, bench) -> None:
     b.add_argument("--seed", type=int, default=0, help="seed of the synthetic loads")
     b.set_defaults(func=bench_command)
 
+    d = bench.add_parser("device-planner", help="latency of plan() on tensor counts (CUDA events on a GPU)")
+    d.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="where the counts live")
+    d.add_argument("--json", help="write the result as JSON here")
+    d.add_argument("--quick", action="store_true", help="one small shape, few repeats (a smoke run for tests)")
+    d.set_defaults(func=device_bench_command)
+
 
 def _load_counts(args):
     """[R, E] counts from --load or --synthetic; ValueError with the reason otherwise."""
@@ -152,6 +158,21 @@ def bench_command(args: argparse.Namespace) -> int:
     from .bench import format_report, run  # heavy: numba kernels
 
     result = run(quick=args.quick, seed=args.seed)
+    print(format_report(result))
+    if args.json:
+        write_json(args.json, result)
+    return 0
+
+
+def device_bench_command(args: argparse.Namespace) -> int:
+    """Time the device planner, print a table, write JSON; exit 2 when the device is not there."""
+    from .bench_device import format_report, run  # heavy: torch and the numba kernels
+
+    try:
+        result = run(args.device, quick=args.quick)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     print(format_report(result))
     if args.json:
         write_json(args.json, result)

@@ -7,10 +7,11 @@
 - meta: the tables' shapes only (nothing is computed): for checking that code downstream has static shapes.
 
 Every table's shape depends on (R, E, slots) alone, never on the counts: the flow table and the route pieces
-are padded to static bounds and ``totals`` = (flows, pieces) says how many rows are real. Errors are not raised
-by default until read: ``plan(..., defer_errors=True)`` keeps them in ``err`` [3] (code, a, b) so that a caller
-can fold them into the one host read it makes anyway (``raise_error(err.tolist(), slots)`` raises the same
-ValueError as the numpy path). Topology-aware plans run on the host planner only (numpy counts).
+are padded to static bounds and ``totals`` = (flows, pieces) says how many rows are real. By default an invalid
+plan raises (which reads ``err``: a sync on a GPU); ``plan(..., defer_errors=True)`` keeps the error in ``err``
+[3] (code, a, b) so that a caller can fold it into the one host read it makes anyway
+(``planner.tables.raise_error(err.tolist(), slots)`` raises the same ValueError as the numpy path).
+Topology-aware plans run on the host planner only (numpy counts).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from . import _kernel
-from .tables import make_plan, raise_error
+from .tables import PlanShape, make_plan, raise_error
 
 INT64_MAX = 2**63 - 1
 OVERFLOW = 6
@@ -33,7 +34,7 @@ GPU_THREADS = 256
 
 
 @dataclass(frozen=True, eq=False)
-class TensorPlan:
+class TensorPlan(PlanShape):
     """The fields of ``planner.Plan`` as tensors on one device, with static shapes (see the module docstring)."""
 
     slots_per_expert: Any
@@ -71,31 +72,6 @@ class TensorPlan:
     def device(self):
         """The device every table lives on."""
         return self.alloc.device
-
-    @property
-    def num_ranks(self) -> int:
-        """R."""
-        return int(self.alloc.shape[1])
-
-    @property
-    def num_experts(self) -> int:
-        """E."""
-        return int(self.alloc.shape[0])
-
-    @property
-    def experts_per_rank(self) -> int:
-        """epn = E / R."""
-        return self.num_experts // self.num_ranks
-
-    @property
-    def slots_per_rank(self) -> int:
-        """replica slots per rank."""
-        return int(self.experts_to_copy.shape[1])
-
-    @property
-    def num_replicas(self) -> int:
-        """Expert copies this plan needs (occupied replica slots over all ranks; a host read)."""
-        return int((self.experts_to_copy >= 0).sum())
 
     def raise_if_invalid(self) -> None:
         """Raise the ValueError of an invalid plan (reads ``err``: one host read, a sync on a GPU)."""

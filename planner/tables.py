@@ -17,8 +17,37 @@ from . import _kernel
 from ._inputs import to_numpy
 
 
+class PlanShape:
+    """Sizes read off a plan's tables (numpy or tensor): ``alloc [E, R]`` and ``experts_to_copy [R, slots]``."""
+
+    @property
+    def num_ranks(self) -> int:
+        """R."""
+        return int(self.alloc.shape[1])
+
+    @property
+    def num_experts(self) -> int:
+        """E."""
+        return int(self.alloc.shape[0])
+
+    @property
+    def experts_per_rank(self) -> int:
+        """epn = E / R."""
+        return self.num_experts // self.num_ranks
+
+    @property
+    def slots_per_rank(self) -> int:
+        """replica slots per rank."""
+        return int(self.experts_to_copy.shape[1])
+
+    @property
+    def num_replicas(self) -> int:
+        """Expert copies this plan needs (occupied replica slots over all ranks; a host read on a device)."""
+        return int((self.experts_to_copy >= 0).sum())
+
+
 @dataclass(frozen=True, eq=False)
-class Plan:
+class Plan(PlanShape):
     """Where every routed (token, expert) slot is computed, for one MoE layer and one step.
 
     Arrays are read-only; ``slots_per_expert`` and ``alloc`` are int32 (their entries are bounded by one
@@ -48,31 +77,6 @@ class Plan:
     """every non-empty segment is padded up to a multiple of this many rows."""
     recv_rows: int
     """static rows per rank that hold any plan of this geometry: align_up(max caps + (pad-1)*(epn+slots), pad)."""
-
-    @property
-    def num_ranks(self) -> int:
-        """R."""
-        return int(self.alloc.shape[1])
-
-    @property
-    def num_experts(self) -> int:
-        """E."""
-        return int(self.alloc.shape[0])
-
-    @property
-    def experts_per_rank(self) -> int:
-        """epn = E / R."""
-        return self.num_experts // self.num_ranks
-
-    @property
-    def slots_per_rank(self) -> int:
-        """replica slots per rank."""
-        return int(self.experts_to_copy.shape[1])
-
-    @property
-    def num_replicas(self) -> int:
-        """Expert copies this plan needs (occupied replica slots over all ranks)."""
-        return int((self.experts_to_copy >= 0).sum())
 
     @property
     def migrated(self) -> int:

@@ -112,3 +112,25 @@ def test_plan_command_load_file_and_bad_input(tmp_path, capsys):
     assert run(["plan", "--synthetic", "zipf:1", "--ranks", "4"]) == 2  # --experts missing
     assert run(["plan", "--synthetic", "uniform:1", "--ranks", "4", "--experts", "8"]) == 2
     assert "zipf:1.2 or router:1.2" in capsys.readouterr().err
+
+
+def test_device_planner_bench_on_cpu_checks_its_plans(tmp_path, capsys):
+    """`moonep bench device-planner --device cpu --quick`: the timed plans equal the numpy planner's."""
+    out = tmp_path / "device.json"
+    assert run(["bench", "device-planner", "--device", "cpu", "--quick", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["device"] == "cpu" and report["goal_us"] == 100.0
+    (row,) = report["rows"]
+    assert (row["R"], row["E"], row["iters"]) == (4, 16, 3)
+    assert row["equal_to_numpy_planner"] is True and 0 < row["median_us"] <= row["p90_us"] * 1.0001 + 1e-9
+
+
+def test_device_planner_bench_on_cuda_or_a_clear_error(capsys):
+    """With a GPU the CUDA run's plans equal the numpy planner's; without one, exit 2 naming the reason."""
+    import torch
+
+    code = run(["bench", "device-planner", "--device", "cuda", "--quick"])
+    if torch.cuda.is_available():
+        assert code == 0 and "True" in capsys.readouterr().out
+    else:
+        assert code == 2 and "torch.cuda.is_available() is False" in capsys.readouterr().err
