@@ -214,36 +214,6 @@ def _layout(d, alloc, epn, pad, donor, prev_copy, sticky, copy, cu, lay_err):
 
 
 @cuda.jit(device=True)
-def _count_flows(e, T, alloc):
-    """Flows of split expert e: steps of the north-west-corner matching of its sources with its destinations."""
-    R = T.shape[0]
-    s = 0
-    d = 0
-    a = 0
-    b = 0
-    n = 0
-    while True:
-        while s < R and a == 0:
-            a = T[s, e]
-            if a == 0:
-                s += 1
-        while d < R and b == 0:
-            b = alloc[e, d]
-            if b == 0:
-                d += 1
-        if s >= R or d >= R:
-            return n
-        t = min(a, b)
-        a -= t
-        b -= t
-        n += 1
-        if a == 0:
-            s += 1
-        if b == 0:
-            d += 1
-
-
-@cuda.jit(device=True)
 def _seg_start(cu, d, g):
     """First row of segment g on rank d (segments: own experts, then replica slots)."""
     return 0 if g == 0 else cu[d, g - 1]
@@ -266,6 +236,18 @@ def _emit_expert(e, T, alloc, cnt, epn, copy, cu, base, f0, p0, split, flows, pi
         return
     for r in range(R):
         cuda.atomic.add(send, (r, home), -T[r, e])
+    _walk_flows(e, T, alloc, epn, copy, cu, base, f0, p0, flows, pieces, send, True)
+
+
+@cuda.jit(device=True)
+def _walk_flows(e, T, alloc, epn, copy, cu, base, f0, p0, flows, pieces, send, emit):
+    """The north-west-corner matching of split expert e's sources with its destinations; returns its flows.
+
+    emit=False only counts them (stage E's first pass: copy and cu are not ready, and not read). emit=True
+    writes flow n at row f0 + n and its route piece at row p0 + n, and adds the flow to send.
+    """
+    R = T.shape[0]
+    home = e // epn
     s = 0
     d = 0
     a = 0
@@ -284,22 +266,23 @@ def _emit_expert(e, T, alloc, cnt, epn, copy, cu, base, f0, p0, split, flows, pi
             if b == 0:
                 d += 1
         if s >= R or d >= R:
-            return
+            return n
         t = min(a, b)
-        flows[f0 + n, 0] = e
-        flows[f0 + n, 1] = s
-        flows[f0 + n, 2] = d
-        flows[f0 + n, 3] = t
-        cuda.atomic.add(send, (s, d), t)
-        g = e - d * epn
-        if d != home:
-            for j in range(copy.shape[1]):
-                if copy[d, j] == e:
-                    g = epn + j
-        pieces[p0 + n, 0] = base + done + t
-        pieces[p0 + n, 1] = base + done
-        pieces[p0 + n, 2] = d
-        pieces[p0 + n, 3] = _seg_start(cu, d, g) + row
+        if emit:
+            flows[f0 + n, 0] = e
+            flows[f0 + n, 1] = s
+            flows[f0 + n, 2] = d
+            flows[f0 + n, 3] = t
+            cuda.atomic.add(send, (s, d), t)
+            g = e - d * epn
+            if d != home:
+                for j in range(copy.shape[1]):
+                    if copy[d, j] == e:
+                        g = epn + j
+            pieces[p0 + n, 0] = base + done + t
+            pieces[p0 + n, 1] = base + done
+            pieces[p0 + n, 2] = d
+            pieces[p0 + n, 3] = _seg_start(cu, d, g) + row
         done += t
         row += t
         a -= t
@@ -402,7 +385,8 @@ def plan_kernel(
         _layout(d, alloc, epn, pad, donor, prev_copy, sticky, copy, cu, lay_err)
     for e in range(tid, E, nt):
         split[e] = 1 if alloc[e, e // epn] != cnt[e] else 0
-        nflow[e] = _count_flows(e, keep, alloc) if split[e] else 0
+        if split[e]:
+            nflow[e] = _walk_flows(e, keep, alloc, epn, copy, cu, 0, 0, 0, flows, pieces, send, False)
     cuda.syncthreads()
     if tid == 0:
         for d in range(R - 1, -1, -1):  # the CPU kernel's sequential loop leaves the last overflow's report
