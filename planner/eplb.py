@@ -1,10 +1,16 @@
 """``rebalance_experts``: a static expert placement with the semantics of DeepSeek's EPLB.
 
-Same signature, return values and tie-breaks as ``eplb.rebalance_experts`` (deepseek-ai/EPLB): redundant
-replicas go to the experts with the highest load per replica, then replicas are packed onto GPUs by greedy
-longest-processing-time packing with an exact item count per pack. Hierarchical (groups -> nodes, then
-replicas -> GPUs inside each node) when ``num_groups % num_nodes == 0``, global otherwise. Arithmetic is in
-float32, as in EPLB, so ties resolve the same way. Written from the algorithm's description.
+Same signature and return values as ``eplb.rebalance_experts`` (deepseek-ai/EPLB): redundant replicas go to the
+experts with the highest load per replica, then replicas are packed onto GPUs by greedy longest-processing-time
+packing with an exact item count per pack. Hierarchical (groups -> nodes, then replicas -> GPUs inside each node)
+when ``num_groups % num_nodes == 0``, global otherwise. Written from the algorithm's description.
+
+Ties. Outputs equal EPLB's element for element, ties included, when torch is importable: arithmetic is float32 as
+in EPLB, group loads are summed by torch (its reduction order), and packing visits items in the order of
+``torch.sort(descending=True)``, which EPLB uses and which is *not* stable on CPU (rows longer than 16 put tied
+items out of index order; replicas of one expert always tie). Without torch the packing visits tied items in
+index order (a stable numpy sort) and group loads are numpy sums: the same balance, but placements among tied
+items may differ from EPLB's.
 
 Use it for inference placement, and as the static baseline that ``moonep bench planner`` compares ``plan`` with.
 """
@@ -15,13 +21,39 @@ from typing import Any
 
 import numpy as np
 
-from ._inputs import positive_int, to_numpy
+from ._inputs import is_tensor, positive_int, to_numpy
+
+
+def _torch():
+    """The torch module, or None when it is not installed (then the numpy tie order is used)."""
+    try:
+        import torch  # optional: torch, only for EPLB's exact tie order (torch.sort) and reduction order
+    except ImportError:
+        return None
+    return torch
+
+
+def _descending_order(weight: np.ndarray) -> np.ndarray:
+    """weight [L, n] float32 -> [L, n] item indices by descending weight, tied items in torch.sort's order."""
+    torch = _torch()
+    if torch is None:
+        return np.argsort(-weight, axis=1, kind="stable")
+    return torch.from_numpy(np.ascontiguousarray(weight)).sort(-1, descending=True).indices.numpy()
+
+
+def _row_sums(weight: np.ndarray) -> np.ndarray:
+    """weight [..., n] float32 -> [...] float32 sums, in torch's reduction order when torch is present."""
+    torch = _torch()
+    if torch is None:
+        return weight.sum(-1, dtype=np.float32)
+    return torch.from_numpy(np.ascontiguousarray(weight)).sum(-1).numpy()
 
 
 def _balanced_packing(weight: np.ndarray, num_packs: int) -> tuple[np.ndarray, np.ndarray]:
     """weight [L, n] -> (pack [L, n], rank_in_pack [L, n]); every pack gets exactly n / num_packs items.
 
-    Items in descending weight order each go to the lightest pack that still has room (lowest index on ties).
+    Items in descending weight order (``_descending_order``) each go to the lightest pack that still has room
+    (lowest pack index on equal loads).
     """
     L, n = weight.shape
     per_pack = n // num_packs
@@ -29,10 +61,11 @@ def _balanced_packing(weight: np.ndarray, num_packs: int) -> tuple[np.ndarray, n
         return np.tile(np.arange(n), (L, 1)), np.zeros((L, n), np.int64)
     pack = np.full((L, n), -1, np.int64)
     rank = np.full((L, n), -1, np.int64)
+    order = _descending_order(weight)
     for layer in range(L):
         loads = np.zeros(num_packs, np.float32)
         items = np.zeros(num_packs, np.int64)
-        for item in np.argsort(-weight[layer], kind="stable"):
+        for item in order[layer]:
             p = int(np.argmin(np.where(items < per_pack, loads, np.inf)))
             pack[layer, item] = p
             rank[layer, item] = items[p]
@@ -72,7 +105,7 @@ def _hierarchical(weight: np.ndarray, num_phy: int, num_groups: int, num_nodes: 
     group_size = n_log // num_groups
     groups_per_node = num_groups // num_nodes
     per_gpu = num_phy // num_gpus
-    group_load = weight.reshape(L, num_groups, group_size).sum(-1)
+    group_load = _row_sums(weight.reshape(L, num_groups, group_size))
     gpack, grank = _balanced_packing(group_load, num_nodes)
     # mlog: logical ids relabelled node-major, so node k holds mlog [k*n_log/nodes, (k+1)*n_log/nodes)
     log2mlog = (((gpack * groups_per_node + grank) * group_size)[:, :, None] + np.arange(group_size)).reshape(L, -1)
@@ -94,11 +127,15 @@ def rebalance_experts(weight: Any, num_replicas: int, num_groups: int, num_nodes
     """EPLB placement of ``num_replicas`` physical experts.
 
     weight: [L, E] load per layer and logical expert (numpy or torch; float or int, non-negative).
-    num_replicas: physical expert slots, a multiple of num_gpus and >= E; num_groups divides E; num_nodes
+    num_replicas: physical expert slots, a multiple of num_gpus and >= E; num_groups divides E (when the
+    hierarchical policy applies: num_groups % num_nodes == 0); num_nodes
     divides num_gpus. Returns (phy2log [L, num_replicas]: logical expert of each physical slot, GPU-major,
     GPU g owns slots [g*S, (g+1)*S); log2phy [L, E, max replicas]: physical slots of each expert, -1 padded;
-    logcnt [L, E]: replicas per expert). Torch in -> torch (int64, CPU) out; numpy otherwise.
+    logcnt [L, E]: replicas per expert). Torch in -> torch (int64, CPU) out; numpy otherwise. Identical to
+    ``eplb.rebalance_experts`` including ties when torch is importable (see the module docstring).
     """
+    if is_tensor(weight) and weight.is_floating_point():
+        weight = weight.detach().float()  # as EPLB's .float(); also reads bf16/fp16, which numpy cannot hold
     w = to_numpy(weight)
     if w.ndim != 2:
         raise ValueError(f"weight must be 2-D [layers, experts], got shape {tuple(w.shape)}")
@@ -121,7 +158,7 @@ def rebalance_experts(weight: Any, num_replicas: int, num_groups: int, num_nodes
         raise ValueError(f"num_replicas={num_replicas} must be a multiple of num_gpus={num_gpus}")
     if num_gpus % num_nodes:
         raise ValueError(f"num_gpus={num_gpus} must be a multiple of num_nodes={num_nodes}")
-    if n_log % num_groups:
+    if num_groups % num_nodes == 0 and n_log % num_groups:  # the global policy ignores groups, as in EPLB
         raise ValueError(f"number of experts {n_log} must be a multiple of num_groups={num_groups}")
     if num_replicas < n_log:
         raise ValueError(f"num_replicas={num_replicas} must be >= the number of experts {n_log}")
