@@ -78,7 +78,7 @@ def dp_seconds(spec: ModelSpec, par: ParallelConfig, tiers: net.Tiers, rank: int
     total = 0.0
     for params, n, stride in (
         (dense / par.tp, par.dp * par.cp, par.tp),
-        (expert / (par.ep * par.tp), par.dp * par.cp // par.ep, par.tp * par.ep),
+        (expert / (par.ep * par.expert_tp), par.expert_dp, par.expert_tp * par.ep),
     ):
         g = net.group(n, stride, tiers)
         if par.zero_stage == 0:
@@ -98,7 +98,7 @@ def optimizer_seconds(spec: ModelSpec, hw: HardwareSpec, par: ParallelConfig, ra
         return step_host(spec, hw, par)[0] * scale
 
     mem = rank_memory(spec, hw, par, rank)
-    local_params = mem["optimizer"] / 12.0
+    local_params = mem["optimizer"] / (12.0 if par.moment_dtype == "fp32" else 8.0)
     return local_params * 30.0 / (hw.hbm_tbps * 1e12 * hw.efficiency.hbm) * scale
 
 
@@ -153,6 +153,17 @@ def _dualpipe(par: ParallelConfig, costs: list[list[ChunkCost]], P: float) -> fl
     return best + 2 * (p - 1) * P
 
 
+def flop_conventions(spec: ModelSpec, seq_len: int, tokens_per_s_per_gpu: float, peak_tflops: float) -> dict:
+    """Model TFLOP/s/GPU and MFU (against the bf16 peak) under the two conventions in use: ``full_square`` counts
+    every query-key pair (``tflops_per_gpu``, Korthikanti's formula), ``causal`` half of them (Megatron-LM's
+    current ``num_floating_point_operations`` and most published MoE tables)."""
+    out = {}
+    for name, causal in (("full_square", False), ("causal", True)):
+        tf = model_flops_per_token(spec, seq_len, causal=causal) * tokens_per_s_per_gpu / 1e12
+        out[name] = {"tflops_per_gpu": tf, "mfu": tf / peak_tflops}
+    return out
+
+
 @dataclass
 class SimResult:
     """One configuration's prediction; ``to_dict`` is the stable JSON of ``moonep simulate run``."""
@@ -176,6 +187,11 @@ class SimResult:
     moe: dict = field(default_factory=dict)
     """MoE dispatch detail: dispatcher, maxvio, replicas per rank and how they were priced."""
     engine: str = "analytic"
+    ep_overlap: dict = field(default_factory=dict)
+    """EP all-to-all seconds per step before (``raw_s``) and after (``exposed_s``) overlap, the overlapped
+    fraction and which overlap model applied (schedule and ``moe_a2a_overlap``)."""
+    flops: dict = field(default_factory=dict)
+    """Model TFLOP/s/GPU and MFU under both conventions (``full_square``, ``causal``), labelled."""
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -252,6 +268,17 @@ def _fill_metrics(res, spec, hw, par, tiers, costs, pipe, pert) -> None:
     res.mfu = res.tflops_per_gpu / hw.bf16_tflops
     res.gpu_hours_per_trillion_tokens = 1e12 / res.tokens_per_s_per_gpu / 3600.0
     res.cost_usd_per_trillion_tokens = res.gpu_hours_per_trillion_tokens * hw.price_per_gpu_hour
+    raw = m * sum(c.ep_raw_fwd + c.ep_raw_bwd for c in costs[busiest])
+    raw /= 2 if par.schedule == "dualpipe" else 1
+    res.ep_overlap = {
+        "raw_s": raw,
+        "exposed_s": bd["ep"],
+        "overlapped_fraction": max(0.0, 1.0 - bd["ep"] / raw) if raw > 0 else 0.0,
+        "model": "dualpipe pairs"
+        if par.schedule == "dualpipe"
+        else ("steady-state pairs" if par.moe_a2a_overlap else "none"),
+    }
+    res.flops = flop_conventions(spec, par.seq_len, tokens / step / res.gpus, hw.bf16_tflops)
     if spec.is_moe:
         res.moe = {
             "dispatcher": par.dispatcher,

@@ -17,7 +17,7 @@ from simulator.analytic import simulate
 from simulator.hardware import load_hardware
 from simulator.memory import GIB, inference_memory
 from simulator.network import ClusterSpec
-from simulator.parallel import ParallelConfig
+from simulator.parallel import RECOMPUTE_MODULES, ParallelConfig
 from simulator.report import format_result, format_search, write_plots
 from simulator.search import SearchSpace, search
 from simulator.specs import load_model
@@ -132,7 +132,12 @@ def _job_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq-len", type=int, help="sequence length (default: the model's)")
     p.add_argument("--global-batch-tokens", type=int, help="tokens per step (default 16M or seq x GPUs)")
     p.add_argument("--precision", choices=("bf16", "fp8"), default="bf16")
-    p.add_argument("--dispatcher", choices=("moonep", "classic"), default="moonep")
+    p.add_argument(
+        "--dispatcher",
+        choices=("moonep", "classic", "deepep"),
+        default="moonep",
+        help="MoE dispatch: moonep, classic all-to-all, deepep (one copy per destination node)",
+    )
     p.add_argument("--maxvio", type=float, default=0.0, help="routing skew (busiest EP rank / mean - 1)")
     p.add_argument("--zero", type=int, default=1, choices=(0, 1, 2, 3), help="ZeRO stage")
 
@@ -147,11 +152,68 @@ def _parallel_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--recompute", choices=("none", "selective", "selective+act", "full"), default="selective")
     p.add_argument("--schedule", choices=("1f1b", "interleaved", "dualpipe"), default="1f1b")
     p.add_argument("--no-sequence-parallel", action="store_true", help="TP without sequence parallelism")
+    p.add_argument(
+        "--etp", type=int, default=0, help="expert tensor parallel size (0: = TP); EP x ETP folds over TPxCPxDP"
+    )
+    p.add_argument(
+        "--recompute-modules",
+        default="",
+        metavar="M1,M2",
+        help="extra recomputed modules (Megatron names): " + ", ".join(RECOMPUTE_MODULES),
+    )
+    p.add_argument("--activation-dtype", choices=("auto", "bf16", "fp8"), default="auto", help="saved GEMM inputs")
+    p.add_argument("--offload-fraction", type=float, default=0.0, help="share of saved activations sent to host")
+    p.add_argument("--pp-first-layers", type=int, default=0, help="layers on the first stage (0: even)")
+    p.add_argument("--pp-last-layers", type=int, default=0, help="layers on the last stage (0: even)")
+    p.add_argument("--moment-dtype", choices=("fp32", "bf16"), default="fp32", help="Adam m and v")
+    p.add_argument("--main-grads-dtype", choices=("fp32", "bf16"), default="fp32", help="gradient buffer")
+    p.add_argument(
+        "--moe-a2a-overlap", action="store_true", help="overlap EP all-to-all with another micro-batch's compute"
+    )
+
+
+class UsageError(ValueError):
+    """Bad input (a flag, a model or hardware file): one line on stderr, exit status 2."""
+
+
+_POSITIVE = ("gpus", "tp", "pp", "ep", "cp", "dp", "vpp", "micro_batch", "seq_len", "global_batch_tokens", "top")
+_NON_NEGATIVE = ("etp", "pp_first_layers", "pp_last_layers", "maxvio", "oversubscription", "offload_fraction")
+
+
+def _check_sizes(args) -> None:
+    """Every size flag is in range, named as on the command line (argparse takes ``--tp -2`` as an int)."""
+    for name in _POSITIVE + ("nodes_per_leaf", "event_top", "inference_batch"):
+        v = getattr(args, name, None)
+        floor = 0 if name == "event_top" else 1
+        if v is not None and v < floor:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= {floor}, got {v}")
+    for name in _NON_NEGATIVE:
+        v = getattr(args, name, None)
+        if v is not None and not v >= 0:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 0, got {v}")
+
+
+def _load(args):
+    """(model spec, hardware); a bad preset name or file is a ``UsageError``."""
+    try:
+        return load_model(args.model), load_hardware(args.hardware)
+    except (ValueError, OSError, TypeError) as exc:
+        raise UsageError(str(exc)) from None
 
 
 def _setup(args):
-    """(model spec, hardware, cluster, parallel config or reason) from the flags; raises ValueError."""
-    spec, hw = load_model(args.model), load_hardware(args.hardware)
+    """(model spec, hardware, cluster, parallel config) from the flags; raises ``UsageError``."""
+    _check_sizes(args)
+    spec, hw = _load(args)
+    try:
+        return _build(args, spec, hw)
+    except UsageError:
+        raise
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def _build(args, spec, hw):
     cluster = ClusterSpec(
         topology=args.topology, oversubscription=args.oversubscription, nodes_per_leaf=args.nodes_per_leaf
     )
@@ -172,10 +234,26 @@ def _setup(args):
             ),
         )
     denom = args.tp * args.cp * args.pp
+    if args.dp is None and args.gpus % denom:
+        raise UsageError(
+            f"--gpus {args.gpus} is not a multiple of TP x CP x PP = {args.tp}x{args.cp}x{args.pp} = {denom}"
+        )
     dp = args.dp if args.dp is not None else args.gpus // denom
-    if dp < 1:
-        raise ValueError(f"TP x CP x PP = {denom} is larger than {args.gpus} GPUs")
-    par = ParallelConfig(
+    if denom * dp != args.gpus:
+        raise UsageError(
+            f"--dp {dp}: TP x CP x PP x DP = {args.tp}x{args.cp}x{args.pp}x{dp} = {denom * dp} != --gpus {args.gpus}"
+        )
+    par = _parallel(args, dp, seq, gbt)
+    if (par.tp * par.cp * par.dp) % (par.ep * par.expert_tp):
+        raise UsageError(
+            f"--ep {par.ep} x ETP {par.expert_tp} does not divide TP x CP x DP = {par.tp}x{par.cp}x{par.dp} "
+            f"= {par.tp * par.cp * par.dp} (the ranks experts fold over)"
+        )
+    return spec, hw, cluster, par
+
+
+def _parallel(args, dp: int, seq: int, gbt: int) -> ParallelConfig:
+    return ParallelConfig(
         tp=args.tp,
         pp=args.pp,
         ep=args.ep,
@@ -192,32 +270,28 @@ def _setup(args):
         maxvio=args.maxvio,
         precision=args.precision,
         sequence_parallel=not args.no_sequence_parallel,
+        etp=args.etp,
+        recompute_modules=tuple(m for m in args.recompute_modules.split(",") if m),
+        activation_dtype=args.activation_dtype,
+        offload_fraction=args.offload_fraction,
+        pp_first_layers=args.pp_first_layers,
+        pp_last_layers=args.pp_last_layers,
+        moment_dtype=args.moment_dtype,
+        main_grads_dtype=args.main_grads_dtype,
+        moe_a2a_overlap=args.moe_a2a_overlap,
     )
-    return spec, hw, cluster, par
 
 
-def _bad(args, reason: str) -> int:
-    out = {
-        "feasible": False,
-        "reason": reason,
-        "step_time_s": None,
-        "tokens_per_s_per_gpu": None,
-        "tflops_per_gpu": None,
-        "mfu": None,
-        "memory_gib_per_gpu": None,
-        "breakdown": {},
-    }
-    print(f"INFEASIBLE: {reason}")
-    if getattr(args, "json", None):
-        write_json(args.json, out)
-    return 1
+def _usage_error(exc: Exception) -> int:
+    print(f"error: {exc}", file=sys.stderr)
+    return 2
 
 
 def _run(args) -> int:
     try:
         spec, hw, cluster, par = _setup(args)
-    except (ValueError, OSError) as exc:
-        return _bad(args, str(exc))
+    except UsageError as exc:
+        return _usage_error(exc)
     res = simulate(spec, hw, par, args.gpus, cluster, engine=args.engine)
     out = _clean(res.to_dict())
     if args.inference_context:
@@ -244,10 +318,12 @@ def _search(args) -> int:
         space = SearchSpace(
             schedules=tuple(args.schedules.split(",")),
             recompute=tuple(args.recompute_modes.split(",")),
-            micro_batch=tuple(int(x) for x in args.micro_batches.split(",")),
+            micro_batch=_int_list("--micro-batches", args.micro_batches),
         )
-    except (ValueError, OSError) as exc:
-        return _bad(args, str(exc))
+    except UsageError as exc:
+        return _usage_error(exc)
+    except ValueError as exc:
+        return _usage_error(UsageError(str(exc)))
     report = search(
         spec, hw, args.gpus, base, cluster, space, top=args.top, event_top=args.event_top, max_seconds=args.max_seconds
     )
@@ -257,6 +333,13 @@ def _search(args) -> int:
         write_json(args.json, report)
         print(f"wrote {args.json}")
     return 0 if report["feasible"] else 1
+
+
+def _int_list(flag: str, text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise UsageError(f"{flag} must be a comma list of integers, got {text!r}") from None
 
 
 def _parse_links(items: list[str]) -> list[dict]:
@@ -276,8 +359,10 @@ def _whatif(args) -> int:
         spec, hw, cluster, par = _setup(args)
         slow = {int(k): float(v) for k, v in (s.split("=") for s in args.slow)}
         links = _parse_links(args.link)
-    except (ValueError, OSError) as exc:
-        return _bad(args, str(exc))
+    except UsageError as exc:
+        return _usage_error(exc)
+    except ValueError as exc:
+        return _usage_error(UsageError(f"--slow / --link: {exc}"))
     out = whatif(spec, hw, par, args.gpus, cluster, rank_slowdown=slow, links=links, engine=args.engine)
     print(json.dumps(out, indent=2))
     if args.json:

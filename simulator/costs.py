@@ -20,6 +20,7 @@ Modelling choices (why, not just what):
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from simulator import host
@@ -30,7 +31,20 @@ from simulator.parallel import ParallelConfig
 from simulator.replicas import replicas_per_rank
 from simulator.specs import ModelSpec
 
-COMPUTE_CLASSES = ("gemm", "grouped_gemm", "attention", "kda", "elementwise", "imbalance", "recompute", "host")
+COMPUTE_CLASSES = (
+    "gemm",
+    "grouped_gemm",
+    "attention",
+    "kda",
+    "elementwise",
+    "moe_fixed",
+    "imbalance",
+    "recompute",
+    "offload",
+    "host",
+)
+"""``moe_fixed``: router, permute/unpermute bytes and the per-layer dropless sync; ``offload``: exposed PCIe time
+of activation offload."""
 """``host``: framework (Python + dispatcher) time of eager ops; nonzero only with a calibrated host profile."""
 COMM_CLASSES = ("tp", "cp", "ep")
 
@@ -66,21 +80,40 @@ def _size(eff, flops: float) -> float:
     return flops / (flops + half) if half > 0 else 1.0
 
 
+def node_dedup(spec: ModelSpec, epg: net.Group) -> float:
+    """Bytes leaving the node with per-node deduplication / without, for uniform top-k routing: a token's copies
+    to other nodes are ``K (N - 1) / N`` on average, the distinct other nodes it reaches ``(N - 1) (1 - q)`` with
+    ``q = C(E - E/N, K) / C(E, K)`` the chance that a node holds none of its K experts; group-limited routing
+    (M groups of G >= N, each inside one node) caps that at ``M (N - 1) / N``."""
+    nodes = epg.n // max(1, epg.k)
+    if nodes <= 1:
+        return 1.0
+    e, k, per = spec.num_experts, spec.top_k, spec.num_experts // nodes
+    q = math.comb(e - per, k) / math.comb(e, k)
+    distinct = (nodes - 1) * (1.0 - q)
+    if spec.groups_per_token and spec.expert_groups >= nodes:  # group-limited routing: at most M nodes a token
+        distinct = min(distinct, spec.groups_per_token * (nodes - 1) / nodes)
+    return distinct / (k * (nodes - 1) / nodes)
+
+
 def _ep_seconds(spec, par, st, t, tiers, comm_scale, skew) -> tuple[float, float]:
     """Raw (forward, backward) seconds of one MoE layer's EP traffic: dispatch, combine, replica weights."""
     if par.ep <= 1:
         return 0.0, 0.0
     tp = par.tp
-    epg = net.group(par.ep, tp, tiers)
+    epg = net.group(par.ep, par.expert_tp, tiers)
     rows = t / tp * spec.top_k * st.dispatch_dim
     disp = rows * (1.03 if par.precision == "fp8" else 2.0)  # fp8 payload + one fp32 scale per 128
-    weights = net.all_to_all(replicas_per_rank(spec, par) * st.expert_bytes_bf16 / tp, epg, tiers, comm_scale)
-    tokens = net.all_to_all(rows * 2.0, epg, tiers, comm_scale, incast=skew)
-    ep_f = net.all_to_all(disp, epg, tiers, comm_scale, incast=skew) + tokens + weights
+    weights = net.all_to_all(
+        replicas_per_rank(spec, par) * st.expert_bytes_bf16 / par.expert_tp, epg, tiers, comm_scale
+    )
+    remote = node_dedup(spec, epg) if par.dispatcher == "deepep" else 1.0
+    tokens = net.all_to_all(rows * 2.0, epg, tiers, comm_scale, incast=skew, remote=remote)
+    ep_f = net.all_to_all(disp, epg, tiers, comm_scale, incast=skew, remote=remote) + tokens + weights
     return ep_f, 2 * tokens + 2 * weights
 
 
-def _layer(spec, hw, par, kind, t, tiers, scale, comm_scale):
+def _layer(spec, hw, par, kind, t, tiers, scale, comm_scale, window=0):
     """Forward/backward seconds of one layer: (fwd dict, bwd dict, ep_raw_f, ep_raw_b)."""
     st, eff = layer_stats(spec, kind), hw.efficiency
     peak = hw.peak_tflops(par.precision) * 1e12 / scale
@@ -92,15 +125,18 @@ def _layer(spec, hw, par, kind, t, tiers, scale, comm_scale):
     h = spec.hidden
     f["gemm"] = t * st.gemm_flops / tp / (peak * eff.gemm * _size(eff, 2.0 * t * h * h / tp))
     if st.grouped_flops:
-        rows = t * spec.top_k / max(1, spec.num_experts // par.ep)  # balanced rows per local expert
-        size = rows * st.grouped_flops / spec.top_k / 3 / tp
-        grouped = t * st.grouped_flops / tp / (peak * eff.grouped_gemm * _size(eff, size))
+        # balanced rows per local expert: the EP x ETP group's tokens (t / TP each), ETP ranks share an expert
+        rows = par.ep * par.expert_tp * (t / tp) * spec.top_k / spec.num_experts
+        size = rows * st.grouped_flops / spec.top_k / 3 / par.expert_tp
+        row_eff = rows / (rows + eff.grouped_half_rows)
+        grouped = t * st.grouped_flops / tp / (peak * eff.grouped_gemm * _size(eff, size) * row_eff)
     else:
         grouped = 0.0
-    skew = 1.0 + par.maxvio if par.dispatcher == "classic" else 1.0
+    skew = 1.0 + par.maxvio if par.dispatcher != "moonep" else 1.0
     f["grouped_gemm"], f["imbalance"] = grouped, grouped * (skew - 1.0)
     causal = 0.5 if eff.flash_attention else 1.0
-    f["attention"] = t * st.attn_flops_per_s * s * causal / tp / (bf16 * eff.attention)
+    keys = min(s * causal, window) if window else s * causal  # a sliding window bounds the keys per query
+    f["attention"] = t * st.attn_flops_per_s * keys / tp / (bf16 * eff.attention)
     f["kda"] = t * st.kda_flops / tp / (bf16 * eff.kda)
     s2 = 0.0 if eff.flash_attention else t * st.act_s2_per_s * s * 2.5 / tp / hbm
     # without sequence parallelism the norm/dropout share (act_rep of all saved bytes) is not split by TP
@@ -123,11 +159,13 @@ def _layer(spec, hw, par, kind, t, tiers, scale, comm_scale):
     f["tp"], b["tp"], f["cp"], b["cp"] = tp_f, tp_f, cp_f, cp_b
     keep = 1.0 - eff.ep_overlap if par.schedule != "dualpipe" else 1.0
     f["ep"], b["ep"] = ep_f * keep, ep_b * keep
+    if par.moe_a2a_overlap and par.schedule != "dualpipe" and ep_f + ep_b > 0:
+        f["ep"], b["ep"] = _overlapped_ep(par, f, b, ep_f * keep, ep_b * keep)
     if hw.host is not None:  # a CPU rank: host-timed work and FLOPs, time-shared by the local ranks
         f["ep"], b["ep"] = _host_layer(spec, hw, par, kind, t, f, b, scale)
         f, b = host.time_share(hw, par, f), host.time_share(hw, par, b)
         ep_f, ep_b = f["ep"], b["ep"]
-    b["recompute"] = _recompute(par, f, s2)
+    _recipe_terms(spec, hw, par, kind, t, f, b, s2, scale)
     over = eff.layer_overhead_s
     f["elementwise"] += over / 3
     b["elementwise"] += 2 * over / 3
@@ -147,17 +185,96 @@ def _host_layer(spec, hw, par, kind, t, f, b, scale) -> tuple[float, float]:
     return 0.0, 0.0
 
 
+def _recipe_terms(spec, hw, par, kind, t, f, b, s2, scale) -> None:
+    """In place: MoE fixed costs, recompute (modes and ``--recompute-modules``) and activation offload."""
+    st, eff = layer_stats(spec, kind), hw.efficiency
+    hbm = hw.hbm_tbps * 1e12 * eff.hbm / scale
+    if kind[1] == "moe" and hw.host is None:
+        copies = t / par.tp * spec.top_k * eff.moe_copy_ns * 1e-9 * scale
+        f["moe_fixed"] = _moe_fixed(spec, par, t, hbm) + (eff.moe_layer_fixed_s + copies) / 3
+        b["moe_fixed"] = 2 * f["moe_fixed"]
+    gemm_rate = hw.peak_tflops(par.precision) * 1e12 / scale * eff.gemm
+    b["recompute"] = _recompute(par, f, s2) + _module_recompute(par, st, t, gemm_rate)
+    if par.offload_fraction and hw.host is None:
+        f["offload"], b["offload"] = _offload(spec, hw, par, st, t, f, b)
+
+
+def steady_fraction(par: ParallelConfig) -> float:
+    """Share of a pipeline rank's forward and backward passes that run in 1F1B steady state, paired with a pass
+    of another micro-batch (mean over ranks): rank r of 1F1B warms up with ``min(m, p - r - 1)`` lone forwards and
+    cools down with as many lone backwards; interleaved with ``(p - r - 1) 2 + (v - 1) p`` chunk passes."""
+    m, p, v = par.micro_batches, par.pp, par.vpp
+    if par.schedule == "interleaved":
+        lone = [min(m * v, (p - r - 1) * 2 + (v - 1) * p) / (m * v) for r in range(p)]
+    else:
+        lone = [min(m, p - r - 1) / m for r in range(p)]
+    return 1.0 - sum(lone) / p
+
+
+def _overlapped_ep(par, f, b, ep_f, ep_b) -> tuple[float, float]:
+    """EP seconds left exposed with ``moe_a2a_overlap``: in a steady-state pair (this layer's forward of one
+    micro-batch with its backward of another, as Megatron's combined 1F1B runs them) the dispatch/combine of one
+    hides behind the other's compute, ``max(0, ep_f + ep_b - compute_f - compute_b)`` stays; lone warm-up and
+    cool-down passes keep theirs."""
+    compute = sum(f[k] + b[k] for k in COMPUTE_CLASSES if k != "recompute") + b["recompute"]
+    paired = max(0.0, ep_f + ep_b - compute)
+    phi = steady_fraction(par)
+    scale = (phi * paired + (1.0 - phi) * (ep_f + ep_b)) / (ep_f + ep_b)
+    return ep_f * scale, ep_b * scale
+
+
+def _moe_fixed(spec, par, t, hbm) -> float:
+    """Forward seconds of the MoE bookkeeping kernels on this GPU's ``t / TP`` tokens: router logits, softmax and
+    top-k over E experts in fp32 (about 4 passes of 4 bytes), permutation and un-permutation of the ``top_k``
+    copies (read + write each way, bf16) and the probability-weighted sum."""
+    de = spec.moe_latent_dim or spec.hidden
+    per_token = 16.0 * spec.num_experts + 8.0 * spec.top_k * de + 4.0 * de
+    return t / par.tp * per_token / hbm
+
+
+def _module_recompute(par: ParallelConfig, st, t: float, gemm_rate: float) -> float:
+    """Backward seconds re-running ``--recompute-modules`` GEMMs (MLA up-projection, shared experts); the
+    activation-function and norm modules are elementwise and priced by ``_recompute``'s share."""
+    if par.recompute == "full":
+        return 0.0
+    return sum(t * flops / par.tp / gemm_rate for name, _, flops in st.module_bytes if flops and par.recomputes(name))
+
+
+def _offload(spec, hw, par, st, t, f, b) -> tuple[float, float]:
+    """Exposed PCIe seconds of offloading ``offload_fraction`` of the layer's activations: device-to-host in the
+    forward, host-to-device in the backward, each hidden behind that pass's compute of the layer."""
+    split = par.tp if (par.sequence_parallel or par.tp == 1) else 1
+    nbytes = t * (st.act_rep / split + st.act_par / par.tp) * par.offload_fraction
+    move = nbytes / (hw.pcie_gbps * 1e9)
+    busy_f = sum(f[k] for k in ("gemm", "grouped_gemm", "attention", "kda", "elementwise"))
+    return max(0.0, move - busy_f), max(0.0, move - 2 * busy_f)
+
+
 def _recompute(par: ParallelConfig, f: dict, s2: float) -> float:
     """Extra backward seconds spent re-running forward work."""
     if par.recompute == "none":
         return 0.0
     if par.recompute == "full":
         return sum(
-            f[k] for k in ("gemm", "grouped_gemm", "imbalance", "attention", "kda", "elementwise", "tp", "cp", "ep")
+            f[k]
+            for k in (
+                "gemm",
+                "grouped_gemm",
+                "imbalance",
+                "attention",
+                "kda",
+                "elementwise",
+                "moe_fixed",
+                "tp",
+                "cp",
+                "ep",
+            )
         )
-    extra = f["attention"] + s2
+    extra = f["attention"] + s2 if par.recomputes("core_attn") else 0.0
     if par.recompute == "selective+act":
         extra += 0.3 * (f["elementwise"] - s2) + 0.5 * f["kda"]
+    else:  # each activation / norm module re-runs about a tenth of the layer's elementwise bytes
+        extra += 0.1 * (f["elementwise"] - s2) * sum(par.recomputes(m) for m in ("mlp_act", "moe_act", "layernorm"))
     return extra
 
 
@@ -181,10 +298,13 @@ def chunk_cost(
     c = ChunkCost(layers=len(layers))
     kinds = spec.layer_kinds()
     cache: dict = {}
+    windowed = set(spec.sliding_window_layers)
     for i in layers:
-        if kinds[i] not in cache:
-            cache[kinds[i]] = _layer(spec, hw, par, kinds[i], t, tiers, scale, comm_scale)
-        f, b, ef, eb = cache[kinds[i]]
+        key = (kinds[i], i in windowed)
+        if key not in cache:
+            w = spec.sliding_window if key[1] else 0
+            cache[key] = _layer(spec, hw, par, kinds[i], t, tiers, scale, comm_scale, w)
+        f, b, ef, eb = cache[key]
         for k in c.fwd:
             c.fwd[k] += f[k]
             c.bwd[k] += b[k]

@@ -63,6 +63,11 @@ class LayerStats:
     """Width of one dispatched token (latent width for LatentMoE), 0 for dense layers."""
     expert_bytes_bf16: int
     """bf16 bytes of one routed expert (the replica weight a ``moonep`` plan may move)."""
+    act_gemm_in: float = 0.0
+    """Part of ``act_par`` that is bf16 GEMM inputs (halved when activations are stored in fp8)."""
+    module_bytes: tuple = ()
+    """``((recompute module, saved bytes per token it drops, re-run forward GEMM FLOPs per token), ...)`` for the
+    ``--recompute-modules`` names (core attention is priced from ``attn_flops_per_s`` instead)."""
 
 
 def _attention(spec: ModelSpec, kind: str) -> dict:
@@ -141,6 +146,41 @@ def _ffn(spec: ModelSpec, kind: str) -> dict:
     )
 
 
+def _modules(spec: ModelSpec, kind: tuple[str, str], a: dict, f: dict) -> tuple:
+    """Per recompute module: (name, bytes per token it stops saving, GEMM FLOPs per token to redo it)."""
+    h, out = spec.hidden, []
+    out.append(("layernorm", 4.0 * h, 0.0))  # the two norm outputs (bf16), recomputed from the saved inputs
+    if kind[0] == "mla":
+        nh, dqk, dv = spec.num_heads, spec.qk_nope_dim + spec.qk_rope_dim, spec.v_head_dim
+        up = (spec.q_lora_rank * nh * dqk if spec.q_lora_rank else 0) + spec.kv_lora_rank * nh * (spec.qk_nope_dim + dv)
+        out.append(("mla_up_proj", 2.0 * nh * (2 * dqk + dv), 2.0 * up))
+    if kind[1] == "dense":
+        out.append(("mlp_act", float(f["fn"]), 0.0))
+    else:
+        fs = spec.num_shared_experts * spec.moe_ffn_hidden
+        out.append(("moe_act", float(f["fn"] - 2 * fs), 0.0))
+        if fs:
+            out.append(("shared_experts", 6.0 * fs + 2.0 * h, 2.0 * 3 * h * fs))
+    return tuple(out)
+
+
+def _gemm_inputs(spec: ModelSpec, kind: tuple[str, str]) -> float:
+    """bf16 bytes per token of saved GEMM inputs (what fp8 storage halves)."""
+    h = spec.hidden
+    if kind[0] == "kda":
+        attn = h + spec.kda_heads * spec.kda_head_dim
+    elif kind[0] == "mla":
+        attn = h + spec.q_lora_rank + spec.kv_lora_rank + spec.num_heads * spec.v_head_dim
+    else:
+        attn = h + spec.num_heads * spec.dhead
+    if kind[1] == "dense":
+        ffn = h + spec.ffn_hidden
+    else:
+        de, fs = spec.moe_latent_dim or h, spec.num_shared_experts * spec.moe_ffn_hidden
+        ffn = spec.top_k * (de + spec.moe_ffn_hidden) + (h + fs if fs else 0)
+    return 2.0 * (attn + ffn)
+
+
 def _norm_params(spec: ModelSpec) -> int:
     h = spec.hidden
     if spec.attn_res:
@@ -173,6 +213,8 @@ def layer_stats(spec: ModelSpec, kind: tuple[str, str]) -> LayerStats:
         kda_state_bytes=float(a["state"]),
         dispatch_dim=f["dim"],
         expert_bytes_bf16=f["eb"],
+        act_gemm_in=min(_gemm_inputs(spec, kind), float(a["par"] + f["par"])),
+        module_bytes=_modules(spec, kind, a, f),
     )
 
 
@@ -219,10 +261,15 @@ def param_counts(spec: ModelSpec) -> ParamCounts:
     )
 
 
-def model_flops_per_token(spec: ModelSpec, seq_len: int) -> float:
-    """Training model FLOPs per token (3 x forward, full-square attention, LM head included, no recompute)."""
+def model_flops_per_token(spec: ModelSpec, seq_len: int, causal: bool = False) -> float:
+    """Training model FLOPs per token (3 x forward, LM head included, no recompute). Attention counts every
+    query-key pair (full square, the default) or, with ``causal``, the mean ``(s + 1) / 2`` keys a query sees;
+    a sliding-window layer counts ``min(window, keys)``."""
     fwd = 2.0 * spec.vocab * spec.hidden
-    for kind in spec.layer_kinds():
+    windowed = set(spec.sliding_window_layers)
+    keys = (seq_len + 1) / 2 if causal else float(seq_len)
+    for i, kind in enumerate(spec.layer_kinds()):
         st = layer_stats(spec, kind)
-        fwd += st.gemm_flops + st.grouped_flops + st.attn_flops_per_s * seq_len + st.kda_flops
+        k = min(keys, spec.sliding_window) if i in windowed else keys
+        fwd += st.gemm_flops + st.grouped_flops + st.attn_flops_per_s * k + st.kda_flops
     return 3.0 * fwd

@@ -37,16 +37,31 @@ def inflight_chunks(par: ParallelConfig, rank: int) -> float:
 
 
 def _layer_act(spec: ModelSpec, par: ParallelConfig, st, t: float, flash: bool) -> tuple[float, float, float]:
-    """(activations, mla_kv, kda_state) bytes of one layer for one micro-batch."""
+    """(activations, mla_kv, kda_state) bytes of one layer for one micro-batch, on the GPU (offload deducted)."""
     split = par.tp if (par.sequence_parallel or par.tp == 1) else 1
     if par.recompute == "full":
-        return t * 2.0 * spec.hidden / split, 0.0, 0.0
-    par_bytes = st.act_par - (st.act_fn if par.recompute == "selective+act" else 0.0)
-    act = t * (st.act_rep / split + par_bytes / par.tp)
+        return t * 2.0 * spec.hidden / split * (1.0 - par.offload_fraction), 0.0, 0.0
+    return t * saved_bytes_per_token(spec, par, st, flash), t * st.mla_kv, par.micro_batch * st.kda_state_bytes / par.tp
+
+
+def saved_bytes_per_token(spec: ModelSpec, par: ParallelConfig, st, flash: bool) -> float:
+    """Activation bytes one token leaves on the GPU for the backward in one layer, after fp8 storage, recomputed
+    modules and offload (Korthikanti's per-layer count generalised term by term, see ``layers``)."""
+    split = par.tp if (par.sequence_parallel or par.tp == 1) else 1
+    rep, par_bytes = st.act_rep / split, st.act_par
+    if par.fp8_activations:
+        par_bytes -= st.act_gemm_in / 2  # TE keeps the fp8 copy of each GEMM input, 1 byte instead of 2
+    if par.recompute == "selective+act":
+        par_bytes -= st.act_fn
+    for name, nbytes, _ in st.module_bytes:
+        if name == "layernorm" and par.recomputes(name):
+            rep -= min(nbytes / split, rep / 2)
+        elif par.recomputes(name) and not (par.recompute == "selective+act" and name.endswith("_act")):
+            par_bytes -= nbytes
+    act = rep + max(0.0, par_bytes) / par.tp
     if par.recompute == "none" and not flash:
-        act += t * st.act_s2_per_s * par.seq_len / par.tp
-    kda = par.micro_batch * st.kda_state_bytes / par.tp
-    return act, t * st.mla_kv, kda
+        act += st.act_s2_per_s * par.seq_len / par.tp
+    return act * (1.0 - par.offload_fraction)
 
 
 @lru_cache(maxsize=1024)
@@ -97,19 +112,21 @@ def rank_memory(spec: ModelSpec, hw: HardwareSpec, par: ParallelConfig, rank: in
         act += _full_working_set(spec, par, t, flash)
     if len(chunks) - 1 in mine:
         act += t * spec.vocab * 6.0 / par.tp  # bf16 logits + fp32 loss buffer
-    dense_g, expert_g = dense / par.tp, expert / (par.ep * par.tp)
-    dpg, edpg = par.dp * par.cp, par.dp * par.cp // par.ep
+    dense_g, expert_g = dense / par.tp, expert / (par.ep * par.expert_tp)
+    dpg, edpg = par.dp * par.cp, par.expert_dp
     zs = par.zero_stage
     w_bytes = 3.0 if par.precision == "fp8" else 2.0
+    g_bytes = 4.0 if par.main_grads_dtype == "fp32" else 2.0
+    o_bytes = 4.0 + (8.0 if par.moment_dtype == "fp32" else 4.0)  # fp32 master + m + v
     params = dense_g * w_bytes / (dpg if zs >= 3 else 1) + expert_g * w_bytes / (edpg if zs >= 3 else 1)
-    grads = dense_g * 4.0 / (dpg if zs >= 2 else 1) + expert_g * 4.0 / (edpg if zs >= 2 else 1)
-    optim = dense_g * 12.0 / (dpg if zs >= 1 else 1) + expert_g * 12.0 / (edpg if zs >= 1 else 1)
+    grads = dense_g * g_bytes / (dpg if zs >= 2 else 1) + expert_g * g_bytes / (edpg if zs >= 2 else 1)
+    optim = dense_g * o_bytes / (dpg if zs >= 1 else 1) + expert_g * o_bytes / (edpg if zs >= 1 else 1)
     ep_buf = 0.0
     if moe_layers:
         st = layer_stats(spec, next(k for k in spec.layer_kinds() if k[1] == "moe"))
-        skew = 1.0 + par.maxvio if par.dispatcher == "classic" else 1.0
+        skew = 1.0 + par.maxvio if par.dispatcher != "moonep" else 1.0
         ep_buf = 2 * (t / par.tp) * spec.top_k * st.dispatch_dim * 2.0 * skew  # send + receive, bf16
-        ep_buf += 2 * replicas_per_rank(spec, par) * st.expert_bytes_bf16 / par.tp * 2  # weights+grads, x2 buf
+        ep_buf += 2 * replicas_per_rank(spec, par) * st.expert_bytes_bf16 / par.expert_tp * 2  # weights+grads, x2 buf
     return {
         "params": params,
         "grads": grads,

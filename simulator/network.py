@@ -146,19 +146,22 @@ def all_reduce(nbytes: float, gr: Group, t: Tiers, scale=(1.0, 1.0, 1.0)) -> flo
     return 2.0 * all_gather(nbytes, gr, t, scale)
 
 
-def all_to_all(nbytes: float, gr: Group, t: Tiers, scale=(1.0, 1.0, 1.0), incast: float = 1.0) -> float:
+def all_to_all(
+    nbytes: float, gr: Group, t: Tiers, scale=(1.0, 1.0, 1.0), incast: float = 1.0, remote: float = 1.0
+) -> float:
     """All-to-all where each rank sends ``nbytes`` spread evenly over the group (its own share stays local).
 
     The node, leaf and spine portions move concurrently, so the time is the largest portion over its tier's
-    bandwidth; ``incast`` >= 1 scales it for the busiest receiver (routing skew).
+    bandwidth; ``incast`` >= 1 scales it for the busiest receiver (routing skew); ``remote`` <= 1 scales the
+    bytes that leave the node (a dispatcher that sends a token once per destination node).
     """
     if gr.n <= 1 or nbytes <= 0:
         return 0.0
     n, k, l = gr.n, gr.k, gr.l
     parts = (
         nbytes * (k - 1) / n / (t.bw[0] * scale[0]),
-        nbytes * (n - k) / n / (t.bw[1] * scale[1]),
-        nbytes * (n - l) / n / (t.bw[2] * scale[2]),
+        nbytes * remote * (n - k) / n / (t.bw[1] * scale[1]),
+        nbytes * remote * (n - l) / n / (t.bw[2] * scale[2]),
     )
     return max(parts) * 1e-9 * incast + t.alpha[gr.top_tier] * (1 + math.log2(n))
 

@@ -15,7 +15,9 @@ from simulator.layers import RECOMPUTE_MODES
 from simulator.specs import ModelSpec
 
 SCHEDULES = ("1f1b", "interleaved", "dualpipe")
-DISPATCHERS = ("moonep", "classic")
+RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp_act", "moe_act", "mla_up_proj", "shared_experts")
+"""Megatron ``--recompute-modules`` names priced here (``mlp_act``: the dense FFN activation function)."""
+DISPATCHERS = ("moonep", "classic", "deepep")
 PRECISIONS = ("bf16", "fp8")
 
 
@@ -49,13 +51,37 @@ class ParallelConfig:
     schedule: str = "1f1b"
     """Pipeline schedule: 1f1b, interleaved (needs vpp > 1) or dualpipe (bidirectional, two weight copies)."""
     dispatcher: str = "moonep"
-    """MoE dispatch: moonep (exact balance + replica weight traffic) or classic (busiest rank sets the time)."""
+    """MoE dispatch: moonep (exact balance + replica weight traffic), classic (all-to-all; busiest rank sets the
+    time) or deepep (classic, but a token crosses to another node once per destination node, as DeepEP/HybridEP
+    and Megatron's flex dispatcher send it)."""
     maxvio: float = 0.0
     """Routing skew: busiest EP rank's load / mean - 1 before balancing."""
     precision: str = "bf16"
     """GEMM precision: bf16 or fp8 (fp8 GEMMs and dispatch; attention/KDA stay bf16)."""
     sequence_parallel: bool = True
     """Megatron sequence parallelism with TP (norm/dropout activations split by TP)."""
+    etp: int = 0
+    """Expert tensor parallel size (Megatron ``--expert-tensor-parallel-size``); 0 means equal to ``tp``. EP x ETP
+    must divide the expert-side world of a stage, TP x CP x DP (MoE parallel folding)."""
+    recompute_modules: tuple[str, ...] = ()
+    """Extra modules recomputed in the backward (Megatron ``--recompute-modules`` names, see
+    ``RECOMPUTE_MODULES``); ignored by ``full``."""
+    activation_dtype: str = "auto"
+    """Saved GEMM-input activations: bf16, fp8 (1 byte, as TE keeps them in fp8 runs), auto = fp8 iff precision
+    is fp8."""
+    offload_fraction: float = 0.0
+    """Fraction of each layer's saved activations moved to host memory between forward and backward (PCIe)."""
+    pp_first_layers: int = 0
+    """Layers of the first pipeline stage (Megatron ``--decoder-first-pipeline-num-layers``; 0: even split)."""
+    pp_last_layers: int = 0
+    """Layers of the last pipeline stage (``--decoder-last-pipeline-num-layers``; 0: even split)."""
+    moment_dtype: str = "fp32"
+    """Adam moments m and v (``--exp-avg-dtype`` / ``--exp-avg-sq-dtype``): fp32 or bf16."""
+    main_grads_dtype: str = "fp32"
+    """Main gradient buffer (``--main-grads-dtype``): fp32 or bf16."""
+    moe_a2a_overlap: bool = False
+    """Overlap EP dispatch/combine of one micro-batch with another's compute in 1F1B/interleaved steady state
+    (Megatron ``--overlap-moe-expert-parallel-comm``; DualPipe overlaps by construction)."""
 
     def __post_init__(self):
         for f in ("tp", "pp", "ep", "cp", "dp", "vpp", "micro_batch", "global_batch_tokens", "seq_len"):
@@ -74,10 +100,53 @@ class ParallelConfig:
             raise ValueError(f"ParallelConfig.maxvio must be >= 0, got {self.maxvio!r}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"ParallelConfig.precision must be one of {PRECISIONS}, got {self.precision!r}")
+        self._check_recipe()
+
+    def _check_recipe(self) -> None:
+        for f in ("etp", "pp_first_layers", "pp_last_layers"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ValueError(f"ParallelConfig.{f} must be an integer >= 0, got {v!r}")
+        bad = [m for m in self.recompute_modules if m not in RECOMPUTE_MODULES]
+        if not isinstance(self.recompute_modules, tuple) or bad:
+            raise ValueError(
+                f"ParallelConfig.recompute_modules: unknown {bad or self.recompute_modules!r}; "
+                f"known: {', '.join(RECOMPUTE_MODULES)}"
+            )
+        for f, allowed in (
+            ("activation_dtype", ("auto", "bf16", "fp8")),
+            ("moment_dtype", ("fp32", "bf16")),
+            ("main_grads_dtype", ("fp32", "bf16")),
+        ):
+            if getattr(self, f) not in allowed:
+                raise ValueError(f"ParallelConfig.{f} must be one of {allowed}, got {getattr(self, f)!r}")
+        if not 0.0 <= self.offload_fraction <= 1.0:
+            raise ValueError(f"ParallelConfig.offload_fraction must be in [0, 1], got {self.offload_fraction!r}")
 
     @property
     def gpus(self) -> int:
         return self.tp * self.cp * self.pp * self.dp
+
+    @property
+    def expert_tp(self) -> int:
+        """Expert tensor parallel size (``etp``, or ``tp`` when 0)."""
+        return self.etp or self.tp
+
+    @property
+    def expert_dp(self) -> int:
+        """Expert data-parallel size: TP x CP x DP / (EP x ETP) ranks hold the same expert shard."""
+        return self.tp * self.cp * self.dp // (self.ep * self.expert_tp)
+
+    @property
+    def fp8_activations(self) -> bool:
+        """GEMM inputs saved in fp8."""
+        return self.activation_dtype == "fp8" or (self.activation_dtype == "auto" and self.precision == "fp8")
+
+    def recomputes(self, module: str) -> bool:
+        """Whether ``module`` (a ``RECOMPUTE_MODULES`` name) is recomputed (``selective`` implies core_attn,
+        ``selective+act`` also the activation functions)."""
+        implied = {"selective": ("core_attn",), "selective+act": ("core_attn", "mlp_act", "moe_act")}
+        return module in self.recompute_modules or module in implied.get(self.recompute, ())
 
     @property
     def sequences(self) -> int:
@@ -101,8 +170,16 @@ def infeasible_reason(spec: ModelSpec, hw: HardwareSpec, par: ParallelConfig, gp
     """Why ``par`` cannot run ``spec`` on ``gpus`` GPUs of ``hw`` (memory aside), or None when it can."""
     if par.gpus != gpus:
         return f"TP x CP x PP x DP = {par.tp}x{par.cp}x{par.pp}x{par.dp} = {par.gpus} != {gpus} GPUs"
-    if (par.dp * par.cp) % par.ep:
-        return f"EP {par.ep} does not divide DP x CP = {par.dp * par.cp}"
+    if par.expert_tp > 1 and spec.is_moe and spec.moe_ffn_hidden % par.expert_tp:
+        return f"expert width {spec.moe_ffn_hidden} is not divisible by ETP {par.expert_tp}"
+    world = par.tp * par.cp * par.dp
+    if world % (par.ep * par.expert_tp):
+        return (
+            f"EP {par.ep} x ETP {par.expert_tp} = {par.ep * par.expert_tp} does not divide the expert-side world "
+            f"TP x CP x DP = {par.tp}x{par.cp}x{par.dp} = {world}"
+        )
+    if par.expert_tp > par.tp and par.ep * par.expert_tp > par.tp and (par.ep * par.expert_tp) % par.tp:
+        return f"EP x ETP = {par.ep * par.expert_tp} must be a multiple of TP {par.tp} when ETP > TP"
     if hw.gpus_per_node % par.tp:
         return f"TP {par.tp} does not divide the {hw.gpus_per_node} GPUs of a node (TP stays on NVLink)"
     if spec.num_heads % par.tp:
@@ -133,6 +210,14 @@ def _pipeline_reason(spec: ModelSpec, hw: HardwareSpec, par: ParallelConfig) -> 
     stages = p * (par.vpp if par.schedule == "interleaved" else 1)
     if spec.num_layers < stages:
         return f"{spec.num_layers} layers cannot fill {stages} pipeline stages"
+    if par.pp_first_layers or par.pp_last_layers:
+        rest, mids = spec.num_layers - par.pp_first_layers - par.pp_last_layers, stages - bool(par.pp_first_layers)
+        mids -= bool(par.pp_last_layers)
+        if stages < 2 or rest < mids or (mids == 0 and rest) or (mids and rest < 1):
+            return (
+                f"pp_first_layers {par.pp_first_layers} + pp_last_layers {par.pp_last_layers} leave {rest} of "
+                f"{spec.num_layers} layers for {mids} other pipeline stages"
+            )
     if par.schedule == "interleaved" and m % p:
         return f"interleaved schedule needs micro-batches ({m}) divisible by PP ({p})"
     if par.schedule == "dualpipe" and (p % 2 or m < 2 * p or m % 2):
@@ -143,13 +228,29 @@ def _pipeline_reason(spec: ModelSpec, hw: HardwareSpec, par: ParallelConfig) -> 
 
 
 def stage_layers(spec: ModelSpec, par: ParallelConfig) -> tuple[tuple[int, ...], ...]:
-    """Layer indices of each model chunk, in pipeline order: ``pp * vpp`` contiguous, near-even chunks."""
-    return _split(spec.num_layers, par.pp * (par.vpp if par.schedule == "interleaved" else 1))
+    """Layer indices of each model chunk, in pipeline order: ``pp * vpp`` contiguous chunks, the first and last
+    holding ``pp_first_layers`` / ``pp_last_layers`` when set and the rest split near-evenly."""
+    return _split(
+        spec.num_layers,
+        par.pp * (par.vpp if par.schedule == "interleaved" else 1),
+        par.pp_first_layers,
+        par.pp_last_layers,
+    )
 
 
 @lru_cache(maxsize=1024)
-def _split(L: int, chunks: int) -> tuple[tuple[int, ...], ...]:
-    return tuple(tuple(range(i * L // chunks, (i + 1) * L // chunks)) for i in range(chunks))
+def _split(L: int, chunks: int, first: int = 0, last: int = 0) -> tuple[tuple[int, ...], ...]:
+    if chunks == 1 or not (first or last):
+        return tuple(tuple(range(i * L // chunks, (i + 1) * L // chunks)) for i in range(chunks))
+    mid_chunks = chunks - bool(first) - bool(last)
+    mid = L - first - last
+    if mid_chunks == 0:
+        sizes = [n for n in (first, last) if n]
+    else:
+        sizes = [first] * bool(first) + [(i + 1) * mid // mid_chunks - i * mid // mid_chunks for i in range(mid_chunks)]
+        sizes += [last] * bool(last)
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return tuple(tuple(range(a, a + n)) for a, n in zip(starts, sizes))
 
 
 def rank_chunks(par: ParallelConfig) -> list[list[int]]:

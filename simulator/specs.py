@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import MISSING, asdict, dataclass, fields, replace
 from functools import lru_cache
 from typing import Any, Callable
 
@@ -80,6 +80,10 @@ class ModelSpec:
     """Leading layers with a dense FFN instead of MoE."""
     moe_latent_dim: int = 0
     """LatentMoE width: routed experts work in this latent (dispatch sends it); 0 = full width."""
+    expert_groups: int = 0
+    """Expert groups of group-limited routing (HF ``n_group``; 0: none)."""
+    groups_per_token: int = 0
+    """Groups a token's experts may come from (HF ``topk_group``; DeepSeek-V3: 4 of 8); 0: no limit."""
     router_bias: bool = False
     """Router carries a per-expert selection bias (aux-free balancing)."""
     bias: bool = False
@@ -96,10 +100,15 @@ class ModelSpec:
     """Input embedding and LM head share weights."""
     position_embeddings: int = 0
     """Rows of a learned absolute position table (0: none)."""
+    sliding_window: int = 0
+    """Keys a query attends to in the sliding-window layers (0: no sliding-window layers)."""
+    sliding_window_layers: tuple[int, ...] = ()
+    """0-based indices of softmax layers using the ``sliding_window`` (gpt-oss: every other layer)."""
     seq_len: int = 4096
     """Default training sequence length."""
 
     def __post_init__(self):
+        _check_field_types(self)
         for f in ("hidden", "num_layers", "vocab", "num_heads"):
             if not isinstance(getattr(self, f), int) or getattr(self, f) < 1:
                 raise ValueError(f"ModelSpec.{f} must be a positive integer, got {getattr(self, f)!r}")
@@ -125,6 +134,10 @@ class ModelSpec:
             raise ValueError(f"ModelSpec.seq_len must be >= 1, got {self.seq_len}")
         if self.attn_res_block_size < 0:
             raise ValueError(f"ModelSpec.attn_res_block_size must be >= 0, got {self.attn_res_block_size}")
+        if any(not 0 <= i < self.num_layers for i in self.sliding_window_layers):
+            raise ValueError("ModelSpec.sliding_window_layers must be 0-based indices below num_layers")
+        if self.sliding_window_layers and self.sliding_window < 1:
+            raise ValueError("ModelSpec.sliding_window must be > 0 when sliding_window_layers is set")
 
     @property
     def kv_heads(self) -> int:
@@ -149,13 +162,38 @@ class ModelSpec:
 
     @classmethod
     def from_dict(cls, data: dict) -> "ModelSpec":
+        """A spec from a JSON object; a missing, unknown or ill-typed field is a ``ValueError`` naming it."""
+        if not isinstance(data, dict):
+            raise ValueError(f"a ModelSpec JSON holds one object, got {type(data).__name__}")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"unknown ModelSpec field(s) {unknown}")
+        missing = sorted(f.name for f in fields(cls) if f.default is MISSING and f.name not in data)
+        if missing:
+            raise ValueError(f"ModelSpec JSON is missing required field(s) {missing}")
         data = dict(data)
-        data["kda_layers"] = tuple(data.get("kda_layers", ()))
+        for f in ("kda_layers", "sliding_window_layers"):
+            if not isinstance(data.get(f, ()), (list, tuple)):
+                raise ValueError(f"ModelSpec.{f} must be a list of layer indices, got {data[f]!r}")
+            data[f] = tuple(data.get(f, ()))
         return cls(**data)
+
+
+_TYPES = {"int": int, "bool": bool, "str": str, "tuple[int, ...]": tuple}
+
+
+def _check_field_types(spec: "ModelSpec") -> None:
+    """Each field has its annotated type (``bool`` is not an ``int``) and integer sizes are >= 0."""
+    for f in fields(spec):
+        v, want = getattr(spec, f.name), _TYPES[f.type]
+        ok = isinstance(v, want) and (want is bool or not isinstance(v, bool))
+        if want is tuple and ok:
+            ok = all(isinstance(i, int) and not isinstance(i, bool) for i in v)
+        if not ok:
+            raise ValueError(f"ModelSpec.{f.name} must be of type {f.type}, got {v!r}")
+        if want is int and v < 0:
+            raise ValueError(f"ModelSpec.{f.name} must be >= 0, got {v!r}")
 
 
 @lru_cache(maxsize=64)
@@ -234,6 +272,8 @@ def deepseek_v3() -> ModelSpec:
         moe_ffn_hidden=2048,
         num_shared_experts=1,
         first_k_dense=3,
+        expert_groups=8,
+        groups_per_token=4,
         router_bias=True,
         seq_len=4096,
     )
@@ -250,6 +290,58 @@ def llama3_405b() -> ModelSpec:
         num_kv_heads=8,
         ffn_hidden=53248,
         seq_len=8192,
+    )
+
+
+def llama3(name: str, layers: int, hidden: int, heads: int, ffn: int, seq: int = 8192) -> ModelSpec:
+    """Llama 3 / 3.1 (GQA with 8 KV heads, SwiGLU, vocab 128256, untied head)."""
+    return ModelSpec(
+        name=name,
+        hidden=hidden,
+        num_layers=layers,
+        vocab=128256,
+        num_heads=heads,
+        num_kv_heads=8,
+        ffn_hidden=ffn,
+        seq_len=seq,
+    )
+
+
+def qwen3_moe(name: str, layers: int, hidden: int, heads: int, moe_ffn: int) -> ModelSpec:
+    """Qwen3 MoE (HF ``Qwen3MoeForCausalLM``): GQA 4 KV heads of 128, 128 experts top-8, no shared expert."""
+    return ModelSpec(
+        name=name,
+        hidden=hidden,
+        num_layers=layers,
+        vocab=151936,
+        num_heads=heads,
+        num_kv_heads=4,
+        head_dim=128,
+        num_experts=128,
+        top_k=8,
+        moe_ffn_hidden=moe_ffn,
+        seq_len=4096,
+    )
+
+
+def gpt_oss_120b() -> ModelSpec:
+    """gpt-oss-120b: 36 layers, H 2880, 64 heads of 64 (8 KV), 128 experts top-4 of width 2880, every other layer
+    a 128-token sliding window (HF ``layer_types``), biases on attention and experts."""
+    return ModelSpec(
+        name="gpt-oss-120b",
+        hidden=2880,
+        num_layers=36,
+        vocab=201088,
+        num_heads=64,
+        num_kv_heads=8,
+        head_dim=64,
+        num_experts=128,
+        top_k=4,
+        moe_ffn_hidden=2880,
+        bias=True,
+        sliding_window=128,
+        sliding_window_layers=tuple(range(0, 36, 2)),
+        seq_len=4096,
     )
 
 
@@ -283,6 +375,11 @@ PRESETS: dict[str, Callable[[], ModelSpec]] = {
     "kimi-k2": kimi_k2,
     "deepseek-v3": deepseek_v3,
     "llama3-405b": llama3_405b,
+    "llama3-8b": lambda: llama3("llama3-8b", 32, 4096, 32, 14336),
+    "llama3-70b": lambda: llama3("llama3-70b", 80, 8192, 64, 28672),
+    "qwen3-30b-a3b": lambda: qwen3_moe("qwen3-30b-a3b", 48, 2048, 32, 768),
+    "qwen3-235b-a22b": lambda: qwen3_moe("qwen3-235b-a22b", 94, 4096, 64, 1536),
+    "gpt-oss-120b": gpt_oss_120b,
     "gpt3-175b": gpt3_175b,
     "gpt-22b": lambda: _megatron_gpt("gpt-22b", 48, 6144, 64),
     "gpt-175b": lambda: _megatron_gpt("gpt-175b", 96, 12288, 96),
@@ -298,12 +395,19 @@ def from_hf_config(cfg: dict, name: str = "hf") -> ModelSpec:
     A multimodal config's ``text_config`` is used when present. K3/Kimi-Linear ``linear_attn_config.kda_layers``
     are 1-based in the release and are converted to 0-based indices.
     """
-    c = cfg.get("text_config", cfg)
-    get = c.get
+    c, get = _hf_text(cfg)
     hidden, heads = int(get("hidden_size")), int(get("num_attention_heads"))
     mla = get("kv_lora_rank") is not None
     lin = get("linear_attn_config") or {}
-    kda = tuple(int(i) - 1 for i in lin.get("kda_layers", ()))
+    if not isinstance(lin, dict):
+        raise ValueError(f"HF config: field 'linear_attn_config' must be an object, got {lin!r}")
+    types = get("layer_types") or []
+    swa = tuple(i for i, kind in enumerate(types) if kind == "sliding_attention") if isinstance(types, list) else ()
+    lget = _hf_getter(lin)
+    kda_ids = lin.get("kda_layers", ())
+    if not isinstance(kda_ids, (list, tuple)) or not all(isinstance(i, int) and i >= 1 for i in kda_ids):
+        raise ValueError(f"HF config: 'linear_attn_config.kda_layers' must be 1-based layer numbers, got {kda_ids!r}")
+    kda = tuple(i - 1 for i in kda_ids)
     experts = int(get("n_routed_experts") or get("num_experts") or get("num_local_experts") or 0)
     return ModelSpec(
         name=name,
@@ -321,9 +425,9 @@ def from_hf_config(cfg: dict, name: str = "hf") -> ModelSpec:
         v_head_dim=int(get("v_head_dim") or 0),
         attn_output_gate=bool(get("mla_use_output_gate", False)),
         kda_layers=kda,
-        kda_heads=int(lin.get("num_heads", 0)),
-        kda_head_dim=int(lin.get("head_dim", 0)),
-        kda_conv=int(lin.get("short_conv_kernel_size", 4)),
+        kda_heads=int(lget("num_heads", 0)),
+        kda_head_dim=int(lget("head_dim", 0)),
+        kda_conv=int(lget("short_conv_kernel_size", 4)),
         ffn_hidden=int(get("intermediate_size") or 0),
         num_experts=experts,
         top_k=int(get("num_experts_per_tok") or get("num_experts_per_token") or 0) if experts else 0,
@@ -334,11 +438,46 @@ def from_hf_config(cfg: dict, name: str = "hf") -> ModelSpec:
         if get("routed_expert_hidden_size") not in (None, hidden)
         else 0,
         router_bias=get("topk_method") == "noaux_tc",
+        expert_groups=int(get("n_group") or 0) if experts else 0,
+        groups_per_token=int(get("topk_group") or 0) if experts else 0,
+        sliding_window=int(get("sliding_window") or 0) if swa else 0,
+        sliding_window_layers=swa,
         attn_res=bool(get("attn_res_block_size")),
         attn_res_block_size=int(get("attn_res_block_size") or 0),
         tie_embeddings=bool(cfg.get("tie_word_embeddings", get("tie_word_embeddings", False))),
         seq_len=min(int(get("max_position_embeddings") or 4096), 8192),
     )
+
+
+def _hf_text(cfg: Any) -> tuple[dict, Callable[..., Any]]:
+    """The text model's fields (``text_config`` when present) and their checked getter; required fields present."""
+    if not isinstance(cfg, dict) or not isinstance(cfg.get("text_config", cfg), dict):
+        raise ValueError("an HF config.json holds one JSON object (its text_config too)")
+    c = cfg.get("text_config", cfg)
+    for key in ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size"):
+        if c.get(key) is None:
+            raise ValueError(f"HF config: required field {key!r} is missing")
+    return c, _hf_getter(c)
+
+
+def _hf_getter(c: dict) -> Callable[..., Any]:
+    """``c.get`` whose numeric fields are checked: a value that is not a whole number >= 0 raises naming it."""
+
+    def get(key: str, default: Any = None) -> Any:
+        v = c.get(key, default)
+        if v is None or key in _HF_OTHER or (isinstance(v, bool) and key in _HF_BOOL):
+            return v
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or (isinstance(v, float) and not v.is_integer()):
+            raise ValueError(f"HF config: field {key!r} must be a whole number, got {v!r}")
+        if v < 0:
+            raise ValueError(f"HF config: field {key!r} must be >= 0, got {v!r}")
+        return v
+
+    return get
+
+
+_HF_OTHER = ("linear_attn_config", "topk_method", "layer_types")
+_HF_BOOL = ("mla_use_output_gate", "tie_word_embeddings")
 
 
 def from_config_object(obj: Any, name: str = "k3config") -> ModelSpec:
@@ -369,8 +508,13 @@ def load_model(name_or_path: str | os.PathLike | ModelSpec | Any) -> ModelSpec:
     if not os.path.exists(key):
         raise ValueError(f"model {key!r} is neither a preset ({', '.join(PRESETS)}) nor an existing file")
     with open(key) as f:
-        data = json.load(f)
-    if "hidden" in data and "num_layers" in data:
+        try:
+            data = json.load(f)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"model file {key}: not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"model file {key}: expected one JSON object, got {type(data).__name__}")
+    if "hidden" in data or "num_layers" in data:
         return ModelSpec.from_dict(data)
     return from_hf_config(data, name=os.path.basename(os.path.dirname(os.path.abspath(key))) or "hf")
 

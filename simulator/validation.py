@@ -15,6 +15,7 @@ from simulator.analytic import simulate
 from simulator.hardware import load_hardware
 from simulator.memory import GIB, rank_memory
 from simulator.parallel import ParallelConfig
+from simulator.published import ROWS, Published
 from simulator.specs import load_model
 
 
@@ -112,4 +113,87 @@ def format_rows(rows: list[dict], pub: str, pred: str) -> str:
     lines = [f"{'model':<10} {'recompute':<10} {'published':>10} {'predicted':>10} {'error':>8}"]
     for r in rows:
         lines.append(f"{r['model']:<10} {r['recompute']:<10} {r[pub]:>10.2f} {r[pred]:>10.2f} {r['error']:>+8.1%}")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------ published Megatron-Bridge runs (MoE, dense)
+def published_config(row: Published) -> ParallelConfig:
+    """The row's recipe as a ``ParallelConfig`` (fields the table does not give: see ``simulator.published``)."""
+    return ParallelConfig(
+        tp=row.tp,
+        pp=row.pp,
+        cp=row.cp,
+        ep=row.ep,
+        etp=1 if row.is_moe else 0,
+        dp=row.gpus // (row.tp * row.pp * row.cp),
+        vpp=row.vp,
+        schedule="interleaved" if row.vp > 1 else "1f1b",
+        micro_batch=row.mbs,
+        global_batch_tokens=row.gbs * row.seq,
+        seq_len=row.seq,
+        precision=row.precision,
+        recompute="selective",
+        recompute_modules=row.recompute_modules,
+        zero_stage=3 if row.fsdp else 1,
+        dispatcher=row.dispatcher,
+        moe_a2a_overlap=row.moe_a2a_overlap,
+    )
+
+
+def cli_args(row: Published) -> list[str]:
+    """``moonep simulate run`` flags that reproduce ``published_config(row)``."""
+    args = ["--model", row.model, "--hardware", row.system, "--gpus", str(row.gpus), "--precision", row.precision]
+    args += ["--global-batch-tokens", str(row.gbs * row.seq), "--micro-batch", str(row.mbs), "--seq-len", str(row.seq)]
+    args += ["--tp", str(row.tp), "--pp", str(row.pp), "--cp", str(row.cp), "--ep", str(row.ep), "--vpp", str(row.vp)]
+    args += ["--etp", "1"] if row.is_moe else []
+    args += ["--schedule", "interleaved" if row.vp > 1 else "1f1b", "--recompute", "selective"]
+    args += ["--zero", "3" if row.fsdp else "1", "--dispatcher", row.dispatcher]
+    args += ["--recompute-modules", ",".join(row.recompute_modules)] if row.recompute_modules else []
+    return args + (["--moe-a2a-overlap"] if row.moe_a2a_overlap else [])
+
+
+def published_table(engine: str = "analytic") -> list[dict]:
+    """Predicted vs published tokens/s/GPU for every ``simulator.published`` row."""
+    out = []
+    for row in ROWS:
+        res = simulate(row.model, row.system, published_config(row), row.gpus, engine=engine)
+        out.append(
+            {
+                "model": row.model,
+                "system": row.system,
+                "gpus": row.gpus,
+                "kind": "moe" if row.is_moe else "dense",
+                "published": row.tokens_per_s_per_gpu,
+                "predicted": res.tokens_per_s_per_gpu,
+                "error": res.tokens_per_s_per_gpu / row.tokens_per_s_per_gpu - 1.0,
+                "published_tflops": row.tflops_per_gpu,
+                "tflops_full_square": res.flops.get("full_square", {}).get("tflops_per_gpu", 0.0),
+                "tflops_causal": res.flops.get("causal", {}).get("tflops_per_gpu", 0.0),
+                "memory_gib": res.memory_gib_per_gpu,
+                "ep_overlapped": res.ep_overlap.get("overlapped_fraction", 0.0),
+                "feasible": res.feasible,
+                "reason": res.reason,
+            }
+        )
+    return out
+
+
+def mean_abs_error(rows: list[dict], kind: str) -> float:
+    """Mean |error| of the rows of ``kind`` (``moe`` or ``dense``)."""
+    errs = [abs(r["error"]) for r in rows if r["kind"] == kind]
+    return sum(errs) / len(errs)
+
+
+def format_published(rows: list[dict]) -> str:
+    """Markdown table (the README's)."""
+    lines = [
+        "| model | system | GPUs | published tok/s/GPU | predicted | error | TFLOP/s causal / full | GiB |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['model']} | {r['system']} | {r['gpus']} | {r['published']:.0f} | {r['predicted']:.0f} | "
+            f"{r['error']:+.1%} | {r['tflops_causal']:.0f} / {r['tflops_full_square']:.0f} | {r['memory_gib']:.1f} |"
+        )
+    lines.append(f"\nMAE: MoE {mean_abs_error(rows, 'moe'):.1%}, dense {mean_abs_error(rows, 'dense'):.1%}")
     return "\n".join(lines)

@@ -71,28 +71,73 @@ def test_run_json(tmp_path, capsys):
 
 
 def test_run_infeasible_exit_and_reason(tmp_path):
-    out = tmp_path / "bad.json"
+    out = tmp_path / "oom.json"
+    # a valid layout that does not fit: exit 1, the reason in the JSON
     rc = main(
-        [
-            "simulate",
-            "run",
-            "--model",
-            "llama3-405b",
-            "--hardware",
-            "h100",
-            "--gpus",
-            "64",
-            "--tp",
-            "8",
-            "--dp",
-            "7",
-            "--json",
-            str(out),
-        ]
+        ["simulate", "run", "--model", "llama3-405b", "--hardware", "h100", "--gpus", "64", "--tp", "8"]
+        + ["--recompute", "none", "--json", str(out)]
     )
     data = json.loads(out.read_text())
-    assert rc == 1 and data["feasible"] is False and "!= 64 GPUs" in data["reason"]
-    assert main(["simulate", "run", "--gpus", "8", "--tp", "16"]) == 1  # TP x CP x PP larger than the job
+    assert rc == 1 and data["feasible"] is False and "out of memory" in data["reason"]
+
+
+@pytest.mark.parametrize(
+    "flags,needle",
+    [
+        (["--gpus", "64", "--tp", "8", "--dp", "7"], "--dp 7"),
+        (["--gpus", "8", "--tp", "16"], "TP x CP x PP = 16"),
+        (["--gpus", "8", "--tp", "-2"], "--tp must be >= 1"),
+        (["--gpus", "-8"], "--gpus must be >= 1"),
+        (["--gpus", "8", "--seq-len", "0"], "--seq-len"),
+        (["--gpus", "8", "--etp", "-1"], "--etp"),
+        (["--gpus", "8", "--recompute-modules", "attn"], "recompute_modules"),
+        (["--gpus", "8", "--offload-fraction", "2"], "offload_fraction"),
+        (["--gpus", "8", "--model", "no-such-model"], "neither a preset"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(flags, needle, capsys):
+    assert main(["simulate", "run", *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and needle in err and "\n" not in err, err
+
+
+@pytest.mark.parametrize(
+    "content,needle",
+    [
+        ({"name": "x", "num_layers": 2, "vocab": 10, "num_heads": 2, "ffn_hidden": 8}, "hidden"),  # missing
+        ({"name": "x", "hidden": "64", "num_layers": 2, "vocab": 10, "num_heads": 2, "ffn_hidden": 8}, "hidden"),
+        ({"name": "x", "hidden": 64, "num_layers": 2, "vocab": 10, "num_heads": 2, "ffn_hidden": -8}, "ffn_hidden"),
+        ({"num_hidden_layers": 2, "vocab_size": 10, "num_attention_heads": 2}, "hidden_size"),  # HF, missing
+        ({"hidden_size": 64.5, "num_hidden_layers": 2, "vocab_size": 10, "num_attention_heads": 2}, "hidden_size"),
+        (
+            {
+                "hidden_size": 64,
+                "num_hidden_layers": 2,
+                "vocab_size": 10,
+                "num_attention_heads": 2,
+                "intermediate_size": "big",
+            },
+            "intermediate_size",
+        ),
+        ([1, 2], "one JSON object"),
+    ],
+)
+def test_bad_model_file_names_the_field(tmp_path, capsys, content, needle):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(content))
+    assert main(["simulate", "run", "--gpus", "8", "--model", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and needle in err and "\n" not in err and "Traceback" not in err, err
+
+
+def test_bad_hardware_file_names_the_field(tmp_path, capsys):
+    path = tmp_path / "hw.json"
+    path.write_text(json.dumps({"base": "h100", "nic_gbps": "fast"}))
+    assert main(["simulate", "run", "--gpus", "8", "--model", "llama3-8b", "--hardware", str(path)]) == 2
+    assert "nic_gbps" in capsys.readouterr().err
+    path.write_text(json.dumps({"name": "x", "bf16_tflops": 1.0}))
+    assert main(["simulate", "run", "--gpus", "8", "--model", "llama3-8b", "--hardware", str(path)]) == 2
+    assert "hbm_gib" in capsys.readouterr().err
 
 
 def test_run_plots(tmp_path):

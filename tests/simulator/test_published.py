@@ -1,0 +1,42 @@
+"""The published Megatron-Bridge rows (simulator/published.py): every MoE and dense row within 15% of its
+measured tokens/s/GPU with the recipe as given, feasible in memory, and reproduced by `moonep simulate run`."""
+
+import json
+
+import pytest
+
+from moonep.console import main
+from simulator.published import DENSE_ROWS, MOE_ROWS, ROWS
+from simulator.validation import cli_args, format_published, mean_abs_error, published_table
+
+TABLE = published_table()
+
+
+def test_enough_rows_with_sources():
+    assert len(MOE_ROWS) >= 6 and len(DENSE_ROWS) >= 3
+    assert all(r.source.startswith("https://docs.nvidia.com/nemo/megatron-bridge/") for r in ROWS)
+
+
+@pytest.mark.parametrize("row", TABLE, ids=lambda r: f"{r['model']}-{r['system']}-{r['gpus']}")
+def test_row_within_15_percent_and_feasible(row):
+    assert row["feasible"], row["reason"]
+    assert abs(row["error"]) <= 0.15, format_published(TABLE)
+
+
+def test_mean_errors():
+    assert mean_abs_error(TABLE, "moe") <= 0.10 and mean_abs_error(TABLE, "dense") <= 0.10, format_published(TABLE)
+
+
+def test_both_flop_conventions_reported():
+    for r in TABLE:
+        assert 0 < r["tflops_causal"] < r["tflops_full_square"]
+
+
+@pytest.mark.parametrize("row", [ROWS[1], ROWS[3]], ids=("qwen3-235b-h100-folded", "deepseek-v3-h100"))
+def test_cli_reproduces_recipe(tmp_path, row):
+    out = tmp_path / "r.json"
+    assert main(["simulate", "run", *cli_args(row), "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    mine = next(r for r in TABLE if (r["model"], r["system"], r["gpus"]) == (row.model, row.system, row.gpus))
+    assert data["feasible"] and data["tokens_per_s_per_gpu"] == pytest.approx(mine["predicted"], rel=1e-9)
+    assert set(data["flops"]) == {"full_square", "causal"} and "overlapped_fraction" in data["ep_overlap"]
