@@ -1,0 +1,121 @@
+"""Recipe features of issue 18: memory knobs, MoE parallel folding, EP overlap, node dedup, uneven stages."""
+
+from dataclasses import replace
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from simulator import ParallelConfig, simulate
+from simulator.costs import node_dedup, steady_fraction
+from simulator.hardware import load_hardware
+from simulator.memory import peak_memory, rank_memory
+from simulator.network import ClusterSpec, cluster_tiers, group
+from simulator.parallel import _split
+from simulator.specs import load_model
+
+DSV3 = load_model("deepseek-v3")
+H100 = load_hardware("h100")
+BASE = ParallelConfig(
+    tp=2,
+    pp=8,
+    ep=64,
+    etp=1,
+    dp=64,
+    vpp=4,
+    schedule="interleaved",
+    seq_len=4096,
+    global_batch_tokens=8192 * 4096,
+    precision="fp8",
+    recompute="selective",
+    dispatcher="deepep",
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(L=st.integers(2, 130), chunks=st.integers(2, 32), first=st.integers(0, 8), last=st.integers(0, 8))
+def test_uneven_split_covers_every_layer_once(L, chunks, first, last):
+    if first + last > L or L - first - last < chunks - bool(first) - bool(last):
+        return
+    if chunks - bool(first) - bool(last) == 0 and L != first + last:
+        return
+    parts = _split(L, chunks, first, last)
+    assert len(parts) == chunks and [i for p in parts for i in p] == list(range(L))
+    assert (not first or len(parts[0]) == first) and (not last or len(parts[-1]) == last)
+
+
+def test_memory_knobs_each_shrink_their_item():
+    base = rank_memory(DSV3, H100, BASE, 1)
+    bf16 = rank_memory(DSV3, H100, replace(BASE, activation_dtype="bf16"), 1)
+    assert base["activations"] < bf16["activations"]  # fp8 run: GEMM inputs kept in fp8 by default
+    up = rank_memory(DSV3, H100, replace(BASE, recompute_modules=("mla_up_proj", "moe_act", "layernorm")), 1)
+    assert up["activations"] < base["activations"]
+    off = rank_memory(DSV3, H100, replace(BASE, offload_fraction=0.5), 1)
+    assert off["activations"] == 0.5 * base["activations"]
+    opt = rank_memory(DSV3, H100, replace(BASE, moment_dtype="bf16", main_grads_dtype="bf16"), 1)
+    assert opt["optimizer"] == base["optimizer"] * 8 / 12 and opt["grads"] == base["grads"] / 2
+
+
+def test_recompute_modules_and_offload_cost_time():
+    res = simulate(DSV3, H100, BASE, 1024)
+    more = simulate(DSV3, H100, replace(BASE, recompute_modules=("mla_up_proj", "shared_experts")), 1024)
+    assert more.breakdown["recompute"] > res.breakdown["recompute"]
+    slow_pcie = replace(H100, pcie_gbps=1.0)
+    off = simulate(DSV3, slow_pcie, replace(BASE, offload_fraction=0.5), 1024)
+    assert off.breakdown["offload"] > 0 and off.step_time_s > res.step_time_s
+    assert abs(sum(off.breakdown.values()) - off.step_time_s) < 1e-6 * off.step_time_s
+
+
+def test_folding_spans_tp_ranks_and_is_validated():
+    # Qwen3-235B on H100 (NeMo): EP 32 over TP 2 x DP 16 with ETP 1
+    par = ParallelConfig(
+        tp=2,
+        pp=8,
+        ep=32,
+        etp=1,
+        dp=16,
+        vpp=4,
+        schedule="interleaved",
+        seq_len=4096,
+        global_batch_tokens=8192 * 4096,
+        precision="fp8",
+        recompute="selective",
+    )
+    assert simulate("qwen3-235b-a22b", H100, par, 256).feasible
+    bad = simulate("qwen3-235b-a22b", H100, replace(par, etp=2), 256)
+    assert not bad.feasible and "EP 32 x ETP 2" in bad.reason
+    # expert weights split by EP x ETP: ETP 2 halves them against ETP 1 at the same EP
+    a = rank_memory(load_model("qwen3-235b-a22b"), H100, replace(par, ep=16, etp=1), 0)
+    b = rank_memory(load_model("qwen3-235b-a22b"), H100, replace(par, ep=16, etp=2), 0)
+    assert b["params"] < a["params"]
+
+
+@settings(max_examples=40, deadline=None)
+@given(pp=st.integers(1, 16), m_per=st.integers(1, 16), v=st.integers(1, 6))
+def test_steady_fraction_in_unit_interval_and_grows_with_micro_batches(pp, m_per, v):
+    sched = "interleaved" if v > 1 else "1f1b"
+    m = pp * m_per
+    par = ParallelConfig(pp=pp, vpp=v, schedule=sched, dp=1, seq_len=8, global_batch_tokens=8 * m)
+    more = replace(par, global_batch_tokens=16 * m)
+    assert 0.0 <= steady_fraction(par) <= steady_fraction(more) <= 1.0
+
+
+def test_a2a_overlap_hides_ep_and_reports_fraction():
+    off = simulate(DSV3, H100, BASE, 1024)
+    on = simulate(DSV3, H100, replace(BASE, moe_a2a_overlap=True), 1024)
+    assert off.ep_overlap["overlapped_fraction"] == 0.0 and off.ep_overlap["model"] == "none"
+    assert 0.0 < on.ep_overlap["overlapped_fraction"] <= 1.0 and on.breakdown["ep"] < off.breakdown["ep"]
+    assert on.ep_overlap["raw_s"] == off.ep_overlap["raw_s"]
+
+
+def test_node_dedup_and_group_limited_routing():
+    tiers = cluster_tiers(1024, H100, ClusterSpec())
+    eight_nodes = group(64, 1, tiers)
+    free = node_dedup(replace(DSV3, expert_groups=0, groups_per_token=0), eight_nodes)
+    limited = node_dedup(DSV3, eight_nodes)
+    assert 0.0 < limited < free < 1.0
+    assert node_dedup(DSV3, group(8, 1, tiers)) == 1.0  # one node: nothing leaves it
+
+
+def test_peak_memory_of_published_deepseek_fits():
+    rank, mem = peak_memory(DSV3, H100, replace(BASE, recompute_modules=("mla_up_proj",)))
+    assert sum(mem.values()) / 2**30 < H100.hbm_gib
