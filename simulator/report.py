@@ -47,8 +47,9 @@ def format_result(res: SimResult | dict) -> str:
     lines += [
         f"{'step time':<28}{d['step_time_s']:>12.3f} s",
         f"{'tokens/s/GPU':<28}{d['tokens_per_s_per_gpu']:>12.1f}",
-        f"{'model TFLOP/s/GPU':<28}{d['tflops_per_gpu']:>12.1f}",
-        f"{'MFU (bf16 peak)':<28}{d['mfu']:>12.1%}",
+        f"{'model TFLOP/s/GPU':<28}{d['tflops_per_gpu']:>12.1f} (full-square attention)",
+        f"{'MFU (bf16 peak)':<28}{d['mfu']:>12.1%} (full-square attention)",
+        *_causal_lines(d),
         f"{'memory/GPU (peak rank)':<28}{d['memory_gib_per_gpu']:>12.1f} GiB (rank {d['peak_memory_rank']})",
         f"{'GPU-hours per 1T tokens':<28}{d['gpu_hours_per_trillion_tokens']:>12.0f}",
         f"{'cost per 1T tokens':<28}{d['cost_usd_per_trillion_tokens']:>12,.0f} USD",
@@ -59,11 +60,27 @@ def format_result(res: SimResult | dict) -> str:
     for k, v in d["breakdown"].items():
         if v:
             lines.append(f"  {k:<26}{v:>12.3f}{v / step:>8.1%}")
+    ov = d.get("ep_overlap") or {}
+    if ov.get("raw_s"):
+        lines.append(
+            f"  {'ep overlapped':<26}{ov['overlapped_fraction']:>12.1%} of {ov['raw_s']:.3f} s ({ov['model']})"
+        )
     lines.append(f"{'memory breakdown':<28}{'GiB':>12}")
     for k, v in d["memory_breakdown_gib"].items():
         if v:
             lines.append(f"  {k:<26}{v:>12.2f}")
     return "\n".join(lines)
+
+
+def _causal_lines(d: dict) -> list[str]:
+    """Megatron's causal FLOP count (half the query-key pairs), labelled, when the result carries it."""
+    c = (d.get("flops") or {}).get("causal")
+    if not c:
+        return []
+    return [
+        f"{'model TFLOP/s/GPU':<28}{c['tflops_per_gpu']:>12.1f} (causal attention, Megatron's count)",
+        f"{'MFU (bf16 peak)':<28}{c['mfu']:>12.1%} (causal attention)",
+    ]
 
 
 def format_search(report: dict) -> str:
