@@ -1,7 +1,7 @@
 """``ParallelConfig``: how one training job is split, plus the feasibility rules with readable reasons.
 
-Sizes: TP x CP x PP x DP = GPUs; EP is carved out of the DP x CP ranks (EP divides DP x CP) and expert weights
-are additionally split by TP (expert-TP = TP). A step processes ``global_batch_tokens`` tokens in
+Sizes: TP x CP x PP x DP = GPUs; experts fold over a stage's TP x CP x DP ranks as EP x ETP x expert-DP (MoE
+parallel folding: EP x ETP divides TP x CP x DP; ETP defaults to TP). A step processes ``global_batch_tokens`` tokens in
 ``micro_batches = global_batch_tokens / seq_len / (DP x micro_batch)`` micro-batches per pipeline.
 """
 
@@ -30,7 +30,7 @@ class ParallelConfig:
     pp: int = 1
     """Pipeline stages."""
     ep: int = 1
-    """Expert parallel size (divides DP x CP)."""
+    """Expert parallel size; EP x ETP divides TP x CP x DP (EP may span TP ranks when ETP < TP)."""
     cp: int = 1
     """Context parallel size (a sequence split over CP ranks)."""
     dp: int = 1
