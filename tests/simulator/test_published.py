@@ -32,7 +32,7 @@ def test_both_flop_conventions_reported():
         assert 0 < r["tflops_causal"] < r["tflops_full_square"]
 
 
-@pytest.mark.parametrize("row", [ROWS[1], ROWS[3]], ids=("qwen3-235b-h100-folded", "deepseek-v3-h100"))
+@pytest.mark.parametrize("row", ROWS, ids=lambda r: f"{r.model}-{r.system}-{r.gpus}")
 def test_cli_reproduces_recipe(tmp_path, row):
     out = tmp_path / "r.json"
     assert main(["simulate", "run", *cli_args(row), "--json", str(out)]) == 0
@@ -40,3 +40,9 @@ def test_cli_reproduces_recipe(tmp_path, row):
     mine = next(r for r in TABLE if (r["model"], r["system"], r["gpus"]) == (row.model, row.system, row.gpus))
     assert data["feasible"] and data["tokens_per_s_per_gpu"] == pytest.approx(mine["predicted"], rel=1e-9)
     assert set(data["flops"]) == {"full_square", "causal"} and "overlapped_fraction" in data["ep_overlap"]
+
+
+def test_event_engine_agrees_on_published_rows():
+    event = published_table(engine="event")
+    for a, e in zip(TABLE, event):
+        assert e["feasible"] and abs(e["predicted"] / a["predicted"] - 1) <= 0.03, (a, e)
