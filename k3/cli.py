@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
 
 from moonep_base import write_json
@@ -20,6 +22,12 @@ def register(commands, bench) -> None:
         help="cuda: one GPU per rank (NCCL), e.g. under torchrun --nproc_per_node=<GPUs>",
     )
     p.add_argument("--steps", type=int, default=300)
+    p.add_argument(
+        "--schedule-steps",
+        type=int,
+        default=None,
+        help="LR schedule length (cosine floor reached here); default: the first run's --steps, kept on --resume",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--data", default=None, help="text folder (default: this Python's standard library)")
     p.add_argument("--run-dir", default=None, help="run folder (default out/k3-<preset>)")
@@ -63,6 +71,7 @@ def register(commands, bench) -> None:
 
 def _train(args: argparse.Namespace) -> int:
     from collectives.faults import parse_data_delays, parse_link_delay_specs, parse_slowdowns  # heavy: torch
+    from collectives.launch import LaunchError  # heavy: torch
 
     from .train import TrainConfig, train  # heavy: the trainer (torch)
 
@@ -73,6 +82,7 @@ def _train(args: argparse.Namespace) -> int:
             cp=args.cp,
             device=args.device,
             steps=args.steps,
+            schedule_steps=args.schedule_steps,
             seed=args.seed,
             data=args.data,
             run_dir=args.run_dir or f"out/k3-{args.preset}",
@@ -86,9 +96,13 @@ def _train(args: argparse.Namespace) -> int:
             link_delays=tuple(parse_link_delay_specs(args.inject_link_delay)),
         )
         out = train(tc)
-    except ValueError as exc:  # bad flags: one line naming the problem, no traceback
-        print(f"error: {exc}", file=sys.stderr)
+    except ValueError as exc:  # bad flags or run folder: one line naming the problem, no traceback
+        print(f"error: {str(exc).splitlines()[0]}", file=sys.stderr)
         return 2
+    except LaunchError as exc:  # a rank failed: its one line, and where its own traceback is
+        line, code = rank_error(tc.run_dir, exc)
+        print(line, file=sys.stderr)
+        return code
     if out["rank"] != 0:  # under torchrun/mpiexec every rank returns here; rank 0 speaks
         return 0
     print(f"final train loss {out['losses'][-1]:.4f}" if out["losses"] else "nothing to do (already at --steps)")
@@ -98,6 +112,21 @@ def _train(args: argparse.Namespace) -> int:
         print(f"plot: {path}")
     print(f"run folder: {out['run_dir']}")
     return 0
+
+
+def rank_error(run_dir: str, exc) -> tuple[str, int]:
+    """(one line for the user, exit status) for a ``LaunchError``: the failing rank's own message and the path of
+    the traceback it left in ``run_dir/errors`` (k3.train.record_error); 2 when the rank rejected its input."""
+    summary = os.path.join(run_dir, "errors", f"rank{exc.rank}.json")
+    if exc.rank is not None and os.path.exists(summary):
+        with open(summary) as f:  # our own rank wrote it, just now
+            info = json.load(f)
+        trace = os.path.join(run_dir, "errors", f"rank{exc.rank}.traceback")
+        line = f"error: rank {exc.rank}: {info['type']}: {info['message']} (traceback: {trace})"
+        return line, 2 if info["bad_input"] else 1
+    details = [s for s in exc.details.strip().splitlines() if s.strip()]
+    where = f"rank {exc.rank}" if exc.rank is not None else "a rank"
+    return f"error: {where} failed: {details[-1] if details else 'no details'}", 1
 
 
 def _bench(args: argparse.Namespace) -> int:

@@ -26,6 +26,7 @@ import json
 import os
 import sys
 import time
+import traceback
 from dataclasses import dataclass
 
 import torch
@@ -38,7 +39,19 @@ from collectives.launch import check_device, external_launcher, rank_device
 from moonep_base import run_package, write_json
 
 from .balance import update_router_biases
-from .checkpoint import load_checkpoint, save_checkpoint
+from .checkpoint import (
+    CheckpointError,
+    agree,
+    check_run_dir,
+    check_tensors,
+    claim_run,
+    clean_run_dir,
+    read_latest,
+    read_manifest,
+    read_run,
+    read_shard,
+    save_checkpoint,
+)
 from .cli import register
 from .config import K3Config
 from .data import batch, load_corpus
@@ -58,6 +71,9 @@ class TrainConfig:
     """Model preset (``K3Config.preset``)."""
     steps: int = 300
     """Optimizer steps in total (a resumed run continues up to this)."""
+    schedule_steps: int | None = None
+    """Length of the LR schedule (cosine reaches its floor here, and stays there after); None = the first run's
+    ``steps`` (recorded in the run's checkpoints, so extending a run with ``--resume --steps N`` keeps it)."""
     seq_len: int = 64
     """Tokens (bytes) per training row."""
     global_batch: int = 16
@@ -117,6 +133,8 @@ class TrainConfig:
         for name in ("steps", "seq_len", "global_batch", "warmup", "val_batches", "world_size", "cp"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.schedule_steps is not None and self.schedule_steps < 1:
+            raise ValueError(f"schedule_steps: must be >= 1, got {self.schedule_steps}")
         if self.world_size % self.cp:
             raise ValueError(f"cp: {self.cp} does not divide world_size {self.world_size}")
         if self.global_batch % (self.world_size // self.cp):
@@ -179,6 +197,8 @@ class Trainer:
         if comm.tracer is not None:
             self.clock.attach(self.model)
         self.links_done: set[LinkDelay] = set()
+        self.run: dict | None = None
+        """``run.json`` of this run (rank 0 writes its id into every checkpoint manifest)."""
 
     def local(self, full: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Global batch [G, seq_len + 1] -> this rank's (inputs, targets) [rows, T_l]: its data-parallel rows
@@ -244,7 +264,7 @@ class Trainer:
             loss = self._sync_grads(loss_sum) / count
             grad_norm = self._clip()
         with clock.phase("optimizer"):
-            lr = lr_at(step, tc.steps, tc.lr, tc.warmup)
+            lr = lr_at(step, tc.schedule_steps or tc.steps, tc.lr, tc.warmup)
             self.opt.set_lr(lr)
             self.opt.step()
             self.opt_steps += 1
@@ -287,27 +307,42 @@ class Trainer:
         out.update({f"optim.{k}": v for k, v in self.opt.state_tensors(self.names).items()})
         return out
 
+    def expected_tensors(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Name -> (shape, dtype) of every tensor a checkpoint of this rank must hold: the model's state dict and,
+        for every parameter, its full optimizer state (Muon: momentum; AdamW: step, exp_avg, exp_avg_sq). Every
+        parameter gets a gradient each step (``_sync_grads`` fills missing ones), so a saved state is complete."""
+        out = {f"model.{k}": (tuple(v.shape), v.dtype) for k, v in self.model.state_dict().items()}
+        for group in self.opt.param_groups:
+            keys = ("momentum",) if group["kind"] == "muon" else ("step", "exp_avg", "exp_avg_sq")
+            for p in group["params"]:
+                for k in keys:
+                    shape, dtype = ((), torch.float64) if k == "step" else (tuple(p.shape), torch.float32)
+                    out[f"optim.{self.names[id(p)]}.{k}"] = (shape, dtype)
+        return out
+
     def save(self, step: int) -> None:
-        state = {
-            "step": step,
-            "world_size": self.comm.world_size,
-            "optimizer_steps": self.opt_steps,
-            "train": dataclasses.asdict(self.tc),
-        }
-        save_checkpoint(self.comm, self.tc.run_dir, step, self.state_tensors(), state)
+        state = {"step": step, "optimizer_steps": self.opt_steps}
+        save_checkpoint(self.comm, self.tc.run_dir, step, self.state_tensors(), state, self.run)
 
     def restore(self) -> int:
-        """Load the latest checkpoint; returns the first step still to run (0 when there is none)."""
-        found = load_checkpoint(self.tc.run_dir, self.comm.rank)
+        """Collective: load the latest checkpoint, every tensor checked by name, shape and dtype (nothing loads
+        loosely); a fault on any rank raises the same CheckpointError on all. Returns the first step to run."""
+        problem, found = None, None
+        try:
+            found = read_manifest(self.tc.run_dir)
+            if found is not None:
+                tensors = read_shard(*found, self.comm.rank)
+                shard = os.path.join(found[0], f"rank_{self.comm.rank}.safetensors")
+                check_tensors(shard, tensors, self.expected_tensors())
+                self.model.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("model.")})
+                optim = {k[6:]: v for k, v in tensors.items() if k.startswith("optim.")}
+                self.opt.load_state_tensors(optim, self.names)
+        except CheckpointError as exc:
+            problem = str(exc)
+        agree(self.comm, problem)
         if found is None:
             return 0
-        state, tensors = found
-        if state["world_size"] != self.comm.world_size:
-            raise ValueError(
-                f"resume: checkpoint has world size {state['world_size']}, this run {self.comm.world_size}"
-            )
-        self.model.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("model.")})
-        self.opt.load_state_tensors({k[6:]: v for k, v in tensors.items() if k.startswith("optim.")}, self.names)
+        state = found[1]["state"]
         self.opt_steps = state["optimizer_steps"]
         return state["step"]
 
@@ -324,12 +359,68 @@ def _metrics_file(run_dir: str, start: int) -> str:
     return path
 
 
+IDENTITY_FIELDS = (
+    "preset", "optimizer", "seed", "balance", "cp", "schedule_steps", "lr", "warmup", "weight_decay",
+    "grad_clip", "qk_clip_tau", "seq_len", "global_batch", "data", "max_data_bytes",
+)  # fmt: skip
+"""TrainConfig fields that decide the numbers: a resume must match the checkpointed run on each (and world size)."""
+
+
+def prepare_run(tc: TrainConfig, world_size: int) -> tuple[TrainConfig, dict | None]:
+    """Check the run folder against ``tc`` (pure file reads: every rank reaches the same verdict) and fix the
+    schedule length: the checkpointed run's when resuming, else ``steps``. Returns (tc, run.json to resume or
+    None). CheckpointError (one line): a checkpointed folder without ``resume``, or identity differences."""
+    recorded = read_run(tc.run_dir) if tc.resume else None
+    if tc.schedule_steps is None:
+        known = (recorded or {}).get("identity", {}).get("schedule_steps") if read_latest(tc.run_dir) else None
+        tc = dataclasses.replace(tc, schedule_steps=known or tc.steps)
+    run = check_run_dir(tc.run_dir, identity(tc, world_size), tc.resume)
+    return tc, run
+
+
+def identity(tc: TrainConfig, world_size: int) -> dict:
+    """What a checkpoint must agree on to be resumed by ``tc`` (``IDENTITY_FIELDS`` and the world size)."""
+    return {"world_size": world_size, **{k: getattr(tc, k) for k in IDENTITY_FIELDS}}
+
+
 def run_rank(comm, train: dict) -> dict:
-    """Body of every rank (module level for ``collectives.launch``). Returns rank 0's summary."""
-    torch.set_num_threads(1)
-    tc = TrainConfig(**train)
+    """Body of every rank (module level for ``collectives.launch``). Returns rank 0's summary. An exception
+    leaves its traceback in ``<run_dir>/errors/rank<R>.traceback`` (``moonep train`` prints that path)."""
+    try:
+        return _run_rank(comm, TrainConfig(**train))
+    except Exception as exc:
+        record_error(train.get("run_dir") or ".", comm.rank, exc)
+        raise
+
+
+def record_error(run_dir: str, rank: int, exc: BaseException) -> str:
+    """Write this rank's traceback (and a one-line JSON summary) under ``run_dir/errors``; returns the path."""
+    folder = os.path.join(run_dir, "errors")
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, f"rank{rank}.traceback")
+    with open(path, "w") as f:
+        f.write(traceback.format_exc())
+    summary = {"type": type(exc).__name__, "message": str(exc).splitlines()[0] if str(exc) else ""}
+    write_json(os.path.join(folder, f"rank{rank}.json"), {**summary, "bad_input": isinstance(exc, ValueError)})
+    return path
+
+
+def _start(comm, tc: TrainConfig) -> tuple[TrainConfig, Trainer, int]:
+    """Check the run folder, build the trainer, claim or resume the run: (tc, trainer, first step)."""
+    tc, run = prepare_run(tc, comm.world_size)
     trainer = Trainer(comm, tc)
-    start = trainer.restore() if tc.resume else 0
+    if comm.rank == 0:
+        clean_run_dir(tc.run_dir)  # a crash's leftovers, before anyone writes
+        if run is None:
+            run = claim_run(tc.run_dir, identity(tc, comm.world_size))
+    trainer.run = run  # rank 0 writes it into every manifest
+    comm.barrier()
+    return tc, trainer, trainer.restore() if tc.resume else 0
+
+
+def _run_rank(comm, tc: TrainConfig) -> dict:
+    torch.set_num_threads(1)
+    tc, trainer, start = _start(comm, tc)
     rank0 = comm.rank == 0
     if rank0:
         os.makedirs(tc.run_dir, exist_ok=True)
@@ -372,6 +463,7 @@ def train(tc: TrainConfig, *, timeout: float = 300.0) -> dict:
     """Launch ``tc.world_size`` local ranks (or join torchrun/mpiexec) and train; returns rank 0's summary."""
     if external_launcher() is None:  # under torchrun/mpiexec the launcher's size counts: Trainer checks it
         tc.check_fault_ranks(tc.world_size)
+        tc = prepare_run(tc, tc.world_size)[0]  # a bad run folder fails here, before any rank starts
     return launch(run_rank, tc.world_size, timeout=timeout, trace_dir=tc.trace_dir, train=dataclasses.asdict(tc))
 
 

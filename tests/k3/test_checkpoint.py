@@ -1,0 +1,275 @@
+"""Checkpoints that know their run and prove their bytes: every corrupt or foreign checkpoint is refused with one
+line naming the file and the fault; a kill at any point of a write leaves the previous step or the new one, never a
+mix. In-process cases use the world-size-1 gloo communicator (the same code path as many ranks); the kill points
+and the user-facing error run real ranks through the launcher."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from collectives import LaunchError, launch
+from k3 import checkpoint as ck
+from k3.train import TrainConfig, _start, prepare_run
+
+SMALL = dict(steps=1, val_every=1000, ckpt_every=0, progress=False, max_data_bytes=1 << 20, warmup=2, world_size=1)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory, comm1):
+    """A real one-step checkpoint of tiny at world size 1 (model + full optimizer state)."""
+    run_dir = str(tmp_path_factory.mktemp("ckpt") / "run")
+    tc, trainer, start = _start(comm1, TrainConfig(run_dir=run_dir, **SMALL))
+    trainer.step(0)
+    trainer.save(1)
+    return run_dir, trainer.state_tensors()
+
+
+def _copy(saved, tmp_path) -> str:
+    dst = str(tmp_path / "run")
+    shutil.copytree(saved[0], dst)
+    return dst
+
+
+def _shard(run_dir: str) -> str:
+    return os.path.join(run_dir, "checkpoints", "step_000001", "rank_0.safetensors")
+
+
+def _rehash(run_dir: str) -> None:
+    """What a buggy writer would leave: a shard whose manifest entry matches its (wrong) content."""
+    mpath = os.path.join(run_dir, "checkpoints", "step_000001", "manifest.json")
+    manifest = json.load(open(mpath))
+    data = open(_shard(run_dir), "rb").read()
+    manifest["shards"][0].update(sha256=hashlib.sha256(data).hexdigest(), bytes=len(data))
+    json.dump(manifest, open(mpath, "w"))
+
+
+def _resume(comm, run_dir: str, **kw):
+    return _start(comm, TrainConfig(run_dir=run_dir, resume=True, **{**SMALL, "steps": 2, **kw}))
+
+
+def _flip(run_dir):
+    path = _shard(run_dir)
+    data = bytearray(open(path, "rb").read())
+    data[-5] ^= 0x40  # inside the last tensor's bytes: safetensors itself would load it without complaint
+    open(path, "wb").write(bytes(data))
+
+
+def _truncate(run_dir):
+    path = _shard(run_dir)
+    data = open(path, "rb").read()
+    open(path, "wb").write(data[: len(data) // 3])
+
+
+def _garbage(run_dir):
+    open(_shard(run_dir), "wb").write(os.urandom(4096))
+    _rehash(run_dir)  # even with a matching checksum, garbage is refused by the parser, in one line
+
+
+def _edit_tensors(change):
+    def corrupt(run_dir):
+        tensors = load_file(_shard(run_dir))
+        change(tensors)
+        save_file(tensors, _shard(run_dir))
+        _rehash(run_dir)
+
+    return corrupt
+
+
+def _drop_optim(t):
+    del t[next(k for k in sorted(t) if k.startswith("optim.") and k.endswith(".momentum"))]
+
+
+def _extra_optim(t):
+    t["optim.model.norm.weight.exp_avg_max"] = torch.zeros(1)
+
+
+def _reshape_optim(t):
+    key = next(k for k in sorted(t) if k.endswith(".exp_avg"))
+    t[key] = torch.zeros(3)
+
+
+CORRUPTIONS = {
+    "flipped byte": (_flip, "sha256 differs"),
+    "truncated shard": (_truncate, "bytes, the manifest says"),
+    "garbage shard (rehashed)": (_garbage, "not a readable safetensors file"),
+    "optimizer key missing": (_edit_tensors(_drop_optim), "1 tensor(s) missing ['optim."),
+    "optimizer key extra": (_edit_tensors(_extra_optim), "1 unexpected ['optim.model.norm.weight.exp_avg_max']"),
+    "optimizer state reshaped": (_edit_tensors(_reshape_optim), "expected torch.float32"),
+}
+
+
+@pytest.mark.parametrize("case", list(CORRUPTIONS))
+def test_corrupt_shard_is_refused_in_one_line(saved, tmp_path, comm1, case):
+    """Would catch flipped bytes trained on, optimizer state loading loosely (restarting at zero, or a KeyError a
+    step later), and 30-line tracebacks from the parser."""
+    corrupt, words = CORRUPTIONS[case]
+    run_dir = _copy(saved, tmp_path)
+    corrupt(run_dir)
+    with pytest.raises(ck.CheckpointError) as info:
+        _resume(comm1, run_dir)
+    msg = str(info.value)
+    assert "\n" not in msg and words in msg and "rank_0.safetensors" in msg, msg
+
+
+def test_intact_checkpoint_restores_every_tensor(saved, tmp_path, comm1):
+    """The control for the cases above: the same copy, unharmed, restores bit for bit and resumes at step 1."""
+    run_dir = _copy(saved, tmp_path)
+    tc, trainer, start = _resume(comm1, run_dir)
+    assert start == 1 and tc.schedule_steps == 1  # the first run's --steps, not this run's 2
+    again = trainer.state_tensors()
+    assert set(again) == set(saved[1]) and all(torch.equal(again[k], saved[1][k]) for k in again)
+
+
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        (dict(optimizer="adamw"), "optimizer 'muon' in the checkpoint, 'adamw' now"),
+        (dict(seed=1), "seed 0 in the checkpoint, 1 now"),
+        (dict(balance="none"), "balance 'qb' in the checkpoint, 'none' now"),
+        (dict(cp=2, world_size=2), "cp 1 in the checkpoint, 2 now"),
+        (dict(world_size=2), "world_size 1 in the checkpoint, 2 now"),
+        (dict(preset="small"), "preset 'tiny' in the checkpoint, 'small' now"),
+        (dict(schedule_steps=50), "schedule_steps 1 in the checkpoint, 50 now"),
+    ],
+)
+def test_changed_flags_on_resume_are_named(saved, change, words):
+    """Each differing field is named (both values), before any rank starts: prepare_run is what train() runs."""
+    tc = TrainConfig(run_dir=saved[0], resume=True, **{**SMALL, **change})
+    with pytest.raises(ck.CheckpointError, match="differs from the checkpointed one") as info:
+        prepare_run(tc, tc.world_size)
+    assert words in str(info.value) and "\n" not in str(info.value)
+
+
+def test_reused_run_dir_without_resume_is_refused(saved):
+    with pytest.raises(ck.CheckpointError, match="pass --resume to continue it, or choose another --run-dir"):
+        prepare_run(TrainConfig(run_dir=saved[0], **SMALL), 1)
+
+
+@pytest.mark.parametrize("pointer", ["ABS", "../other/checkpoints/step_000001", "step_000001/../../x"])
+def test_pointer_outside_its_run_dir_is_never_followed(saved, tmp_path, pointer):
+    """latest.json must name a step folder of its own run dir: an absolute path (the old format) or a relative
+    escape would resume another run's files."""
+    run_dir = _copy(saved, tmp_path)
+    path = os.path.join(run_dir, "checkpoints", "latest.json")
+    latest = json.load(open(path))
+    latest["dir"] = os.path.join(saved[0], "checkpoints", "step_000001") if pointer == "ABS" else pointer
+    json.dump(latest, open(path, "w"))
+    with pytest.raises(ck.CheckpointError, match="never followed outside its own run folder"):
+        prepare_run(TrainConfig(run_dir=run_dir, resume=True, **SMALL), 1)
+
+
+def test_copied_run_dir_resumes_from_its_own_files(saved, tmp_path, comm1):
+    """A copy is a complete run: it resumes from the copy even when the original is damaged."""
+    original = _copy(saved, tmp_path / "a")
+    copy = str(tmp_path / "b")
+    shutil.copytree(original, copy)
+    _flip(original)
+    tc, trainer, start = _resume(comm1, copy)
+    assert start == 1
+
+
+def test_step_folder_from_another_run_is_refused(saved, tmp_path, comm1):
+    """A step folder copied in from another run (same layout, valid checksums) names the two run ids."""
+    run_dir = _copy(saved, tmp_path)
+    mpath = os.path.join(run_dir, "checkpoints", "step_000001", "manifest.json")
+    manifest = json.load(open(mpath))
+    manifest["run_id"] = "0" * 32
+    json.dump(manifest, open(mpath, "w"))
+    with pytest.raises(ck.CheckpointError, match="the files name different runs"):
+        _resume(comm1, run_dir)
+
+
+def test_leftovers_are_cleaned_at_start(saved, tmp_path):
+    """Temporary folders, stray temp files and step folders newer than the pointer go; the published step stays."""
+    run_dir = _copy(saved, tmp_path)
+    base = os.path.join(run_dir, "checkpoints")
+    for name in (".tmp-step_000002", "step_000002", "step_000009"):
+        os.makedirs(os.path.join(base, name))
+    open(os.path.join(base, "latest.json.tmp.123"), "w").close()
+    removed = ck.clean_run_dir(run_dir)
+    assert sorted(os.path.basename(p) for p in removed) == [
+        ".tmp-step_000002",
+        "latest.json.tmp.123",
+        "step_000002",
+        "step_000009",
+    ]
+    assert sorted(os.listdir(base)) == ["latest.json", "run.json", "step_000001"]
+
+
+# ------------------------------------------------------------------------------------- kills, on real ranks
+def _two_steps(comm, run_dir: str, kill: str) -> None:
+    """Rank body: step 1 published, then step 2 written with ``kill`` (``point:rank``) armed."""
+    if comm.rank == 0:
+        run = ck.claim_run(run_dir, {"world_size": comm.world_size})
+    else:
+        run = None
+    comm.barrier()
+    for step in (1, 2):
+        if step == 2:
+            os.environ["MOONEP_CHECKPOINT_KILL"] = kill
+        tensors = {"w": torch.full((64,), float(10 * step + comm.rank))}
+        ck.save_checkpoint(comm, run_dir, step, tensors, {"step": step}, run)
+
+
+KILLS = ["shard_partial:1", "shard_written:1", "digests_agreed:0", "manifest_written:0", "renamed:0"]
+KILLS.append("latest_written:0")
+
+
+@pytest.mark.parametrize("kill", KILLS)
+def test_kill_at_each_point_of_a_write_leaves_one_whole_step(tmp_path, kill):
+    """Every rank's shard after the kill belongs to the same step (1 or 2, whichever the pointer names) and
+    passes its checksum; leftovers are cleaned. Would catch a pointer moved before every shard is in, a shard
+    written into a published folder, or a rename that publishes half a step."""
+    run_dir = str(tmp_path / "run")
+    with pytest.raises(LaunchError) as info:
+        launch(_two_steps, 2, timeout=20, job_timeout=60, run_dir=run_dir, kill=kill)
+    assert f"exited with status {ck.KILL_STATUS}" in info.value.details or info.value.rank is not None
+    folder, manifest = ck.read_manifest(run_dir)
+    step = manifest["step"]
+    assert step == (2 if kill == "latest_written:0" else 1), (kill, step)
+    for rank in range(2):
+        assert torch.equal(ck.read_shard(folder, manifest, rank)["w"], torch.full((64,), float(10 * step + rank)))
+    ck.clean_run_dir(run_dir)
+    kept = ["latest.json", "run.json", "step_000001"] + (["step_000002"] if step == 2 else [])
+    assert sorted(os.listdir(os.path.join(run_dir, "checkpoints"))) == kept
+
+
+def test_rank_fault_reaches_the_user_as_one_line_on_every_rank(tmp_path):
+    """2 real ranks resume a checkpoint whose rank-1 shard is damaged: every rank raises the same error (rank 0's
+    names rank 1 and the file), `moonep train` prints one line with the traceback path and exits 2."""
+    from moonep.console import main
+
+    run_dir, data = str(tmp_path / "run"), tmp_path / "text"
+    data.mkdir()
+    for i in range(40):  # a small corpus: loads in milliseconds
+        (data / f"f{i}.txt").write_text(f"hello world {i}\n" * 20)
+    base = ["train", "--no-progress", "--data", str(data), "--world-size", "2", "--steps", "1", "--run-dir", run_dir]
+    assert main(base, packages=["k3"]) == 0
+    path = os.path.join(run_dir, "checkpoints", "step_000001", "rank_1.safetensors")
+    data = bytearray(open(path, "rb").read())
+    data[-3] ^= 1
+    open(path, "wb").write(bytes(data))
+    rc, err = _cli_err(main, [*base[:-4], "--steps", "2", *base[-2:], "--resume"])
+    assert rc == 2 and err.count("\n") == 1, err
+    assert err.startswith("error: rank 0: CheckpointError: rank 1: ") and "rank_1.safetensors: sha256" in err
+    trace = os.path.join(run_dir, "errors", "rank0.traceback")
+    assert f"(traceback: {trace})" in err and "Traceback" in open(trace).read()
+    for rank in range(2):  # every rank raised, none was left waiting
+        assert json.load(open(os.path.join(run_dir, "errors", f"rank{rank}.json")))["type"] == "CheckpointError"
+
+
+def _cli_err(main, argv):
+    import contextlib
+    import io
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        rc = main(argv, packages=["k3"])
+    return rc, err.getvalue()
