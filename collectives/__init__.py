@@ -9,11 +9,14 @@ Everything distributed in the toolkit takes a ``Communicator``; nothing else cal
 
     if __name__ == "__main__":
         print(launch(work, world_size=4))          # 4 local ranks over gloo; same script under torchrun/mpiexec
+
+    comm = from_group(group)                       # or wrap a process group your trainer already made
 """
 
 from collectives.base import REDUCE_OPS, CollectiveError, Communicator
 from collectives.launch import LaunchError, LaunchOptions, external_launcher, init, launch, local_rank, rank_device
 from collectives.topology import Topology
+from collectives.torch_backend import from_group
 from collectives.trace import TRACE_ENV, Tracer, read_trace
 
 __all__ = [
@@ -22,6 +25,7 @@ __all__ = [
     "REDUCE_OPS",
     "launch",
     "init",
+    "from_group",
     "LaunchError",
     "LaunchOptions",
     "external_launcher",

@@ -39,7 +39,7 @@ import torch.distributed as dist
 from collectives.base import CollectiveError, Communicator
 from collectives.mpi_backend import MPICommunicator, mpi_env_rank
 from collectives.nvshmem_backend import NVSHMEMCommunicator
-from collectives.torch_backend import init_torch
+from collectives.torch_backend import from_group, init_torch
 from collectives.trace import tracer_from_env
 
 BACKENDS = ("torch", "mpi", "nvshmem")
@@ -393,13 +393,19 @@ def init(
 ) -> Communicator:
     """This process's world communicator under torchrun, mpiexec, or alone (world size 1).
 
-    ``backend`` defaults to ``torch`` under torchrun or alone and to ``mpi`` under mpiexec. ``backend="torch"``
+    When torch.distributed is already initialised (the trainer called ``init_process_group``), the torch and
+    nvshmem backends adopt that default group (``from_group(None)``) instead of initialising again; closing the
+    result then leaves the group to its owner. ``backend`` defaults to ``torch`` under torchrun or alone and to
+    ``mpi`` under mpiexec. ``backend="torch"``
     under mpiexec bootstraps torch.distributed through MPI (rank 0's store address is broadcast); ``nvshmem``
     bootstraps NVSHMEM through a torch group.
     """
     launcher = external_launcher()
     backend = backend or ("mpi" if launcher == "mpi" else "torch")
     LaunchOptions(backend, timeout)  # argument checks
+    if backend != "mpi" and dist.is_initialized():  # the trainer already called init_process_group: adopt it
+        comm = from_group(None, timeout=timeout, validate=validate, trace_dir=trace_dir)
+        return NVSHMEMCommunicator(comm) if backend == "nvshmem" else comm
     if backend == "mpi":
         from mpi4py import MPI  # optional: mpi4py (the mpi extra); importing it initialises MPI
 

@@ -17,10 +17,19 @@ Every call is posted with ``async_op=True``; how it is waited on depends on wher
 
 When a rank fails under ``collectives.launch`` it writes ``moonep/failed/<rank>`` into the rendezvous store; a
 timed-out peer reads those keys to name it.
+
+Groups someone else made: ``from_group(group)`` wraps an existing process group (the trainer's, a DeviceMesh
+dimension's) without owning it: ``close()`` leaves it alone. Exit: a gloo process group still alive when the
+interpreter finalises can abort the process (SIGABRT, "terminate called without an active exception"): gloo's
+``pt_gloo_runloop`` thread may need the GIL after finalisation began, CPython then ends that thread with a forced
+unwind, and the unwind through a ``noexcept`` C++ frame calls ``std::terminate``. Plain torch does the same when
+``destroy_process_group`` is never called. So the first ``TorchCommunicator`` of a process registers an
+``atexit`` hook that destroys torch.distributed's groups (joining those threads) while Python is still whole.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 from datetime import timedelta
 
@@ -56,8 +65,31 @@ def _blocks_host(tensor: torch.Tensor) -> bool:
     return tensor.device.type != "cuda"
 
 
+_exit_hook_registered = False
+
+
+def _destroy_groups_at_exit() -> None:
+    """atexit: destroy every torch.distributed group still alive, before interpreter finalisation (module doc)."""
+    if dist.is_available() and dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # exiting anyway; a half-torn-down group must not turn a clean exit into an error
+            pass
+
+
+def _register_exit_hook() -> None:
+    global _exit_hook_registered
+    if not _exit_hook_registered:
+        atexit.register(_destroy_groups_at_exit)
+        _exit_hook_registered = True
+
+
 class TorchCommunicator(Communicator):
-    """A ``Communicator`` over a ``torch.distributed`` process group (default group unless ``group`` given)."""
+    """A ``Communicator`` over a ``torch.distributed`` process group (default group unless ``group`` given).
+
+    It does not own ``group``: ``close()`` destroys only groups this package created (``split``'s, and the world
+    group of ``init_torch``). Wrapping someone else's group is ``from_group``.
+    """
 
     backend = "torch"
     split_can_reorder = False  # torch.distributed.new_group numbers members in ascending global rank
@@ -82,6 +114,8 @@ class TorchCommunicator(Communicator):
         )
         self._has_gloo = "gloo" in str(dist.get_backend(group))
         self.owns_world = False  # set by init_torch: closing the world communicator ends torch.distributed
+        self.owns_group = False  # set by split: closing destroys the sub-group
+        _register_exit_hook()
 
     # ---------------------------------------------------------------- waiting
     def _wait(self, work, op: str, timeout: float, tensor: torch.Tensor) -> None:
@@ -205,20 +239,22 @@ class TorchCommunicator(Communicator):
         ranks = [self.group_ranks[m] for m in members]
         # Only members create the group (local synchronization), so colors can be built independently.
         group = dist.new_group(ranks, timeout=timedelta(seconds=self.timeout), use_local_synchronization=True)
-        return TorchCommunicator(
+        comm = TorchCommunicator(
             group, store=self.store, timeout=self.timeout, validate=self.validate, tracer=self.tracer
         )
+        comm.owns_group = True
+        return comm
 
     def close(self) -> None:
-        """Destroy this communicator's group; the world communicator from ``init_torch`` also ends
-        torch.distributed (so gloo's threads are joined before the interpreter exits)."""
+        """Destroy the group if this package made it (a ``split`` sub-group; the world communicator from
+        ``init_torch`` ends torch.distributed, so gloo's threads are joined before the interpreter exits).
+        A wrapped group (``from_group``, an adopted default group) stays alive for its owner."""
         super().close()
-        if self.group is not None:
+        if self.owns_group and self.group is not None and dist.is_initialized():
             dist.destroy_process_group(self.group)
-            self.group = None
         elif self.owns_world and dist.is_initialized():
             dist.destroy_process_group()
-        self.owns_world = False
+        self.owns_world = self.owns_group = False
 
 
 def init_torch(
@@ -252,6 +288,36 @@ def init_torch(
     )
     comm.owns_world = True
     return comm
+
+
+def from_group(group=None, *, timeout: float = 60.0, validate: bool = True, trace_dir=None) -> TorchCommunicator:
+    """A ``Communicator`` over an existing torch.distributed process group, which the caller keeps owning.
+
+    group: a ``ProcessGroup``, a 1-D ``DeviceMesh`` (its group), or None for the default (world) group; needs
+    ``init_process_group`` to have run. The communicator's ranks are ranks within ``group``. ``close()`` does not
+    destroy the group; at interpreter exit the groups still alive are destroyed (module docstring: the exit abort).
+    Failures are named through the default group's store when torch exposes it.
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "collectives.from_group needs torch.distributed.init_process_group() first "
+            "(or use collectives.init(), which initialises it)"
+        )
+    if group is not None and not isinstance(group, dist.ProcessGroup) and hasattr(group, "get_group"):
+        if getattr(group, "ndim", 1) != 1:
+            raise ValueError(f"from_group takes a 1-D DeviceMesh, got one with {group.ndim} dimensions")
+        group = group.get_group()
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise ValueError(f"from_group expects a torch ProcessGroup, a 1-D DeviceMesh or None, got {type(group)}")
+    if group is not None and dist.get_rank(group) < 0:
+        raise ValueError(f"this process (global rank {dist.get_rank()}) is not a member of the group it wraps")
+    try:
+        store = dist.distributed_c10d._get_default_store()
+    except Exception:  # a private accessor: without it peers' timeouts just cannot name the failed rank
+        store = None
+    return TorchCommunicator(
+        group, store=store, timeout=timeout, validate=validate, tracer=tracer_from_env(dist.get_rank(), trace_dir)
+    )
 
 
 def _loopback_only() -> bool:
