@@ -48,6 +48,7 @@ bench: $(VENV)/.dev
 GPU_PY ?= $(PY)
 GPU_TESTS = tests/k3/test_device.py tests/cp_kda/test_chunk.py tests/collectives/test_nvshmem.py \
 	tests/planner/test_plan.py tests/tools/test_telemetry.py tests/planner/test_device_plan.py \
+	tests/planner/test_device_slack.py \
 	tests/moonep/test_device_path.py
 GPU_PIP = nvidia-ml-py flash-linear-attention
 gpu-check:

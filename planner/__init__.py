@@ -8,6 +8,16 @@ balancer. See ``planner/README.md`` for the theorem and its proof.
 from .core import Plan, plan
 from .device import TensorPlan
 from .eplb import rebalance_experts
+from .slack import CostModel, row_bound
 from .verify import PlanVerificationError, verify
 
-__all__ = ["Plan", "PlanVerificationError", "TensorPlan", "plan", "rebalance_experts", "verify"]
+__all__ = [
+    "CostModel",
+    "Plan",
+    "PlanVerificationError",
+    "TensorPlan",
+    "plan",
+    "rebalance_experts",
+    "row_bound",
+    "verify",
+]

@@ -12,9 +12,9 @@ from typing import Any
 
 import numpy as np
 
-from . import _kernel
 from ._inputs import as_counts, check_shape, is_tensor, positive_int, topology_nodes
-from .device import plan_tensor
+from .device import host_plan, plan_tensor
+from .slack import CostModel, slack_num
 from .tables import Plan, make_plan, raise_error
 
 
@@ -26,6 +26,8 @@ def plan(
     token_padding: int = 1,
     previous: Plan | None = None,
     topology: Any = None,
+    slack: float | None = None,
+    cost: CostModel | None = None,
     defer_errors: bool = False,
 ) -> Plan:
     """Plan one MoE layer's step so that every rank computes exactly ``caps[r]`` routed rows.
@@ -46,11 +48,20 @@ def plan(
         gathering, and with it again pricing a copy at 1.25 weight_rows, keeping the plan with the fewest
         inter-node bytes; each destination is fed by its own rank's, then its own node's sources first.
         Host planner only: a tensor of counts with a topology is refused.
+    slack: σ >= 0: every rank computes at most ``ceil((1 + σ) * total / R)`` rows (``slack.row_bound``), with
+        replicas only where that bound needs them (``planner.slack``; the README's theorem with slack).
+        None (or 0) is the exact plan, bit for bit. Exclusive with ``caps`` and ``cost``.
+    cost: a ``CostModel``: plans ``cost.candidates`` slacks from 0 to ``cost.max_slack`` and keeps the one with
+        the least predicted layer time ``max_d(rows_d * row_seconds + copies_d * copy_seconds)`` (the exact plan
+        on ties); down to no replicas when the routing is already balanced. Exclusive with ``caps``.
     defer_errors: tensor counts only: leave an invalid plan's error in ``TensorPlan.err`` instead of raising
         (raising reads the device; a caller that reads the plan's tables anyway checks ``err`` in that read).
     """
+    num = _slack_option(caps, slack, cost)
     if is_tensor(slots_per_expert):
-        return _plan_tensor(slots_per_expert, caps, slots_per_rank, token_padding, previous, topology, defer_errors)
+        return _plan_tensor(
+            slots_per_expert, caps, slots_per_rank, token_padding, previous, topology, defer_errors, num, cost
+        )
     T = as_counts(slots_per_expert, "slots_per_expert", 2, check_sign=False)  # the kernel checks signs
     R, E, epn = check_shape(T)
     slots = epn if slots_per_rank is None else positive_int(slots_per_rank, "slots_per_rank")
@@ -71,17 +82,24 @@ def plan(
     node, num_nodes, weight_rows = np.zeros(0, np.int64), 0, 0
     if topology is not None:
         node, num_nodes, weight_rows = topology_nodes(topology, R)
-    # the three large tables come from numpy: it maps big arrays with huge pages (far fewer page faults)
-    keep, alloc, send = np.empty((R, E), np.int32), np.zeros((E, R), np.int32), np.zeros((R, R), np.int64)
-    out = _kernel.plan_arrays(
-        T, keep, alloc, send, caps_in, slots, pad, prev_donor, prev_copy, node, num_nodes, weight_rows
-    )
+    out = host_plan(T, caps_in, slots, pad, prev_donor, prev_copy, node, num_nodes, weight_rows, num, cost)
     counts, caps_out, alloc, donor, copy, cu, send, flows, err = out  # counts: the kernel's copy of T
     raise_error(err, slots)
     return make_plan(counts, caps_out, alloc, donor, copy, send, cu, flows, pad, epn)
 
 
-def _plan_tensor(T, caps, slots_per_rank, token_padding, previous, topology, defer_errors):
+def _slack_option(caps: Any, slack: Any, cost: Any) -> int | None:
+    """Check the slack options together -> σ as ``slack_num`` (None: no slack)."""
+    if cost is not None and not isinstance(cost, CostModel):
+        raise ValueError(f"cost must be a planner.CostModel, got {type(cost).__name__}")
+    if cost is not None and slack is not None:
+        raise ValueError("pass slack or cost, not both (cost chooses the slack per step)")
+    if caps is not None and (slack is not None or cost is not None):
+        raise ValueError("caps fix every rank's rows: they cannot be combined with slack or cost")
+    return None if slack is None else slack_num(slack)
+
+
+def _plan_tensor(T, caps, slots_per_rank, token_padding, previous, topology, defer_errors, num, cost):
     """``plan`` for tensor counts: checks that need no tensor data here, the rest in the kernel's ``err``."""
     if T.dim() != 2:
         raise ValueError(f"slots_per_expert must be 2-D [R, E], got shape {tuple(T.shape)}")
@@ -101,7 +119,7 @@ def _plan_tensor(T, caps, slots_per_rank, token_padding, previous, topology, def
             f"previous plan has shape E={previous.num_experts}, R={previous.num_ranks}, "
             f"slots={previous.slots_per_rank}; this plan needs E={E}, R={R}, slots={slots}"
         )
-    return plan_tensor(T, caps, slots, pad, previous, defer_errors)
+    return plan_tensor(T, caps, slots, pad, previous, defer_errors, num, cost)
 
 
-__all__ = ["Plan", "plan"]
+__all__ = ["CostModel", "Plan", "plan"]

@@ -363,6 +363,31 @@ def plan_reference(
     )
 
 
+def slack_reference(T, U: int, prev_donor=None):
+    """Twin of the slack pass (``planner.slack``), on lists: (caps [R], hint [R]) for the row bound U, or None
+    when some donor finds no receiver. A donor's candidates are sorted by (not fed last step, fits, room,
+    index): fed-last-step first, then the smallest room that holds the rest, else the largest room."""
+    T = [[int(v) for v in row] for row in np.asarray(T).tolist()]
+    R, E = len(T), len(T[0])
+    epn = E // R
+    g = [sum(T[r][e] for r in range(R) for e in range(h * epn, (h + 1) * epn)) for h in range(R)]
+    caps, hint = list(g), [-1] * R
+    room = [max(0, U - v) for v in g]
+    for h in sorted((h for h in range(R) if g[h] > U), key=lambda h: (-g[h], h)):
+        x, caps[h] = g[h] - U, U
+        while x > 0:
+            free = [u for u in range(R) if room[u] > 0]
+            if not free:
+                return None
+            sticky = [u for u in free if prev_donor is not None and prev_donor[u] == h]
+            pool = sticky or free
+            fits = [u for u in pool if room[u] >= x]
+            u = min(fits, key=lambda u: (room[u], u)) if fits else min(pool, key=lambda u: (-room[u], u))
+            t = min(room[u], x)
+            hint[u], caps[u], room[u], x = h, caps[u] + t, 0, x - t
+    return caps, hint
+
+
 def route_reference(plan, rank: int, topk_idx) -> tuple[list[int], list[int]]:
     """Plain-Python twin of ``Plan.route``: (dest_rank, dest_row) of each entry of flattened topk_idx."""
     T = plan.slots_per_expert.tolist()

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from ._inputs import as_counts
+from .slack import row_bound
 from .tables import Plan
 
 
@@ -114,16 +115,22 @@ def _check_routes(plan: Plan, T: np.ndarray) -> None:
     _require(np.unique(keys).size == keys.size, "two routed slots land on the same row")
 
 
-def verify(plan: Plan, slots_per_expert: Any, *, routes: bool = True) -> None:
+def verify(plan: Plan, slots_per_expert: Any, *, routes: bool = True, slack: float | None = None) -> None:
     """Raise PlanVerificationError unless ``plan`` keeps every guarantee for ``slots_per_expert`` [R, E].
 
     Checks: exact caps and conservation; one donor per receiver, <= epn replicas, slots = remote experts;
     layout and padding bound; send matrix margins; and (``routes=True``, O(total slots)) that routing every
     slot through ``plan.route`` is a bijection onto the real rows, consistent with ``send_counts``.
+    ``slack=σ`` (a plan made with ``slack=σ``, or with a ``CostModel`` whose max_slack is σ) also checks the
+    row bound: every rank computes at most ``row_bound(total, R, σ)`` rows.
     """
     if not isinstance(plan, Plan):
         raise PlanVerificationError(f"expected a Plan, got {type(plan).__name__}")
     T = as_counts(slots_per_expert, "slots_per_expert", 2)
+    if slack is not None:
+        bound = row_bound(int(T.sum()), T.shape[0], slack)
+        worst = int(plan.caps.max()) if plan.caps.size else 0
+        _require(worst <= bound, f"slack {slack}: a rank computes {worst} rows > the bound {bound}")
     _check_loads(plan, T)
     _check_donors(plan)
     _check_layout(plan)
