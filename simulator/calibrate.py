@@ -20,7 +20,8 @@ wall time one rank sees while all ``world_size`` local ranks do the same work at
 ``calibrate`` measures the kernel rates in its own process, launches ``measure_in_group`` (without them) on
 fresh ranks and turns the measurements into a profile with ``profile_from``; a job can call
 ``measure_in_group`` between its own steps instead, so that the profile and the steps see the same machine
-(the 20% test does). This is the only simulator module that imports torch (the rest of the simulator is numbers
+(the 20% test does). On a GPU it also measures the MoE fixed terms (``simulator.calibrate_moe``). This and
+``calibrate_moe`` are the only simulator modules that import torch (the rest of the simulator is numbers
 in, numbers out), and ``collectives`` and ``cp_kda`` inside the two functions that run them, as the layering's
 listed exceptions (``tests/test_layers.py``): it measures them.
 """
@@ -55,9 +56,13 @@ class CalibrationSizes:
     """KDA heads of the kernel measurement."""
     kda_head_dim: int = 16
     """KDA head width of the kernel measurement."""
+    experts: int = 8
+    """Routed experts of the MoE bookkeeping measurement (``simulator.calibrate_moe``, GPU only)."""
+    top_k: int = 2
+    """Experts per token of that measurement."""
 
     def __post_init__(self):
-        for name in ("tokens", "hidden", "seq_len", "kda_heads", "kda_head_dim"):
+        for name in ("tokens", "hidden", "seq_len", "kda_heads", "kda_head_dim", "experts", "top_k"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"CalibrationSizes.{name} must be a positive integer, got {getattr(self, name)!r}")
         if self.tokens % self.seq_len or self.tokens < 2:
@@ -76,6 +81,8 @@ class CalibrationSizes:
             seq_len=seq,
             kda_heads=spec.kda_heads or 2,
             kda_head_dim=spec.kda_head_dim or 16,
+            experts=spec.num_experts or 8,
+            top_k=spec.top_k or 2,
         )
 
 
@@ -446,6 +453,12 @@ def calibrate(
         torch.set_num_threads(1)  # as the training ranks run (idle pool threads would also bill CPU time)
     try:  # kernel rates here, alone and without a collective timeout (a large model's GEMM takes a while)
         measured = {**_kernel_rates(sizes, repeats, quick, device), **_settings(sizes, quick, device, 1)}
+        if device == "cuda":  # the MoE fixed terms (on CPU the host model's op census prices the MoE layer)
+            from simulator.calibrate_moe import measure_moe_fixed  # heavy: torch kernels, only on a GPU
+
+            measured["moe"] = measure_moe_fixed(
+                max(8, sizes.tokens), sizes.hidden, sizes.experts, sizes.top_k, repeats, device, measured["copy_tbps"]
+            )
         if world_size > 1:
             from collectives import launch  # layering exception: real ranks (listed in tests/test_layers.py)
 
@@ -497,6 +510,7 @@ def profile_from(measured: dict, backend: str = "torch") -> dict:
             "network": 1.0,
             "flash_attention": True,
             "gemm_half_gflop": 0.0,
+            **moe_terms(measured),
         },
         "measured": {
             "device": device,
@@ -508,8 +522,15 @@ def profile_from(measured: dict, backend: str = "torch") -> dict:
             "backend": backend,
             "quick": measured["quick"],
             "sizes": measured["sizes"],
+            "moe": measured.get("moe"),
         },
     }
+
+
+def moe_terms(measured: dict) -> dict:
+    """``moe_copy_ns`` / ``moe_layer_fixed_s`` efficiency entries when the MoE bookkeeping was measured."""
+    moe = measured.get("moe")
+    return {k: moe[k] for k in ("moe_copy_ns", "moe_layer_fixed_s")} if moe else {}
 
 
 def merge_profiles(*profiles: dict) -> dict:
