@@ -1,8 +1,10 @@
 """Drop-in adapters for code written against other EP libraries.
 
-``moonep.compat.deepep.Buffer`` (DeepEP V1 normal mode) and ``moonep.compat.megatron.MoonEPTokenDispatcher``
-(megatron-core's six-stage token dispatcher, with ``MoonEPDispatcherConfig`` and ``SequentialExperts``); the
-Megatron names are also importable from here, resolved on first use (torch is imported only then).
+``moonep.compat.deepep`` (DeepEP V1 normal mode: ``Buffer``, ``Config``, ``EventOverlap``, ``topk_idx_t``),
+``moonep.compat.deepep_v2`` (DeepEP V2: ``ElasticBuffer``, ``EPHandle``; also reachable as ``deepep.ElasticBuffer``
+as in ``deep_ep`` 2.x) and ``moonep.compat.megatron.MoonEPTokenDispatcher`` (megatron-core's six-stage token
+dispatcher, with ``MoonEPDispatcherConfig`` and ``SequentialExperts``); the Megatron names are also importable
+from here, resolved on first use (torch is imported only then).
 """
 
 from __future__ import annotations

@@ -1,43 +1,110 @@
 """DeepEP V1 normal-mode surface over a ``collectives.Communicator``, so code written for DeepEP runs unchanged.
 
-    from moonep.compat.deepep import Buffer                  # instead of: from deep_ep import Buffer
-    buffer = Buffer(comm)                                    # DeepEP takes a ProcessGroup: both are accepted
+    from moonep.compat import deepep as deep_ep             # instead of: import deep_ep
+    buffer = deep_ep.Buffer(group)                           # a ProcessGroup or a Communicator
     n_rank, n_rdma, n_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, num_experts)
-    recv_x, recv_idx, recv_w, per_expert, handle, _ = buffer.dispatch(
+    recv_x, recv_idx, recv_w, per_expert, handle, event = buffer.dispatch(
         x, num_tokens_per_rank=n_rank, is_token_in_rank=in_rank, num_tokens_per_expert=n_expert,
-        topk_idx=topk_idx, topk_weights=topk_weights)
+        topk_idx=topk_idx, topk_weights=topk_weights)    # x may be (fp8 rows [T, H], scales [T, S])
     y = experts(recv_x, recv_idx, recv_w)                    # the caller applies the routing weights
-    out, _, _ = buffer.combine(y, handle)                    # unweighted sum over the ranks the token visited
+    out, combined_w, event = buffer.combine(y, handle, topk_weights=recv_w)   # unweighted sum over visited ranks
+    grad_x, *_ = buffer.dispatch(grad, handle=handle)        # cached: the handle's layout, no top-k
 
-Semantics follow DeepEP's normal mode: experts live on their home rank (rank ``e // (E/R)``), a token travels once
-to every rank holding one of its experts, ``recv_topk_idx`` holds local expert ids (``-1`` for experts elsewhere),
-rows arrive grouped by source rank in rank order, each source's rows in token order, and ``combine`` returns the
-unweighted sum of the rows sent back (plus optional biases). This is the *unbalanced* classic path: use
-``moonep.Buffer`` for MoonEP's exact balance. ``handle`` is opaque to callers, as in DeepEP; its six fields hold
-``(rank_prefix_matrix [R,R], send_counts [R], recv_counts [R], recv_src_idx [N], is_token_in_rank [T,R],
-send_order [sum send])``. There are no CUDA events on this path: ``EventOverlap`` is a no-op placeholder, and the
-low-latency mode is not provided.
+Semantics follow DeepEP's intranode normal mode: experts live on their home rank (rank ``e // (E/R)``), a token
+travels once to every rank holding one of its experts, rows arrive grouped by source rank in rank order (each
+source's rows in token order), ``recv_topk_idx`` holds local expert ids with ``-1`` for experts elsewhere and
+``recv_topk_weights`` is zero in those slots (so combining the weights returns each weight once), the per-expert
+counts come from the senders' ``num_tokens_per_expert`` (aligned up to ``expert_alignment``), a fresh dispatch
+without ``topk_idx`` moves rows only, FP8 input ``(x, scales)`` moves the scales with their rows, and ``combine``
+returns the unweighted sum (reduced in fp32) of the rows sent back plus 0, 1 or 2 biases. Everything is
+allocated on the inputs' device. This is the *unbalanced* classic path: ``moonep.Buffer`` is MoonEP's exact
+balance. ``handle`` is a 6-tuple, opaque to callers as in DeepEP, with ``handle[0]`` DeepEP's
+``rank_prefix_matrix [R, R]`` (then send counts, receive counts, ``recv_src_idx``, ``is_token_in_rank``, send
+order). Tuning knobs (``Config``, SM counts, buffer byte sizes) are accepted and have nothing to tune here; the
+low-latency mode is not provided. DeepEP V2's ``ElasticBuffer`` is in ``moonep.compat.deepep_v2`` (also
+reachable as ``deepep.ElasticBuffer``, as in ``deep_ep`` 2.x).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from ._deepep_core import (
+    EventHandle,
+    EventOverlap,
+    Route,
+    check_bias,
+    combine_rows,
+    dispatch_layout,
+    plan_route,
+    split_fp8,
+)
 from ._group import as_communicator
 
+topk_idx_t = torch.int64
+"""dtype of ``topk_idx`` (as ``deep_ep.topk_idx_t``)."""
 
-class EventOverlap:
-    """DeepEP's event wrapper; operations here complete before they return, so waiting is a no-op."""
+__all__ = ["Buffer", "Config", "EventHandle", "EventOverlap", "topk_idx_t"]  # and, lazily, ElasticBuffer, EPHandle
 
-    def current_stream_wait(self) -> None:
-        return None
+
+@dataclass
+class Config:
+    """DeepEP's performance config (positional as ``deep_ep.Config``); kept for callers, nothing is chunked here."""
+
+    num_sms: int = 20
+    """SMs of the communication kernels (DeepEP requires an even count)."""
+    num_max_nvl_chunked_send_tokens: int = 6
+    """NVLink send chunk, tokens."""
+    num_max_nvl_chunked_recv_tokens: int = 256
+    """NVLink receive buffer, tokens."""
+    num_max_rdma_chunked_send_tokens: int = 6
+    """RDMA send chunk, tokens."""
+    num_max_rdma_chunked_recv_tokens: int = 256
+    """RDMA receive buffer, tokens."""
+
+    def __post_init__(self):
+        for name, value in vars(self).items():
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"Config.{name} must be a positive int, got {value!r}")
+        if self.num_sms % 2:
+            raise ValueError(f"Config.num_sms must be even (as in DeepEP), got {self.num_sms}")
+
+    def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
+        """Bytes of NVLink buffer this config needs: 0, the exchange allocates per call."""
+        return 0
+
+    def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
+        """Bytes of RDMA buffer this config needs: 0, the exchange allocates per call."""
+        return 0
+
+
+class _Handle(tuple):
+    """DeepEP's 6-tuple handle; ``padded_rows`` remembers a ``num_worst_tokens`` dispatch."""
+
+    route: Route
+    padded_rows: int
 
 
 class Buffer:
     """DeepEP-compatible expert-parallel buffer (normal mode) over ``group``, a Communicator or ProcessGroup."""
 
+    num_sms: int = 20
+    """Class-wide SM count, as ``deep_ep.Buffer.num_sms``; ``set_num_sms`` changes it."""
+
     def __init__(
-        self, group, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0, low_latency_mode: bool = False, **unused_tuning
+        self,
+        group,
+        num_nvl_bytes: int = 0,
+        num_rdma_bytes: int = 0,
+        low_latency_mode: bool = False,
+        num_qps_per_rank: int = 24,
+        allow_nvlink_for_low_latency_mode: bool = True,
+        allow_mnnvl: bool = False,
+        explicitly_destroy: bool = False,
+        enable_shrink: bool = False,
+        comm=None,
     ):
         if low_latency_mode:
             raise ValueError(
@@ -48,6 +115,41 @@ class Buffer:
         self.group_size = self.comm.world_size
         self.rank = self.comm.rank
         self.num_nvl_bytes, self.num_rdma_bytes, self.low_latency_mode = num_nvl_bytes, num_rdma_bytes, False
+        self.explicitly_destroy = explicitly_destroy
+
+    # ------------------------------------------------------------------------------------------ class knobs
+    @staticmethod
+    def set_num_sms(new_num_sms: int) -> None:
+        """Set the class-wide SM count (even, as DeepEP requires); configs made afterwards carry it."""
+        if not isinstance(new_num_sms, int) or new_num_sms <= 0 or new_num_sms % 2:
+            raise ValueError(f"the SM count must be a positive even int, got {new_num_sms!r}")
+        Buffer.num_sms = new_num_sms
+
+    @staticmethod
+    def get_dispatch_config(num_ranks: int) -> Config:
+        """The dispatch ``Config`` for ``num_ranks`` ranks (DeepEP's tuned chunk sizes have no role here)."""
+        if not isinstance(num_ranks, int) or num_ranks <= 0:
+            raise ValueError(f"num_ranks must be a positive int, got {num_ranks!r}")
+        return Config(Buffer.num_sms)
+
+    @staticmethod
+    def get_combine_config(num_ranks: int) -> Config:
+        """The combine ``Config`` for ``num_ranks`` ranks."""
+        return Buffer.get_dispatch_config(num_ranks)
+
+    @staticmethod
+    def capture() -> EventOverlap:
+        """An event on the current stream (CUDA), wrapped as DeepEP's ``EventOverlap``."""
+        return EventOverlap(EventHandle())
+
+    @staticmethod
+    def is_sm90_compiled() -> bool:
+        """True: the FP8 ``(x, scales)`` dispatch path exists on every device here (callers ask this for FP8)."""
+        return True
+
+    def get_comm_stream(self):
+        """The stream the exchanges run on: the current CUDA stream (None on CPU)."""
+        return torch.cuda.current_stream() if self.comm.device.type == "cuda" else None
 
     # ------------------------------------------------------------------------------------------ layout
     def get_dispatch_layout(
@@ -60,26 +162,14 @@ class Buffer:
     ):
         """topk_idx [T, K] (``-1`` = no expert) -> (num_tokens_per_rank [R] int32, None, num_tokens_per_expert
         [E] int32, is_token_in_rank [T, R] bool, event)."""
-        R = self.group_size
-        if num_experts % R:
-            raise ValueError(f"num_experts={num_experts} must be a multiple of the group size {R}")
-        if topk_idx.dim() != 2 or topk_idx.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"topk_idx must be an integer [T, K] tensor, got {topk_idx.dtype} {tuple(topk_idx.shape)}")
-        if ((topk_idx < -1) | (topk_idx >= num_experts)).any():
-            raise ValueError(f"topk_idx has expert ids outside [-1, {num_experts})")
-        idx = topk_idx.long()
-        valid = idx >= 0
-        rank_of = torch.where(valid, idx // (num_experts // R), torch.full_like(idx, R))
-        in_rank = torch.zeros(idx.shape[0], R + 1, dtype=torch.bool, device=idx.device)
-        in_rank.scatter_(1, rank_of, True)
-        in_rank = in_rank[:, :R].contiguous()
-        per_expert = torch.bincount(idx[valid], minlength=num_experts).to(torch.int32)
-        return in_rank.sum(0).to(torch.int32), None, per_expert, in_rank, EventOverlap()
+        _wait(previous_event)
+        per_rank, per_expert, in_rank = dispatch_layout(topk_idx, num_experts, self.group_size)
+        return per_rank, None, per_expert, in_rank, EventOverlap(EventHandle())
 
     # ------------------------------------------------------------------------------------------ dispatch
     def dispatch(
         self,
-        x: torch.Tensor,
+        x,
         handle=None,
         num_tokens_per_rank=None,
         num_tokens_per_rdma_rank=None,
@@ -94,42 +184,55 @@ class Buffer:
         async_finish: bool = False,
         allocate_on_comm_stream: bool = False,
     ):
-        """x [T, H] -> (recv_x [N, H], recv_topk_idx [N, K], recv_topk_weights [N, K], num_recv_tokens_per_expert
-        list, handle, event); with ``handle`` (cached mode) -> (recv_x, None, None, None, None, event)."""
-        if handle is not None:
-            rank_prefix, send_counts, recv_counts, _, _, order = handle
-            return self._exchange(x[order], send_counts, recv_counts), None, None, None, None, EventOverlap()
-        if topk_idx is None or is_token_in_rank is None or num_tokens_per_rank is None:
+        """x [T, H] or (fp8 [T, H], scales [T, S]) -> (recv_x (same form), recv_topk_idx [N, K] or None,
+        recv_topk_weights [N, K] fp32 or None, num_recv_tokens_per_expert_list, handle, event); with ``handle``
+        (cached mode, no top-k) -> (recv_x, None, None, None, None, event). ``num_worst_tokens`` pads the outputs
+        to that many rows (``-1`` ids, zero weights) and returns an empty count list, as DeepEP."""
+        _wait(previous_event)
+        rows, scales = split_fp8(x)
+        if expert_alignment < 1 or num_worst_tokens < 0:
             raise ValueError(
-                "a fresh dispatch needs topk_idx, is_token_in_rank and num_tokens_per_rank "
+                f"expert_alignment must be >= 1 and num_worst_tokens >= 0, got {expert_alignment}, {num_worst_tokens}"
+            )
+        if handle is not None:
+            if topk_idx is not None or topk_weights is not None:
+                raise ValueError("a cached dispatch (handle=...) takes no topk_idx/topk_weights, as in DeepEP")
+            route = _route_of(handle)
+            recv = [route.forward(self.comm, t) for t in (rows, scales) if t is not None]
+            recv = _pad_rows(recv, num_worst_tokens, (0,) * len(recv))
+            return _pack(recv), None, None, None, None, EventOverlap(EventHandle())
+        if num_tokens_per_rank is None or is_token_in_rank is None or num_tokens_per_expert is None:
+            raise ValueError(
+                "a fresh dispatch needs num_tokens_per_rank, is_token_in_rank and num_tokens_per_expert "
                 "(from get_dispatch_layout), or a cached handle"
             )
-        R, T = self.group_size, x.shape[0]
-        order = is_token_in_rank.t().nonzero()[:, 1]  # destination-major, token order within a destination
-        send_counts = num_tokens_per_rank.to(torch.int64)
-        if int(send_counts.sum()) != order.numel():
-            raise ValueError("num_tokens_per_rank does not match is_token_in_rank")
-        matrix = torch.empty(R, R, dtype=torch.int64, device=x.device)
-        self.comm.all_gather(matrix, send_counts.view(1, -1))  # matrix[i, j]: rows rank i sends to rank j
-        recv_counts = matrix[:, self.rank].clone()
-        if num_tokens_per_expert is None:
-            raise ValueError("num_tokens_per_expert (from get_dispatch_layout) is needed to localise expert ids")
-        epn = int(num_tokens_per_expert.numel()) // R
-        recv_x = self._exchange(x[order], send_counts, recv_counts)
-        recv_src_idx = self._exchange(
-            torch.arange(T, dtype=torch.int64, device=x.device)[order], send_counts, recv_counts
+        route, matrix, expert_totals, _ = plan_route(
+            self.comm, rows.shape[0], is_token_in_rank, num_tokens_per_rank, num_tokens_per_expert
         )
-        recv_idx = self._exchange(topk_idx.long()[order], send_counts, recv_counts)
-        local = recv_idx - self.rank * epn
-        recv_idx = torch.where((recv_idx >= 0) & (local >= 0) & (local < epn), local, torch.full_like(local, -1))
-        recv_w = None
-        if topk_weights is not None:
-            recv_w = self._exchange(topk_weights.float()[order], send_counts, recv_counts)
-        counts = torch.bincount(recv_idx[recv_idx >= 0], minlength=epn).tolist()
-        per_expert = [-(-c // expert_alignment) * expert_alignment for c in counts]
-        rank_prefix = matrix.cumsum(0).to(torch.int32)
-        handle = (rank_prefix, send_counts, recv_counts, recv_src_idx, is_token_in_rank, order)
-        return recv_x, recv_idx.to(topk_idx.dtype), recv_w, per_expert, handle, EventOverlap()
+        recv = [route.forward(self.comm, t) for t in (rows, scales) if t is not None]
+        src = route.forward(self.comm, torch.arange(rows.shape[0], dtype=torch.int32, device=rows.device))
+        recv_idx = recv_w = None
+        if topk_idx is not None:
+            recv_idx, recv_w = route.localise(self.comm, topk_idx, topk_weights, expert_totals.numel())
+        elif topk_weights is not None:
+            raise ValueError("topk_weights without topk_idx: the weights' slots need their expert ids")
+        counts = [-(-int(c) // expert_alignment) * expert_alignment for c in expert_totals.tolist()]
+        handle = _Handle(
+            (
+                matrix.cumsum(0).to(torch.int32),
+                route.send_counts,
+                route.recv_counts,
+                src,
+                is_token_in_rank,
+                route.send_order,
+            )
+        )
+        handle.route, handle.padded_rows = route, num_worst_tokens
+        if num_worst_tokens:
+            recv = _pad_rows(recv, num_worst_tokens, (0,) * len(recv))
+            recv_idx, recv_w = _pad_rows([recv_idx, recv_w], num_worst_tokens, (-1, 0))
+            counts = []
+        return _pack(recv), recv_idx, recv_w, counts, handle, EventOverlap(EventHandle())
 
     # ------------------------------------------------------------------------------------------ combine
     def combine(
@@ -143,27 +246,61 @@ class Buffer:
         async_finish: bool = False,
         allocate_on_comm_stream: bool = False,
     ):
-        """x [N, H] (rows as dispatched) -> (combined_x [T, H] unweighted sum over visited ranks (+ bias),
-        combined_topk_weights [T, K] or None, event)."""
-        _, send_counts, recv_counts, _, in_rank, order = handle
-        T = in_rank.shape[0]
-        if x.shape[0] != int(recv_counts.sum()):
-            raise ValueError(f"combine got {x.shape[0]} rows, the handle dispatched {int(recv_counts.sum())}")
-        back = self._exchange(x, recv_counts, send_counts)
-        out = torch.zeros(T, *x.shape[1:], dtype=x.dtype, device=x.device).index_add_(0, order, back)
-        for b in bias if isinstance(bias, (tuple, list)) else [bias] if bias is not None else []:
-            out += b
-        weights = None
+        """x [N, H] (rows as dispatched; a ``num_worst_tokens`` dispatch may pass its padded rows) ->
+        (combined_x [T, H] unweighted sum over visited ranks (+ biases), combined_topk_weights [T, K] fp32 or
+        None, event)."""
+        _wait(previous_event)
+        route = _route_of(handle)
+        n = route.num_received
+        if isinstance(x, (tuple, list)):
+            raise ValueError("combine takes unquantised rows (DeepEP's combine has no FP8 input)")
+        if x.shape[0] != n and not (handle.padded_rows and x.shape[0] == handle.padded_rows):
+            raise ValueError(f"combine got {x.shape[0]} rows, the handle dispatched {n}")
         if topk_weights is not None:
-            w = self._exchange(topk_weights.float(), recv_counts, send_counts)
-            weights = torch.zeros(T, w.shape[1], device=w.device).index_add_(0, order, w)
-        return out, weights, EventOverlap()
-
-    def _exchange(self, rows: torch.Tensor, send_counts, recv_counts) -> torch.Tensor:
-        out = torch.empty(int(recv_counts.sum()), *rows.shape[1:], dtype=rows.dtype, device=rows.device)
-        # splits are consistent by construction (exchanged counts): skip the argument header
-        self.comm.all_to_all_single(out, rows.contiguous(), recv_counts.tolist(), send_counts.tolist(), validate=False)
-        return out
+            topk_weights = topk_weights[:n]
+        out, weights = combine_rows(self.comm, route, x[:n], topk_weights, check_bias(bias, route.num_tokens, x))
+        return out, weights, EventOverlap(EventHandle())
 
     def destroy(self) -> None:
-        """DeepEP frees its NVSHMEM buffers here; nothing to free on this path."""
+        """DeepEP frees its NVSHMEM buffers here; there are none on this path."""
+
+
+def _route_of(handle) -> Route:
+    route = getattr(handle, "route", None)
+    if route is None:
+        raise ValueError("handle must be the one returned by this adapter's dispatch")
+    return route
+
+
+def _wait(previous_event) -> None:
+    if previous_event is not None:
+        previous_event.current_stream_wait()
+
+
+def _pack(recv: list):
+    return recv[0] if len(recv) == 1 else (recv[0], recv[1])
+
+
+def _pad_rows(tensors: list, rows: int, fills: tuple) -> list:
+    """Pad each tensor (or None) to ``rows`` rows with its fill value; ``rows == 0`` leaves them alone."""
+    if not rows:
+        return tensors
+    out = []
+    for t, value in zip(tensors, fills):
+        if t is None:
+            out.append(None)
+            continue
+        if t.shape[0] > rows:
+            raise ValueError(f"num_worst_tokens={rows} is below the {t.shape[0]} rows received")
+        pad = torch.full((rows - t.shape[0], *t.shape[1:]), value, dtype=t.dtype, device=t.device)
+        out.append(torch.cat([t, pad]))
+    return out
+
+
+def __getattr__(name: str):
+    """``ElasticBuffer`` and ``EPHandle`` live in ``deepep_v2``; reachable here as in ``deep_ep`` 2.x."""
+    if name in ("ElasticBuffer", "EPHandle"):
+        from . import deepep_v2  # heavy: only when the V2 names are asked for (deepep_v2 imports this module)
+
+        return getattr(deepep_v2, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
