@@ -1,7 +1,7 @@
 """Groups the trainer owns: ``collectives.init()`` adopts an initialised default group, ``from_group`` wraps a
-sub-group, closing either leaves the group alive, and the process exits cleanly without the trainer calling
-``destroy_process_group`` (gloo used to abort some exits with SIGABRT, "terminate called without an active
-exception"; see collectives/torch_backend.py). Real torchrun jobs, 2 gloo ranks."""
+sub-group and a 1-D DeviceMesh, closing either leaves the group alive, and the process exits cleanly without the
+trainer calling ``destroy_process_group`` (gloo used to abort some exits with SIGABRT, "terminate called without
+an active exception"; see collectives/torch_backend.py). Real torchrun jobs, 2 gloo ranks."""
 
 import json
 import os
@@ -37,5 +37,6 @@ def test_wrapped_groups_work_and_every_exit_is_clean():
             assert r["comm"] == [r["rank"], 2, 2]  # sub-group rank, its size, adopted world size
             assert r["exchange_ok"] and r["sum"] == 3.0 and r["gathered"] == [0, 1]
             assert r["group_alive_after_close"] == 2.0  # close() did not destroy the trainer's group
+            assert r["mesh"] == [r["rank"], 2, 1.0]  # a 1-D DeviceMesh wraps as its group
             before, bad_type = r["errors"]
             assert "init_process_group() first" in before and "ProcessGroup, a 1-D DeviceMesh or None" in bad_type

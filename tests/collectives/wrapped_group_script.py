@@ -7,6 +7,7 @@ import os
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 import collectives
 
@@ -31,6 +32,10 @@ def main() -> None:
     adopted = collectives.init(timeout=30)
     sub = dist.new_group(list(range(world)))
     comm = collectives.from_group(sub, timeout=30)
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))  # torchtitan hands over ep_mesh
+    on_mesh = collectives.from_group(mesh, timeout=30)
+    mesh_sum = torch.tensor([float(rank)])
+    on_mesh.all_reduce(mesh_sum)
     rows = torch.arange(4 * world, dtype=torch.float32) + 100 * rank
     got = torch.empty_like(rows)
     comm.all_to_all_single(got, rows, [4] * world, [4] * world)
@@ -51,6 +56,7 @@ def main() -> None:
         "sum": total.item(),
         "gathered": ranks.tolist(),
         "group_alive_after_close": after.item(),
+        "mesh": [on_mesh.rank, on_mesh.world_size, mesh_sum.item()],
         "errors": errors,
     }
     os.write(1, ("RESULT " + json.dumps(result) + "\n").encode())
