@@ -193,6 +193,8 @@ def v1_surface(comm) -> str | None:
     x = torch.zeros(T, H)
     _, _, _, _, handle, _ = buf.dispatch(x, None, n_rank, None, in_rank, n_expert, idx)
     for call, needle in (
+        (lambda: buf.get_dispatch_layout(torch.tensor([[0, E]]), E), "outside"),
+        (lambda: buf.get_dispatch_layout(torch.tensor([[0.0, 1.0]]), E), "integer"),
         (lambda: buf.dispatch(x, handle=handle, topk_idx=idx), "takes no topk_idx"),
         (lambda: buf.combine((x, x), handle), "no FP8 input"),
         (lambda: buf.dispatch(x), "fresh dispatch needs"),
