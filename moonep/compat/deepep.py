@@ -206,6 +206,8 @@ class Buffer:
                 "a fresh dispatch needs num_tokens_per_rank, is_token_in_rank and num_tokens_per_expert "
                 "(from get_dispatch_layout), or a cached handle"
             )
+        if topk_weights is not None and topk_idx is None:
+            raise ValueError("topk_weights without topk_idx: the weights' slots need their expert ids")
         route, matrix, expert_totals, _ = plan_route(
             self.comm, rows.shape[0], is_token_in_rank, num_tokens_per_rank, num_tokens_per_expert
         )
@@ -214,8 +216,6 @@ class Buffer:
         recv_idx = recv_w = None
         if topk_idx is not None:
             recv_idx, recv_w = route.localise(self.comm, topk_idx, topk_weights, expert_totals.numel())
-        elif topk_weights is not None:
-            raise ValueError("topk_weights without topk_idx: the weights' slots need their expert ids")
         counts = [-(-int(c) // expert_alignment) * expert_alignment for c in expert_totals.tolist()]
         handle = _Handle(
             (
