@@ -116,7 +116,10 @@ class Communicator(abc.ABC):
         self.validate = validate
         self.global_rank = self.group_ranks[rank] if global_rank is None else global_rank
         self.tracer = tracer if tracer is not None else tracer_from_env(self.global_rank)
+        if self.tracer is not None and self.tracer.world_size is None and self.group_ranks == tuple(range(world_size)):
+            self.tracer.world_size = world_size  # the world communicator comes first; sub-groups never set it
         self.link_delays = link_delays_from_env()  # {(src, dst) global ranks: seconds}; empty = no injection
+        self._validated = 0  # validated calls entered on this group (``_mark_arrival``)
 
     # ---------------------------------------------------------------- backend primitives (checked input)
     @abc.abstractmethod
@@ -169,6 +172,29 @@ class Communicator(abc.ABC):
 
     def report_failure(self, message: str) -> None:
         """Tell peers that this rank failed, so their timeouts can name it. Best effort; backends may ignore."""
+
+    def _mark_arrival(self, count: int) -> None:
+        """Record that this rank entered its ``count``-th validated call on this group (where peers can read it
+        after a timeout). Best effort; backends without a shared store ignore it."""
+
+    def _arrivals(self) -> dict[int, int] | None:
+        """``{group rank: validated calls entered}`` as recorded by ``_mark_arrival``; None when unknown."""
+        return None
+
+    def _name_absent(self, exc: CollectiveError, op: str) -> CollectiveError:
+        """``exc`` with the ranks that never reached this call named (their arrival count is behind ours)."""
+        seen = self._arrivals()
+        if not seen:
+            return exc
+        absent = [self.group_ranks[r] for r in range(self.world_size) if seen.get(r, 0) < self._validated]
+        if not absent:
+            return exc
+        return CollectiveError(
+            f"{op} on rank {self.global_rank}: rank(s) {absent} never reached it (stuck or busy before it, or "
+            f"dead); the argument header's exchange said: {exc}",
+            op=exc.op,
+            failed_ranks=sorted(set(exc.failed_ranks) | set(absent)),
+        )
 
     # ---------------------------------------------------------------- public API
     def all_to_all_single(
@@ -250,8 +276,10 @@ class Communicator(abc.ABC):
         self._agree("broadcast", problem, tensor, tensor, src=src, validate=validate, timeout=timeout)
         return self._timed("broadcast", tensor.numel() * tensor.element_size(), self._broadcast, tensor, src, timeout)
 
-    def barrier(self, *, timeout: float | None = None) -> None:
-        """Wait until every rank of the group has arrived."""
+    def barrier(self, *, timeout: float | None = None, validate: bool | None = None) -> None:
+        """Wait until every rank of the group has arrived. Validated like every collective: a rank that calls
+        another collective meanwhile is named on every rank, and so is a rank that never arrives."""
+        self._agree("barrier", None, None, None, validate=validate, timeout=timeout)
         self._timed("barrier", 0, self._barrier, timeout)
 
     def send(self, tensor: torch.Tensor, dst: int, *, timeout: float | None = None) -> None:
@@ -415,7 +443,12 @@ class Communicator(abc.ABC):
             mine[:_HEADER] = torch.tensor([0 if ok else 1, _OP_CODE[op], 0, 0, 0, 0, src, extra])
         device = self._header_device()
         header = torch.empty(w, mine.numel(), dtype=torch.int64, device=device)
-        self._timed("validate", header.numel() * 8, self._all_gather, header, mine.view(1, -1).to(device), timeout)
+        self._validated += 1
+        self._mark_arrival(self._validated)
+        try:
+            self._timed("validate", header.numel() * 8, self._all_gather, header, mine.view(1, -1).to(device), timeout)
+        except CollectiveError as exc:
+            raise self._name_absent(exc, op) from exc
         header = header.cpu()
         if problem:
             raise ValueError(f"{op} on rank {self.rank}: {problem}")
@@ -436,8 +469,13 @@ class Communicator(abc.ABC):
         if op == "split":
             return None
         for col, what in ((2, "dtype"), (3, "elements per row"), (7, "reduce op")):
-            if len(set(header[:, col].tolist())) > 1:
-                return f"ranks disagree on {what}: {header[:, col].tolist()}"
+            values = header[:, col].tolist()
+            if len(set(values)) > 1:
+                if col == 2:  # names, not the header's internal codes
+                    values = [str(_DTYPES[c - 1]) if 0 < c <= len(_DTYPES) else f"code {c}" for c in values]
+                elif col == 7:
+                    values = [REDUCE_OPS[c] if 0 <= c < len(REDUCE_OPS) else f"code {c}" for c in values]
+                return f"ranks disagree on {what}: " + ", ".join(f"rank {r} {v}" for r, v in enumerate(values))
         if op == "all_to_all_single":
             ins, outs = header[:, _HEADER : _HEADER + w], header[:, _HEADER + w :]
             if not torch.equal(ins, outs.t()):

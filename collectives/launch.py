@@ -173,6 +173,8 @@ def launch(
 def _launch_spawn(fn, world_size: int, opts: LaunchOptions, kwargs: dict, job_timeout: float | None):
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="moonep-launch-") as tmp:
+        with open(os.path.join(tmp, "fn_name"), "w") as f:
+            f.write(f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', fn)}")
         procs = [
             ctx.Process(target=_spawned_rank, args=(rank, world_size, tmp, fn, kwargs, opts), name=f"moonep-rank{rank}")
             for rank in range(world_size)
@@ -221,6 +223,7 @@ def _spawned_rank(rank: int, world_size: int, tmp: str, fn, kwargs: dict, opts: 
     try:
         torch.set_num_threads(opts.threads_per_rank)
         comm = _rank_communicator(rank, world_size, tmp, opts)
+        open(os.path.join(tmp, f"rank{rank}.started"), "w").close()  # fn was found and is running: see _failure
         result = fn(comm, **kwargs)
         if rank == 0:
             _write_result(tmp, result)
@@ -289,6 +292,12 @@ def _failure(tmp: str, first_rank: int, exitcode: int | None) -> LaunchError:
     if first_rank not in reports[".peer"] and exitcode is not None and exitcode != 0 and first_rank >= 0:
         if exitcode < 0:
             return LaunchError(first_rank, f"killed by signal {signal.Signals(-exitcode).name}")
+        if os.path.exists(os.path.join(tmp, f"rank{first_rank}.started")):
+            return LaunchError(
+                first_rank,
+                f"exited with status {exitcode} while running {_fn_name(tmp)} without raising a Python exception "
+                f"(os._exit, or a C extension ending the process; see its stderr above)",
+            )
         return LaunchError(
             first_rank,
             f"exited with status {exitcode} before reporting an error: it failed "
@@ -301,6 +310,15 @@ def _failure(tmp: str, first_rank: int, exitcode: int | None) -> LaunchError:
         rank = min(reports[".peer"])
         return LaunchError(rank, reports[".peer"][rank])
     return LaunchError(None, f"exited with status {exitcode} without a Python traceback")
+
+
+def _fn_name(tmp: str) -> str:
+    """How the failure message names the job's function (it is in the parent: the launch call knows it)."""
+    try:
+        with open(os.path.join(tmp, "fn_name")) as f:
+            return f.read() or "fn"
+    except OSError:
+        return "fn"
 
 
 def _terminate(procs, grace_s: float = 2.0) -> None:
@@ -323,6 +341,8 @@ def _write_result(tmp: str, result: Any) -> None:
 
 def _read_result(tmp: str) -> Any:
     # Only ever a file that rank 0 of this very job wrote into our private temporary folder.
+    if not os.path.exists(os.path.join(tmp, "result.pkl")):
+        raise LaunchError(0, "exited with status 0 without returning a result (os._exit(0) inside fn?)")
     with open(os.path.join(tmp, "result.pkl"), "rb") as f:
         return pickle.load(f)
 

@@ -16,7 +16,9 @@ Every call is posted with ``async_op=True``; how it is waited on depends on wher
   since the host no longer waits for each op to finish.
 
 When a rank fails under ``collectives.launch`` it writes ``moonep/failed/<rank>`` into the rendezvous store; a
-timed-out peer reads those keys to name it.
+timed-out peer reads those keys to name it. Before each validated call's header exchange every member also
+writes its count of validated calls on the group (``moonep/arrived/...``), so on a timeout the header exchange
+names the ranks whose count is behind: the ones that never arrived (asleep, stuck in other work, or dead).
 
 Groups someone else made: ``from_group(group)`` wraps an existing process group (the trainer's, a DeviceMesh
 dimension's) without owning it: ``close()`` leaves it alone. Exit: a gloo process group still alive when the
@@ -44,6 +46,10 @@ _REDUCE = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.Reduc
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 FAILED_KEY = "moonep/failed/{}"
+ARRIVAL_KEY = "moonep/arrived"
+"""Store prefix under which each member of a group records how many validated calls it has entered, so that a
+timed-out peer can name the ranks that never arrived."""
+_GROUPS_MADE: dict[str, int] = {}
 
 
 def _movable(t: torch.Tensor) -> torch.Tensor:
@@ -115,6 +121,11 @@ class TorchCommunicator(Communicator):
         self._has_gloo = "gloo" in str(dist.get_backend(group))
         self.owns_world = False  # set by init_torch: closing the world communicator ends torch.distributed
         self.owns_group = False  # set by split: closing destroys the sub-group
+        # Members build the groups over the same ranks in the same order, so (ranks, n-th such group) names this
+        # group alike on every member: the store key under which each member records its arrivals.
+        key = ",".join(map(str, self.group_ranks))
+        _GROUPS_MADE[key] = _GROUPS_MADE.get(key, 0) + 1
+        self._arrival_prefix = f"{ARRIVAL_KEY}/{key}#{_GROUPS_MADE[key]}/"
         _register_exit_hook()
 
     # ---------------------------------------------------------------- waiting
@@ -156,6 +167,25 @@ class TorchCommunicator(Communicator):
             except Exception:  # the store may be gone with the failed rank; naming is best effort
                 break
         return found
+
+    def _mark_arrival(self, count: int) -> None:
+        if self.store is not None and self.world_size > 1:
+            try:
+                self.store.set(f"{self._arrival_prefix}{self.rank}", str(count))
+            except Exception:  # naming a late rank is best effort; the collective itself decides the outcome
+                pass
+
+    def _arrivals(self) -> dict[int, int] | None:
+        if self.store is None:
+            return None
+        seen = {}
+        try:
+            for r in range(self.world_size):
+                key = f"{self._arrival_prefix}{r}"
+                seen[r] = int(self.store.get(key)) if self.store.check([key]) else 0
+        except Exception:  # the store may be gone with a dead rank 0
+            return None
+        return seen
 
     def report_failure(self, message: str) -> None:
         if self.store is not None:

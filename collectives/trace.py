@@ -20,6 +20,10 @@ field          type    meaning
 ``peer``       int     ``send``/``recv`` only: global rank of the other side
 =============  ======  =================================================================================
 
+The first line a tracer writes is its header, ``{"op": "header", "kind": "header", "rank", "world_size", ...}``
+(``world_size``: ranks of the job, set by the world communicator; null when the tracer never met one), so a
+reader knows which rank files should be there (``moonep diagnose`` reports missing ones). ``read_trace`` skips it.
+
 Workloads add their own records (compute phases, data loading) with ``Tracer.record_event(op, t_enter, t_exit,
 **fields)``: same fields, ``bytes`` 0 and ``group`` ``[rank]`` unless given, plus whatever ``fields`` holds
 (for example ``{"op": "forward", "layer": "moe", ...}``). Readers must ignore fields they do not know.
@@ -54,6 +58,9 @@ class Tracer:
         """Training step stamped on every record (set by the training loop)."""
         self.flush_seconds = 1.0
         self._last_flush = time.time()
+        self.world_size: int | None = None
+        """Ranks of the job, for the header (the world communicator sets it before the first record)."""
+        self._header_written = False
 
     def record(
         self,
@@ -105,6 +112,12 @@ class Tracer:
 
     def flush(self) -> None:
         self._last_flush = time.time()
+        if self._pending and not self._header_written:
+            self._header_written = True
+            now = time.time()
+            header = {"op": "header", "kind": "header", "rank": self.rank, "world_size": self.world_size}
+            header.update(t_enter=now, t_exit=now, step=None)
+            self._pending.insert(0, json.dumps(header))
         if self._pending:
             with open(self.path, "a") as f:
                 f.write("\n".join(self._pending) + "\n")
@@ -133,6 +146,7 @@ def tracer_from_env(rank: int, trace_dir: str | os.PathLike | None = None) -> Tr
 
 
 def read_trace(path: str | os.PathLike) -> list[dict]:
-    """Records of one ``rank<N>.jsonl`` file (plain JSON, never pickle)."""
+    """Op records of one ``rank<N>.jsonl`` file (plain JSON, never pickle); header lines are left out."""
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        records = [json.loads(line) for line in f if line.strip()]
+    return [r for r in records if r.get("kind") != "header"]

@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import sys
+import time
 
 from moonep_base import write_json
 
@@ -95,12 +96,13 @@ def _train(args: argparse.Namespace) -> int:
             data_delays=tuple(parse_data_delays(args.inject_data_delay)),
             link_delays=tuple(parse_link_delay_specs(args.inject_link_delay)),
         )
+        started = time.time()
         out = train(tc)
     except ValueError as exc:  # bad flags or run folder: one line naming the problem, no traceback
         print(f"error: {str(exc).splitlines()[0]}", file=sys.stderr)
         return 2
     except LaunchError as exc:  # a rank failed: its one line, and where its own traceback is
-        line, code = rank_error(tc.run_dir, exc)
+        line, code = rank_error(tc.run_dir, exc, started)
         print(line, file=sys.stderr)
         return code
     if out["rank"] != 0:  # under torchrun/mpiexec every rank returns here; rank 0 speaks
@@ -114,11 +116,12 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
-def rank_error(run_dir: str, exc) -> tuple[str, int]:
+def rank_error(run_dir: str, exc, started: float = 0.0) -> tuple[str, int]:
     """(one line for the user, exit status) for a ``LaunchError``: the failing rank's own message and the path of
-    the traceback it left in ``run_dir/errors`` (k3.train.record_error); 2 when the rank rejected its input."""
+    the traceback it left in ``run_dir/errors`` (k3.train.record_error; one older than ``started`` is another
+    run's and is not used); 2 when the rank rejected its input."""
     summary = os.path.join(run_dir, "errors", f"rank{exc.rank}.json")
-    if exc.rank is not None and os.path.exists(summary):
+    if exc.rank is not None and os.path.exists(summary) and os.path.getmtime(summary) >= started - 1:
         with open(summary) as f:  # our own rank wrote it, just now
             info = json.load(f)
         trace = os.path.join(run_dir, "errors", f"rank{exc.rank}.traceback")

@@ -6,13 +6,15 @@
     moonep straggler-demo --world-size 4 --steps 40 --inject-slowdown rank=2,factor=1.3,from_step=10
     moonep bench telemetry --json telemetry.json
 
-Exit status: 0 no finding, 1 findings (scripts can alert on it), 2 usage or input errors.
+Exit status: 0 no finding, 1 findings (scripts can alert on it), 2 usage or input errors, and for an empty
+trace or (without ``--partial``) an incomplete one: an expected rank missing, a rank short of steps, a dropped line.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import tempfile
@@ -38,7 +40,16 @@ def register(commands, bench) -> None:
     d.add_argument("--follow", action="store_true", help="tail the files of a running job and print alerts")
     d.add_argument("--interval", type=float, default=1.0, help="--follow: seconds between polls")
     d.add_argument("--max-seconds", type=float, help="--follow: stop after this long (default: until Ctrl-C)")
-    d.add_argument("--world-size", type=int, help="`diagnose probe --world-size N` runs the pairwise probe")
+    d.add_argument(
+        "--world-size",
+        type=int,
+        help="ranks the job had (default: the trace's header); `diagnose probe --world-size N` runs the probe",
+    )
+    d.add_argument(
+        "--partial",
+        action="store_true",
+        help="diagnose an incomplete trace (missing ranks or steps, dropped lines) instead of exiting 2",
+    )
     _probe_args(d, with_world=False)
     d.set_defaults(func=_diagnose)
 
@@ -138,20 +149,48 @@ def _diagnose(args) -> int:
     if args.probe_json:
         with open(args.probe_json) as f:
             probe = json.load(f)
-    return _finish(args.trace_dir, probe, args.json, args.plot)
+    if args.world_size is not None and args.world_size < 1:
+        return _err(f"--world-size: must be >= 1, got {args.world_size}")
+    return _finish(args.trace_dir, probe, args.json, args.plot, world_size=args.world_size, partial=args.partial)
 
 
-def _finish(trace_dir: str, probe, json_path, plot_dir) -> int:
+def _finish(trace_dir: str, probe, json_path, plot_dir, *, world_size=None, partial=False) -> int:
+    """Print (and write) the report; exit 2 when the trace cannot back a verdict (module docstring)."""
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the report lists skipped files itself
-        report, tables = analyse(trace_dir, probe=probe)
+        warnings.simplefilter("ignore")  # the report lists dropped lines itself
+        report, tables = analyse(trace_dir, probe=probe, world_size=world_size)
+    report = finite_json(report)
     print(format_report(report))
     if json_path:
         write_json(json_path, report)
     if plot_dir and tables.steps:
         for path in plot(tables, plot_dir):
             print(f"plot: {path}")
+    cov = report["coverage"]
+    if not cov["ranks"] or not cov["steps"]:
+        return _err(f"{trace_dir}: no trace records with steps: nothing to diagnose")
+    if not cov["complete"] and not partial:
+        return _err(f"{trace_dir}: incomplete trace ({_gaps(cov)}); pass --partial to diagnose what it holds")
     return 1 if report["findings"] else 0
+
+
+def _gaps(cov: dict) -> str:
+    gaps = [f"missing ranks {cov['missing_ranks']}"] if cov["missing_ranks"] else []
+    gaps += [f"ranks short of steps {cov['ranks_missing_steps']}"] if cov["ranks_missing_steps"] else []
+    gaps += [f"{cov['lines_dropped']} lines dropped"] if cov["lines_dropped"] else []
+    return ", ".join(gaps)
+
+
+def finite_json(obj):
+    """``obj`` with every NaN or infinite float replaced by None (JSON has neither; ``json`` would write
+    ``NaN``/``Infinity``, which strict readers reject)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: finite_json(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite_json(v) for v in obj]
+    return obj
 
 
 def _demo(args) -> int:

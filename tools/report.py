@@ -8,7 +8,9 @@ JSON (``schema_version`` 1; keys are only ever added):
 - ``ranks``, ``steps`` (``{first, last, count}``), ``step_time_s`` (median), ``rank_scores`` (per rank: ``score``
   1 = best, ``compute_s``, ``data_s``, ``tokens``, ``stage``), ``wait_matrix_s`` (``{ranks, seconds[R][R]}``: row
   waited for column), ``collectives`` (per group and op: calls, median transfer and wait), ``probe`` (or null),
-  ``warnings`` (skipped files and lines).
+  ``warnings`` (skipped files and lines), ``coverage`` (``tools.traces.Coverage``: ``expected_ranks`` and where
+  that came from, ``ranks``, ``missing_ranks``, ``steps``, ``ranks_missing_steps``, ``lines_dropped``, ``dropped``
+  (``file:line: why``), ``complete``). Every number in the JSON is finite (NaN/inf records are dropped on read).
 """
 
 from __future__ import annotations
@@ -18,9 +20,10 @@ import warnings
 
 import numpy as np
 
-from tools.analysis import Tables, load_tables
+from tools.analysis import Tables, build_tables
 from tools.detect import Finding, Thresholds
 from tools.findings import diagnose, rank_scores
+from tools.traces import load_dir_coverage
 
 SCHEMA_VERSION = 1
 
@@ -97,23 +100,31 @@ def build_report(
 
 
 def analyse(
-    trace_dir: str | os.PathLike, thresholds: Thresholds | None = None, probe: dict | None = None
+    trace_dir: str | os.PathLike,
+    thresholds: Thresholds | None = None,
+    probe: dict | None = None,
+    world_size: int | None = None,
 ) -> tuple[dict, Tables]:
     """Read ``trace_dir``, diagnose, and return ``(report JSON, tables)``.
 
-    Skipped files are warned about (``TraceWarning``, naming the file) and listed in ``report["warnings"]``.
+    Dropped lines and skipped files are warned about (``TraceWarning``, naming ``file:line``) and listed in
+    ``report["warnings"]``; ``report["coverage"]`` says what the folder holds against ``world_size`` (default:
+    the trace's own header).
     """
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        tables = load_tables(trace_dir)
+        traces, coverage = load_dir_coverage(trace_dir, world_size)
+        tables = build_tables(traces)
     for w in caught:
         warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     findings = diagnose(tables, thresholds)
     if probe:
         findings = apply_probe(findings, probe)
-    return build_report(
+    report = build_report(
         tables, findings, trace_dir=os.fspath(trace_dir), probe=probe, notes=[str(w.message) for w in caught]
-    ), tables
+    )
+    report["coverage"] = coverage.to_json()
+    return report, tables
 
 
 def format_report(report: dict) -> str:
@@ -126,8 +137,12 @@ def format_report(report: dict) -> str:
         else f"trace {report['trace_dir']}: no steps"
     ]
     lines += [f"warning: {w}" for w in report["warnings"]]
+    cov = report.get("coverage")
+    if cov is not None:
+        lines.append(_coverage_line(cov))
     if not report["findings"]:
-        lines.append("no straggler found")
+        complete = cov is None or cov["complete"]
+        lines.append("no straggler found" if complete else "no straggler found in what this PARTIAL trace holds")
     for f in report["findings"]:
         wi = f["what_if_step_time_s"]
         gain = f", step {wi * 1e3:.1f} ms without it" if wi is not None else ""
@@ -136,6 +151,17 @@ def format_report(report: dict) -> str:
             f"(confidence {f['confidence']:.2f}{gain}): {f['detail']}"
         )
     return "\n".join(lines)
+
+
+def _coverage_line(cov: dict) -> str:
+    want = "?" if cov["expected_ranks"] is None else cov["expected_ranks"]
+    line = f"coverage: {len(cov['ranks'])}/{want} ranks (expected from {cov['expected_from']}), {cov['steps']} steps"
+    line += f", {cov['lines_dropped']} lines dropped"
+    if cov["missing_ranks"]:
+        line += f", missing ranks {cov['missing_ranks']}"
+    if cov["ranks_missing_steps"]:
+        line += f", ranks short of steps {cov['ranks_missing_steps']}"
+    return line
 
 
 def plot(t: Tables, out_dir: str | os.PathLike) -> list[str]:

@@ -1,8 +1,10 @@
 """Reading a trace folder into per-rank, per-step tables (format: ``collectives/trace.py``).
 
-Files are ``rank<N>.jsonl``, plain JSON lines, parsed with ``json.loads`` only (never pickle). A file that does
-not parse is skipped with a warning naming it and the analysis goes on with the other ranks; a last line cut
-mid-write (a run still going, or killed) is dropped with a warning and the rest of that file is kept.
+Files are ``rank<N>.jsonl``, plain JSON lines, parsed with ``json.loads`` only (never pickle). A line that is not
+a valid record (not JSON, wrong types, NaN or infinite times) is dropped with a warning naming ``file:line``, and
+the rest of the file is kept: one damaged line never hides a rank. A last line cut mid-write (a run still going,
+or killed) is dropped the same way. The writer's header line (``kind: "header"``, ``world_size``) says how many
+ranks the trace should have; ``load_dir_coverage`` reports what the folder really holds (``Coverage``).
 
 Workload records (``Tracer.record_event``) are split into *compute* and *data loading*: a record whose ``kind``
 field is ``"data"``, or whose op starts with ``data``, is data loading; every other non-collective record is
@@ -15,6 +17,7 @@ descheduled on a shared host (noise of the host, not of the rank) does not look 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import warnings
@@ -80,18 +83,32 @@ class RankTrace:
     """Pipeline stage, when compute records carry one."""
 
 
-def _valid(rec) -> bool:
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _problem(rec) -> str | None:
+    """Why ``rec`` is not a valid trace record (None when it is)."""
     if not isinstance(rec, dict):
-        return False
+        return "not a JSON object"
+    if rec.get("kind") == "header":
+        ws = rec.get("world_size")
+        return None if ws is None or (isinstance(ws, int) and not isinstance(ws, bool) and ws >= 1) else "bad header"
     for key, kind in _REQUIRED.items():
         if not isinstance(rec.get(key), kind) or isinstance(rec.get(key), bool):
-            return False
+            return f"field {key!r} missing or of the wrong type"
+    for key in ("t_enter", "t_exit", "cpu_s"):
+        if key in rec and _number(rec[key]) and not math.isfinite(rec[key]):
+            return f"{key} is {rec[key]} (not finite)"
     step = rec.get("step")
-    return (step is None or (isinstance(step, int) and not isinstance(step, bool))) and rec["t_exit"] >= rec["t_enter"]
+    if not (step is None or (isinstance(step, int) and not isinstance(step, bool))):
+        return "step is not an integer"
+    return None if rec["t_exit"] >= rec["t_enter"] else "t_exit before t_enter"
 
 
-def parse_lines(path: str, text: str) -> list[dict] | None:
-    """Records of one file's text; None (and a warning) when the file is corrupt."""
+def parse_lines(path: str, text: str, dropped: list[str] | None = None) -> list[dict]:
+    """Valid records of one file's text. Each invalid line is dropped with a ``TraceWarning`` naming
+    ``path:line`` and why; the same text is appended to ``dropped`` when given."""
     lines = text.split("\n")
     complete, tail = lines[:-1], lines[-1]  # text after the last newline was cut mid-write
     records = []
@@ -101,21 +118,27 @@ def parse_lines(path: str, text: str) -> list[dict] | None:
         try:
             rec = json.loads(line)
         except ValueError:
-            rec = None
-        if not _valid(rec):
-            warnings.warn(
-                f"{path}: line {number} is not a valid trace record; skipping the file", TraceWarning, stacklevel=2
-            )
-            return None
-        records.append(rec)
+            rec, why = None, "not JSON"
+        else:
+            why = _problem(rec)
+        if why is None:
+            records.append(rec)
+            continue
+        _drop(f"{path}:{number}: {why}; line dropped", dropped)
     if tail.strip():
-        warnings.warn(
-            f"{path}: last line is truncated (run still writing, or killed); ignoring it", TraceWarning, stacklevel=2
-        )
+        _drop(f"{path}:{len(lines)}: last line truncated (run still writing, or killed); line dropped", dropped)
     return records
 
 
+def _drop(message: str, dropped: list[str] | None) -> None:
+    warnings.warn(message, TraceWarning, stacklevel=3)
+    if dropped is not None:
+        dropped.append(message)
+
+
 def _add(trace: RankTrace, rec: dict) -> None:
+    if rec.get("kind") == "header":
+        return
     step, t0, t1, op = rec.get("step"), float(rec["t_enter"]), float(rec["t_exit"]), rec["op"]
     if op in COLLECTIVE_OPS:
         group = rec.get("group")
@@ -131,7 +154,7 @@ def _add(trace: RankTrace, rec: dict) -> None:
         trace.data[step] += t1 - t0
         return
     cpu = rec.get("cpu_s")
-    busy = float(cpu) if isinstance(cpu, (int, float)) and not isinstance(cpu, bool) and cpu >= 0 else t1 - t0
+    busy = float(cpu) if _number(cpu) and cpu >= 0 else t1 - t0
     trace.compute[step] += busy
     seconds, tokens = trace.compute_ops[step].get(op, (0.0, 0))
     trace.compute_ops[step][op] = (seconds + busy, tokens + int(rec.get("tokens") or 0))
@@ -139,9 +162,62 @@ def _add(trace: RankTrace, rec: dict) -> None:
         trace.stage = rec["stage"]
 
 
+@dataclass(slots=True)
+class Coverage:
+    """What a trace folder really holds, against what it should (``moonep diagnose`` refuses to call a trace
+    clean without it)."""
+
+    expected_ranks: int | None
+    """World size the trace should cover: ``--world-size``, else the writers' headers, else the largest group
+    member seen + 1 (None: no evidence at all)."""
+    source: str
+    """Where ``expected_ranks`` came from: ``world_size`` (the caller), ``header``, ``groups`` or ``none``."""
+    ranks: list[int]
+    """Ranks with at least one valid record."""
+    missing_ranks: list[int]
+    """Expected ranks without a readable record."""
+    steps: int
+    """Steps seen (union over ranks)."""
+    short_ranks: dict[int, int]
+    """rank -> steps of the union it has no record of (ranks that stopped early or lost lines)."""
+    dropped: list[str]
+    """``file:line: why`` of every dropped line (and unreadable files)."""
+
+    @property
+    def empty(self) -> bool:
+        return not self.ranks or not self.steps
+
+    @property
+    def complete(self) -> bool:
+        return not (self.empty or self.missing_ranks or self.short_ranks or self.dropped)
+
+    def to_json(self) -> dict:
+        return {
+            "expected_ranks": self.expected_ranks,
+            "expected_from": self.source,
+            "ranks": self.ranks,
+            "missing_ranks": self.missing_ranks,
+            "steps": self.steps,
+            "ranks_missing_steps": {str(r): n for r, n in self.short_ranks.items()},
+            "lines_dropped": len(self.dropped),
+            "dropped": self.dropped[:100],
+            "complete": self.complete,
+        }
+
+
 def load_dir(trace_dir: str | os.PathLike) -> dict[int, RankTrace]:
-    """``{rank: RankTrace}`` for every readable ``rank<N>.jsonl`` in ``trace_dir`` (bad files skipped, warned)."""
+    """``{rank: RankTrace}`` for every readable ``rank<N>.jsonl`` in ``trace_dir`` (bad lines dropped, warned)."""
+    return load_dir_coverage(trace_dir)[0]
+
+
+def load_dir_coverage(
+    trace_dir: str | os.PathLike, world_size: int | None = None
+) -> tuple[dict[int, RankTrace], Coverage]:
+    """``load_dir`` plus its ``Coverage`` (``world_size``: the ranks the caller knows the job had)."""
     out: dict[int, RankTrace] = {}
+    dropped: list[str] = []
+    headers: set[int] = set()
+    top = -1  # largest global rank named in any group
     names = sorted(os.listdir(trace_dir)) if os.path.isdir(trace_dir) else []
     for name in names:
         match = _RANK_FILE.match(name)
@@ -152,13 +228,32 @@ def load_dir(trace_dir: str | os.PathLike) -> dict[int, RankTrace]:
             with open(path, encoding="utf-8") as f:
                 text = f.read()
         except (OSError, UnicodeDecodeError) as exc:
-            warnings.warn(f"{path}: unreadable ({exc}); skipping the file", TraceWarning, stacklevel=2)
+            _drop(f"{path}: unreadable ({type(exc).__name__}); file skipped", dropped)
             continue
-        records = parse_lines(path, text)
-        if records is None:
-            continue
+        records = parse_lines(path, text, dropped)
         trace = RankTrace(int(match.group(1)))
         for rec in records:
+            if rec.get("kind") == "header" and rec.get("world_size"):
+                headers.add(rec["world_size"])
+            top = max([top, *(g for g in rec.get("group") or () if isinstance(g, int))])
             _add(trace, rec)
-        out[trace.rank] = trace
-    return out
+        if any(rec.get("kind") != "header" for rec in records):
+            out[trace.rank] = trace
+    return out, _coverage(out, dropped, world_size, headers, top)
+
+
+def _coverage(out: dict[int, RankTrace], dropped, world_size, headers: set[int], top: int) -> Coverage:
+    if world_size is not None:
+        expected, source = world_size, "world_size"
+    elif headers:
+        expected, source = max(headers), "header"
+    elif top >= 0 or out:
+        expected, source = max(top, *out) + 1, "groups"
+    else:
+        expected, source = None, "none"
+    ranks = sorted(out)
+    everyone = set(range(expected or 0)) | set(ranks)
+    steps = set().union(*(t.span for t in out.values())) if out else set()
+    short = {r: len(steps - set(out[r].span)) for r in ranks if steps - set(out[r].span)}
+    missing = sorted(everyone - set(ranks))
+    return Coverage(expected, source, ranks, missing, len(steps), short, dropped)

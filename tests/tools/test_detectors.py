@@ -12,7 +12,7 @@ from tests.tools.synth import make_records, write_dir
 from tools.analysis import build_tables, load_tables
 from tools.detect import Finding, Thresholds
 from tools.findings import diagnose, rank_scores
-from tools.traces import TraceWarning, load_dir
+from tools.traces import TraceWarning, load_dir, load_dir_coverage
 
 
 def run(tmp_path, **kw):
@@ -94,20 +94,27 @@ def test_wait_matrix_points_at_the_late_rank(tmp_path):
     assert scores[3] < 0.6 and min(scores[r] for r in (0, 1, 2)) > 0.9
 
 
-def test_truncated_last_line_kept_rest_and_corrupt_file_skipped(tmp_path):
-    """Catches: one bad file aborting the whole analysis, or a warning that does not name the file."""
+def test_damaged_lines_are_dropped_alone_and_named(tmp_path):
+    """One damaged line drops that line only (named file:line), never its rank: the old reader skipped rank 1's
+    whole file for one bad line. NaN/inf times are rejected the same way (json would parse them)."""
     write_dir(tmp_path, make_records(slow=(2, 2.0, 5)))
     with open(tmp_path / "rank0.jsonl", "a") as f:
         f.write('{"op": "all_red')  # cut mid-write
     lines = (tmp_path / "rank1.jsonl").read_text().splitlines()
     lines[3] = "not json at all"
+    lines[5] = lines[5].replace('"t_exit": ', '"t_exit": NaN, "was": ')
+    (tmp_path / "rank3.jsonl").write_text(
+        (tmp_path / "rank3.jsonl").read_text().replace('"t_enter": ', '"t_enter": Infinity, "was": ', 1)
+    )
     (tmp_path / "rank1.jsonl").write_text("\n".join(lines) + "\n")
     with pytest.warns(TraceWarning) as caught:
-        traces = load_dir(tmp_path)
-    messages = " ".join(str(w.message) for w in caught)
-    assert "rank0.jsonl" in messages and "truncated" in messages
-    assert "rank1.jsonl" in messages and "skipping the file" in messages
-    assert sorted(traces) == [0, 2, 3]
+        traces, cov = load_dir_coverage(tmp_path)
+    messages = [str(w.message) for w in caught]
+    assert any("rank0.jsonl:" in m and "truncated" in m for m in messages), messages
+    assert any("rank1.jsonl:4: not JSON" in m for m in messages), messages
+    assert any("rank1.jsonl:6: t_exit is nan" in m for m in messages), messages
+    assert any("rank3.jsonl:1: t_enter is inf" in m for m in messages), messages
+    assert sorted(traces) == [0, 1, 2, 3] and len(cov.dropped) == 4 and not cov.complete
     f = diagnose(build_tables(traces))
     assert [(x.kind, x.ranks) for x in f] == [("slow_compute", [2])]
 

@@ -5,6 +5,8 @@ import os
 import threading
 import time
 
+import pytest
+
 from moonep.console import main
 from tests.tools.synth import make_records, write_dir
 from tools.analysis import load_tables
@@ -137,3 +139,85 @@ def test_simulated_what_if_maps_findings_to_the_simulator():
     res = simulated_what_if(slow, "gpt-175b", "h100", par, 64, measured_step_s=10.0)
     assert res["slowdown"] > 1.05 and res["what_if_step_time_s"] < 10.0
     assert simulated_what_if({"kind": "data_loader", "ranks": [1]}, "gpt-175b", "h100", par, 64) is None
+
+
+# ------------------------------------------------------------------------- no verdict without the evidence
+def _with_headers(path, world_size):
+    """Prepend the writer's header line (collectives/trace.py) to every rank file."""
+    for name in os.listdir(path):
+        p = os.path.join(path, name)
+        header = json.dumps(
+            {"op": "header", "kind": "header", "rank": int(name[4:-6]), "world_size": world_size, "t_enter": 1.0}
+        )
+        with open(p) as f:
+            body = f.read()
+        with open(p, "w") as f:
+            f.write(header + "\n" + body)
+
+
+def _strict_json(path):
+    def no_constant(name):
+        raise AssertionError(f"{path} holds {name}, which is not JSON")
+
+    with open(path) as f:
+        return json.loads(f.read(), parse_constant=no_constant)
+
+
+def test_one_damaged_line_no_longer_hides_a_straggler(tmp_path, capsys):
+    """The issue's case: damaging one line of the slow rank's file dropped the whole rank, and diagnose said
+    'no straggler found' (exit 0). Now the line alone is dropped and named; without --partial the verdict is
+    refused (exit 2); with it, the 1.5x straggler is still found (exit 1) and the JSON says what was dropped."""
+    trace = write_dir(tmp_path / "t", make_records(slow=(2, 1.5, 10)))
+    lines = open(os.path.join(trace, "rank2.jsonl")).read().splitlines()
+    lines[7] = lines[7].replace('"t_exit": ', '"t_exit": NaN, "was": ')
+    open(os.path.join(trace, "rank2.jsonl"), "w").write("\n".join(lines) + "\n")
+    assert main(["diagnose", trace], packages=["tools"]) == 2
+    out, err = capsys.readouterr()
+    assert "rank2.jsonl:8: t_exit is nan (not finite); line dropped" in out
+    assert "incomplete trace" in err and "1 lines dropped" in err and "--partial" in err
+    js = str(tmp_path / "r.json")
+    assert main(["diagnose", trace, "--partial", "--json", js], packages=["tools"]) == 1
+    report = _strict_json(js)
+    assert [(f["kind"], f["ranks"]) for f in report["findings"]] == [("slow_compute", [2])]
+    cov = report["coverage"]
+    assert cov["lines_dropped"] == 1 and "rank2.jsonl:8" in cov["dropped"][0] and cov["complete"] is False
+    assert "coverage: 4/4 ranks (expected from groups), 40 steps, 1 lines dropped" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("how", ["header", "--world-size"])
+def test_missing_rank_file_is_noticed(tmp_path, capsys, how):
+    """A rank whose file is gone (here the last one, which no group record of the others can reveal when its
+    collectives are per-rank) is named; the expected count comes from the writers' header or --world-size."""
+    recs = make_records(ranks=4)
+    trace = write_dir(tmp_path / "t", {r: v for r, v in recs.items() if r != 3})
+    for name in os.listdir(trace):  # groups now only name ranks 0-2: the header / flag is the only evidence
+        p = os.path.join(trace, name)
+        text = open(p).read().replace("[0, 1, 2, 3]", "[0, 1, 2]")
+        open(p, "w").write(text)
+    extra = ["--world-size", "4"] if how == "--world-size" else []
+    if how == "header":
+        _with_headers(trace, 4)
+    js = str(tmp_path / "r.json")
+    assert main(["diagnose", trace, "--json", js, *extra], packages=["tools"]) == 2
+    assert "missing ranks [3]" in capsys.readouterr().err
+    cov = _strict_json(js)["coverage"]
+    assert cov["missing_ranks"] == [3] and cov["expected_ranks"] == 4
+    assert cov["expected_from"] == ("header" if how == "header" else "world_size")
+    assert main(["diagnose", trace, "--partial", *extra], packages=["tools"]) == 0  # judged on what is there
+    assert "no straggler found in what this PARTIAL trace holds" in capsys.readouterr().out
+
+
+def test_rank_that_stopped_early_is_incomplete(tmp_path, capsys):
+    recs = make_records(ranks=4)
+    recs[1] = [r for r in recs[1] if r["step"] < 30]
+    trace = write_dir(tmp_path / "t", recs)
+    assert main(["diagnose", trace], packages=["tools"]) == 2
+    assert "ranks short of steps {'1': 10}" in capsys.readouterr().err
+
+
+def test_empty_folder_is_an_error_even_with_partial(tmp_path, capsys):
+    (tmp_path / "e").mkdir()
+    (tmp_path / "e" / "rank0.jsonl").write_text("")
+    for extra in ([], ["--partial"]):
+        assert main(["diagnose", str(tmp_path / "e"), *extra], packages=["tools"]) == 2
+        assert "nothing to diagnose" in capsys.readouterr().err

@@ -79,3 +79,6 @@ def test_slow_rank_and_slow_loader_are_found(trace_dir):
     assert SLOW_FROM <= found["slow_compute"]["onset_step"] <= SLOW_FROM + 10, found["slow_compute"]
     assert [f["ranks"] for f in report["findings"] if f["kind"] == "data_loader"] == [[0]], report["findings"]
     assert DATA_FROM <= found["data_loader"]["onset_step"] <= DATA_FROM + 10, found["data_loader"]
+    cov = report["coverage"]  # the trainer's own trace is complete, and its header says how many ranks it has
+    assert cov["complete"] and cov["expected_from"] == "header" and cov["expected_ranks"] == 4, cov
+    assert cov["steps"] == STEPS and cov["lines_dropped"] == 0
