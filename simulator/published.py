@@ -1,5 +1,9 @@
 """Published Megatron-Bridge (NVIDIA NeMo) training throughput: the MoE and dense validation rows.
 
+These rows are held out: no constant is fitted to them. The one fitted MoE constant (``moe_copy_ns`` per GPU
+type) is fitted on the separate calibration rows of ``simulator.moe_fit`` (the 25.11 tables), and
+``tests/simulator/test_moe_fit.py`` checks that the fit never prices a recipe of this module.
+
 Every number below is copied from NVIDIA's published performance summaries of Megatron-Bridge, never derived:
 - ``ARCHIVE``: https://docs.nvidia.com/nemo/megatron-bridge/latest/performance-summary-archive.html
   (repository file ``docs/performance-summary-archive.md`` of NVIDIA-NeMo/Megatron-Bridge), sections

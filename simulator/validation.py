@@ -178,6 +178,16 @@ def published_table(engine: str = "analytic") -> list[dict]:
     return out
 
 
+BAND = 0.15
+"""The issue's acceptance band on tokens/s/GPU, out of sample (see ``simulator.moe_fit`` for what is fitted)."""
+KNOWN_MISSES = {
+    ("qwen3-30b-a3b", "h100", 16): "predicted +37%: the fitted per-copy time of the H100 calibration row "
+    "(Qwen3-235B-A22B, 152 ns) is half of what this small-expert PP2 x VP12 recipe needs (289 ns); its cause is "
+    "not modelled",
+}
+"""Validation rows outside ``BAND`` with the honest model, and why: reported, not tuned away."""
+
+
 def mean_abs_error(rows: list[dict], kind: str) -> float:
     """Mean |error| of the rows of ``kind`` (``moe`` or ``dense``)."""
     errs = [abs(r["error"]) for r in rows if r["kind"] == kind]

@@ -1,5 +1,7 @@
-"""The published Megatron-Bridge rows (simulator/published.py): every MoE and dense row within 15% of its
-measured tokens/s/GPU with the recipe as given, feasible in memory, and reproduced by `moonep simulate run`."""
+"""The published Megatron-Bridge rows (simulator/published.py), held out of every fit (simulator/moe_fit.py): each
+row within 15% of its measured tokens/s/GPU with the recipe as given, except the documented misses
+(validation.KNOWN_MISSES), which must stay misses of the size the README reports; every row feasible in memory
+and reproduced by `moonep simulate run`."""
 
 import json
 
@@ -7,7 +9,7 @@ import pytest
 
 from moonep.console import main
 from simulator.published import DENSE_ROWS, MOE_ROWS, ROWS
-from simulator.validation import cli_args, format_published, mean_abs_error, published_table
+from simulator.validation import BAND, KNOWN_MISSES, cli_args, format_published, mean_abs_error, published_table
 
 TABLE = published_table()
 
@@ -17,10 +19,24 @@ def test_enough_rows_with_sources():
     assert all(r.source.startswith("https://docs.nvidia.com/nemo/megatron-bridge/") for r in ROWS)
 
 
+def _key(r: dict) -> tuple:
+    return (r["model"], r["system"], r["gpus"])
+
+
 @pytest.mark.parametrize("row", TABLE, ids=lambda r: f"{r['model']}-{r['system']}-{r['gpus']}")
-def test_row_within_15_percent_and_feasible(row):
+def test_row_within_band_and_feasible(row):
     assert row["feasible"], row["reason"]
-    assert abs(row["error"]) <= 0.15, format_published(TABLE)
+    if _key(row) in KNOWN_MISSES:  # reported, not tuned away: it must stay the miss the README describes
+        assert BAND < abs(row["error"]) <= 0.45, format_published(TABLE)
+    else:
+        assert abs(row["error"]) <= BAND, format_published(TABLE)
+
+
+def test_enough_rows_in_band():
+    """The issue's minimum: six MoE and three dense rows within the band, out of sample."""
+    inside = [r for r in TABLE if abs(r["error"]) <= BAND]
+    assert sum(r["kind"] == "moe" for r in inside) >= 6 and sum(r["kind"] == "dense" for r in inside) >= 3
+    assert set(KNOWN_MISSES) <= {_key(r) for r in TABLE}
 
 
 def test_mean_errors():
