@@ -13,7 +13,7 @@ Everything distributed in the toolkit takes a ``Communicator``; nothing else cal
     comm = from_group(group)                       # or wrap a process group your trainer already made
 """
 
-from collectives.base import REDUCE_OPS, CollectiveError, Communicator
+from collectives.base import REDUCE_OPS, CollectiveError, Communicator, Pending
 from collectives.launch import LaunchError, LaunchOptions, external_launcher, init, launch, local_rank, rank_device
 from collectives.topology import Topology
 from collectives.torch_backend import from_group
@@ -22,6 +22,7 @@ from collectives.trace import TRACE_ENV, Tracer, read_trace
 __all__ = [
     "Communicator",
     "CollectiveError",
+    "Pending",
     "REDUCE_OPS",
     "launch",
     "init",

@@ -81,6 +81,19 @@ def _even_splits(name: str, world: int, rows: int) -> list[int] | str:
     return [rows // world] * world
 
 
+class Pending:
+    """A started collective (``Communicator.all_to_all_single_start``): ``wait()`` finishes it; later calls do
+    nothing. Until then its output is undefined and its input must stay untouched."""
+
+    def __init__(self, finish=None) -> None:
+        self._finish = finish
+
+    def wait(self) -> None:
+        finish, self._finish = self._finish, None
+        if finish is not None:
+            finish()
+
+
 class Communicator(abc.ABC):
     """A group of ranks that exchange torch tensors.
 
@@ -227,6 +240,47 @@ class Communicator(abc.ABC):
             timeout,
             delay=delay,
         )
+
+    def all_to_all_single_start(
+        self,
+        out: torch.Tensor,
+        inp: torch.Tensor,
+        out_splits: Sequence[int],
+        in_splits: Sequence[int],
+        *,
+        timeout: float | None = None,
+    ) -> Pending:
+        """Start ``all_to_all_single`` (hot-path form: local checks only, no argument exchange) and return at once,
+        so that the caller can start another exchange or compute before ``wait()``. Every rank must start the
+        same collectives in the same order. Backends without asynchronous collectives run it here and return a
+        finished ``Pending``; torch.distributed (gloo, NCCL) and MPI overlap it. ``timeout`` bounds the wait."""
+        problem, ins, outs = self._local_a2a_problem(out, inp, out_splits, in_splits)
+        if problem:
+            raise ValueError(f"all_to_all_single_start on rank {self.global_rank}: {problem}")
+        timeout = self.timeout if timeout is None else float(timeout)
+        nbytes, t_enter = inp.numel() * inp.element_size(), time.time()
+        delay = self._link_delay(j for j, n in enumerate(ins) if n) if self.link_delays else 0.0
+        finish = self._start_all_to_all_single(out, inp, outs, ins, timeout)
+        if self.tracer is None and not delay:
+            return Pending(finish)
+
+        def traced() -> None:
+            ok = False
+            try:
+                time.sleep(delay)  # an injected slow link delays the exchange's completion
+                if finish is not None:
+                    finish()
+                ok = True
+            finally:
+                if self.tracer is not None:
+                    self.tracer.record("all_to_all_single", nbytes, self.group_ranks, t_enter, time.time(), ok)
+
+        return Pending(traced)
+
+    def _start_all_to_all_single(self, out, inp, out_splits: list[int], in_splits: list[int], timeout: float):
+        """Backend hook: start the exchange, return a callable that finishes it (None: already done)."""
+        self._all_to_all_single(out, inp, out_splits, in_splits, timeout)
+        return None
 
     def all_gather(
         self, out: torch.Tensor, inp: torch.Tensor, *, timeout: float | None = None, validate: bool | None = None

@@ -107,6 +107,10 @@ class MPICommunicator(Communicator):
                 _WATCHDOG.disarm()
             return
         request = getattr(self.comm, "I" + name[0].lower() + name[1:])(*args, **kwargs)
+        self._finish(request, op, timeout)
+
+    def _finish(self, request, op: str, timeout: float) -> None:
+        """Wait for a posted nonblocking request within ``timeout`` seconds (polling: a catchable error)."""
         deadline = time.monotonic() + timeout
         while not request.Test():
             os.sched_yield()  # MPI progresses only inside MPI calls; yielding lets oversubscribed peers run
@@ -136,6 +140,23 @@ class MPICommunicator(Communicator):
         )
         s.write_back(0)
         return out
+
+    def _start_all_to_all_single(self, out, inp, out_splits, in_splits, timeout):
+        """Post MPI's nonblocking Ialltoallv now; the returned callable polls it to completion."""
+        s = _Staged(out, inp)
+        row = _row_numel(inp) * inp.element_size()
+        send = [n * row for n in in_splits]
+        recv = [n * row for n in out_splits]
+        BYTE = _mpi().BYTE
+        request = self.comm.Ialltoallv(
+            [_bytes(s.hosts[1]), (send, _displs(send)), BYTE], [_bytes(s.hosts[0]), (recv, _displs(recv)), BYTE]
+        )
+
+        def finish() -> None:
+            self._finish(request, "all_to_all_single", timeout)
+            s.write_back(0)
+
+        return finish
 
     def _all_gather(self, out, inp, timeout):
         s = _Staged(out, inp)

@@ -202,6 +202,12 @@ class TorchCommunicator(Communicator):
         self._wait(work, "all_to_all_single", timeout, inp)
         return out
 
+    def _start_all_to_all_single(self, out, inp, out_splits, in_splits, timeout):
+        work = dist.all_to_all_single(
+            _movable(out), _movable(inp), out_splits, in_splits, group=self.group, async_op=True
+        )
+        return lambda: self._wait(work, "all_to_all_single", timeout, inp)
+
     def _all_gather(self, out, inp, timeout):
         work = _all_gather_single(_movable(out), _movable(inp), group=self.group, async_op=True)
         self._wait(work, "all_gather", timeout, inp)
