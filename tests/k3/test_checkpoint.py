@@ -37,16 +37,16 @@ def _copy(saved, tmp_path) -> str:
     return dst
 
 
-def _shard(run_dir: str) -> str:
-    return os.path.join(run_dir, "checkpoints", "step_000001", "rank_0.safetensors")
+def _shard(run_dir: str, rank: int = 0) -> str:
+    return os.path.join(run_dir, "checkpoints", "step_000001", f"rank_{rank}.safetensors")
 
 
-def _rehash(run_dir: str) -> None:
+def _rehash(run_dir: str, rank: int = 0) -> None:
     """What a buggy writer would leave: a shard whose manifest entry matches its (wrong) content."""
     mpath = os.path.join(run_dir, "checkpoints", "step_000001", "manifest.json")
     manifest = json.load(open(mpath))
-    data = open(_shard(run_dir), "rb").read()
-    manifest["shards"][0].update(sha256=hashlib.sha256(data).hexdigest(), bytes=len(data))
+    data = open(_shard(run_dir, rank), "rb").read()
+    manifest["shards"][rank].update(sha256=hashlib.sha256(data).hexdigest(), bytes=len(data))
     json.dump(manifest, open(mpath, "w"))
 
 
@@ -54,30 +54,30 @@ def _resume(comm, run_dir: str, **kw):
     return _start(comm, TrainConfig(run_dir=run_dir, resume=True, **{**SMALL, "steps": 2, **kw}))
 
 
-def _flip(run_dir):
-    path = _shard(run_dir)
+def _flip(run_dir, rank=0):
+    path = _shard(run_dir, rank)
     data = bytearray(open(path, "rb").read())
     data[-5] ^= 0x40  # inside the last tensor's bytes: safetensors itself would load it without complaint
     open(path, "wb").write(bytes(data))
 
 
-def _truncate(run_dir):
-    path = _shard(run_dir)
+def _truncate(run_dir, rank=0):
+    path = _shard(run_dir, rank)
     data = open(path, "rb").read()
     open(path, "wb").write(data[: len(data) // 3])
 
 
-def _garbage(run_dir):
-    open(_shard(run_dir), "wb").write(os.urandom(4096))
-    _rehash(run_dir)  # even with a matching checksum, garbage is refused by the parser, in one line
+def _garbage(run_dir, rank=0):
+    open(_shard(run_dir, rank), "wb").write(os.urandom(4096))
+    _rehash(run_dir, rank)  # even with a matching checksum, garbage is refused by the parser, in one line
 
 
 def _edit_tensors(change):
-    def corrupt(run_dir):
-        tensors = load_file(_shard(run_dir))
+    def corrupt(run_dir, rank=0):
+        tensors = load_file(_shard(run_dir, rank))
         change(tensors)
-        save_file(tensors, _shard(run_dir))
-        _rehash(run_dir)
+        save_file(tensors, _shard(run_dir, rank))
+        _rehash(run_dir, rank)
 
     return corrupt
 
@@ -241,21 +241,30 @@ def test_kill_at_each_point_of_a_write_leaves_one_whole_step(tmp_path, kill):
     assert sorted(os.listdir(os.path.join(run_dir, "checkpoints"))) == kept
 
 
-def test_rank_fault_reaches_the_user_as_one_line_on_every_rank(tmp_path):
-    """2 real ranks resume a checkpoint whose rank-1 shard is damaged: every rank raises the same error (rank 0's
-    names rank 1 and the file), `moonep train` prints one line with the traceback path and exits 2."""
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """A 2-rank run of `moonep train` (one step, a small corpus) and the command that made it."""
     from moonep.console import main
 
-    run_dir, data = str(tmp_path / "run"), tmp_path / "text"
+    root = tmp_path_factory.mktemp("two")
+    run_dir, data = str(root / "run"), root / "text"
     data.mkdir()
     for i in range(40):  # a small corpus: loads in milliseconds
         (data / f"f{i}.txt").write_text(f"hello world {i}\n" * 20)
     base = ["train", "--no-progress", "--data", str(data), "--world-size", "2", "--steps", "1", "--run-dir", run_dir]
     assert main(base, packages=["k3"]) == 0
-    path = os.path.join(run_dir, "checkpoints", "step_000001", "rank_1.safetensors")
-    data = bytearray(open(path, "rb").read())
-    data[-3] ^= 1
-    open(path, "wb").write(bytes(data))
+    return run_dir, base
+
+
+def test_rank_fault_reaches_the_user_as_one_line_on_every_rank(two_ranks, tmp_path):
+    """2 real ranks resume a checkpoint whose rank-1 shard is damaged: every rank raises the same error (rank 0's
+    names rank 1 and the file), `moonep train` prints one line with the traceback path and exits 2."""
+    from moonep.console import main
+
+    run_dir = str(tmp_path / "run")
+    shutil.copytree(two_ranks[0], run_dir)
+    _flip(run_dir, rank=1)
+    base = two_ranks[1][:-1] + [run_dir]
     rc, err = _cli_err(main, [*base[:-4], "--steps", "2", *base[-2:], "--resume"])
     assert rc == 2 and err.count("\n") == 1, err
     assert err.startswith("error: rank 0: CheckpointError: rank 1: ") and "rank_1.safetensors: sha256" in err
@@ -263,6 +272,39 @@ def test_rank_fault_reaches_the_user_as_one_line_on_every_rank(tmp_path):
     assert f"(traceback: {trace})" in err and "Traceback" in open(trace).read()
     for rank in range(2):  # every rank raised, none was left waiting
         assert json.load(open(os.path.join(run_dir, "errors", f"rank{rank}.json")))["type"] == "CheckpointError"
+
+
+def _resume_each_damage(comm, src: str, work: str, cases: list[str]) -> list[str]:
+    """Rank body: for each case rank 0 copies the run and damages rank 1's shard, then every rank resumes."""
+    seen = []
+    train = json.load(open(os.path.join(src, "train.json")))
+    for i, case in enumerate(cases):
+        run_dir = os.path.join(work, str(i))
+        if comm.rank == 0:
+            shutil.copytree(src, run_dir)
+            CORRUPTIONS[case][0](run_dir, 1)
+        comm.barrier()
+        try:
+            _start(comm, TrainConfig(**{**train, "run_dir": run_dir, "resume": True, "steps": 2}))
+            seen.append("no error")
+        except ck.CheckpointError as exc:
+            seen.append(str(exc))
+    with open(os.path.join(work, f"rank{comm.rank}.json"), "w") as f:
+        json.dump(seen, f)
+    return seen
+
+
+def test_every_damage_fails_on_every_rank(two_ranks, tmp_path):
+    """Each damaged-shard case on 2 launched ranks, the damage in rank 1's shard only: both ranks raise within
+    the timeout (rank 1 its own error, rank 0 the same one naming rank 1), and the job goes on to the next case."""
+    cases = list(CORRUPTIONS)
+    launch(_resume_each_damage, 2, timeout=30, job_timeout=240, src=two_ranks[0], work=str(tmp_path), cases=cases)
+    mine = json.load(open(tmp_path / "rank1.json"))
+    peer = json.load(open(tmp_path / "rank0.json"))
+    for case, own, seen in zip(cases, mine, peer):
+        words = CORRUPTIONS[case][1]
+        assert words in own and "rank_1.safetensors" in own and "\n" not in own, (case, own)
+        assert seen == f"rank 1: {own}", (case, seen)
 
 
 def _cli_err(main, argv):
