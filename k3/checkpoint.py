@@ -256,6 +256,11 @@ def read_manifest(run_dir: str) -> tuple[str, dict] | None:
         raise CheckpointError(f"{mpath}: the files name different runs: {ids}")
     if manifest.get("step") != latest["step"] or run["config_hash"] != manifest.get("config_hash"):
         raise CheckpointError(f"{mpath}: step or config hash differs from latest.json / run.json")
+    state, shards = manifest.get("state"), manifest.get("shards")
+    if not isinstance(state, dict) or not isinstance(state.get("step"), int):
+        raise CheckpointError(f"{mpath}: state lacks an integer step")
+    if not isinstance(shards, list) or not all(isinstance(e, dict) for e in shards):
+        raise CheckpointError(f"{mpath}: shards is not a list of objects")
     return folder, manifest
 
 

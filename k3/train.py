@@ -330,6 +330,8 @@ class Trainer:
         problem, found = None, None
         try:
             found = read_manifest(self.tc.run_dir)
+            if found is not None and not isinstance(found[1]["state"].get("optimizer_steps"), int):
+                raise CheckpointError(f"{found[0]}: the manifest's state lacks optimizer_steps")
             if found is not None:
                 tensors = read_shard(*found, self.comm.rank)
                 shard = os.path.join(found[0], f"rank_{self.comm.rank}.safetensors")

@@ -186,6 +186,26 @@ def test_step_folder_from_another_run_is_refused(saved, tmp_path, comm1):
         _resume(comm1, run_dir)
 
 
+@pytest.mark.parametrize(
+    "edit, words",
+    [
+        (lambda m: m.pop("state"), "state lacks an integer step"),
+        (lambda m: m["state"].pop("optimizer_steps"), "state lacks optimizer_steps"),
+        (lambda m: m.update(shards=["rank_0.safetensors"]), "shards is not a list of objects"),
+        (lambda m: m.update(format=2), "format 2, this reader knows 1"),
+    ],
+)
+def test_malformed_manifest_is_refused(saved, tmp_path, comm1, edit, words):
+    """A manifest edited by hand or by another tool: one line, never a KeyError a step later."""
+    run_dir = _copy(saved, tmp_path)
+    mpath = os.path.join(run_dir, "checkpoints", "step_000001", "manifest.json")
+    manifest = json.load(open(mpath))
+    edit(manifest)
+    json.dump(manifest, open(mpath, "w"))
+    with pytest.raises(ck.CheckpointError, match=words):
+        _resume(comm1, run_dir)
+
+
 def test_leftovers_are_cleaned_at_start(saved, tmp_path):
     """Temporary folders, stray temp files and step folders newer than the pointer go; the published step stays."""
     run_dir = _copy(saved, tmp_path)
