@@ -12,6 +12,8 @@ import shutil
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
 from collectives import LaunchError, launch
@@ -335,3 +337,25 @@ def _cli_err(main, argv):
     with contextlib.redirect_stderr(err):
         rc = main(argv, packages=["k3"])
     return rc, err.getvalue()
+
+
+_VALUES = st.one_of(
+    st.none(), st.booleans(), st.integers(-3, 3), st.floats(allow_nan=False), st.text("xyz ", max_size=4)
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.dictionaries(st.sampled_from(list("abcdef")), _VALUES), st.dictionaries(st.sampled_from(list("abcdef")), _VALUES)
+)
+def test_identity_problem_names_exactly_the_differing_fields(recorded, current):
+    """None iff the identities agree; otherwise one line naming every differing field with both values, and no
+    field that agrees."""
+    problem = ck.identity_problem(recorded, current)
+    differ = sorted(k for k in set(recorded) | set(current) if recorded.get(k) != current.get(k))
+    if not differ:
+        assert problem is None
+        return
+    assert "\n" not in problem
+    named = [part.split(" ", 1)[0] for part in problem.split("; ")]
+    assert named == differ, (problem, differ)

@@ -2,17 +2,21 @@
 inputs (noise, slightly slow ranks, spikes, bad files) raise no alarm and never stop the analysis."""
 
 import json
+import math
 import os
 import pickle
+import warnings
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tests.tools.synth import make_records, write_dir
 from tools.analysis import build_tables, load_tables
 from tools.detect import Finding, Thresholds
 from tools.findings import diagnose, rank_scores
-from tools.traces import TraceWarning, load_dir, load_dir_coverage
+from tools.traces import TraceWarning, load_dir, load_dir_coverage, parse_lines
 
 
 def run(tmp_path, **kw):
@@ -143,3 +147,40 @@ def test_config_and_finding_checks():
         Finding(kind="cosmic_ray", ranks=[0], onset_step=0, confidence=0.5, what_if_step_time_s=None)
     with pytest.raises(ValueError, match="confidence"):
         Finding(kind="slow_link", ranks=[0], onset_step=0, confidence=1.5, what_if_step_time_s=None)
+
+
+_LINE = st.one_of(
+    st.builds(
+        lambda op, rank, t0, dt, step, cpu: json.dumps(
+            {"op": op, "rank": rank, "t_enter": t0, "t_exit": t0 + dt, "step": step, "cpu_s": cpu}
+        ),
+        st.sampled_from(["forward", "all_reduce", "data_load"]),
+        st.integers(0, 3),
+        st.floats(allow_nan=True, allow_infinity=True),
+        st.one_of(st.floats(-1.0, 1.0), st.just(float("nan"))),
+        st.one_of(st.none(), st.integers(0, 9), st.text(max_size=2), st.booleans()),
+        st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.none()),
+    ),
+    st.text(max_size=30).map(lambda s: s.replace("\n", " ")),
+    st.just('{"op": "x", "rank": 0, "t_enter": NaN, "t_exit": 1}'),
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(_LINE, max_size=12), st.text(max_size=10).map(lambda s: s.replace("\n", "")))
+def test_every_line_is_kept_valid_or_dropped_and_named(lines, tail):
+    """Adversarial lines (NaN/inf times and cpu_s, wrong types, garbage, a cut last line): parsing never raises,
+    every kept record has finite times and cpu_s, and each non-empty line is either kept or named as dropped."""
+    text = "".join(line + "\n" for line in lines) + tail
+    dropped: list[str] = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        records = parse_lines("f.jsonl", text, dropped)
+    for rec in records:
+        for key in ("t_enter", "t_exit", "cpu_s"):
+            value = rec.get(key)
+            assert value is None or (not isinstance(value, float) or math.isfinite(value)), rec
+        assert rec["t_exit"] >= rec["t_enter"]
+    expected = sum(1 for line in lines if line.strip()) + (1 if tail.strip() else 0)
+    assert len(records) + len(dropped) == expected
+    assert all(d.startswith("f.jsonl:") and "line dropped" in d for d in dropped)
