@@ -9,13 +9,17 @@ Axes: ``s`` tokens on this rank, ``d`` hidden, ``L`` latent (``routed_expert_hid
 
 Why not ``moonep.MoE``: its experts are SwiGLU over the full hidden width and its output has no latent norm and
 up-projection, so K3's block is built here from moonep's differentiable dispatch/combine (in the latent, so
-dispatch moves L-wide rows) plus a grouped SiTU-GLU GEMM over the ``[2*epn]`` weight view (own experts, then
-the plan's replica slots, filled with ``Buffer.prefetch_weight``; their grads go home with ``reduce_grad``).
+dispatch moves L-wide rows) and moonep's one expert step, ``moonep.grouped_experts`` with the nn.Linear weight
+layout and SiTU-GLU (with K3's betas) as its gated activation: own experts read in place, replicas in moonep's
+pools shared by all layers (pushed with ``Buffer.prefetch_weight``, grads home with ``reduce_grad``).
 Without a Buffer (``buffer is None``: meta device, or no EP group attached) all E experts are local and a
 plain loop computes the same function.
 """
 
 from __future__ import annotations
+
+import functools
+import itertools
 
 import torch
 from torch import nn
@@ -23,6 +27,8 @@ from torch import nn
 from .config import K3Config
 from .layers import RMSNorm, SiTUMLP, rms_norm, situ_glu
 from .naive import moe_routed_naive
+
+_LAYER_IDS = itertools.count()
 
 
 class K3Router(nn.Module):
@@ -52,56 +58,6 @@ class K3Router(nn.Module):
         return topk_idx, w / (w.sum(-1, keepdim=True) + 1e-20) * self.scale
 
 
-def situ_experts(x, cu_ends, w1, w3, w2, beta, linear_beta):
-    """Grouped SiTU-GLU over segments: x [n, L], cu_ends [G] (segment ends), w1/w3 [G, F, L], w2 [G, L, F].
-
-    Rows outside the segments give 0. A loop over segments (CPU); one grouped GEMM on GPU would do.
-    """
-    y = torch.zeros_like(x)
-    start = 0
-    for g, end in enumerate(cu_ends):
-        if end > start:
-            xs = x[start:end]
-            rows = torch.arange(start, end, device=x.device)
-            y = y.index_copy(0, rows, situ_glu(xs @ w1[g].t(), xs @ w3[g].t(), beta, linear_beta) @ w2[g].t())
-        start = end
-    return y
-
-
-class GroupedSiTUExperts(torch.autograd.Function):
-    """z [n, L] = situ_experts(recv rows) * recv_weights on the [2*epn] view; grads go to the local experts.
-
-    The backward recomputes the grouped GEMM under autograd (small at these sizes) and then runs the
-    collective ``reduce_grad``, so every rank hits the collectives in the same order (combine^-1, this, dispatch^-1).
-    """
-
-    @staticmethod
-    def forward(ctx, buffer, plan, acts, x, w, w1, w3, w2):
-        epn = buffer.epn
-        slots = [torch.zeros_like(t) for t in (w1, w3, w2)]
-        buffer.prefetch_weight(plan, [w1.detach(), w3.detach(), w2.detach()], slots)
-        full = [torch.cat([t.detach(), s]) for t, s in zip((w1, w3, w2), slots)]  # [2*epn, ...]
-        ends = list(plan.cu_host)  # host copy from the dispatch's one read: no sync here
-        with torch.no_grad():
-            z = situ_experts(x, ends, *full, *acts) * w[:, None].to(x.dtype)
-        ctx.buffer, ctx.plan, ctx.acts, ctx.ends, ctx.epn = buffer, plan, acts, ends, epn
-        ctx.save_for_backward(x, w, *full)
-        return z
-
-    @staticmethod
-    def backward(ctx, dz):
-        x, w, f1, f3, f2 = ctx.saved_tensors
-        leaves = [t.detach().requires_grad_() for t in (x, w, f1, f3, f2)]
-        with torch.enable_grad():
-            z = situ_experts(leaves[0], ctx.ends, *leaves[2:], *ctx.acts) * leaves[1][:, None].to(x.dtype)
-            grads = torch.autograd.grad(z, leaves, dz, allow_unused=True)
-        grads = [torch.zeros_like(t) if g is None else g for g, t in zip(grads, leaves)]
-        dx, dw, g1, g3, g2 = grads
-        epn = ctx.epn
-        ctx.buffer.reduce_grad(ctx.plan, [g1[:epn], g3[:epn], g2[:epn]], [g1[epn:], g3[epn:], g2[epn:]])
-        return None, None, None, dx, dw, g1[:epn].contiguous(), g3[:epn].contiguous(), g2[:epn].contiguous()
-
-
 class LatentMoE(nn.Module):
     """Stable LatentMoE FFN sublayer. x [B, T, d] (already RMSNorm'ed) -> [B, T, d].
 
@@ -117,6 +73,7 @@ class LatentMoE(nn.Module):
             raise ValueError(f"num_experts: {E} is not divisible by the EP size {ep_size}")
         self.E, self.K, self.L, self.epn, self.ep_rank = E, K, L, E // ep_size, ep_rank
         self.acts = (cfg.activation_situ_beta, cfg.activation_situ_linear_beta)
+        self._key = ("k3.LatentMoE", next(_LAYER_IDS))  # owner key for moonep's shared replica pools
         self.gate = K3Router(d, E, K, cfg.routed_scaling_factor, device=device)
         self.routed_expert_down_proj = nn.Linear(d, L, bias=False, device=device)
         self.routed_expert_norm = RMSNorm(L, cfg.rms_norm_eps, device=device)
@@ -142,9 +99,14 @@ class LatentMoE(nn.Module):
         if self.buffer is None:
             return moe_routed_naive(z, topk_idx, topk_w, self.w1, self.w3, self.w2, self.acts)
         import moonep  # heavy: EP (moonep) loads only when a Buffer is attached; the model is single-device
+        from moonep.experts import grouped_experts  # heavy: as above
 
         recv, recv_w, _, plan = moonep.dispatch(self.buffer, z, topk_w, topk_idx)
-        out = GroupedSiTUExperts.apply(self.buffer, plan, self.acts, recv, recv_w, self.w1, self.w3, self.w2)
+        act = functools.partial(situ_glu, beta=self.acts[0], linear_beta=self.acts[1])
+        weights = (self.w1, self.w3, self.w2)
+        out = grouped_experts(
+            self.buffer, plan, recv, recv_w, weights, layout="linear", activation=act, key=self._key, recompute=True
+        )
         return moonep.combine(self.buffer, plan, out)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -158,4 +120,4 @@ class LatentMoE(nn.Module):
         return y.reshape(shape)
 
 
-__all__ = ["LatentMoE", "K3Router", "GroupedSiTUExperts", "situ_experts"]
+__all__ = ["LatentMoE", "K3Router"]

@@ -20,6 +20,8 @@ _LAZY = {
     "combine": ("moonep.autograd", "combine"),
     "MoE": ("moonep.moe", "MoE"),
     "SigmoidTopKRouter": ("moonep.moe", "SigmoidTopKRouter"),
+    "grouped_experts": ("moonep.experts", "grouped_experts"),
+    "GatedActivation": ("moonep.experts", "GatedActivation"),
 }
 
 __all__ = ["__version__", *_LAZY]

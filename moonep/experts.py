@@ -1,23 +1,30 @@
-"""Expert compute on the dispatch layout: shared replica pools and a grouped SwiGLU over the [2*epn] groups.
+"""Expert compute on the dispatch layout: shared replica pools and one grouped gated MLP over the [2*epn] groups.
 
 Axes: ``n`` = recv_rows receive rows, ``H`` hidden, ``F`` expert FFN size, ``epn`` experts per rank.
-Weights: ``w13 [epn, H, 2F]`` (gate and up side by side), ``w2 [epn, F, H]``; per expert e on rows x:
-``y = (silu(x @ w13[:, :F]) * (x @ w13[:, F:])) @ w2``, then times the routing weight (expert side).
+Per expert e on rows x: ``y = act(x @ gate_e, x @ up_e) @ down_e``, then times the routing weight (expert side).
+``act`` is any gated activation ``act(gate [n, F], up [n, F]) -> h [n, F]`` (``SWIGLU`` by default; K3 passes
+SiTU-GLU with its betas). Two weight layouts, both read through per-group views (no copies):
 
-The receive layout has ``2*epn`` groups: this rank's own experts, then its ``epn`` replica slots. The grouped
-SwiGLU reads group g's weights from a per-group list (``group_view``): the layer's own parameters for
-g < epn (no staging copy) and the shared replica pool for the slots.
+- ``"fused"`` (in x out, moonep.MoE): ``w13 [epn, H, 2F]`` (gate and up side by side), ``w2 [epn, F, H]``;
+- ``"linear"`` (nn.Linear style, HF / K3): ``w1 [epn, F, H]`` (gate), ``w3 [epn, F, H]`` (up), ``w2 [epn, H, F]``.
 
-Pools (memory): one ``ExpertPool`` per (communicator, projection shape, dtype), shared by every layer: the
-replica slots' weights ``[epn, ...]`` and their fp32 grads. Extra memory is ``epn`` experts per projection
-(plus ``epn`` fp32 grads), in total, not per layer. Because layers share the slots, the backward re-pushes a
-layer's replicas when another layer pushed since its forward (every rank takes the same decision: the pool's
-owner evolves identically on all ranks).
+The receive layout has ``2*epn`` groups: this rank's own experts, then its ``epn`` replica slots. The step reads
+group g's weights from a per-group list (``group_view``): the layer's own parameters for g < epn (no staging copy)
+and the shared replica pool for the slots.
+
+Pools (memory): one ``ExpertPool`` per (communicator, projection name, shape, dtype), shared by every layer: the
+replica slots' weights ``[epn, ...]`` and their fp32 grads. Extra memory is ``epn`` experts per projection (plus
+``epn`` fp32 grads), in total, not per layer. Because layers share the slots, the backward re-pushes a layer's
+replicas when another layer pushed since its forward (every rank takes the same decision: the pool's owner
+evolves identically on all ranks). The step's collectives run in a fixed order: the weight push in forward (and
+the re-push, if any, first in backward), the grad reduce last in backward.
 """
 
 from __future__ import annotations
 
 import weakref
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as Fn
@@ -68,93 +75,253 @@ def segments(cu: torch.Tensor) -> tuple[tuple[int, int, int], ...]:
     return segments_of(cu.tolist())
 
 
-def swiglu_forward(x, w13, w2, segs):
-    """Grouped SwiGLU. x [n, H], w13 / w2: per-group weights ([G, H, 2F] / [G, F, H] tensors or lists of G
-    views), segs: (group, start, end) of the non-empty segments -> (y [n, H], saved activations a13 [n, 2F]).
+# ----------------------------------------------------------------------------------------- gated activations
+@dataclass(frozen=True)
+class GatedActivation:
+    """A gated activation ``h = fn(gate, up)`` on [n, F] tensors, with an optional explicit derivative."""
+
+    fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    """(gate [n, F], up [n, F]) -> h [n, F], elementwise."""
+    grad: Callable | None = None
+    """(gate, up, dh) -> (h, dgate, dup); None: autograd through ``fn`` (elementwise, small)."""
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return self.fn(gate, up)
+
+    def value_and_grad(self, gate, up, dh):
+        """(h, dgate, dup) at (gate, up) for the upstream grad dh [n, F]."""
+        if self.grad is not None:
+            return self.grad(gate, up, dh)
+        g, u = gate.detach().requires_grad_(), up.detach().requires_grad_()
+        with torch.enable_grad():
+            h = self.fn(g, u)
+            dgate, dup = torch.autograd.grad(h, (g, u), dh)
+        return h.detach(), dgate, dup
+
+
+def _swiglu_grad(gate, up, dh):
+    sg = torch.sigmoid(gate)
+    act = gate * sg
+    dgate = dh * up * (sg * (1 + gate * (1 - sg)))  # d silu(g) / dg = s(g) (1 + g (1 - s(g)))
+    return act * up, dgate, dh * act
+
+
+SWIGLU = GatedActivation(lambda gate, up: Fn.silu(gate) * up, _swiglu_grad)
+"""silu(gate) * up with its closed-form derivative (moonep.MoE's experts)."""
+
+
+def as_activation(act) -> GatedActivation:
+    """``act`` as a GatedActivation (a plain callable gets the autograd derivative); None means SwiGLU."""
+    if act is None:
+        return SWIGLU
+    if isinstance(act, GatedActivation):
+        return act
+    if not callable(act):
+        raise TypeError(f"activation must be a callable act(gate, up) -> h, got {type(act).__name__}")
+    return GatedActivation(act)
+
+
+# ------------------------------------------------------------------------------------------------ layouts
+LAYOUTS = {"fused": ("w13", "w2"), "linear": ("w1", "w3", "w2")}
+"""Weight names per layout (also the pool names): fused in x out, or nn.Linear style out x in."""
+
+
+def _in_blocks(layout: str, ws, g: int, F: int) -> list[tuple[torch.Tensor, slice]]:
+    """Group g's input projections as (in x out view, its columns of the [n, 2F] pre-activations)."""
+    if layout == "fused":
+        return [(ws[0][g], slice(None))]
+    return [(ws[0][g].t(), slice(0, F)), (ws[1][g].t(), slice(F, 2 * F))]
+
+
+def _down(layout: str, ws, g: int) -> torch.Tensor:
+    """Group g's down projection as an [F, H] (in x out) view."""
+    return ws[1][g] if layout == "fused" else ws[2][g].t()
+
+
+def _width(layout: str, ws) -> int:
+    return ws[1][0].shape[0] if layout == "fused" else ws[0][0].shape[0]
+
+
+def check_weights(layout: str, weights, epn: int, H: int) -> None:
+    """One-line errors for a wrong layout name, weight count or shape (metadata only, no data read)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {sorted(LAYOUTS)}, got {layout!r}")
+    names = LAYOUTS[layout]
+    if len(weights) != len(names):
+        raise ValueError(f"layout {layout!r} takes {len(names)} weights {names}, got {len(weights)}")
+    if any(t.dim() != 3 or t.shape[0] != epn for t in weights):
+        raise ValueError(f"expert weights must be [epn={epn}, ., .], got {[tuple(t.shape) for t in weights]}")
+    F = _width(layout, [t.unbind(0) for t in weights])
+    if layout == "fused":
+        want = [(epn, H, 2 * F), (epn, F, H)]
+    else:
+        want = [(epn, F, H), (epn, F, H), (epn, H, F)]
+    got = [tuple(t.shape) for t in weights]
+    if got != want:
+        raise ValueError(f"{layout} weights {names} must be {want} for hidden size {H}, got {got}")
+
+
+# --------------------------------------------------------------------------------------------- grouped math
+def _project_in(layout: str, ws, g: int, F: int, xs: torch.Tensor, out: torch.Tensor) -> None:
+    """out [rows, 2F] = (gate, up) pre-activations of group g on xs [rows, H]."""
+    for w, cols in _in_blocks(layout, ws, g, F):
+        torch.mm(xs, w, out=out[:, cols])
+
+
+def gated_forward(x, ws, segs, layout: str = "fused", act: GatedActivation = SWIGLU, keep: bool = True):
+    """Grouped gated MLP. x [n, H]; ws: the layout's weights, each a [G, ...] tensor or a list of G views;
+    segs: (group, start, end) of the non-empty segments -> (y [n, H], pre-activations [n, 2F] (gate, up) for
+    the backward, or None when ``keep`` is False: the backward then recomputes them).
 
     Rows past the last segment (padding) give 0. A loop over segments on CPU writing straight into the outputs
     (no zero-fill of rows that are computed anyway); one grouped GEMM call on GPU would do.
     """
-    F, n = w2[0].shape[0], x.shape[0]
-    y = x.new_empty(n, w2[0].shape[1])
-    a13 = x.new_empty(n, 2 * F)
+    F, n = _width(layout, ws), x.shape[0]
+    y = x.new_empty(n, _down(layout, ws, 0).shape[1])
+    pre = x.new_empty(n, 2 * F) if keep else None
     end = 0
     for g, a, b in segs:
-        torch.mm(x[a:b], w13[g], out=a13[a:b])
-        torch.mm(Fn.silu(a13[a:b, :F]) * a13[a:b, F:], w2[g], out=y[a:b])
+        pg = pre[a:b] if keep else x.new_empty(b - a, 2 * F)
+        _project_in(layout, ws, g, F, x[a:b], pg)
+        torch.mm(act(pg[:, :F], pg[:, F:]), _down(layout, ws, g), out=y[a:b])
         end = b
     y[end:].zero_()
-    a13[end:].zero_()
-    return y, a13
+    if keep:
+        pre[end:].zero_()
+    return y, pre
 
 
-def swiglu_backward(x, w13, w2, segs, a13, dy, dw13=None, dw2=None):
-    """Grads of ``swiglu_forward``: (dx [n, H], dw13, dw2) with dy [n, H].
+def _segment_backward(layout, act, ws, dws, g, xs, pg, dy, dx, row_w, ys, dw_rows) -> None:
+    """Backward of one segment (see ``gated_backward``): writes dws[.][g], dx and (if row_w) dw_rows."""
+    F = pg.shape[1] // 2
+    down = _down(layout, ws, g)
+    dz = dy
+    if row_w is not None:  # dy is the grad of z = y * w
+        dy = dz * row_w[:, None].to(dz.dtype)
+    dm = dy @ down.t()
+    h, dgate, dup = act.value_and_grad(pg[:, :F], pg[:, F:], dm)
+    if row_w is not None:  # dw = <dz, y>; y recomputed from h when the forward did not keep it
+        dw_rows.copy_((dz * (h @ down if ys is None else ys)).sum(1))
+    _down(layout, dws, g).copy_(h.t() @ dy)
+    da = torch.cat((dgate, dup), dim=1)
+    for i, ((w, cols), (dw, _)) in enumerate(zip(_in_blocks(layout, ws, g, F), _in_blocks(layout, dws, g, F))):
+        dw.copy_(xs.t() @ da[:, cols])
+        if i == 0:
+            torch.mm(da[:, cols], w.t(), out=dx)
+        else:
+            dx.addmm_(da[:, cols], w.t())
 
-    ``dw13`` / ``dw2``: per-group outputs to overwrite (tensors or lists of views, any float dtype; default new
-    fp32 tensors shaped like the weights); groups without rows get 0.
+
+def gated_backward(
+    x, ws, segs, pre, dy, dws=None, layout: str = "fused", act: GatedActivation = SWIGLU, row_w=None, y=None
+):
+    """Grads of ``gated_forward``: (dx [n, H], dws, dw [n] or None) with dy [n, H].
+
+    ``pre``: the forward's pre-activations, or None to recompute them per segment. ``row_w`` [n]: when given,
+    ``dy`` is the grad of z = y * row_w[:, None] and dw [n] (its grad) is returned too, from ``y`` [n, H] (the
+    forward's output) or, when None, from y recomputed per segment (one more down-projection GEMM).
+    ``dws``: per-group outputs shaped like ``ws`` to overwrite (tensors or lists of views, any float dtype;
+    default new fp32 tensors); groups without rows get 0.
     """
-    F, G = w2[0].shape[0], len(w13)
+    F, G = _width(layout, ws), len(ws[0])
     dx = torch.empty_like(x)
-    if dw13 is None:
-        dw13 = torch.empty(G, *w13[0].shape, dtype=torch.float32, device=x.device)
-        dw2 = torch.empty(G, *w2[0].shape, dtype=torch.float32, device=x.device)
+    dw_rows = None if row_w is None else torch.zeros(x.shape[0], dtype=row_w.dtype, device=x.device)
+    if dws is None:
+        dws = [torch.empty(G, *w[0].shape, dtype=torch.float32, device=x.device) for w in ws]
     used, end = set(), 0
     for g, a, b in segs:
-        gate, up = a13[a:b, :F], a13[a:b, F:]
-        sg = torch.sigmoid(gate)
-        act = gate * sg
-        dw2[g].copy_((act * up).t() @ dy[a:b])
-        dm = dy[a:b] @ w2[g].t()
-        dgate = dm * up * (sg * (1 + gate * (1 - sg)))  # d silu(g) / dg = s(g) (1 + g (1 - s(g)))
-        da13 = torch.cat((dgate, dm * act), dim=1)
-        dw13[g].copy_(x[a:b].t() @ da13)
-        torch.mm(da13, w13[g].t(), out=dx[a:b])
+        if pre is None:
+            pg = x.new_empty(b - a, 2 * F)
+            _project_in(layout, ws, g, F, x[a:b], pg)
+        else:
+            pg = pre[a:b]
+        w_g, y_g, dw_g = (None,) * 3 if row_w is None else (row_w[a:b], None if y is None else y[a:b], dw_rows[a:b])
+        _segment_backward(layout, act, ws, dws, g, x[a:b], pg, dy[a:b], dx[a:b], w_g, y_g, dw_g)
         used.add(g)
         end = b
     dx[end:].zero_()
     for g in set(range(G)) - used:
-        dw13[g].zero_()
-        dw2[g].zero_()
-    return dx, dw13, dw2
+        for dw in dws:
+            dw[g].zero_()
+    return dx, dws, dw_rows
 
 
-class GroupedExperts(torch.autograd.Function):
-    """z [n, H] = swiglu(recv_hidden) * recv_weights[:, None] over the [2*epn] groups; grads to local weights."""
+def swiglu_forward(x, w13, w2, segs):
+    """``gated_forward`` with SwiGLU on the fused layout: (y [n, H], a13 [n, 2F])."""
+    return gated_forward(x, (w13, w2), segs)
+
+
+def swiglu_backward(x, w13, w2, segs, a13, dy, dw13=None, dw2=None):
+    """Grads of ``swiglu_forward``: (dx [n, H], dw13, dw2); see ``gated_backward``."""
+    dx, dws, _ = gated_backward(x, (w13, w2), segs, a13, dy, None if dw13 is None else (dw13, dw2))
+    return dx, dws[0], dws[1]
+
+
+# -------------------------------------------------------------------------------------------- the autograd op
+class _GroupedGatedMLP(torch.autograd.Function):
+    """z [n, H] = gated MLP(recv rows) * recv_weights[:, None] over the [2*epn] groups; grads to local weights."""
 
     @staticmethod
-    def forward(ctx, buffer: Buffer, plan: CommPlan, key: object, x, w, w13, w2):
-        pools = (
-            pool_for(buffer, "w13", tuple(w13.shape[1:]), w13.dtype),
-            pool_for(buffer, "w2", tuple(w2.shape[1:]), w2.dtype),
-        )
-        push_replicas(buffer, plan, key, pools, (w13, w2))
-        y, a13 = swiglu_forward(
-            x, group_view(w13.detach(), pools[0].weights), group_view(w2.detach(), pools[1].weights), plan.segments
-        )
-        ctx.buffer, ctx.plan, ctx.key, ctx.pools = buffer, plan, key, pools
-        ctx.save_for_backward(x, w, w13, w2, a13, y)
+    def forward(ctx, buffer: Buffer, plan: CommPlan, key: object, layout: str, act, recompute: bool, x, w, *weights):
+        names = LAYOUTS[layout]
+        pools = tuple(pool_for(buffer, nm, tuple(t.shape[1:]), t.dtype) for nm, t in zip(names, weights))
+        push_replicas(buffer, plan, key, pools, weights)
+        views = [group_view(t.detach(), p.weights) for t, p in zip(weights, pools)]
+        y, pre = gated_forward(x, views, plan.segments, layout, act, keep=not recompute)
+        ctx.buffer, ctx.plan, ctx.key, ctx.pools, ctx.layout, ctx.act = buffer, plan, key, pools, layout, act
+        ctx.recompute = recompute
+        ctx.save_for_backward(x, w, *(() if recompute else (pre, y)), *weights)
         return y * w[:, None].to(y.dtype)
 
     @staticmethod
     def backward(ctx, dz):
         buffer, plan, pools = ctx.buffer, ctx.plan, ctx.pools
-        x, w, w13, w2, a13, y = ctx.saved_tensors
+        x, w, *rest = ctx.saved_tensors
+        pre, y, weights = (None, None, rest) if ctx.recompute else (rest[0], rest[1], rest[2:])
         if any(p.owner != (ctx.key, plan) for p in pools):  # another layer used the shared slots since
-            push_replicas(buffer, plan, ctx.key, pools, (w13, w2))
-        dw = (dz * y).sum(1).to(w.dtype)
-        dy = dz * w[:, None].to(dz.dtype)
-        own13 = torch.empty(w13.shape, dtype=torch.float32, device=w13.device)
-        own2 = torch.empty(w2.shape, dtype=torch.float32, device=w2.device)
-        dx, _, _ = swiglu_backward(
-            x,
-            group_view(w13, pools[0].weights),
-            group_view(w2, pools[1].weights),
-            plan.segments,
-            a13,
-            dy,
-            group_view(own13, pools[0].grads),
-            group_view(own2, pools[1].grads),
-        )
-        buffer.reduce_grad(plan, [own13, own2], [pools[0].grads, pools[1].grads])
-        return None, None, None, dx, dw, own13.to(w13.dtype), own2.to(w2.dtype)
+            push_replicas(buffer, plan, ctx.key, pools, weights)
+        own = [torch.empty(t.shape, dtype=torch.float32, device=t.device) for t in weights]
+        views = [group_view(t.detach(), p.weights) for t, p in zip(weights, pools)]
+        grads = [group_view(o, p.grads) for o, p in zip(own, pools)]
+        dx, _, dw = gated_backward(x, views, plan.segments, pre, dz, grads, ctx.layout, ctx.act, row_w=w, y=y)
+        buffer.reduce_grad(plan, own, [p.grads for p in pools])
+        return (None,) * 6 + (dx, dw) + tuple(o.to(t.dtype) for o, t in zip(own, weights))
+
+
+def grouped_experts(
+    buffer: Buffer,
+    plan: CommPlan,
+    x,
+    recv_weights,
+    weights,
+    *,
+    layout: str = "fused",
+    activation=None,
+    key=None,
+    recompute: bool = False,
+) -> torch.Tensor:
+    """The EP expert step on a dispatch's receive layout (differentiable; collective: call it on every rank).
+
+    x [recv_rows, H] and recv_weights [recv_rows] from ``moonep.dispatch``; ``weights``: this rank's experts in
+    ``layout`` (module docstring); ``activation``: act(gate, up) -> h (a ``GatedActivation`` or any callable;
+    default SwiGLU). ``key``: the layer's owner key for the shared pools (default: the weights' identities,
+    which are alive until this step's backward). ``recompute``: keep only x for the backward and recompute the
+    [n, 2F] pre-activations and y there (the forward GEMMs once more, for n*(2F+H) fewer saved elements).
+    Returns z [recv_rows, H] = expert(x) * recv_weights[:, None], ready for ``moonep.combine``. Forward pushes
+    the replicas; backward re-pushes them if another layer used the pools since, then reduces their grads home.
+    """
+    weights = tuple(weights)
+    check_weights(layout, weights, buffer.epn, x.shape[-1])
+    if key is None:
+        key = ("weights", *(id(t) for t in weights))
+    return _GroupedGatedMLP.apply(
+        buffer, plan, key, layout, as_activation(activation), recompute, x, recv_weights, *weights
+    )
+
+
+class GroupedExperts:
+    """moonep.MoE's call: ``apply(buffer, plan, key, x, w, w13, w2)`` is ``grouped_experts`` (fused, SwiGLU)."""
+
+    @staticmethod
+    def apply(buffer: Buffer, plan: CommPlan, key: object, x, w, w13, w2) -> torch.Tensor:
+        return grouped_experts(buffer, plan, x, w, (w13, w2), key=key)
