@@ -21,8 +21,17 @@ $(VENV)/.core: pyproject.toml $(VENV)/.torch
 	$(PY) -m pip install --quiet -e .
 	touch $@
 
+# Frameworks the adapter tests run inside, without their heavy dependency trees (--no-deps): megatron-core
+# (tests/moonep/test_megatron_compat.py) and torchtitan 0.3 with the few packages its model code imports
+# (spmd_types, tyro, docstring-parser, einops; triton for models.common; tests/moonep/test_torchtitan_integration.py).
+# torchtitan needs Python >= 3.11: on 3.10 it is left out and its test skips, saying so.
+FRAMEWORKS_PIP = megatron-core==0.16.1
+TITAN_PIP = torchtitan==0.3.0 spmd_types==0.2.3 tyro==1.0.17 docstring-parser==0.18.0 einops==0.8.2 triton==3.9.0
 $(VENV)/.dev: pyproject.toml $(VENV)/.core
 	$(PY) -m pip install --quiet -e ".[dev,mpi]"
+	$(PY) -m pip install --quiet --no-deps $(FRAMEWORKS_PIP)
+	if $(PY) -c "import sys; sys.exit(sys.version_info < (3, 11))"; then $(PY) -m pip install --quiet --no-deps \
+	  $(TITAN_PIP); else echo "make: torchtitan 0.3 needs Python >= 3.11: test_torchtitan_integration.py will skip"; fi
 	touch $@
 
 demo: $(VENV)/.core
