@@ -1,7 +1,7 @@
 """``moonep.integrations.hf.parallelize`` on real transformers 5.x models (tiny random configs built here, no
 download) over gloo ranks, against the unmodified model in one process: logits, loss, every gradient, one SGD
-step, greedy ``generate()`` and the ``gather_state_dict`` round trip, for Qwen3-MoE, DeepSeek-V3 and Mixtral at
-EP 2 and 4 (one launch per EP size runs every family). Bad models are refused with one line."""
+step, greedy ``generate()`` and the ``gather_state_dict`` round trip, for Qwen3-MoE, DeepSeek-V3, Qwen3-Next and
+Mixtral at EP 2 and 4 (one launch per EP size runs every family). Bad models are refused with one line."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ TOL = 1e-5
 
 
 def _configs() -> dict:
-    """Tiny configs of three families on the 5.x seam: 8 experts, top-2, 2 layers (DeepSeek: 1 dense + 1 MoE)."""
+    """Tiny configs of four families on the 5.x seam: 8 experts, top-2, 2 layers (DeepSeek: 1 dense + 1 MoE)."""
     common = dict(vocab_size=V, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=2)
     common.update(max_position_embeddings=64, tie_word_embeddings=False)
     return {
@@ -44,6 +44,20 @@ def _configs() -> dict:
             qk_nope_head_dim=4,
             v_head_dim=4,
             rope_interleave=False,
+        ),
+        "qwen3_next": transformers.Qwen3NextConfig(  # gated-delta-net + full attention, gated shared expert
+            **common,
+            num_key_value_heads=1,
+            head_dim=8,
+            moe_intermediate_size=8,
+            shared_expert_intermediate_size=8,
+            num_experts=8,
+            num_experts_per_tok=2,
+            linear_num_value_heads=2,
+            linear_num_key_heads=2,
+            linear_key_head_dim=8,
+            linear_value_head_dim=8,
+            layer_types=["linear_attention", "full_attention"],
         ),
         "mixtral": transformers.MixtralConfig(
             **common, num_key_value_heads=1, head_dim=8, num_local_experts=8, num_experts_per_tok=2
@@ -137,7 +151,7 @@ def _hf_rank(comm) -> dict:
 @pytest.mark.parametrize("R", [2, 4])
 def test_hf_models_expert_parallel_equal_the_unmodified_model(R):
     worst = launch(_hf_rank, R, timeout=60, job_timeout=400)
-    assert set(worst) == {"qwen3_moe", "deepseek_v3", "mixtral"}
+    assert set(worst) == {"qwen3_moe", "deepseek_v3", "qwen3_next", "mixtral"}
     for family, err in worst.items():
         assert err["generate"] == 0 and err["state_dict"] == 0, (family, err["generate"], err["state_dict"])
         assert sum(".experts." in n for n in err) >= 4, sorted(err)  # expert grads and steps were compared
