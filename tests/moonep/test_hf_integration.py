@@ -1,7 +1,8 @@
 """``moonep.integrations.hf.parallelize`` on real transformers 5.x models (tiny random configs built here, no
 download) over gloo ranks, against the unmodified model in one process: logits, loss, every gradient, one SGD
 step, greedy ``generate()`` and the ``gather_state_dict`` round trip, for Qwen3-MoE, DeepSeek-V3, Qwen3-Next and
-Mixtral at EP 2 and 4 (one launch per EP size runs every family). Bad models are refused with one line."""
+Mixtral at EP 2 and 4 (one launch per EP size runs every family). Inside torch's DDP the model is refused without
+``moonep.ignore_in_ddp`` and runs with it. Bad models are refused with one line."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from collectives import launch
 
 transformers = pytest.importorskip("transformers", reason="transformers is in the dev extra (make test installs it)")
 
+import moonep  # noqa: E402
 from moonep.integrations import hf  # noqa: E402
 
 V, L, B, LR = 64, 5, 2, 0.5
@@ -137,9 +139,26 @@ def _family_errors(comm, cfg) -> dict[str, float]:
     return err
 
 
+def _ddp_verdicts(comm, cfg) -> list[str]:
+    """A parallelized model inside torch's DDP: refused on the first forward without ``ignore_in_ddp`` (DDP would
+    broadcast rank 0's experts and average their grads), runs with it."""
+    out = []
+    for ignore in (False, True):
+        model = hf.parallelize(_model(cfg), comm)
+        if ignore:
+            moonep.ignore_in_ddp(model)
+        ddp = torch.nn.parallel.DistributedDataParallel(model, process_group=comm.group)
+        try:
+            ddp(_batch(comm.rank), labels=_batch(comm.rank)).loss.backward()
+            out.append("ran")
+        except ValueError as e:
+            out.append(str(e))
+    return out
+
+
 def _hf_rank(comm) -> dict:
-    """All families; the worst error of each family over every rank (all-reduced max)."""
-    worst = {}
+    """All families; the worst error of each family over every rank (all-reduced max); DDP verdicts (Mixtral)."""
+    worst = {"ddp": _ddp_verdicts(comm, _configs()["mixtral"])}
     for family, cfg in _configs().items():
         err = _family_errors(comm, cfg)
         names = sorted(err)
@@ -151,6 +170,9 @@ def _hf_rank(comm) -> dict:
 @pytest.mark.parametrize("R", [2, 4])
 def test_hf_models_expert_parallel_equal_the_unmodified_model(R):
     worst = launch(_hf_rank, R, timeout=60, job_timeout=400)
+    refused, ran = worst.pop("ddp")
+    assert "DistributedDataParallel replicates expert parameters" in refused and "ignore_in_ddp" in refused, refused
+    assert ran == "ran", ran
     assert set(worst) == {"qwen3_moe", "deepseek_v3", "qwen3_next", "mixtral"}
     for family, err in worst.items():
         assert err["generate"] == 0 and err["state_dict"] == 0, (family, err["generate"], err["state_dict"])
