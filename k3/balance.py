@@ -98,6 +98,8 @@ def update_router_biases(moes, comm, method: str = "qb", rate: float = 1e-3) -> 
     if comm is not None and comm.world_size > 1:
         comm.all_reduce(packed)
     counts = packed[: len(routers) * E].view(len(routers), E)
+    for r, c in zip(routers, counts):
+        r.last_global_counts = c  # [E] this step's routed slots over the whole group (rows_per_rank reads them)
     if method == "qb":
         hists = packed[len(routers) * E :].view(len(routers), E, NUM_BINS)
         for r, h in zip(routers, hists):
@@ -110,4 +112,14 @@ def update_router_biases(moes, comm, method: str = "qb", rate: float = 1e-3) -> 
     return max_violation(counts)
 
 
-__all__ = ["max_violation", "qb_range", "qb_histogram", "qb_bias", "update_router_biases", "NUM_BINS"]
+def rows_per_rank(counts: torch.Tensor, R: int) -> torch.Tensor:
+    """[L, 2] routed rows on the busiest of R EP ranks per MoE layer, from global counts [L, E]: MoonEP's exact
+    plan (ceil(total / R)) and the classic dispatcher (each rank computes its own experts: the hottest home
+    group). On the device: no host read."""
+    L, E = counts.shape
+    ours = (counts.sum(1) + R - 1) // R
+    classic = counts.view(L, R, E // R).sum(2).max(1).values
+    return torch.stack((ours, classic), dim=1)
+
+
+__all__ = ["rows_per_rank", "max_violation", "qb_range", "qb_histogram", "qb_bias", "update_router_biases", "NUM_BINS"]

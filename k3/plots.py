@@ -1,4 +1,5 @@
-"""Run-folder plots from ``metrics.jsonl``: loss (train + validation) and expert balance (max violation per layer).
+"""Run-folder plots from ``metrics.jsonl``: loss (train + validation), expert balance (max violation per layer)
+and what MoonEP buys: routed rows on the busiest EP rank per step, ours vs the classic dispatcher on the same counts.
 
 Matplotlib object API with the Agg canvas: no pyplot state, no display needed.
 """
@@ -15,7 +16,7 @@ def read_metrics(path: str) -> list[dict]:
 
 
 def write_plots(run_dir: str) -> list[str]:
-    """Write ``loss.png`` and ``balance.png`` into run_dir; returns their paths."""
+    """Write ``loss.png``, ``balance.png`` and ``rows.png`` into run_dir; returns their paths."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg  # heavy: only when plots are written
     from matplotlib.figure import Figure  # heavy: matplotlib
 
@@ -47,7 +48,28 @@ def write_plots(run_dir: str) -> list[str]:
     ax.grid(alpha=0.3)
     balance_png = os.path.join(run_dir, "balance.png")
     FigureCanvasAgg(fig).print_png(balance_png)
-    return [loss_png, balance_png]
+    return [loss_png, balance_png] + _rows_plot(rows, steps, run_dir, Figure, FigureCanvasAgg)
+
+
+def _rows_plot(rows: list[dict], steps: list[int], run_dir: str, Figure, FigureCanvasAgg) -> list[str]:
+    """``rows.png``: the busiest EP rank's routed rows per step, worst MoE layer: MoonEP's balanced plan vs
+    what the classic dispatcher computes from the same counts (each rank its own experts). [] without EP."""
+    ours = [max(r.get("rows_moonep_per_layer") or [0]) for r in rows]
+    classic = [max(r.get("rows_classic_per_layer") or [0]) for r in rows]
+    if not any(classic):
+        return []
+    fig = Figure(figsize=(6, 4))
+    ax = fig.add_subplot()
+    ax.plot(steps, classic, lw=0.8, label="classic all-to-all (hottest home rank)")
+    ax.plot(steps, ours, lw=1.2, label="MoonEP (balanced plan)")
+    ax.set_xlabel("step")
+    ax.set_ylabel("routed rows on the busiest rank (worst MoE layer)")
+    ax.set_ylim(bottom=0)
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    path = os.path.join(run_dir, "rows.png")
+    FigureCanvasAgg(fig).print_png(path)
+    return [path]
 
 
 __all__ = ["write_plots", "read_metrics"]

@@ -38,7 +38,7 @@ from collectives.faults import DataDelay, LinkDelay, Slowdown, check_fault_ranks
 from collectives.launch import check_device, external_launcher, rank_device
 from moonep_base import run_package, write_json
 
-from .balance import update_router_biases
+from .balance import rows_per_rank, update_router_biases
 from .checkpoint import (
     CheckpointError,
     agree,
@@ -271,7 +271,13 @@ class Trainer:
             max_logits = qk_clip(self.model, self.comm, tc.qk_clip_tau) if tc.qk_clip_tau else []
             # The bias computed from this step's batch steers the NEXT step's routing (never its own batch).
             # update_router_biases never reads the device; the log row is where its [Lm] result is read back.
-            violations = update_router_biases(self.model.moe_layers(), self.comm, tc.balance).tolist()
+            moes = self.model.moe_layers()
+            violations = update_router_biases(moes, self.comm, tc.balance)
+            counts = torch.stack([m.gate.last_global_counts for m in moes])
+            # one read for the log row: violations, then per layer the busiest rank's rows (ours, classic)
+            logged = torch.cat((violations.double(), rows_per_rank(counts, self.comm.world_size).double().flatten()))
+            logged = logged.tolist()
+            violations, rows = logged[: len(moes)], logged[len(moes) :]
         seconds = time.perf_counter() - t0
         return {
             "step": step,
@@ -281,6 +287,8 @@ class Trainer:
             "tokens_per_s": count / seconds,
             "max_violation": max(violations),
             "max_violation_per_layer": violations,
+            "rows_moonep_per_layer": [int(v) for v in rows[0::2]],
+            "rows_classic_per_layer": [int(v) for v in rows[1::2]],
             "max_logit": max(max_logits, default=None),
         }
 

@@ -2,7 +2,8 @@
 
 Public API (imported lazily, so ``import moonep.cli`` stays light): ``Buffer`` (dispatch, combine,
 redispatch, prefetch_weight, reduce_grad), ``CommPlan``, ``EPGeometry``, the differentiable ``dispatch`` /
-``combine``, the ``MoE`` layer and its ``SigmoidTopKRouter``. Adapters live in ``moonep.compat``. See
+``combine``, the ``MoE`` layer and its ``SigmoidTopKRouter``,
+``measure_cost_model`` (cost-aware balancing). Adapters live in ``moonep.compat``. See
 ``moonep/README.md``.
 """
 
@@ -22,6 +23,10 @@ _LAZY = {
     "SigmoidTopKRouter": ("moonep.moe", "SigmoidTopKRouter"),
     "grouped_experts": ("moonep.experts", "grouped_experts"),
     "GatedActivation": ("moonep.experts", "GatedActivation"),
+    "measure_cost_model": ("moonep.cost", "measure_cost_model"),
+    "expert_parameters": ("moonep.parallel", "expert_parameters"),
+    "ignore_in_ddp": ("moonep.parallel", "ignore_in_ddp"),
+    "scale_expert_grads": ("moonep.parallel", "scale_expert_grads"),
 }
 
 __all__ = ["__version__", *_LAZY]

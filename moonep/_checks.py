@@ -88,7 +88,7 @@ def _dispatch_problem(buf, hidden, topk_weights, topk_idx, tpe, total, reuse):
     if p:
         return Problem.HIDDEN, p, 0
     s = int(hidden.shape[0])
-    if s > buf.S:
+    if s > buf.S and not getattr(buf, "grow", False):
         return Problem.TOO_MANY_TOKENS, f"hidden has s={s} tokens, which exceeds capacity S={buf.S}", s
     if reuse:
         if topk_weights is not None:
@@ -163,28 +163,22 @@ def raise_agreed(
 def check_totals(rank: int, s: list[int], totals: list[int]) -> int:
     """The agreed global token count; raises the same ValueError on every rank when ranks disagree.
 
-    totals[r] = -1 when rank r passed total_num_tokens=None: then every rank must have the same s.
+    totals[r] = -1 when rank r passed total_num_tokens=None: the count all-gather already carries every rank's
+    s, so None on every rank means sum(s). Ranks that pass it must all pass the same value, equal to sum(s).
     """
     given = [t for t in totals if t >= 0]
     if given and len(given) != len(totals):
         none = [r for r, t in enumerate(totals) if t < 0]
         raise ValueError(
             f"moonep.dispatch: rank {none[0]}: total_num_tokens=None while other ranks pass it; "
-            f"pass it on every rank or on none"
+            f"pass it on every rank or on none (None: inferred from every rank's token count)"
         )
-    if given:
-        wrong = [r for r, t in enumerate(totals) if t != sum(s)]
-        if wrong:
-            q = wrong[0]
-            raise ValueError(
-                f"moonep.dispatch: rank {q}: total_num_tokens={totals[q]} but the ranks' token "
-                f"counts {s} sum to {sum(s)} (total_num_tokens per rank: {totals})"
-            )
-        return given[0]
-    if len(set(s)) > 1:
+    wrong = [r for r, t in enumerate(totals) if t >= 0 and t != sum(s)]
+    if wrong:
+        q = wrong[0]
         raise ValueError(
-            f"moonep.dispatch: ranks have different token counts {s}; pass total_num_tokens "
-            f"(= {sum(s)}) on every rank for per-rank token counts"
+            f"moonep.dispatch: rank {q}: total_num_tokens={totals[q]} but the ranks' token "
+            f"counts {s} sum to {sum(s)} (total_num_tokens per rank: {totals})"
         )
     return sum(s)
 

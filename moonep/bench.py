@@ -7,11 +7,15 @@ times are fwd+bwd medians of the slowest rank. Per stage (dispatch, expert compu
 push, combine) the forward alone is timed, each stage between barriers. ``*_busy_s`` is the slowest rank's own
 thread CPU time for fwd+bwd: what the layer would take with one core per rank and free communication, the
 number to read when ranks outnumber cores (then wall time only measures the total work of all ranks).
-``ours_host_reads_per_layer``: reads of tensor data into Python during one fwd+bwd (``moonep.hostreads``; the
-CPU planner kernel's zero-copy entry exempt), the slowest rank's; each is a host sync on a GPU. Peak bytes are
-measured (``moonep.peak_memory.PeakBytes``, one untimed fwd+bwd per layer, the largest rank): bytes
-of every tensor storage the call allocates, alive at once, plus for ours the static ``Buffer`` and the replica
-weight/grad pools, which exist before the call.
+Ours balances as ``--balance`` says: ``cost`` (default) measures a ``planner.CostModel`` on the ranks
+(``moonep.measure_cost_model``: GEMM time per row, the exchanges of one replica) and lets the planner choose σ per
+step; ``ours_slack`` is the σ the step used (max rows / mean rows - 1), ``ours_rows_bound`` the rows any plan may
+give a rank (σ = max_slack: the static buffers' size), ``ours_replicas`` and ``ours_weight_bytes`` (push forward
+plus grads back) the weight traffic. ``ours_host_reads_per_layer``: reads of tensor data into Python during one
+fwd+bwd (``moonep.hostreads``; the CPU planner kernel's zero-copy entry exempt), the slowest rank's; each is a
+host sync on a GPU. Peak bytes are measured (``moonep.peak_memory.PeakBytes``, one untimed fwd+bwd per layer,
+the largest rank): bytes of every tensor storage the call allocates, alive at once, plus for ours the static
+``Buffer`` and the replica weight/grad pools, which exist before the call.
 """
 
 from __future__ import annotations
@@ -23,10 +27,12 @@ import time
 import torch
 
 from collectives import launch
+from planner import row_bound
 
 from .autograd import combine, dispatch
 from .baseline import classic_combine, classic_dispatch, classic_experts, classic_moe
 from .buffer import Buffer
+from .cost import measure_cost_model
 from .experts import GroupedExperts
 from .hostreads import PLANNER_CPU_ENTRY, HostReads
 from .moe import MoE
@@ -93,19 +99,40 @@ def _classic_stages(comm, moe, x, idx, w, E):
     return [lambda _: classic_dispatch(comm, x, idx, w, E), experts, lambda e: classic_combine(comm, e[0], e[1], x)]
 
 
-def bench_rank(comm, maxvios: list[float], S: int, H: int, F: int, E: int, K: int, iters: int) -> dict:
+def parse_balance(text: str, max_slack: float) -> dict:
+    """``--balance`` -> {"mode": "cost" | "exact" | "slack", "slack": σ, "max_slack": ...}, or ValueError."""
+    if text in ("cost", "exact"):
+        if text == "cost":
+            row_bound(0, 1, max_slack)  # names a bad --max-slack
+        return {"mode": text, "slack": None, "max_slack": max_slack if text == "cost" else 0.0}
+    try:
+        sigma = float(text)
+    except ValueError:
+        raise ValueError(f"--balance must be 'cost', 'exact' or a slack such as 0.1, got {text!r}") from None
+    row_bound(0, 1, sigma)
+    return {"mode": "slack", "slack": sigma, "max_slack": sigma}
+
+
+def bench_rank(
+    comm, maxvios: list[float], S: int, H: int, F: int, E: int, K: int, iters: int, balance: dict | None = None
+) -> dict:
     """Run on every rank; returns {"results": [...], ...} (rank 0's is the report)."""
     torch.set_num_threads(1)
     R, r = comm.world_size, comm.rank
+    balance = balance or {"mode": "cost", "slack": None, "max_slack": 0.5}
+    cost = None
+    if balance["mode"] == "cost":
+        cost = measure_cost_model(comm, H=H, F=F, max_slack=balance["max_slack"])
     # argument checks of plan-reuse calls off: the classic baseline checks nothing either
-    buffer = Buffer(comm, S=S, H=H, K=K, E=E, check_reuse=False)
+    buffer = Buffer(comm, S=S, H=H, K=K, E=E, check_reuse=False, slack=balance["slack"], cost=cost)
     moe = MoE(comm, H=H, F=F, E=E, K=K, S=S, router=lambda x: None, buffer=buffer)  # routing injected per maxvio
     x = torch.randn(S, H, generator=torch.Generator().manual_seed(r)).requires_grad_()
     results = [_bench_maxvio(comm, moe, x, v, iters) for v in maxvios]
-    return {
-        "results": results,
-        "config": {"world_size": R, "S": S, "H": H, "F": F, "E": E, "K": K, "iters": iters, "cores": os.cpu_count()},
-    }
+    config = {"world_size": R, "S": S, "H": H, "F": F, "E": E, "K": K, "iters": iters, "cores": os.cpu_count()}
+    config["balance"] = dict(balance)
+    if cost is not None:
+        config["cost_model"] = {"row_seconds": cost.row_seconds, "copy_seconds": cost.copy_seconds}
+    return {"results": results, "config": config}
 
 
 def _bench_maxvio(comm, moe: MoE, x: torch.Tensor, v: float, iters: int) -> dict:
@@ -140,11 +167,14 @@ def _bench_maxvio(comm, moe: MoE, x: torch.Tensor, v: float, iters: int) -> dict
         for who, ts in (("ours", st_ours), ("baseline", st_base))
         for stage, t in zip(("dispatch", "expert", "combine"), ts)
     }
+    total = int(plan.caps.sum())
     return {
         "maxvio": v,
         "maxvio_measured": round(measured, 4),
-        "cap": int(plan.caps.max()),
+        "cap": -(-total // comm.world_size),
         "ours_max_rows": int(plan.caps.max()),
+        "ours_slack": round(int(plan.caps.max()) * comm.world_size / max(total, 1) - 1, 4),
+        "ours_rows_bound": row_bound(total, comm.world_size, moe.buffer.max_slack),
         "baseline_max_rows": int(rows),
         "ours_layer_s": t_ours,
         "baseline_layer_s": t_base,
@@ -161,14 +191,25 @@ def _bench_maxvio(comm, moe: MoE, x: torch.Tensor, v: float, iters: int) -> dict
     }
 
 
-def run(world_size: int, maxvios: list[float], *, quick: bool = False, backend: str = "torch") -> dict:
+def run(
+    world_size: int, maxvios: list[float], *, quick: bool = False, backend: str = "torch", balance: dict | None = None
+) -> dict:
     """Launch the sweep on local ranks and return the report."""
     shape = (
         dict(S=64, H=32, F=32, E=4 * world_size, K=2, iters=1)
         if quick
         else dict(S=1024, H=256, F=256, E=8 * world_size, K=2, iters=5)
     )
-    report = launch(bench_rank, world_size, backend=backend, timeout=300, job_timeout=3600, maxvios=maxvios, **shape)
+    report = launch(
+        bench_rank,
+        world_size,
+        backend=backend,
+        timeout=300,
+        job_timeout=3600,
+        maxvios=maxvios,
+        balance=balance,
+        **shape,
+    )
     for e in report["results"]:
         e["ratio"] = e["ours_layer_s"] / e["baseline_layer_s"]
         e["busy_ratio"] = e["ours_busy_s"] / e["baseline_busy_s"]

@@ -58,6 +58,13 @@ class Buffer:
     check_reuse: check the arguments of plan-reuse calls (combine, redispatch) so that bad input raises on every
     rank; costs one small all-reduce and one host read per call (dispatch's checks ride on its one read).
     ``moonep.MoE`` turns it off: it builds those arguments itself.
+    slack: σ, every rank computes at most ``ceil((1 + σ) * slots / R)`` rows with replicas only where that needs
+    them; cost: a ``planner.CostModel`` choosing σ per step up to its ``max_slack`` by predicted layer time
+    (``moonep.measure_cost_model`` measures one on the group). Neither: the exact plan. The receive buffers are
+    sized for the largest σ allowed (``max_slack``).
+    grow: instead of refusing a call with more than S tokens, every rank grows its buffers to the largest s any
+    rank brings (decided after dispatch's count all-gather, which carries every rank's s: alike on all ranks,
+    no extra collective). ``buf.S`` and ``buf.geometry`` follow.
     """
 
     def __init__(
@@ -72,6 +79,9 @@ class Buffer:
         dtype: torch.dtype = torch.float32,
         device: Any = None,
         check_reuse: bool = True,
+        slack: float | None = None,
+        cost: planner.CostModel | None = None,
+        grow: bool = False,
     ) -> None:
         self.geometry = EPGeometry(S=S, H=H, K=K, E=E, token_padding=token_padding)
         R = comm.world_size
@@ -81,17 +91,25 @@ class Buffer:
         self.rank, self.epn, self.token_padding, self.dtype = comm.rank, E // R, token_padding, dtype
         self.device = resolve_device(comm, device)
         self.check_reuse = check_reuse
-        self.max_recv_rows = num_recv_rows(R * S, K, R, self.epn, token_padding)
+        self.slack, self.cost, self.max_slack = balance_options(slack, cost)
+        self.grow = bool(grow)
+        self._allocate(S)
+
+    def _allocate(self, S: int) -> None:
+        """(Re)allocate every buffer for capacity S: their sizes never depend on the routing."""
+        R, K, H, dtype, dev = self.R, self.K, self.H, self.dtype, self.device
+        self.S, self.geometry = S, EPGeometry(S=S, H=H, K=K, E=self.E, token_padding=self.token_padding)
+        self.max_recv_rows = num_recv_rows(R * S, K, R, self.epn, self.token_padding, self.max_slack)
+        max_slots = planner.row_bound(R * S * K, R, self.max_slack)  # routed slots one rank may receive
         if max(self.max_recv_rows, S * K) > INT32_MAX:
             raise ValueError(f"receive rows {self.max_recv_rows} or slots S*K={S * K} exceed the int32 side table")
-        # receive rows (expert-grouped) and the two wire buffers: sizes never depend on the routing
-        dev = self.device
+        # receive rows (expert-grouped) and the two wire buffers
         self._recv = torch.zeros(self.max_recv_rows, H, dtype=dtype, device=dev)
         self._recv_w = torch.zeros(self.max_recv_rows, dtype=torch.float32, device=dev)
         self._wire_out = torch.empty(S * min(K, R), H, dtype=dtype, device=dev)
-        self._wire_in = torch.zeros(1 + S * K, H, dtype=dtype, device=dev)  # row 0: the zero row (row_sources)
+        self._wire_in = torch.zeros(1 + max_slots, H, dtype=dtype, device=dev)  # row 0: the zero row (row_sources)
         self._meta_out = torch.empty(S * K, 3, dtype=torch.int32, device=dev)
-        self._meta_in = torch.empty(S * K, 3, dtype=torch.int32, device=dev)
+        self._meta_in = torch.empty(max_slots, 3, dtype=torch.int32, device=dev)
 
     @property
     def nbytes(self) -> int:
@@ -136,7 +154,9 @@ class Buffer:
         gathered = torch.empty(self.R * (self.E + 3), dtype=torch.int64, device=self.device)
         self.comm.all_gather(gathered, counts, validate=False)
         g = gathered.view(self.R, self.E + 3)
-        global_plan = planner.plan(g[:, : self.E], token_padding=self.token_padding, defer_errors=True)
+        global_plan = planner.plan(
+            g[:, : self.E], token_padding=self.token_padding, slack=self.slack, cost=self.cost, defer_errors=True
+        )
         lay = send_layout(global_plan, self.rank, idx)
         mismatch = (lay.slot_splits != global_plan.send_counts[self.rank]).any().long()
         mine = torch.cat((lay.uniq_splits, mismatch[None]))
@@ -149,6 +169,8 @@ class Buffer:
         total = _checks.check_totals(self.rank, step["s"], step["totals"])
         if step["err"][0]:
             raise_plan_error(step["err"], self.epn)
+        if self.grow and max(step["s"]) > self.S:
+            self._allocate(max(step["s"]))
         if any(step["mismatch"]):
             raise AssertionError(
                 f"moonep.dispatch: routed slots per destination differ from the plan's "
@@ -213,7 +235,7 @@ class Buffer:
         push_rows, my_slots = replica_maps(global_plan, r)
         push = [step["replicas"][d] if step["donor"][d] == r else 0 for d in range(R)]
         mine = [step["replicas"][r] if step["donor"][r] == q else 0 for q in range(R)]
-        recv_rows = num_recv_rows(total, self.K, R, self.epn, self.token_padding)
+        recv_rows = num_recv_rows(total, self.K, R, self.epn, self.token_padding, self.max_slack)
         plan = CommPlan(
             global_plan=global_plan,
             rank=r,
@@ -236,6 +258,7 @@ class Buffer:
             push_splits=push,
             my_slots=my_slots[: sum(mine)],
             slot_splits=mine,
+            num_replicas=sum(step["replicas"]),
         )
         if weights is not None:
             self._weights_from(plan, got[:, 2].contiguous().view(torch.float32))
@@ -343,6 +366,8 @@ class Buffer:
         prefetch_buffers: [epn, ...] replica slots (same structure); slot b of rank d receives expert
         ``plan.global_plan.experts_to_copy[d, b]`` (unused slots are left untouched). Collective: every rank calls it.
         """
+        if not plan.num_replicas:  # every rank read the same plan: all skip the exchange together
+            return
         for loc, buf in zip(_as_list(local_weights), _as_list(prefetch_buffers)):
             inp = loc.detach().reshape(self.epn, -1).index_select(0, plan.push_rows).to(buf.dtype)
             got = torch.empty(plan.my_slots.numel(), inp.shape[1], dtype=buf.dtype, device=buf.device)
@@ -356,6 +381,8 @@ class Buffer:
         local_grads: [epn, ...] (or a sequence); reduce_buffers: [epn, ...] slot grads (same structure).
         Collective: every rank calls it, after every rank wrote its slot grads.
         """
+        if not plan.num_replicas:
+            return
         for grad, buf in zip(_as_list(local_grads), _as_list(reduce_buffers)):
             flat = buf.view(buf.shape[0], -1)
             inp = flat.index_select(0, plan.my_slots)
@@ -364,6 +391,17 @@ class Buffer:
             if plan.push_rows.numel():
                 grad.view(self.epn, -1).index_add_(0, plan.push_rows, got.to(grad.dtype))
             flat.index_fill_(0, plan.my_slots, 0)
+
+
+def balance_options(slack: Any, cost: Any) -> tuple[float | None, Any, float]:
+    """(slack, cost, the largest σ a plan may use) after checking them together (planner's words)."""
+    if cost is not None and not isinstance(cost, planner.CostModel):
+        raise ValueError(f"cost must be a planner.CostModel, got {type(cost).__name__}")
+    if cost is not None and slack is not None:
+        raise ValueError("pass slack or cost, not both (cost chooses the slack per step)")
+    if slack is not None:
+        planner.row_bound(0, 1, slack)  # names a bad slack
+    return slack, cost, cost.max_slack if cost is not None else (slack or 0.0)
 
 
 def _as_list(x) -> list[torch.Tensor]:

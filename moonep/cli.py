@@ -7,6 +7,7 @@ stays fast; the handler imports the rest. The console script that gathers every 
 from __future__ import annotations
 
 import argparse
+import sys
 
 from moonep_base import write_json  # k3/train.py imports it from here too (k3 sits above moonep)
 
@@ -17,6 +18,13 @@ def register(commands, bench) -> None:
     p.add_argument("--maxvio", default="0,1,2,4,8", help="comma-separated maxvio targets")
     p.add_argument("--backend", default="torch", choices=["torch", "mpi"])
     p.add_argument("--quick", action="store_true", help="tiny shapes, one iteration (schema checks)")
+    p.add_argument(
+        "--balance",
+        default="cost",
+        help="ours: 'cost' (a CostModel measured on the ranks chooses σ per step, up to --max-slack), "
+        "'exact' (σ = 0), or a fixed slack σ such as 0.1 (default cost)",
+    )
+    p.add_argument("--max-slack", type=float, default=0.5, help="largest σ the cost choice may take (default 0.5)")
     p.add_argument("--json", help="write the report here")
     p.add_argument("--plot", help="write a time-vs-maxvio plot (PNG) here")
     p.set_defaults(func=handler)
@@ -26,18 +34,24 @@ def handler(args: argparse.Namespace) -> int:
     from . import bench  # heavy: torch; --help stays light
 
     maxvios = [float(v) for v in args.maxvio.split(",") if v.strip()]
-    report = bench.run(args.world_size, maxvios, quick=args.quick, backend=args.backend)
+    try:
+        balance = bench.parse_balance(args.balance, args.max_slack)
+    except ValueError as e:
+        print(f"moonep bench ep: {e}", file=sys.stderr)
+        return 2
+    report = bench.run(args.world_size, maxvios, quick=args.quick, backend=args.backend, balance=balance)
     print(report["note"])
     print(
-        f"{'maxvio':>6} {'cap':>6} {'ours rows':>9} {'base rows':>9} {'ours ms':>8} {'base ms':>8} {'ratio':>6} "
-        f"{'busy ratio':>10}  fwd stages ms (dispatch/expert/combine) ours | base"
+        f"{'maxvio':>6} {'cap':>6} {'ours rows':>9} {'base rows':>9} {'σ':>5} {'copies':>6} {'ours ms':>8} "
+        f"{'base ms':>8} {'ratio':>6} {'busy ratio':>10}  fwd stages ms (dispatch/expert/combine) ours | base"
     )
     for e in report["results"]:
         stages = lambda who: "/".join(f"{e[f'{who}_{s}_s'] * 1e3:.1f}" for s in ("dispatch", "expert", "combine"))  # noqa: E731
         print(
             f"{e['maxvio']:>6g} {e['cap']:>6} {e['ours_max_rows']:>9} {e['baseline_max_rows']:>9} "
-            f"{e['ours_layer_s'] * 1e3:>8.2f} {e['baseline_layer_s'] * 1e3:>8.2f} {e['ratio']:>6.2f} "
-            f"{e['busy_ratio']:>10.2f}  {stages('ours')} | {stages('baseline')}"
+            f"{e['ours_slack']:>5.3f} {e['ours_replicas']:>6} {e['ours_layer_s'] * 1e3:>8.2f} "
+            f"{e['baseline_layer_s'] * 1e3:>8.2f} {e['ratio']:>6.2f} {e['busy_ratio']:>10.2f}  "
+            f"{stages('ours')} | {stages('baseline')}"
         )
     if args.json:
         write_json(args.json, report)

@@ -65,6 +65,8 @@ class CommPlan:
     """[sum(slot_splits)] this rank's occupied replica slots, in slot order."""
     slot_splits: list[int]
     """[R] replica weights this rank receives from each rank (all from its donor)."""
+    num_replicas: int = -1
+    """replicas in the whole plan, from the step's read (0: every rank skips the weight exchanges; -1: unknown)."""
 
     def __post_init__(self) -> None:
         if sum(self.send_slot_splits) != self.slot_pos.numel():

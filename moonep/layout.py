@@ -24,12 +24,14 @@ from dataclasses import dataclass
 import torch
 
 import planner
+from planner import row_bound
 
 
-def num_recv_rows(total_tokens: int, K: int, R: int, epn: int, token_padding: int) -> int:
-    """Receive rows of a step (MoonEP's NvS): align_up(ceil(total*K/R) + (pad-1)*2*epn, pad) with pad =
-    token_padding; >= any plan's padded layout of that many tokens."""
-    rows = -(-total_tokens * K // R) + (token_padding - 1) * 2 * epn
+def num_recv_rows(total_tokens: int, K: int, R: int, epn: int, token_padding: int, slack: float = 0.0) -> int:
+    """Receive rows of a step (MoonEP's NvS): align_up(U + (pad-1)*2*epn, pad) with pad = token_padding and
+    U = ceil((1 + slack) * total*K / R) (``planner.row_bound``; slack 0: exact balance); >= any plan's padded
+    layout of that many tokens whose rows per rank are bounded by that slack."""
+    rows = row_bound(total_tokens * K, R, slack) + (token_padding - 1) * 2 * epn
     return -(-rows // token_padding) * token_padding
 
 

@@ -19,6 +19,7 @@ from .autograd import combine, dispatch
 from .buffer import Buffer
 from .experts import GroupedExperts
 from .geometry import EPGeometry
+from .parallel import check_not_replicated, mark_expert
 
 _LAYER_IDS = itertools.count()
 
@@ -64,10 +65,13 @@ class MoE(nn.Module):
     """Expert-parallel MoE layer: ``y = moe(x)`` for x [..., H] (at most S tokens per call on this rank).
 
     comm: the EP group's Communicator. H, F, E, K, S (keyword-only): hidden size, expert FFN size, experts,
-    top-k, token capacity per rank. buffer: a shared ``Buffer`` (one per group is enough; built if None) whose
-    ``EPGeometry`` must be the layer's (token_padding=None takes the buffer's, else 1).
+    top-k, token capacity per rank (S=None: the owned Buffer grows to the largest call, decided alike on every
+    rank). buffer: a shared ``Buffer`` (one per group is enough; built if None) whose ``EPGeometry`` must be the
+    layer's (token_padding=None takes the buffer's, else 1).
     router: callable x [s, H] -> (topk_idx [s, K], topk_weights [s, K]); default ``SigmoidTopKRouter``.
     shared_F: FFN size of an optional shared expert (0 = none).
+    slack, cost: the balancing of an owned Buffer (``Buffer``: a bounded slack, or a ``planner.CostModel``
+    choosing it per step; neither = exact balance).
     """
 
     def __init__(
@@ -78,18 +82,25 @@ class MoE(nn.Module):
         F: int,
         E: int,
         K: int,
-        S: int,
+        S: int | None,
         router: Callable | None = None,
         shared_F: int = 0,
         token_padding: int | None = None,
         buffer: Buffer | None = None,
         dtype: torch.dtype = torch.float32,
+        slack: float | None = None,
+        cost=None,
     ) -> None:
         super().__init__()
         pad = token_padding or (buffer.token_padding if buffer is not None else 1)
-        geometry = EPGeometry(S=S, H=H, K=K, E=E, token_padding=pad)
+        grow = S is None
+        geometry = EPGeometry(S=buffer.S if grow and buffer is not None else S or 1, H=H, K=K, E=E, token_padding=pad)
+        if buffer is not None and (slack is not None or cost is not None):
+            raise ValueError("slack and cost belong to the Buffer: pass them to the shared Buffer instead")
         # combine's arguments come from this layer's own expert step: checking them would cost a host read
-        self.buffer = buffer or Buffer(comm, **vars(geometry), dtype=dtype, check_reuse=False)
+        self.buffer = buffer or Buffer(
+            comm, **vars(geometry), dtype=dtype, check_reuse=False, slack=slack, cost=cost, grow=grow
+        )
         self._owns_buffer = buffer is None
         b = self.buffer
         if b.geometry != geometry:
@@ -100,8 +111,10 @@ class MoE(nn.Module):
         """[epn, H, 2F] this rank's experts: gate and up projections side by side."""
         self.w2 = nn.Parameter(torch.randn(b.epn, F, H, dtype=dtype) / F**0.5)
         """[epn, F, H] this rank's experts: down projection."""
+        mark_expert(self.w13, self.w2)  # one EP rank's experts: data parallelism must leave them alone
         self.shared = SharedExpert(H, shared_F) if shared_F else None
         self._key = ("moe", next(_LAYER_IDS))  # owner key for the shared weight pools
+        self._contract_checked = False
         self.last_plan = None
 
     def _buffer_on(self, device: torch.device) -> Buffer:
@@ -109,18 +122,87 @@ class MoE(nn.Module):
         b = self.buffer
         if b.device != device and self._owns_buffer:
             self.buffer = b = Buffer(
-                b.comm, **vars(b.geometry), dtype=b.dtype, device=device, check_reuse=b.check_reuse
+                b.comm,
+                **vars(b.geometry),
+                dtype=b.dtype,
+                device=device,
+                check_reuse=b.check_reuse,
+                slack=b.slack,
+                cost=b.cost,
+                grow=b.grow,
             )
         return b
 
-    def forward(self, x: torch.Tensor, *, total_num_tokens: int | None = None) -> torch.Tensor:
+    @classmethod
+    def from_weights(cls, comm, w13: torch.Tensor, w2: torch.Tensor, *, K: int, S: int | None = None, **kwargs):
+        """A layer holding existing expert weights: ``w13 [E or epn, H, 2F]`` (gate and up side by side, in x
+        out) and ``w2 [E or epn, F, H]``; given all E experts, this rank keeps its ``[rank*epn, (rank+1)*epn)``
+        slice (pass ``E=`` when giving only this rank's epn). The weights are copied (dtype and device follow them);
+        other arguments as ``MoE``."""
+        if w13.dim() != 3 or w2.dim() != 3 or w13.shape[0] != w2.shape[0] or w13.shape[2] != 2 * w2.shape[1]:
+            raise ValueError(
+                f"from_weights needs w13 [E or epn, H, 2F] and w2 [E or epn, F, H]; got {tuple(w13.shape)} and "
+                f"{tuple(w2.shape)}"
+            )
+        n, H, F = w13.shape[0], w13.shape[1], w2.shape[1]
+        if w2.shape[2] != H:
+            raise ValueError(f"from_weights: w2 [.., F, H] must end in H={H}, got {tuple(w2.shape)}")
+        R, r = comm.world_size, comm.rank
+        E = kwargs.pop("E", None) or n  # all E experts unless E says these are this rank's epn
+        if n not in (E, E // R) or E % R:
+            raise ValueError(f"from_weights: {n} experts given; expected all E={E} or E/R={E // R} (R={R})")
+        epn = E // R
+        mine = slice(r * epn, (r + 1) * epn) if n == E else slice(None)
+        layer = cls(comm, H=H, F=F, E=E, K=K, S=S, dtype=w13.dtype, **kwargs)
+        with torch.no_grad():
+            layer.w13.copy_(w13[mine])
+            layer.w2.copy_(w2[mine])
+        return layer.to(w13.device)
+
+    def route(self, x2: torch.Tensor, topk_idx=None, topk_weights=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(topk_idx [s, K] int, topk_weights [s, K] fp32): the given routing or the router's, checked for its
+        form (the ids and weights themselves are checked on every rank by dispatch)."""
+        if (topk_idx is None) != (topk_weights is None):
+            raise ValueError("MoE: pass both topk_idx and topk_weights (your own routing) or neither (the router's)")
+        who = "the given routing"
+        if topk_idx is None:
+            out, who = self.router(x2), "router"
+            if not (isinstance(out, (tuple, list)) and len(out) == 2):
+                raise ValueError(
+                    f"MoE: the router must return (topk_idx [s, K], topk_weights [s, K]); it returned "
+                    f"{type(out).__name__}{f' of {len(out)} values' if isinstance(out, (tuple, list)) else ''}"
+                )
+            topk_idx, topk_weights = out
+        s = x2.shape[0]
+        for name, t in (("topk_idx", topk_idx), ("topk_weights", topk_weights)):
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != (s, self.K):
+                got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(f"MoE: {who}'s {name} must be a tensor [s={s}, K={self.K}], got {got}")
+        if topk_weights.dtype.is_floating_point is False:
+            raise ValueError(f"MoE: {who}'s topk_weights must be floating point, got {topk_weights.dtype}")
+        return topk_idx, topk_weights.float()
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        *,
+        topk_idx: torch.Tensor | None = None,
+        topk_weights: torch.Tensor | None = None,
+        total_num_tokens: int | None = None,
+    ) -> torch.Tensor:
+        """x [..., H] -> [..., H]. topk_idx / topk_weights [tokens, K]: your model's own routing instead of the
+        layer's router (both or neither). total_num_tokens: None infers it from every rank's token count."""
         shape = x.shape
+        if not self._contract_checked:  # once: a DDP/FSDP wrapper replicating the experts would corrupt them
+            check_not_replicated(self)
+            self._contract_checked = True
         self._buffer_on(x.device)
+        if x.dim() < 1 or shape[-1] != self.H:  # fail on every rank: the bad width rides on dispatch's all-gather
+            bad = x.reshape(-1, shape[-1] if x.dim() else 1)
+            dispatch(self.buffer, bad, None, torch.full((bad.shape[0], self.K), -1, device=x.device))
         x2 = x.reshape(-1, self.H)
-        topk_idx, topk_weights = self.router(x2)
-        recv, recv_w, _, plan = dispatch(
-            self.buffer, x2, topk_weights.float(), topk_idx, total_num_tokens=total_num_tokens
-        )
+        topk_idx, topk_weights = self.route(x2, topk_idx, topk_weights)
+        recv, recv_w, _, plan = dispatch(self.buffer, x2, topk_weights, topk_idx, total_num_tokens=total_num_tokens)
         self.last_plan = plan
         z = GroupedExperts.apply(self.buffer, plan, self._key, recv, recv_w, self.w13, self.w2)
         y = combine(self.buffer, plan, z)

@@ -37,7 +37,12 @@ def test_ep4_equals_ep1_over_five_steps(tmp_path):
     rows = _metrics(str(tmp_path / "ep4"))
     assert [r["step"] for r in rows] == list(range(5))
     assert all({"step", "loss", "tokens_per_s", "max_violation"} <= set(r) for r in rows)
-    assert os.path.exists(tmp_path / "ep4" / "loss.png") and os.path.exists(tmp_path / "ep4" / "balance.png")
+    assert all(os.path.exists(tmp_path / "ep4" / f) for f in ("loss.png", "balance.png", "rows.png"))
+    for r in rows:  # what MoonEP buys, per MoE layer: the busiest rank's rows never exceed the classic one's
+        ours, classic = r["rows_moonep_per_layer"], r["rows_classic_per_layer"]
+        assert len(ours) == len(classic) == len(r["max_violation_per_layer"]) and all(
+            0 < a <= b for a, b in zip(ours, classic)
+        ), r
 
 
 def test_resume_equals_uninterrupted(tmp_path):

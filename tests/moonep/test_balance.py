@@ -1,0 +1,147 @@
+"""Cost-aware and bounded-slack balancing in the EP layer, over real gloo ranks: the same function as the exact
+plan (outputs and every gradient), rows inside the bound, the weight exchanges skipped on every rank when the plan
+has no replica, the host-read budget kept, and the cost model measured on the group."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import moonep
+import planner
+from collectives import launch
+from moonep.hostreads import PLANNER_CPU_ENTRY, HostReads
+
+H, F, K, S = 8, 8, 2, 32
+
+
+def _layer(comm, seed: int, **balance) -> moonep.MoE:
+    torch.manual_seed(seed)
+    moe = moonep.MoE(comm, H=H, F=F, E=4 * comm.world_size, K=K, S=S, **balance)
+    with torch.no_grad():
+        moe.router.bias[0] = 5.0  # a hot expert: the exact plan replicates it
+    return moe
+
+
+def _step(moe: moonep.MoE, comm) -> tuple[torch.Tensor, list[torch.Tensor], int]:
+    """(output, grads of x and every parameter, all-to-all calls) of one forward + backward."""
+    x = torch.randn(S, H, generator=torch.Generator().manual_seed(100 + comm.rank), requires_grad=True)
+    calls = [0]
+    a2a = comm.all_to_all_single
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return a2a(*args, **kwargs)
+
+    comm.all_to_all_single = counted
+    try:
+        y = moe(x)
+        (y * torch.arange(H, dtype=y.dtype)).sum().backward()
+    finally:
+        del comm.all_to_all_single
+    return y.detach(), [x.grad] + [p.grad for p in moe.parameters()], calls[0]
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| / max |b| (fp32: only the summation order differs between plans)."""
+    return float((a - b).abs().max()) / (float(b.abs().max()) or 1.0)
+
+
+def _compare_rank(comm, balance: dict) -> dict:
+    y0, g0, calls0 = _step(_layer(comm, 0), comm)
+    moe = _layer(comm, 0, **balance)
+    y1, g1, calls1 = _step(moe, comm)
+    plan = moe.last_plan.global_plan
+    total = int(plan.caps.sum())
+    return {
+        "out": _rel(y1, y0),
+        "grad": max(_rel(a, b) for a, b in zip(g1, g0)),
+        "rows": int(plan.caps.max()),
+        "exact_rows": -(-total // comm.world_size),
+        "bound": planner.row_bound(total, comm.world_size, moe.buffer.max_slack),
+        "replicas": plan.num_replicas,
+        "calls": (calls0, calls1),
+    }
+
+
+@pytest.mark.parametrize(
+    "balance",
+    [
+        {"slack": 0.25},
+        {"cost": planner.CostModel(row_seconds=0.0, copy_seconds=1.0, max_slack=64.0)},  # no replica pays
+        {"cost": planner.CostModel(row_seconds=1.0, copy_seconds=1e-9, max_slack=0.5, candidates=3)},
+    ],
+    ids=["slack", "cost-no-copies", "cost-rows"],
+)
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_balanced_layer_computes_the_exact_function(world_size: int, balance: dict):
+    got = launch(_compare_rank, world_size, timeout=30, job_timeout=240, balance=balance)
+    assert got["out"] < 1e-5 and got["grad"] < 1e-5, got
+    assert got["rows"] <= got["bound"], got
+    calls_exact, calls_ours = got["calls"]
+    if got["replicas"] == 0:  # the weight push (2 projections) and the grad reduce (2) are skipped
+        assert calls_ours == calls_exact - 4, got
+    else:
+        assert calls_ours == calls_exact, got
+
+
+def test_free_copies_keep_the_exact_plan_and_costly_copies_drop_them():
+    got = launch(
+        _compare_rank,
+        2,
+        timeout=30,
+        job_timeout=120,
+        balance={"cost": planner.CostModel(row_seconds=1, copy_seconds=0)},
+    )
+    assert got["replicas"] > 0 and got["rows"] == got["exact_rows"]
+    got = launch(
+        _compare_rank,
+        2,
+        timeout=30,
+        job_timeout=120,
+        balance={"cost": planner.CostModel(row_seconds=0, copy_seconds=1)},
+    )
+    assert got["replicas"] == 0
+
+
+def _reads_rank(comm) -> int:
+    moe = _layer(comm, 0, cost=planner.CostModel(row_seconds=1.0, copy_seconds=3.0))
+    x = torch.randn(S, H, requires_grad=True)
+    moe(x).sum().backward()  # warm-up
+    with HostReads(exempt=(PLANNER_CPU_ENTRY,)) as reads:
+        moe(x).sum().backward()
+    return reads.count
+
+
+def test_cost_aware_layer_keeps_one_host_read():
+    assert launch(_reads_rank, 2, timeout=30, job_timeout=120) == 1
+
+
+def _measure_rank(comm) -> tuple[float, float]:
+    cost = moonep.measure_cost_model(comm, H=16, F=32, rows=64, reps=2)
+    return cost.row_seconds, cost.copy_seconds
+
+
+def test_measured_cost_model_is_the_same_on_every_rank():
+    row_s, copy_s = launch(_measure_rank, 2, timeout=30, job_timeout=120)
+    assert row_s > 0 and copy_s > 0
+
+
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        (dict(slack=-1.0), "slack must be in"),
+        (dict(cost="cheap"), "cost must be a planner.CostModel"),
+        (dict(slack=0.1, cost=planner.CostModel(row_seconds=1, copy_seconds=1)), "not both"),
+    ],
+)
+def test_bad_balance_options_are_named(kwargs, words):
+    assert words in launch(_bad_rank, 1, timeout=30, job_timeout=60, kwargs=kwargs)
+
+
+def _bad_rank(comm, kwargs) -> str:
+    try:
+        moonep.Buffer(comm, S=4, H=4, K=1, E=2, **kwargs)
+    except ValueError as e:
+        return str(e)
+    return "no error"
