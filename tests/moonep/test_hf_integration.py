@@ -61,8 +61,8 @@ def _configs() -> dict:
             linear_value_head_dim=8,
             layer_types=["linear_attention", "full_attention"],
         ),
-        "mixtral": transformers.MixtralConfig(
-            **common, num_key_value_heads=1, head_dim=8, num_local_experts=8, num_experts_per_tok=2
+        "mixtral": transformers.MixtralConfig(  # GELU experts: act_fn reaches moonep as a non-SiLU gated activation
+            **common, num_key_value_heads=1, head_dim=8, num_local_experts=8, num_experts_per_tok=2, hidden_act="gelu"
         ),
     }
 
