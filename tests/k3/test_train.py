@@ -47,28 +47,20 @@ def test_ep4_equals_ep1_over_five_steps(tmp_path):
 
 def test_resume_equals_uninterrupted(tmp_path):
     """Stop at step 3 (checkpoint; past the 2-step warmup, where the cosine schedule matters), resume to 6: losses
-    of steps 3..5 equal the straight run's exactly (would catch optimizer moments, step counts, router biases, the
-    data position or the LR schedule's length not being restored)."""
-    straight = train(_cfg(tmp_path, "straight", world_size=2, steps=6, warmup=2))
-    part = _cfg(tmp_path, "resumed", world_size=2, steps=3, warmup=2, schedule_steps=6)
+    of steps 3..5 equal the straight run's exactly (would catch optimizer moments, step counts, router biases or
+    the data position not being restored). The first run's schedule (its 3 steps) is kept by the extended run, so
+    the straight run is the 6-step run with schedule_steps=3; the LRs show the schedule matters here."""
+    straight = train(_cfg(tmp_path, "straight", world_size=2, steps=6, warmup=2, schedule_steps=3))
+    part = _cfg(tmp_path, "resumed", world_size=2, steps=3, warmup=2)
     train(part)
     resumed = train(_cfg(tmp_path, "resumed", world_size=2, steps=6, warmup=2, resume=True))
     assert resumed["start"] == 3
     assert resumed["losses"] == straight["losses"][3:]
-    assert [r["step"] for r in _metrics(part.run_dir)] == list(range(6))
-
-
-def test_extended_run_keeps_its_schedule(tmp_path):
-    """A 3-step run extended to 5 with --resume keeps the first run's schedule (3 steps), so it equals a straight
-    5-step run with schedule_steps=3; the LRs show the schedule matters there (a 5-step one would differ)."""
-    kw = dict(world_size=1, warmup=1)
-    train(_cfg(tmp_path, "ext", steps=3, **kw))
-    extended = train(_cfg(tmp_path, "ext", steps=5, resume=True, **kw))
-    same = train(_cfg(tmp_path, "same", steps=5, schedule_steps=3, **kw))
-    assert extended["start"] == 3 and extended["losses"] == same["losses"][3:]
-    lrs = [r["lr"] for r in _metrics(str(tmp_path / "ext"))]
-    assert lrs[3] == lrs[4] == pytest.approx(1e-3)  # the floor (10% of peak) from step 3 = schedule_steps on
-    assert [lr_at(s, 5, 1e-2, 1) for s in (3, 4)] != lrs[3:]  # what the 5-step schedule would have used
+    rows = _metrics(part.run_dir)
+    assert [r["step"] for r in rows] == list(range(6))
+    lrs = [r["lr"] for r in rows]
+    assert lrs[3:] == [pytest.approx(1e-3)] * 3  # the floor (10% of peak) from step 3 = schedule_steps on
+    assert [lr_at(s, 6, 1e-2, 2) for s in (3, 4, 5)] != lrs[3:]  # what a 6-step schedule would have used
 
 
 def test_loss_falls_on_real_text(tmp_path):
