@@ -101,7 +101,7 @@ def _reference(ref, R: int):
     sum(losses).backward()
     grads = {n: p.grad for n, p in ref.named_parameters()}
     torch.optim.SGD(ref.parameters(), lr=LR).step()
-    return logits, [float(x) for x in losses], grads
+    return logits, [x.item() for x in losses], grads
 
 
 def _family_errors(comm, cfg) -> dict[str, float]:
