@@ -16,10 +16,11 @@ from tools.follow import Tail, follow
 from tools.probe import ProbeConfig, run_probe
 from tools.report import SCHEMA_VERSION, analyse, apply_probe, format_report, plot
 from tools.telemetry import Sampler
-from tools.traces import TraceWarning, load_dir
+from tools.traces import Coverage, TraceWarning, load_dir, load_dir_coverage
 from tools.workload import WorkloadConfig, run_local, run_workload
 
 __all__ = [
+    "Coverage",
     "KINDS",
     "SCHEMA_VERSION",
     "Finding",
@@ -37,6 +38,7 @@ __all__ = [
     "follow",
     "format_report",
     "load_dir",
+    "load_dir_coverage",
     "load_tables",
     "plot",
     "rank_scores",
