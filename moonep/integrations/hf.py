@@ -135,6 +135,9 @@ def parallelize(model: nn.Module, comm, *, S: int | None = None) -> nn.Module:
             f"moonep.integrations.hf: {type(model).__name__} has no MoE block with gate and experts.gate_up_proj "
             f"(the transformers 5.x seam)"
         )
+    done = [n for n, m in blocks if isinstance(m.experts, EPExperts)]
+    if done:
+        raise ValueError(f"moonep.integrations.hf: {type(model).__name__} is already expert-parallel ({done[0]})")
     R, shared = comm.world_size, None
     for name, block in blocks:
         _check_block(name, block, R)

@@ -190,6 +190,9 @@ def test_bad_models_are_refused_with_one_line():
     mixtral = transformers.AutoModelForCausalLM.from_config(_configs()["mixtral"])
     with pytest.raises(ValueError, match=r"E=8 experts, not a multiple of the EP size R=3"):
         hf.parallelize(mixtral, _Comm(3))
+    hf.parallelize(mixtral, _Comm(2))  # builds no Buffer before the first forward
+    with pytest.raises(ValueError, match=r"MixtralForCausalLM is already expert-parallel \(model.layers.0.mlp\)"):
+        hf.parallelize(mixtral, _Comm(2))  # a second call would slice the slice
     dense = transformers.AutoModelForCausalLM.from_config(
         transformers.Qwen3Config(
             vocab_size=V,
