@@ -359,3 +359,27 @@ def test_identity_problem_names_exactly_the_differing_fields(recorded, current):
     assert "\n" not in problem
     named = [part.split(" ", 1)[0] for part in problem.split("; ")]
     assert named == differ, (problem, differ)
+
+
+def test_training_killed_mid_checkpoint_resumes_the_last_complete_step(two_ranks, tmp_path, monkeypatch):
+    """`moonep train --resume` of a 1-step run to 2 steps, killed on rank 0 after the step-2 folder was renamed
+    but before the pointer moved: the user gets one line naming the exit; the next resume starts from step 1
+    (the unpointed step 2 is removed), recomputes step 1 bit for bit and publishes a whole step 2."""
+    from moonep.console import main
+
+    run_dir = str(tmp_path / "run")
+    shutil.copytree(two_ranks[0], run_dir)
+    argv = two_ranks[1][:-3] + ["2", "--run-dir", run_dir, "--resume"]
+    monkeypatch.setenv("MOONEP_CHECKPOINT_KILL", "renamed:0")
+    rc, err = _cli_err(main, argv)
+    assert rc == 1 and err.count("\n") == 1, err
+    assert f"rank 0 failed: exited with status {ck.KILL_STATUS} while running k3.train.run_rank" in err, err
+    killed = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    assert ck.read_manifest(run_dir)[1]["step"] == 1  # the pointer never moved
+    monkeypatch.delenv("MOONEP_CHECKPOINT_KILL")
+    rc, err = _cli_err(main, argv)
+    assert rc == 0, err
+    again = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    assert [r["step"] for r in again] == [0, 1] and again[1]["loss"] == killed[1]["loss"]
+    folder, manifest = ck.read_manifest(run_dir)
+    assert manifest["step"] == 2 and all(ck.read_shard(folder, manifest, r) for r in range(2))
