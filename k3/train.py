@@ -399,7 +399,10 @@ def run_rank(comm, train: dict) -> dict:
     try:
         return _run_rank(comm, TrainConfig(**train))
     except Exception as exc:
-        record_error(train.get("run_dir") or ".", comm.rank, exc)
+        try:
+            record_error(train.get("run_dir") or ".", comm.rank, exc)
+        except OSError:  # an unwritable run folder must not hide the rank's own error
+            pass
         raise
 
 
