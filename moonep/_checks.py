@@ -13,6 +13,9 @@ from typing import Any
 
 import torch
 
+import planner
+from planner.slack import slack_num
+
 
 class Problem(enum.IntEnum):
     """What a rank found wrong with its arguments; the code travels to every rank, which raises together."""
@@ -30,6 +33,9 @@ class Problem(enum.IntEnum):
     RECV_WEIGHTS = 10
     FOREIGN_PLAN = 11
 
+
+MAX_TOTAL = 2**40
+"""the largest total_num_tokens a growing Buffer accepts (it travels in an int64 with room for the plan's sums)."""
 
 # code -> generic wording (used by ranks that only see the code; the failing rank adds its own detail)
 PROBLEMS = {
@@ -109,6 +115,9 @@ def _dispatch_problem(buf, hidden, topk_weights, topk_idx, tpe, total, reuse):
             return Problem.COUNTS, p, s
     if total is not None and (isinstance(total, bool) or not isinstance(total, int) or total < s):
         return Problem.TOTAL_TOKENS, f"total_num_tokens must be an int >= s={s}, got {total!r}", s
+    most = MAX_TOTAL if getattr(buf, "grow", False) else buf.R * buf.S
+    if total is not None and total > most:
+        return Problem.TOTAL_TOKENS, f"total_num_tokens={total} exceeds R*S={most} (R ranks of S tokens each)", s
     return Problem.OK, "", s
 
 
@@ -198,3 +207,45 @@ def combine_problem(buf, plan, expert_out, recv_weights) -> tuple[int, str]:
         return Problem.OK, ""
     except Exception as exc:
         return Problem.EXPERT_OUT, f"could not inspect the arguments: {type(exc).__name__}: {exc}"
+
+
+def agree_geometry(buf) -> None:
+    """Every rank must build the same Buffer (sizes, dtype, padding, balancing: one plan per step depends on
+    them all): one all-gather at construction, the same ValueError on every rank naming what differs."""
+    dtypes = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+    cost = buf.cost
+    mine = [
+        *(getattr(buf.geometry, f) for f in ("S", "H", "K", "E", "token_padding")),
+        dtypes.index(buf.dtype) if buf.dtype in dtypes else 99,
+        -1 if buf.slack is None else slack_num(buf.slack),
+        *((-1, -1, -1, -1) if cost is None else cost_words(cost)),
+        int(buf.grow),
+    ]
+    gathered = torch.empty(buf.R * len(mine), dtype=torch.int64)
+    buf.comm.all_gather(gathered, torch.tensor(mine, dtype=torch.int64), validate=False)
+    rows = gathered.view(buf.R, len(mine)).tolist()  # construction, not the data path: one read is fine
+    names = ["S", "H", "K", "E", "token_padding", "dtype", "slack", "cost", "cost", "cost", "cost", "grow"]
+    differ = sorted({n for i, n in enumerate(names) if len({row[i] for row in rows}) > 1})
+    if differ:
+        per_rank = {n: [row[names.index(n)] for row in rows] for n in differ if n not in ("cost", "dtype")}
+        raise ValueError(
+            f"moonep.Buffer: ranks build different Buffers ({', '.join(differ)} differ; per rank: {per_rank}); "
+            f"every rank of the EP group must pass the same sizes, dtype, token_padding and balancing"
+        )
+
+
+def balance_options(slack: Any, cost: Any) -> tuple[float | None, Any, float]:
+    """(slack, cost, the largest σ a plan may use) after checking them together (planner's words)."""
+    if cost is not None and not isinstance(cost, planner.CostModel):
+        raise ValueError(f"cost must be a planner.CostModel, got {type(cost).__name__}")
+    if cost is not None and slack is not None:
+        raise ValueError("pass slack or cost, not both (cost chooses the slack per step)")
+    if slack is not None:
+        planner.row_bound(0, 1, slack)  # names a bad slack
+    return slack, cost, cost.max_slack if cost is not None else (slack or 0.0)
+
+
+def cost_words(cost) -> list[int]:
+    """A CostModel as four int64 words (float bits, max_slack, candidates): compared across ranks exactly."""
+    bits = torch.tensor([cost.row_seconds, cost.copy_seconds], dtype=torch.float64).view(torch.int64).tolist()
+    return [*bits, slack_num(cost.max_slack), cost.candidates]

@@ -16,9 +16,11 @@ from .comm_plan import CommPlan
 
 class _Dispatch(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, buffer: Buffer, holder: list, hidden, topk_weights, topk_idx, slots_per_expert, total_num_tokens):
+    def forward(
+        ctx, buffer: Buffer, holder: list, hidden, topk_weights, topk_idx, slots_per_expert, total_num_tokens, during
+    ):
         recv, recv_w, cu, plan = buffer.dispatch(
-            hidden, topk_weights, topk_idx, slots_per_expert, total_num_tokens=total_num_tokens
+            hidden, topk_weights, topk_idx, slots_per_expert, total_num_tokens=total_num_tokens, during=during
         )
         holder.append(plan)  # the plan is not a tensor: hand it out through the holder
         ctx.buffer, ctx.plan, ctx.has_w = buffer, plan, topk_weights is not None
@@ -34,7 +36,7 @@ class _Dispatch(torch.autograd.Function):
         if ctx.has_w:
             gw = grad_w if grad_w is not None else torch.zeros(plan.recv_rows, device=buf.device)
         grad_x, grad_tw = buf.combine(plan, grad_recv.contiguous(), gw)
-        return None, None, grad_x, grad_tw, None, None, None
+        return None, None, grad_x, grad_tw, None, None, None, None
 
 
 class _Combine(torch.autograd.Function):
@@ -58,15 +60,16 @@ def dispatch(
     slots_per_expert: torch.Tensor | None = None,
     *,
     total_num_tokens: int | None = None,
+    during=None,
 ):
-    """Differentiable ``Buffer.dispatch``.
+    """Differentiable ``Buffer.dispatch`` (``during``: see ``Buffer.dispatch``).
 
     hidden [s, H], topk_weights [s, K] (or None), topk_idx [s, K] (-1 = no expert).
     Returns (recv_hidden [recv_rows, H], recv_weights [recv_rows] | None, cu_seqlens [2*epn], plan).
     """
     holder: list = []
     recv, recv_w, cu = _Dispatch.apply(
-        buffer, holder, hidden, topk_weights, topk_idx, slots_per_expert, total_num_tokens
+        buffer, holder, hidden, topk_weights, topk_idx, slots_per_expert, total_num_tokens, during
     )
     return recv, recv_w, cu, holder[0]
 

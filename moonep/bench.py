@@ -1,21 +1,22 @@
 """``moonep bench ep``: MoonEP's balanced layer vs the classic all-to-all dispatcher, swept over maxvio.
 
-Routing with a target maxvio (= max_e T_e / mean - 1): every token's first slot goes to expert 0 with
-probability p = (1 + maxvio) K / E, the other slots to distinct uniformly drawn experts (seeded per rank).
-Both layers get the same tokens, routing, routing weights and expert weights and run the same SwiGLU GEMM code;
-times are fwd+bwd medians of the slowest rank. Per stage (dispatch, expert compute incl. MoonEP's replica weight
-push, combine) the forward alone is timed, each stage between barriers. ``*_busy_s`` is the slowest rank's own
-thread CPU time for fwd+bwd: what the layer would take with one core per rank and free communication, the
-number to read when ranks outnumber cores (then wall time only measures the total work of all ranks).
-Ours balances as ``--balance`` says: ``cost`` (default) measures a ``planner.CostModel`` on the ranks
-(``moonep.measure_cost_model``: GEMM time per row, the exchanges of one replica) and lets the planner choose σ per
-step; ``ours_slack`` is the σ the step used (max rows / mean rows - 1), ``ours_rows_bound`` the rows any plan may
-give a rank (σ = max_slack: the static buffers' size), ``ours_replicas`` and ``ours_weight_bytes`` (push forward
-plus grads back) the weight traffic. ``ours_host_reads_per_layer``: reads of tensor data into Python during one
-fwd+bwd (``moonep.hostreads``; the CPU planner kernel's zero-copy entry exempt), the slowest rank's; each is a
-host sync on a GPU. Peak bytes are measured (``moonep.peak_memory.PeakBytes``, one untimed fwd+bwd per layer,
-the largest rank): bytes of every tensor storage the call allocates, alive at once, plus for ours the static
-``Buffer`` and the replica weight/grad pools, which exist before the call.
+Routing with a target maxvio (= max_e T_e / mean - 1): every token's first slot goes to expert 0 with probability p
+= (1 + maxvio) K / E, the other slots to distinct uniformly drawn experts (seeded per rank). Both layers get the
+same tokens, routing, routing weights and expert weights and run the same SwiGLU GEMM code; times are fwd+bwd
+medians of the slowest rank, ours and the baseline alternating call by call. Per stage (dispatch, expert compute
+incl. MoonEP's replica weight push, combine) the forward alone is timed, each stage between barriers (stage by
+stage, so the weight push is not overlapped with the token exchange there). ``*_busy_s`` is the slowest rank's own
+thread CPU time for fwd+bwd: what the layer would take with one core per rank and free communication, the number to
+read when ranks outnumber cores (then wall time only measures the total work of all ranks). Ours balances as
+``--balance`` says: ``cost`` (default) measures a ``planner.CostModel`` on the ranks (``moonep.measure_cost_model``:
+the expert step's time per row, the exchanges of one replica) and lets the planner choose σ per step; ``ours_slack``
+is the σ the step used (max rows / mean rows - 1), ``ours_rows_bound`` the rows any plan may give a rank (σ =
+max_slack: the static buffers' size), ``ours_replicas`` and ``ours_weight_bytes`` (push forward plus grads back) the
+weight traffic. ``ours_host_reads_per_layer``: reads of tensor data into Python during one fwd+bwd
+(``moonep.hostreads``; the CPU planner kernel's zero-copy entry exempt), the slowest rank's; each is a host sync on
+a GPU. Peak bytes are measured (``moonep.peak_memory.PeakBytes``, one untimed fwd+bwd per layer, the largest rank):
+bytes of every tensor storage the call allocates, alive at once, plus for ours the static ``Buffer`` and the replica
+weight/grad pools, which exist before the call.
 """
 
 from __future__ import annotations
@@ -50,18 +51,20 @@ def make_routing(rank: int, s: int, K: int, E: int, maxvio: float, seed: int = 1
     return idx, torch.rand(s, K, generator=g) + 0.5
 
 
-def _median_time(comm, fn, iters: int) -> tuple[float, float]:
-    """(wall, busy) medians over ``iters`` calls of ``fn``; each is the max over ranks."""
-    walls, busys = [], []
-    for _ in range(iters):
-        comm.barrier()
-        t0, c0 = time.perf_counter(), time.thread_time()
-        fn()
-        dt = torch.tensor([time.perf_counter() - t0, time.thread_time() - c0], dtype=torch.float64)
-        wall, busy = comm.all_reduce(dt, "max").tolist()
-        walls.append(wall)
-        busys.append(busy)
-    return statistics.median(walls), statistics.median(busys)
+def _median_times(comm, fns, iters: int) -> list[tuple[float, float]]:
+    """Per callable of ``fns``: (wall, busy) medians over ``iters`` calls, each the max over ranks. The callables
+    alternate, their order flipping every round, so that drift on a shared host hits them alike."""
+    walls, busys = [[] for _ in fns], [[] for _ in fns]
+    for i in range(iters):
+        for j in range(len(fns)) if i % 2 == 0 else reversed(range(len(fns))):
+            comm.barrier()
+            t0, c0 = time.perf_counter(), time.thread_time()
+            fns[j]()
+            dt = torch.tensor([time.perf_counter() - t0, time.thread_time() - c0], dtype=torch.float64)
+            wall, busy = comm.all_reduce(dt, "max").tolist()
+            walls[j].append(wall)
+            busys[j].append(busy)
+    return [(statistics.median(w), statistics.median(b)) for w, b in zip(walls, busys)]
 
 
 def _stage_times(comm, stages, iters: int) -> list[float]:
@@ -154,7 +157,7 @@ def _bench_maxvio(comm, moe: MoE, x: torch.Tensor, v: float, iters: int) -> dict
     ours(), base()  # warm-up (and fills stats / last_plan)
     with HostReads(exempt=(PLANNER_CPU_ENTRY,)) as reads:  # one layer fwd+bwd: the budget is 1
         ours()
-    (t_ours, busy_ours), (t_base, busy_base) = _median_time(comm, ours, iters), _median_time(comm, base, iters)
+    (t_ours, busy_ours), (t_base, busy_base) = _median_times(comm, (ours, base), iters)
     st_ours = _stage_times(comm, _our_stages(moe, x, idx, w), iters)
     st_base = _stage_times(comm, _classic_stages(comm, moe, x, idx, w, E), iters)
     plan = moe.last_plan.global_plan
@@ -198,7 +201,7 @@ def run(
     shape = (
         dict(S=64, H=32, F=32, E=4 * world_size, K=2, iters=1)
         if quick
-        else dict(S=1024, H=256, F=256, E=8 * world_size, K=2, iters=5)
+        else dict(S=1024, H=256, F=256, E=8 * world_size, K=2, iters=11)
     )
     report = launch(
         bench_rank,

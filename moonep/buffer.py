@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 import planner
+from collectives import Pending
 from planner.tables import raise_error as raise_plan_error
 
 from . import _checks
@@ -91,8 +92,9 @@ class Buffer:
         self.rank, self.epn, self.token_padding, self.dtype = comm.rank, E // R, token_padding, dtype
         self.device = resolve_device(comm, device)
         self.check_reuse = check_reuse
-        self.slack, self.cost, self.max_slack = balance_options(slack, cost)
+        self.slack, self.cost, self.max_slack = _checks.balance_options(slack, cost)
         self.grow = bool(grow)
+        _checks.agree_geometry(self)
         self._allocate(S)
 
     def _allocate(self, S: int) -> None:
@@ -127,6 +129,7 @@ class Buffer:
         *,
         total_num_tokens: int | None = None,
         zero_copy: bool = False,
+        during=None,
     ):
         """Send every routed (token, expert) slot to the rank and row the balanced plan gives it.
 
@@ -137,6 +140,9 @@ class Buffer:
         plan: the step's CommPlan).
         Rows are grouped by (local expert, then replica slot) and padded per segment; padding and tail rows
         are zero. zero_copy=True returns views of the Buffer (overwritten by the next dispatch).
+        during: called as ``during(plan)`` once the step's plan is known, while the token rows travel (the EP
+        layer starts its replica weight push there: ``moonep.experts.start_push``); collective calls it starts
+        must be started alike on every rank.
         """
         code, detail, s = _checks.dispatch_problem(
             self, hidden, topk_weights, topk_idx, slots_per_expert, total_num_tokens, reuse=False
@@ -150,7 +156,7 @@ class Buffer:
         else:
             counts[self.E] = code
         counts[self.E + 1] = s
-        counts[self.E + 2] = -1 if total_num_tokens is None else total_num_tokens
+        counts[self.E + 2] = -1 if total_num_tokens is None or code else total_num_tokens
         gathered = torch.empty(self.R * (self.E + 3), dtype=torch.int64, device=self.device)
         self.comm.all_gather(gathered, counts, validate=False)
         g = gathered.view(self.R, self.E + 3)
@@ -177,7 +183,7 @@ class Buffer:
                 f"send_counts on ranks {[r for r, m in enumerate(step['mismatch']) if m]}"
             )
         plan = self._exchange_meta(global_plan, lay, step, uniq[:, self.rank], topk_weights, s, total)
-        return self._send_rows(plan, hidden, topk_weights is not None, zero_copy) + (plan.cu_seqlens, plan)
+        return self._send_rows(plan, hidden, topk_weights is not None, zero_copy, during) + (plan.cu_seqlens, plan)
 
     def _read_step(self, g: torch.Tensor, global_plan, uniq: torch.Tensor) -> dict:
         """THE host read of a dispatch: every rank's (code, s, total), the plan's error and send counts, the
@@ -279,14 +285,18 @@ class Buffer:
         self._zero_unwritten(w, plan)
         w.index_copy_(0, plan.recv_slot_row, per_slot.to(torch.float32))
 
-    def _send_rows(self, plan: CommPlan, hidden: torch.Tensor, with_weights: bool, zero_copy: bool):
-        """One row per (token, destination) over the wire, expanded into the expert-grouped receive rows."""
+    def _send_rows(self, plan: CommPlan, hidden: torch.Tensor, with_weights: bool, zero_copy: bool, during=None):
+        """One row per (token, destination) over the wire, expanded into the expert-grouped receive rows;
+        ``during(plan)`` runs while the rows travel."""
         U = plan.uniq_token.numel()
         src = self._wire_out[:U]
         torch.index_select(hidden, 0, plan.uniq_token, out=src)
         U_in = sum(plan.recv_uniq_splits)
         got = self._wire_in[1 : 1 + U_in]  # behind the zero row
-        self.comm.all_to_all_single(got, src, plan.recv_uniq_splits, plan.send_uniq_splits, validate=False)
+        rows = self.comm.all_to_all_single_start(got, src, plan.recv_uniq_splits, plan.send_uniq_splits)
+        if during is not None:
+            during(plan)
+        rows.wait()
         out = self._recv[: plan.recv_rows]
         torch.index_select(self._wire_in[: 1 + U_in], 0, plan.row_source, out=out)  # the epilogue, in one pass
         weights = self._recv_w[: plan.recv_rows] if with_weights else None
@@ -319,6 +329,16 @@ class Buffer:
             got, per_slot.contiguous(), plan.recv_slot_splits, plan.send_slot_splits, validate=False
         )
         return got
+
+    def _check_owner(self, op: str, plan) -> None:
+        """A plan-taking call refuses a plan that this Buffer's dispatch did not make on this rank (a plan is one
+        rank's view of one Buffer's step; another's splits would exchange the wrong rows)."""
+        if not isinstance(plan, CommPlan) or plan.buffer_id != id(self) or plan.rank != self.rank:
+            where = "another Buffer or rank" if isinstance(plan, CommPlan) else type(plan).__name__
+            raise ValueError(
+                f"moonep.{op}: rank {self.rank}: plan must be the CommPlan this Buffer's dispatch returned on this "
+                f"rank, got one from {where}"
+            )
 
     def _agree(self, op: str, code: int, detail: str) -> None:
         """One small all-reduce of the error code so that every rank raises together (or none does)."""
@@ -366,14 +386,27 @@ class Buffer:
         prefetch_buffers: [epn, ...] replica slots (same structure); slot b of rank d receives expert
         ``plan.global_plan.experts_to_copy[d, b]`` (unused slots are left untouched). Collective: every rank calls it.
         """
+        self.prefetch_weight_start(plan, local_weights, prefetch_buffers).wait()
+
+    def prefetch_weight_start(self, plan: CommPlan, local_weights, prefetch_buffers) -> Pending:
+        """``prefetch_weight`` started (one asynchronous all-to-all per projection); ``wait()`` lands the slots.
+        Until then the slots are undefined and the local weights must not change."""
+        self._check_owner("prefetch_weight", plan)
         if not plan.num_replicas:  # every rank read the same plan: all skip the exchange together
-            return
+            return Pending()
+        started = []
         for loc, buf in zip(_as_list(local_weights), _as_list(prefetch_buffers)):
             inp = loc.detach().reshape(self.epn, -1).index_select(0, plan.push_rows).to(buf.dtype)
             got = torch.empty(plan.my_slots.numel(), inp.shape[1], dtype=buf.dtype, device=buf.device)
-            self.comm.all_to_all_single(got, inp, plan.slot_splits, plan.push_splits, validate=False)
-            if plan.my_slots.numel():
-                buf.view(buf.shape[0], -1).index_copy_(0, plan.my_slots, got)
+            started.append((self.comm.all_to_all_single_start(got, inp, plan.slot_splits, plan.push_splits), got, buf))
+
+        def land() -> None:
+            for pending, got, buf in started:
+                pending.wait()
+                if plan.my_slots.numel():
+                    buf.view(buf.shape[0], -1).index_copy_(0, plan.my_slots, got)
+
+        return Pending(land)
 
     def reduce_grad(self, plan: CommPlan, local_grads, reduce_buffers) -> None:
         """Sum the replica slots' weight-gradients into their home experts' grads; zero the consumed slots.
@@ -381,6 +414,7 @@ class Buffer:
         local_grads: [epn, ...] (or a sequence); reduce_buffers: [epn, ...] slot grads (same structure).
         Collective: every rank calls it, after every rank wrote its slot grads.
         """
+        self._check_owner("reduce_grad", plan)
         if not plan.num_replicas:
             return
         for grad, buf in zip(_as_list(local_grads), _as_list(reduce_buffers)):
@@ -391,17 +425,6 @@ class Buffer:
             if plan.push_rows.numel():
                 grad.view(self.epn, -1).index_add_(0, plan.push_rows, got.to(grad.dtype))
             flat.index_fill_(0, plan.my_slots, 0)
-
-
-def balance_options(slack: Any, cost: Any) -> tuple[float | None, Any, float]:
-    """(slack, cost, the largest σ a plan may use) after checking them together (planner's words)."""
-    if cost is not None and not isinstance(cost, planner.CostModel):
-        raise ValueError(f"cost must be a planner.CostModel, got {type(cost).__name__}")
-    if cost is not None and slack is not None:
-        raise ValueError("pass slack or cost, not both (cost chooses the slack per step)")
-    if slack is not None:
-        planner.row_bound(0, 1, slack)  # names a bad slack
-    return slack, cost, cost.max_slack if cost is not None else (slack or 0.0)
 
 
 def _as_list(x) -> list[torch.Tensor]:

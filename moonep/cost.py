@@ -1,10 +1,12 @@
 """``measure_cost_model``: the planner's ``CostModel`` measured on an EP group, for cost-aware balancing.
 
-A routed row costs the grouped gated MLP's GEMMs (forward and backward); an expert copy costs the exchanges a
-replica adds to a step: its weights pushed forward (``Buffer.prefetch_weight``, one all-to-all per projection)
-and its fp32 gradients reduced back (``Buffer.reduce_grad``). Both are timed here on the group's own devices and
+A routed row costs the expert step's grouped gated MLP (forward and backward, timed through moonep's own
+code); an expert copy costs the exchanges a replica adds to a step: its weights pushed forward
+(``Buffer.prefetch_weight``, one all-to-all per projection) and its fp32 gradients reduced back
+(``Buffer.reduce_grad``). Both are timed here on the group's own devices and
 transport, with the layer's shapes, and agreed across ranks (the slowest rank's times), so every rank builds the
-same model and hence the same plans.
+same model and hence the same plans. The copy is priced inside the layer (a step that replicates minus a
+balanced one), because on a shared host an isolated exchange misses what the copy costs the step.
 
 Axes: ``H`` hidden, ``F`` expert FFN size; projections ``w13 [H, 2F]`` and ``w2 [F, H]`` of one expert.
 """
@@ -17,6 +19,8 @@ import time
 import torch
 
 import planner
+
+from .experts import gated_backward, gated_forward
 
 
 def _median_seconds(fn, reps: int, device: torch.device) -> float:
@@ -35,40 +39,58 @@ def _median_seconds(fn, reps: int, device: torch.device) -> float:
 
 
 def _row_seconds(H: int, F: int, dtype: torch.dtype, device: torch.device, rows: int, reps: int) -> float:
-    """Seconds per routed row of a gated MLP forward and backward: the forward GEMMs timed, times 3 (the
-    backward computes two GEMMs for each forward one)."""
+    """Seconds per routed row of the expert step's grouped gated MLP, forward and backward (one segment of
+    ``rows`` rows through ``moonep.experts``' own forward and backward)."""
     g = torch.Generator(device="cpu").manual_seed(0)
     x = torch.randn(rows, H, generator=g).to(device, dtype)
-    w13 = torch.randn(H, 2 * F, generator=g).to(device, dtype)
-    w2 = torch.randn(F, H, generator=g).to(device, dtype)
-    h = torch.empty(rows, 2 * F, dtype=dtype, device=device)
-    y = torch.empty(rows, H, dtype=dtype, device=device)
+    ws = (torch.randn(1, H, 2 * F, generator=g).to(device, dtype), torch.randn(1, F, H, generator=g).to(device, dtype))
+    dy, segs = torch.randn(rows, H, generator=g).to(device, dtype), ((0, 0, rows),)
 
-    def forward():
-        torch.mm(x, w13, out=h)
-        torch.mm(h[:, :F], w2, out=y)
+    def step():
+        _, pre = gated_forward(x, ws, segs)
+        gated_backward(x, ws, segs, pre, dy)
 
-    return 3 * _median_seconds(forward, reps, device) / rows
+    return _median_seconds(step, reps, device) / rows
+
+
+def _routing(comm, tokens: int, E: int, hot: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(topk_idx [tokens, 2], weights) with exactly equal per-expert counts, except that the first ``hot``
+    tokens of every rank send their first slot to expert 0 instead (rank 0's home group grows)."""
+    slots = torch.arange(tokens * 2, device=device)
+    idx = (slots % E).view(tokens, 2)
+    idx[:hot, 0] = torch.where(idx[:hot, 1] == 0, 1, 0)  # a token never picks an expert twice
+    return idx, torch.full((tokens, 2), 0.5, device=device)
 
 
 def _copy_seconds(comm, H: int, F: int, dtype: torch.dtype, device: torch.device, reps: int) -> float:
-    """Seconds of one replica's exchanges: each projection's weights (dtype) to the next rank, then its fp32
-    grads back, with the layer's all-to-all calls (every rank sends one copy: the busiest pattern per rank)."""
-    R, r = comm.world_size, comm.rank
-    to_next = [1 if d == (r + 1) % R else 0 for d in range(R)]
-    from_prev = [1 if q == (r - 1) % R else 0 for q in range(R)]
-    shapes = ((H * 2 * F), (F * H))
-    bufs = [
-        (torch.zeros(1, n, dtype=dt, device=device), torch.empty(1, n, dtype=dt, device=device))
-        for n in shapes
-        for dt in (dtype, torch.float32)
-    ]
+    """Seconds one replica costs where it is paid: the EP layer's step (forward and backward) on a routing whose
+    exact plan replicates, minus the same step on an exactly balanced routing (same rows on every rank, no
+    replica), alternating, divided by the most copies a rank takes part in. In place, it counts what an
+    isolated exchange misses: the weight push and grad reduce competing with the step's own traffic and work."""
+    from .moe import MoE  # heavy: the layer itself (moe does not import this module)
 
-    def exchange():
-        for src, dst in bufs:
-            comm.all_to_all_single(dst, src, from_prev, to_next, validate=False)
-
-    return _median_seconds(exchange, reps, device)
+    R = comm.world_size
+    if R == 1:
+        return 0.0
+    tokens, E = 64 * R, 2 * R
+    layer = MoE(comm, H=H, F=F, E=E, K=2, S=tokens, dtype=dtype).to(device)
+    x = torch.randn(tokens, H, generator=torch.Generator().manual_seed(comm.rank)).to(device, dtype)
+    cases = [_routing(comm, tokens, E, hot, device) for hot in (0, tokens // 2)]
+    times, copies = [[], []], 0
+    for i in range(reps + 1):
+        for j in (0, 1) if i % 2 else (1, 0):
+            idx, w = cases[j]
+            comm.barrier()
+            t0 = time.perf_counter()
+            layer(x, topk_idx=idx, topk_weights=w).float().sum().backward()
+            if i:
+                times[j].append(time.perf_counter() - t0)
+            if j == 1:
+                p = layer.last_plan.global_plan
+                received = (p.experts_to_copy >= 0).sum(1)
+                pushed = torch.zeros_like(received).index_add_(0, p.donor.clamp(min=0), received * (p.donor >= 0))
+                copies = int((received + pushed).max())
+    return max(0.0, statistics.median(times[1]) - statistics.median(times[0])) / max(copies, 1)
 
 
 def measure_cost_model(
@@ -79,7 +101,7 @@ def measure_cost_model(
     dtype: torch.dtype = torch.float32,
     device=None,
     rows: int = 512,
-    reps: int = 5,
+    reps: int = 15,
     max_slack: float = 0.5,
     candidates: int = 8,
 ) -> planner.CostModel:

@@ -16,8 +16,9 @@ Pools (memory): one ``ExpertPool`` per (communicator, projection name, shape, dt
 replica slots' weights ``[epn, ...]`` and their fp32 grads. Extra memory is ``epn`` experts per projection (plus
 ``epn`` fp32 grads), in total, not per layer. Because layers share the slots, the backward re-pushes a layer's
 replicas when another layer pushed since its forward (every rank takes the same decision: the pool's owner
-evolves identically on all ranks). The step's collectives run in a fixed order: the weight push in forward (and
-the re-push, if any, first in backward), the grad reduce last in backward.
+evolves identically on all ranks). The step's collectives run in a fixed order: the weight push in forward
+(``start_push``: started by the layer beside the token exchange), and in backward the re-push, if any, first,
+the grad reduce last; the expert math in between is pure compute (see the autograd nodes below).
 """
 
 from __future__ import annotations
@@ -46,6 +47,14 @@ class ExpertPool:
         """[epn, ...] fp32 grads of the replica slots, overwritten by each layer's backward and reduced home."""
         self.owner: object = None
         """(layer key, plan) of the last push; decides whether a backward must re-push."""
+        self.pending = None
+        """the push in flight into ``weights`` (``start_push``), or None."""
+
+    def wait(self) -> None:
+        """Finish the push in flight, if any (the slots hold the owner's replicas afterwards)."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            pending.wait()
 
 
 def pool_for(buffer: Buffer, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> ExpertPool:
@@ -60,8 +69,11 @@ def pool_for(buffer: Buffer, name: str, shape: tuple[int, ...], dtype: torch.dty
 def push_replicas(buffer: Buffer, plan: CommPlan, key: object, pools, locals_) -> None:
     """Push the replicated experts' weights into the pools' slots (collective) and mark the pools as ours."""
     for pool in pools:
+        pool.wait()  # a push still in flight into these slots lands first
         pool.owner = (key, plan)
-    buffer.prefetch_weight(plan, [w.detach() for w in locals_], [p.weights for p in pools])
+    # through .data: autograd graphs that saved slot views (torch.func expert modules) must not see a version
+    # bump; the re-push guard restores a layer's replicas before its backward reads them
+    buffer.prefetch_weight(plan, [w.detach() for w in locals_], [p.weights.data for p in pools])
 
 
 def group_view(own: torch.Tensor, slots: torch.Tensor) -> list[torch.Tensor]:
@@ -257,35 +269,112 @@ def swiglu_backward(x, w13, w2, segs, a13, dy, dw13=None, dw2=None):
     return dx, dws[0], dws[1]
 
 
-# -------------------------------------------------------------------------------------------- the autograd op
-class _GroupedGatedMLP(torch.autograd.Function):
-    """z [n, H] = gated MLP(recv rows) * recv_weights[:, None] over the [2*epn] groups; grads to local weights."""
+# ------------------------------------------------------------------------------------- the step's autograd ops
+# The step is three nodes, so that its communication sits at the layer's boundaries, in a fixed order on every
+# rank, and the expert math between them is pure compute: forward = (push, already done or started beside the
+# token exchange) -> _ReplicaGradsHome (identity) -> _GatedCompute -> _RepushGuard (identity); the backward runs
+# them in reverse: re-push if another layer used the pools since (before the compute reads them), the compute
+# (slot grads into the pool), then the slot grads reduced home. Autograd runs a later-created node first among
+# the ready ones, so _ReplicaGradsHome (made after dispatch) reduces before dispatch's backward moves on.
+
+
+class _ReplicaGradsHome(torch.autograd.Function):
+    """Identity on this rank's expert weights; backward: their replica slots' grads summed home (reduce_grad)."""
 
     @staticmethod
-    def forward(ctx, buffer: Buffer, plan: CommPlan, key: object, layout: str, act, recompute: bool, x, w, *weights):
-        names = LAYOUTS[layout]
-        pools = tuple(pool_for(buffer, nm, tuple(t.shape[1:]), t.dtype) for nm, t in zip(names, weights))
-        push_replicas(buffer, plan, key, pools, weights)
+    def forward(ctx, buffer: Buffer, plan: CommPlan, pools, *weights):
+        ctx.buffer, ctx.plan, ctx.pools, ctx.dtypes = buffer, plan, pools, [t.dtype for t in weights]
+        return tuple(t.view_as(t) for t in weights)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        pools = ctx.pools
+        if not ctx.plan.num_replicas:  # no replica anywhere: nothing to bring home (every rank skips alike)
+            return (None, None, None) + grads
+        # the incoming grads are _GatedCompute's fresh fp32 tensors, consumed only here: reduce into them in place
+        own = [
+            torch.zeros(p.weights.shape, dtype=torch.float32, device=p.weights.device)
+            if g is None
+            else g
+            if g.dtype == torch.float32 and g.is_contiguous()
+            else g.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
+            for g, p in zip(grads, pools)
+        ]
+        ctx.buffer.reduce_grad(ctx.plan, own, [p.grads for p in pools])
+        return (None, None, None) + tuple(o.to(dt) for o, dt in zip(own, ctx.dtypes))
+
+
+class _GatedCompute(torch.autograd.Function):
+    """z [n, H] = gated MLP(recv rows) * recv_weights[:, None] over own weights then the pools' replica slots.
+    Pure compute: the pools hold this plan's replicas (the guard nodes see to it); slot grads go into the pools."""
+
+    @staticmethod
+    def forward(ctx, plan: CommPlan, pools, layout: str, act, recompute: bool, x, w, *weights):
         views = [group_view(t.detach(), p.weights) for t, p in zip(weights, pools)]
         y, pre = gated_forward(x, views, plan.segments, layout, act, keep=not recompute)
-        ctx.buffer, ctx.plan, ctx.key, ctx.pools, ctx.layout, ctx.act = buffer, plan, key, pools, layout, act
-        ctx.recompute = recompute
+        ctx.plan, ctx.pools, ctx.layout, ctx.act, ctx.recompute = plan, pools, layout, act, recompute
         ctx.save_for_backward(x, w, *(() if recompute else (pre, y)), *weights)
         return y * w[:, None].to(y.dtype)
 
     @staticmethod
     def backward(ctx, dz):
-        buffer, plan, pools = ctx.buffer, ctx.plan, ctx.pools
+        pools = ctx.pools
         x, w, *rest = ctx.saved_tensors
         pre, y, weights = (None, None, rest) if ctx.recompute else (rest[0], rest[1], rest[2:])
-        if any(p.owner != (ctx.key, plan) for p in pools):  # another layer used the shared slots since
-            push_replicas(buffer, plan, ctx.key, pools, weights)
         own = [torch.empty(t.shape, dtype=torch.float32, device=t.device) for t in weights]
         views = [group_view(t.detach(), p.weights) for t, p in zip(weights, pools)]
         grads = [group_view(o, p.grads) for o, p in zip(own, pools)]
-        dx, _, dw = gated_backward(x, views, plan.segments, pre, dz, grads, ctx.layout, ctx.act, row_w=w, y=y)
-        buffer.reduce_grad(plan, own, [p.grads for p in pools])
-        return (None,) * 6 + (dx, dw) + tuple(o.to(t.dtype) for o, t in zip(own, weights))
+        dx, _, dw = gated_backward(
+            x, views, ctx.plan.segments, pre, dz.contiguous(), grads, ctx.layout, ctx.act, row_w=w, y=y
+        )
+        return (None,) * 5 + (dx, dw) + tuple(o.to(t.dtype) for o, t in zip(own, weights))
+
+
+class _RepushGuard(torch.autograd.Function):
+    """Identity on the step's output; backward (first of the step's): re-push the replicas if another layer
+    pushed into the shared pools since this step's forward (every rank decides alike)."""
+
+    @staticmethod
+    def forward(ctx, buffer: Buffer, plan: CommPlan, key, pools, local_weights, z):
+        """local_weights: the layer's [epn, ...] experts per projection, or a callable that makes them."""
+        ctx.buffer, ctx.plan, ctx.key, ctx.pools, ctx.local_weights = buffer, plan, key, pools, local_weights
+        return z.view_as(z)
+
+    @staticmethod
+    def backward(ctx, dz):
+        if any(p.owner != (ctx.key, ctx.plan) for p in ctx.pools):
+            weights = ctx.local_weights() if callable(ctx.local_weights) else ctx.local_weights
+            push_replicas(ctx.buffer, ctx.plan, ctx.key, ctx.pools, weights)
+        return (None,) * 5 + (dz,)
+
+
+def repush_guard(buffer: Buffer, plan: CommPlan, key, pools, local_weights, out: torch.Tensor) -> torch.Tensor:
+    """``out`` unchanged; in the backward, before anything that reads the pools, the layer's replicas are pushed
+    again if another layer used the pools since (``local_weights``: [epn, ...] tensors or a callable)."""
+    return _RepushGuard.apply(buffer, plan, key, pools, local_weights, out)
+
+
+def pools_of(buffer: Buffer, weights, layout: str) -> tuple[ExpertPool, ...]:
+    """The shared pools for ``weights`` in ``layout`` (one per projection)."""
+    return tuple(pool_for(buffer, nm, tuple(t.shape[1:]), t.dtype) for nm, t in zip(LAYOUTS[layout], weights))
+
+
+def start_push(buffer: Buffer, plan: CommPlan, weights, *, layout: str = "fused", key=None) -> None:
+    """Start pushing this plan's replicas into the shared pools (asynchronous: ``Buffer.prefetch_weight_start``)
+    and mark the pools as the layer's; ``grouped_experts`` waits for it. The layer calls it from
+    ``moonep.dispatch(..., during=...)`` so that the weights travel while the token rows do."""
+    weights = tuple(weights)
+    key = _key(key, weights)
+    pools = pools_of(buffer, weights, layout)
+    for pool in pools:
+        pool.owner = (key, plan)
+    pending = buffer.prefetch_weight_start(plan, [w.detach() for w in weights], [p.weights.data for p in pools])
+    for pool in pools:
+        pool.pending = pending
+
+
+def _key(key, weights) -> object:
+    return ("weights", *(id(t) for t in weights)) if key is None else key
 
 
 def grouped_experts(
@@ -307,16 +396,22 @@ def grouped_experts(
     default SwiGLU). ``key``: the layer's owner key for the shared pools (default: the weights' identities,
     which are alive until this step's backward). ``recompute``: keep only x for the backward and recompute the
     [n, 2F] pre-activations and y there (the forward GEMMs once more, for n*(2F+H) fewer saved elements).
-    Returns z [recv_rows, H] = expert(x) * recv_weights[:, None], ready for ``moonep.combine``. Forward pushes
-    the replicas; backward re-pushes them if another layer used the pools since, then reduces their grads home.
+    Returns z [recv_rows, H] = expert(x) * recv_weights[:, None], ready for ``moonep.combine``.
+    The replicas' weights come from ``start_push`` (started beside the token exchange) or, if the layer did not
+    start it, are pushed here; the backward re-pushes them if another layer used the pools since, and reduces
+    their grads home (the three autograd nodes above).
     """
     weights = tuple(weights)
     check_weights(layout, weights, buffer.epn, x.shape[-1])
-    if key is None:
-        key = ("weights", *(id(t) for t in weights))
-    return _GroupedGatedMLP.apply(
-        buffer, plan, key, layout, as_activation(activation), recompute, x, recv_weights, *weights
-    )
+    key = _key(key, weights)
+    pools = pools_of(buffer, weights, layout)
+    if any(p.owner != (key, plan) for p in pools):
+        push_replicas(buffer, plan, key, pools, weights)
+    for pool in pools:
+        pool.wait()
+    own = _ReplicaGradsHome.apply(buffer, plan, pools, *weights)
+    z = _GatedCompute.apply(plan, pools, layout, as_activation(activation), recompute, x, recv_weights, *own)
+    return _RepushGuard.apply(buffer, plan, key, pools, weights, z)
 
 
 class GroupedExperts:

@@ -17,7 +17,7 @@ from torch import nn
 
 from .autograd import combine, dispatch
 from .buffer import Buffer
-from .experts import GroupedExperts
+from .experts import grouped_experts, start_push
 from .geometry import EPGeometry
 from .parallel import check_not_replicated, mark_expert
 
@@ -202,10 +202,17 @@ class MoE(nn.Module):
             dispatch(self.buffer, bad, None, torch.full((bad.shape[0], self.K), -1, device=x.device))
         x2 = x.reshape(-1, self.H)
         topk_idx, topk_weights = self.route(x2, topk_idx, topk_weights)
-        recv, recv_w, _, plan = dispatch(self.buffer, x2, topk_weights, topk_idx, total_num_tokens=total_num_tokens)
+        buf, weights = self.buffer, (self.w13, self.w2)
+
+        def push(plan):  # the replica weights travel beside the token rows
+            start_push(buf, plan, weights, key=self._key)
+
+        recv, recv_w, _, plan = dispatch(
+            buf, x2, topk_weights, topk_idx, total_num_tokens=total_num_tokens, during=push
+        )
         self.last_plan = plan
-        z = GroupedExperts.apply(self.buffer, plan, self._key, recv, recv_w, self.w13, self.w2)
-        y = combine(self.buffer, plan, z)
+        z = grouped_experts(buf, plan, recv, recv_w, weights, key=self._key)
+        y = combine(buf, plan, z)
         if self.shared is not None:
             y = y + self.shared(x2)
         return y.reshape(shape)

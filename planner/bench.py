@@ -1,4 +1,4 @@
-"""``moonep bench planner``: plan latency vs the EPLB-compatible baseline, sticky copies, inter-node bytes.
+"""``moonep bench planner``: plan latency vs the EPLB-compatible baseline, sticky copies, inter-node bytes, slack.
 
 Every number is measured in the same run on the same loads; the JSON (stable keys) is the record, the
 printed tables are for people. Latency = median of many runs on one thread (numba kernels are serial).
@@ -19,7 +19,7 @@ from . import _kernel
 from .core import plan
 from .eplb import gpu_loads, rebalance_experts
 from .metrics import EXPERT_BYTES, ROW_BYTES, balance, internode, internode_bound, new_copies
-from .synthetic import SYNTHETIC_LOADS, drifting_trace, zipf_counts
+from .synthetic import SYNTHETIC_LOADS, drifting_trace, router_counts, zipf_counts
 from .verify import verify
 
 FULL_CASES = ((8, 256), (64, 896), (256, 4096), (1024, 16384))
@@ -176,6 +176,44 @@ def topology_section(
     return rows
 
 
+SLACKS = (0.0, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5)
+K3_COST = dict(H=7168, F=2048, weight_bytes=2, flops=400e12, bandwidth=50e9)
+"""A K3-like expert (bf16, H=7168, F=2048) on an H200-class GPU: 400 TFLOP/s achieved, 50 GB/s per GPU across
+nodes (what an expert copy and its gradient cross). The prices ``CostModel.from_shape`` derives from them."""
+
+
+def slack_section(quick: bool, seed: int) -> list[dict]:
+    """Replicas, busiest rank's rows and predicted layer time vs σ, and the σ the cost model chooses, on router
+    loads at K3's layer shape (896 experts, top-16, 64 ranks; quick: 8 ranks, 64 experts)."""
+    from .slack import CostModel  # the cost model lives beside the slack pass
+
+    R, E, K, S = (8, 64, 8, 256) if quick else (64, 896, 16, 4096)
+    cost = CostModel.from_shape(**K3_COST, max_slack=max(SLACKS))
+    rows = []
+    for skew in (0.6, 1.0, 1.2):
+        T = router_counts(R, E, K, S, skew, seed)
+        entry = {"load": f"router:{skew}", "R": R, "E": E, "K": K, "S": S, "sigma": []}
+        for sigma in SLACKS:
+            p = plan(T, slack=sigma)
+            verify(p, T, slack=sigma, routes=False)
+            secs = cost.rank_seconds(p.cu_seqlens[:, -1], p.donor, p.experts_to_copy).max()
+            entry["sigma"].append(
+                {"slack": sigma, "replicas": p.num_replicas, "max_rows": int(p.caps.max()), "predicted_ms": secs * 1e3}
+            )
+        chosen = plan(T, cost=cost)
+        mean = T.sum() / R
+        entry["cost_choice"] = {
+            "slack": round(float(chosen.caps.max()) / mean - 1, 4),
+            "replicas": chosen.num_replicas,
+            "predicted_ms": cost.rank_seconds(chosen.cu_seqlens[:, -1], chosen.donor, chosen.experts_to_copy).max()
+            * 1e3,
+            "plan_us": median_us(lambda: plan(T, cost=cost), 0.2 if quick else 1.0)[0],
+        }
+        entry["no_replicas_slack"] = round(float(T.sum(0).reshape(R, -1).sum(1).max()) / mean - 1, 4)
+        rows.append(entry)
+    return rows
+
+
 def run(
     quick: bool = False, seed: int = 0, K: int = 16, S: int = 4096, skew: float = 1.2, progress: bool = True
 ) -> dict:
@@ -194,6 +232,8 @@ def run(
         "cases": results,
         "sticky": sticky_section(quick, seed),
         "topology": topology_section(quick, seed),
+        "slack": slack_section(quick, seed),
+        "cost_model": K3_COST,
         "bytes_model": {"row_bytes": ROW_BYTES, "expert_bytes": EXPERT_BYTES},
         "environment": {
             "python": platform.python_version(),
@@ -231,5 +271,16 @@ def format_report(result: dict) -> str:
             f"{t['routed_ratio']:.3f}, weight copies x{t['weight_ratio']:.3f}, bytes x"
             f"{t['bytes_ratio']:.3f} (goal <= 0.7; no plan below x{t['bytes_ratio_bound']:.3f}), "
             f"balance {t['balance']:.4f}, plan {t['plan_us_plain']:.0f} / {t['plan_us_topology']:.0f} us"
+        )
+    for t in result.get("slack", []):
+        per = ", ".join(
+            f"σ={e['slack']:g}: {e['replicas']} copies, {e['max_rows']} rows, {e['predicted_ms']:.2f} ms"
+            for e in t["sigma"]
+        )
+        c = t["cost_choice"]
+        lines.append(
+            f"slack ({t['load']}, R={t['R']}, E={t['E']}, K={t['K']}, S={t['S']}; no replicas from σ="
+            f"{t['no_replicas_slack']:g}): {per}; cost chooses σ={c['slack']:g} ({c['replicas']} copies, "
+            f"{c['predicted_ms']:.2f} ms, plan {c['plan_us']:.0f} us)"
         )
     return "\n".join(lines)

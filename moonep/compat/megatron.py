@@ -36,6 +36,7 @@ from torch import nn
 from .. import autograd as ep
 from .._checks import raise_agreed
 from ..buffer import Buffer
+from ..experts import pool_for, push_replicas, repush_guard
 from ._group import as_communicator
 
 PROBLEMS = {
@@ -178,8 +179,17 @@ class MoonEPTokenDispatcher:
         before the dispatch's, the same order on every rank."""
         if self.plan is None:
             raise ValueError("expert_weights needs this micro-batch's plan: call it after token_dispatch")
-        out = _SlotWeights.apply(self.buffer, self.plan, tokens, *local_weights)
-        return out[0], tuple(out[1:])
+        buf, plan, epn, key = self.buffer, self.plan, self.epn, ("megatron-stacked", id(self))
+        pools = [
+            pool_for(buf, f"megatron-stacked:{i}", tuple(w.shape[1:]), w.dtype) for i, w in enumerate(local_weights)
+        ]
+        if any(p.owner != (key, plan) for p in pools):
+            push_replicas(buf, plan, key, pools, local_weights)
+        per_expert = [w[i] for w in local_weights for i in range(epn)]  # views: grads flow to the stacked params
+        tokens, *slots = _PooledSlots.apply(buf, plan, pools, epn, tokens, *per_expert)
+        # a [2*epn] tensor needs one copy of the own experts; the slots come from the shared pools (cat copies
+        # them too, so a later push into the pools cannot reach this layer's saved weights)
+        return tokens, tuple(torch.cat((w, sl)) for w, sl in zip(local_weights, slots))
 
     # ------------------------------------------------------------------------------------------- combine
     def combine_preprocess(self, hidden_states: torch.Tensor):
@@ -223,23 +233,28 @@ class MoonEPTokenDispatcher:
         )
 
 
-class _SlotWeights(torch.autograd.Function):
-    """(tokens, local [epn, ...]...) -> (tokens, [2*epn, ...]...): prefetch forward, reduce_grad backward."""
+class _PooledSlots(torch.autograd.Function):
+    """(tokens, own expert params...) -> (tokens, replica-slot views [epn, ...] per parameter name): the slots
+    are the shared pools (already pushed); backward: the slots' grads summed home (``reduce_grad``) and returned
+    as grads of the own params. The tokens tie this backward after the experts' and before the dispatch's."""
 
     @staticmethod
-    def forward(ctx, buffer: Buffer, plan, tokens, *local):
-        slots = [torch.zeros_like(w) for w in local]
-        buffer.prefetch_weight(plan, [w.detach() for w in local], slots)
-        ctx.buffer, ctx.plan, ctx.dtypes = buffer, plan, [w.dtype for w in local]
-        return (tokens.view_as(tokens),) + tuple(torch.cat((w.detach(), s)) for w, s in zip(local, slots))
+    def forward(ctx, buffer: Buffer, plan, pools, epn: int, tokens, *own):
+        ctx.buffer, ctx.plan, ctx.epn, ctx.dtypes = buffer, plan, epn, [p.weights.dtype for p in pools]
+        ctx.shapes, ctx.device = [p.weights.shape for p in pools], tokens.device
+        return (tokens.view_as(tokens),) + tuple(p.weights.detach() for p in pools)
 
     @staticmethod
-    def backward(ctx, grad_tokens, *grads):
-        epn = ctx.buffer.epn
-        home = [g[:epn].float().contiguous().clone() for g in grads]
-        slots = [g[epn:].float().contiguous().clone() for g in grads]
+    def backward(ctx, grad_tokens, *grad_slots):
+        epn, shapes = ctx.epn, ctx.shapes
+        home = [torch.zeros(shape, dtype=torch.float32, device=ctx.device) for shape in shapes]
+        slots = [
+            torch.zeros(shape, dtype=torch.float32, device=ctx.device) if g is None else g.to(torch.float32, copy=True)
+            for g, shape in zip(grad_slots, shapes)
+        ]
         ctx.buffer.reduce_grad(ctx.plan, home, slots)
-        return (None, None, grad_tokens) + tuple(h.to(d) for h, d in zip(home, ctx.dtypes))
+        per_param = [h[i].to(dt) for h, dt in zip(home, ctx.dtypes) for i in range(epn)]
+        return (None, None, None, None, grad_tokens) + tuple(per_param)
 
 
 class SequentialExperts(nn.Module):
@@ -247,7 +262,10 @@ class SequentialExperts(nn.Module):
     as ``expert(tokens, probs) -> (out, bias)``) on the dispatcher's ``[2*epn]`` layout.
 
     forward(tokens [n, H], tokens_per_expert [2*epn], permuted_probs [n]) -> (out [n, H], None), like
-    SequentialMLP; replica groups run the expert template with the replica's weights (torch.func)."""
+    SequentialMLP. Own groups call the local experts' parameters in place; replica groups run the expert template
+    (torch.func) with weights from moonep's shared replica pools (one per parameter shape, shared by every
+    layer, as in ``moonep.grouped_experts``): no stacked or concatenated weight copies. The backward re-pushes
+    a layer's replicas if another layer used the pools since, then sums the replicas' grads home."""
 
     def __init__(self, experts: nn.Module, dispatcher: MoonEPTokenDispatcher) -> None:
         super().__init__()
@@ -258,17 +276,29 @@ class SequentialExperts(nn.Module):
     def forward(self, tokens: torch.Tensor, tokens_per_expert: torch.Tensor, permuted_probs: torch.Tensor):
         if getattr(getattr(self.experts, "config", None), "moe_apply_probs_on_input", False):  # as SequentialMLP does
             tokens, permuted_probs = tokens * permuted_probs[:, None].to(tokens.dtype), torch.ones_like(permuted_probs)
-        local = self.experts.local_experts
+        d, local = self.dispatcher, self.experts.local_experts
+        if d.plan is None:
+            raise ValueError("SequentialExperts needs this micro-batch's plan: call it after token_dispatch")
         names = [n for n, _ in local[0].named_parameters()]
-        stacked = [torch.stack([dict(e.named_parameters())[n] for e in local]) for n in names]
-        tokens, views = self.dispatcher.expert_weights(tokens, *stacked)
-        sizes = tokens_per_expert.tolist()
-        outs = []
+        own = [[dict(e.named_parameters())[n] for e in local] for n in names]
+        buf, plan, key = d.buffer, d.plan, ("megatron", id(self))
+        pools = [pool_for(buf, f"megatron:{n}", tuple(ps[0].shape), ps[0].dtype) for n, ps in zip(names, own)]
+
+        def stacked():  # send buffers for a push (the own params are read in place otherwise)
+            return [torch.stack([p.detach() for p in ps]) for ps in own]
+
+        if any(p.owner != (key, plan) for p in pools):
+            push_replicas(buf, plan, key, pools, stacked())
+        tokens, *slots = _PooledSlots.apply(buf, plan, pools, d.epn, tokens, *[p for ps in own for p in ps])
+        sizes, outs = tokens_per_expert.tolist(), []
         for g, (x, p) in enumerate(zip(torch.split(tokens, sizes), torch.split(permuted_probs, sizes))):
-            params = {n: v[g] for n, v in zip(names, views)}
+            if not x.shape[0]:
+                continue
+            params = {n: (ps[g] if g < d.epn else sl[g - d.epn]) for n, ps, sl in zip(names, own, slots)}
             out, bias = torch.func.functional_call(local[0], params, (x, p.to(x.dtype)))
             outs.append(out if bias is None else out + bias)
-        return torch.cat(outs), None
+        out = torch.cat(outs) if outs else tokens.new_zeros(0, tokens.shape[1])
+        return repush_guard(buf, plan, key, pools, stacked, out), None
 
 
 def _routing_problem(routing_map, probs, s: int, E: int, K: int) -> tuple[int, str]:

@@ -27,18 +27,24 @@ def _step(moe: moonep.MoE, comm) -> tuple[torch.Tensor, list[torch.Tensor], int]
     """(output, grads of x and every parameter, all-to-all calls) of one forward + backward."""
     x = torch.randn(S, H, generator=torch.Generator().manual_seed(100 + comm.rank), requires_grad=True)
     calls = [0]
-    a2a = comm.all_to_all_single
+    names = ("all_to_all_single", "all_to_all_single_start")  # blocking and started exchanges alike
+    originals = [getattr(comm, n) for n in names]
 
-    def counted(*args, **kwargs):
-        calls[0] += 1
-        return a2a(*args, **kwargs)
+    def counting(fn):
+        def counted(*args, **kwargs):
+            calls[0] += 1
+            return fn(*args, **kwargs)
 
-    comm.all_to_all_single = counted
+        return counted
+
+    for n, fn in zip(names, originals):
+        setattr(comm, n, counting(fn))
     try:
         y = moe(x)
         (y * torch.arange(H, dtype=y.dtype)).sum().backward()
     finally:
-        del comm.all_to_all_single
+        for n in names:
+            delattr(comm, n)
     return y.detach(), [x.grad] + [p.grad for p in moe.parameters()], calls[0]
 
 
@@ -145,3 +151,38 @@ def _bad_rank(comm, kwargs) -> str:
     except ValueError as e:
         return str(e)
     return "no error"
+
+
+def _overlap_rank(comm) -> list[str]:
+    """The forward's exchanges in order: 'start:<rows>' and 'wait:<rows>' of every started all-to-all."""
+    moe = _layer(comm, 0)  # exact plan with a hot expert: replicas, so weights move
+    events, start = [], comm.all_to_all_single_start
+
+    def logged(out, inp, *args, **kwargs):
+        tag = f"{inp.shape[0]}x{inp[0].numel() if inp.shape[0] else 0}"
+        pending = start(out, inp, *args, **kwargs)
+        events.append(f"start:{tag}")
+        wait = pending.wait
+
+        def waited():
+            events.append(f"wait:{tag}")
+            wait()
+
+        pending.wait = waited
+        return pending
+
+    comm.all_to_all_single_start = logged
+    try:
+        moe(torch.randn(S, H))
+    finally:
+        del comm.all_to_all_single_start
+    assert moe.last_plan.global_plan.num_replicas > 0
+    return events
+
+
+def test_weight_push_travels_beside_the_token_rows():
+    """Rows start, then both projections' weight pushes start, before the rows are waited for."""
+    events = launch(_overlap_rank, 2, timeout=30, job_timeout=60)
+    first_wait = next(i for i, e in enumerate(events) if e.startswith("wait:"))
+    assert first_wait == 3 and events[0].endswith(f"x{H}"), events  # rows [U, H] first
+    assert events[1].endswith(f"x{H * 2 * F}") and events[2].endswith(f"x{F * H}"), events  # w13, w2 beside them
