@@ -19,6 +19,7 @@ from . import _kernel
 from .core import plan
 from .eplb import gpu_loads, rebalance_experts
 from .metrics import EXPERT_BYTES, ROW_BYTES, balance, internode, internode_bound, new_copies
+from .slack import CostModel
 from .synthetic import SYNTHETIC_LOADS, drifting_trace, router_counts, zipf_counts
 from .verify import verify
 
@@ -185,8 +186,6 @@ nodes (what an expert copy and its gradient cross). The prices ``CostModel.from_
 def slack_section(quick: bool, seed: int) -> list[dict]:
     """Replicas, busiest rank's rows and predicted layer time vs σ, and the σ the cost model chooses, on router
     loads at K3's layer shape (896 experts, top-16, 64 ranks; quick: 8 ranks, 64 experts)."""
-    from .slack import CostModel  # the cost model lives beside the slack pass
-
     R, E, K, S = (8, 64, 8, 256) if quick else (64, 896, 16, 4096)
     cost = CostModel.from_shape(**K3_COST, max_slack=max(SLACKS))
     rows = []
