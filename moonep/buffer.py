@@ -182,8 +182,8 @@ class Buffer:
                 f"moonep.dispatch: routed slots per destination differ from the plan's "
                 f"send_counts on ranks {[r for r, m in enumerate(step['mismatch']) if m]}"
             )
-        plan = self._exchange_meta(global_plan, lay, step, uniq[:, self.rank], topk_weights, s, total)
-        return self._send_rows(plan, hidden, topk_weights is not None, zero_copy, during) + (plan.cu_seqlens, plan)
+        plan, rows = self._exchange_meta(global_plan, lay, step, uniq[:, self.rank], hidden, topk_weights, s, total)
+        return self._expand(plan, rows, topk_weights is not None, zero_copy, during) + (plan.cu_seqlens, plan)
 
     def _read_step(self, g: torch.Tensor, global_plan, uniq: torch.Tensor) -> dict:
         """THE host read of a dispatch: every rank's (code, s, total), the plan's error and send counts, the
@@ -218,8 +218,10 @@ class Buffer:
         out["mismatch"] = [u[q * (R + 1) + R] for q in range(R)]
         return out
 
-    def _exchange_meta(self, global_plan, lay, step: dict, recv_uniq_t, weights, s: int, total: int) -> CommPlan:
-        """Side-table all-to-all (exact plan counts) -> the receive maps; fills the receive weights.
+    def _exchange_meta(self, global_plan, lay, step: dict, recv_uniq_t, hidden, weights, s: int, total: int):
+        """Side-table all-to-all (exact plan counts) -> the receive maps; fills the receive weights. The token
+        rows' all-to-all starts beside the side table's (its splits are known from the step's read too).
+        Returns (plan, the rows' Pending).
 
         recv_uniq_t: [R] the unique rows each rank sends here, on the device (step["uniq"] holds the host copy).
         """
@@ -236,7 +238,9 @@ class Buffer:
         else:  # fp32 bits in an int32 column: integer tables travel as integers, weights exactly
             meta[:, 2] = weights.detach().reshape(-1).index_select(0, pos).float().view(torch.int32)
         got = self._meta_in[: sum(recv_slots)]
-        self.comm.all_to_all_single(got, meta, recv_slots, send_slots, validate=False)
+        side = self.comm.all_to_all_single_start(got, meta, recv_slots, send_slots)
+        rows = self._start_rows(hidden, lay.uniq_token[:U], send_uniq, recv_uniq)
+        side.wait()
         row, uniq = recv_layout(got[:, 0], got[:, 1], global_plan.send_counts[:, r], recv_uniq_t)
         push_rows, my_slots = replica_maps(global_plan, r)
         push = [step["replicas"][d] if step["donor"][d] == r else 0 for d in range(R)]
@@ -268,7 +272,7 @@ class Buffer:
         )
         if weights is not None:
             self._weights_from(plan, got[:, 2].contiguous().view(torch.float32))
-        return plan
+        return plan, rows
 
     def _zero_unwritten(self, view: torch.Tensor, plan: CommPlan) -> None:
         """Zero the receive rows no slot writes: unpadded, the slots fill a prefix; padded, padding interleaves."""
@@ -285,24 +289,30 @@ class Buffer:
         self._zero_unwritten(w, plan)
         w.index_copy_(0, plan.recv_slot_row, per_slot.to(torch.float32))
 
-    def _send_rows(self, plan: CommPlan, hidden: torch.Tensor, with_weights: bool, zero_copy: bool, during=None):
-        """One row per (token, destination) over the wire, expanded into the expert-grouped receive rows;
-        ``during(plan)`` runs while the rows travel."""
-        U = plan.uniq_token.numel()
-        src = self._wire_out[:U]
-        torch.index_select(hidden, 0, plan.uniq_token, out=src)
-        U_in = sum(plan.recv_uniq_splits)
-        got = self._wire_in[1 : 1 + U_in]  # behind the zero row
-        rows = self.comm.all_to_all_single_start(got, src, plan.recv_uniq_splits, plan.send_uniq_splits)
+    def _start_rows(self, hidden: torch.Tensor, uniq_token: torch.Tensor, send_uniq: list, recv_uniq: list):
+        """Start the all-to-all of one row per (token, destination) into the wire buffer (behind its zero row)."""
+        src = self._wire_out[: uniq_token.numel()]
+        torch.index_select(hidden, 0, uniq_token, out=src)
+        got = self._wire_in[1 : 1 + sum(recv_uniq)]
+        return self.comm.all_to_all_single_start(got, src, recv_uniq, send_uniq)
+
+    def _expand(self, plan: CommPlan, rows, with_weights: bool, zero_copy: bool, during=None):
+        """``during(plan)`` while the rows travel, then the rows expanded into the expert-grouped receive rows."""
         if during is not None:
             during(plan)
         rows.wait()
+        U_in = sum(plan.recv_uniq_splits)
         out = self._recv[: plan.recv_rows]
         torch.index_select(self._wire_in[: 1 + U_in], 0, plan.row_source, out=out)  # the epilogue, in one pass
         weights = self._recv_w[: plan.recv_rows] if with_weights else None
         if zero_copy:
             return out, weights
         return out.clone(), None if weights is None else weights.clone()
+
+    def _send_rows(self, plan: CommPlan, hidden: torch.Tensor, with_weights: bool, zero_copy: bool):
+        """One row per (token, destination) over the wire, expanded into the expert-grouped receive rows."""
+        rows = self._start_rows(hidden, plan.uniq_token, plan.send_uniq_splits, plan.recv_uniq_splits)
+        return self._expand(plan, rows, with_weights, zero_copy)
 
     def redispatch(
         self, plan: CommPlan, hidden: torch.Tensor, topk_weights: torch.Tensor | None = None, *, zero_copy: bool = False
@@ -365,15 +375,18 @@ class Buffer:
         ext.zero_()
         ext.index_add_(0, plan.row_source, expert_out)
         back = self._wire_out[: plan.uniq_token.numel()]
-        self.comm.all_to_all_single(back, ext[1:], plan.send_uniq_splits, plan.recv_uniq_splits, validate=False)
+        rows = self.comm.all_to_all_single_start(back, ext[1:], plan.send_uniq_splits, plan.recv_uniq_splits)
+        if recv_weights is not None:  # the per-slot values travel beside the rows
+            per_slot = recv_weights.detach().index_select(0, plan.recv_slot_row).float().contiguous()
+            home = torch.empty(plan.slot_pos.numel(), dtype=torch.float32, device=self.device)
+            slots = self.comm.all_to_all_single_start(home, per_slot, plan.send_slot_splits, plan.recv_slot_splits)
+        rows.wait()
         ext[0].zero_()
         out = torch.zeros(plan.num_tokens, self.H, dtype=self.dtype, device=self.device)
         out.index_add_(0, plan.uniq_token, back)
         if recv_weights is None:
             return out, None
-        per_slot = recv_weights.detach().index_select(0, plan.recv_slot_row).float().contiguous()
-        home = torch.empty(plan.slot_pos.numel(), dtype=torch.float32, device=self.device)
-        self.comm.all_to_all_single(home, per_slot, plan.send_slot_splits, plan.recv_slot_splits, validate=False)
+        slots.wait()
         gathered = torch.zeros(plan.num_tokens * self.K, dtype=torch.float32, device=self.device)
         gathered.index_copy_(0, plan.slot_pos, home)
         return out, gathered.view(plan.num_tokens, self.K)

@@ -140,18 +140,23 @@ def test_one_host_read_per_moe_layer(world_size: int, layers: int):
     assert all(name == "Tensor.tolist" and STEP_READ in where.split(" <- ")[0] for name, where in reads), reads
 
 
+def _device_rank(comm) -> list[str]:
+    return [
+        Buffer(comm, S=4, H=8, K=2, E=4).device.type,
+        Buffer(comm, S=4, H=8, K=2, E=4, device="meta")._recv.device.type,
+    ]
+
+
 def test_buffer_device_follows_its_communicator():
     """device=None takes the communicator's device; an explicit device wins; 'cuda' names the current GPU."""
+    assert launch(_device_rank, 2, timeout=20, job_timeout=60) == ["cpu", "meta"]
 
-    class Comm:
-        world_size, rank, device = 2, 0, torch.device("meta")
+    class NoDevice:  # resolve_device is pure: a communicator without a device means the CPU
+        world_size, rank = 2, 0
 
-    assert Buffer(Comm(), S=4, H=8, K=2, E=4).device.type == "meta"
-    assert Buffer(Comm(), S=4, H=8, K=2, E=4, device="cpu")._recv.device.type == "cpu"
-    del Comm.device
-    assert resolve_device(Comm(), None) == torch.device("cpu")
+    assert resolve_device(NoDevice(), None) == torch.device("cpu")
     if torch.cuda.is_available():
-        assert resolve_device(Comm(), "cuda") == torch.device("cuda", torch.cuda.current_device())
+        assert resolve_device(NoDevice(), "cuda") == torch.device("cuda", torch.cuda.current_device())
 
 
 def _cuda_moe_step(comm) -> dict:

@@ -72,7 +72,7 @@ def test_import_is_lazy():
 def test_buffer_rejects_bad_geometry():
     from moonep.buffer import Buffer
 
-    class FakeComm:  # construction only checks the group size and rank
+    class FakeComm:  # the local checks come before the construction's agreement: size and rank are all they read
         world_size, rank = 3, 0
 
     with pytest.raises(ValueError, match="multiple"):
@@ -81,17 +81,13 @@ def test_buffer_rejects_bad_geometry():
         Buffer(FakeComm(), S=0, H=8, K=2, E=9)
     with pytest.raises(TypeError):  # sizes are keyword-only: no silent mix-up of their order
         Buffer(FakeComm(), 4, 8, 2, 9)
-    assert Buffer(FakeComm(), S=4, H=8, K=2, E=9, token_padding=4).nbytes > 0
 
 
 def test_receive_rows_match_moonep_worked_example():
     """MoonEP's own NvS example (S=4096, K=8, E=256, R=8, token_padding=128): 32768 + 127*64 -> 40960 rows."""
-    from moonep.buffer import Buffer
+    from moonep.layout import num_recv_rows
 
-    class EightRanks:
-        world_size, rank = 8, 0
-
-    assert Buffer(EightRanks(), S=4096, H=1, K=8, E=256, token_padding=128).max_recv_rows == 40960
+    assert num_recv_rows(8 * 4096, 8, 8, 256 // 8, 128) == 40960  # what Buffer sizes its receive rows with
 
 
 def test_moe_refuses_a_buffer_of_another_geometry():
