@@ -125,7 +125,7 @@ def bench_rank(
     balance = balance or {"mode": "cost", "slack": None, "max_slack": 0.5}
     cost = None
     if balance["mode"] == "cost":
-        cost = measure_cost_model(comm, H=H, F=F, max_slack=balance["max_slack"])
+        cost = measure_cost_model(comm, H=H, F=F, tokens=S, max_slack=balance["max_slack"])
     # argument checks of plan-reuse calls off: the classic baseline checks nothing either
     buffer = Buffer(comm, S=S, H=H, K=K, E=E, check_reuse=False, slack=balance["slack"], cost=cost)
     moe = MoE(comm, H=H, F=F, E=E, K=K, S=S, router=lambda x: None, buffer=buffer)  # routing injected per maxvio

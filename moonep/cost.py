@@ -62,7 +62,7 @@ def _routing(comm, tokens: int, E: int, hot: int, device) -> tuple[torch.Tensor,
     return idx, torch.full((tokens, 2), 0.5, device=device)
 
 
-def _copy_seconds(comm, H: int, F: int, dtype: torch.dtype, device: torch.device, reps: int) -> float:
+def _copy_seconds(comm, H: int, F: int, dtype: torch.dtype, device: torch.device, reps: int, tokens: int) -> float:
     """Seconds one replica costs where it is paid: the EP layer's step (forward and backward) on a routing whose
     exact plan replicates, minus the same step on an exactly balanced routing (same rows on every rank, no
     replica), alternating, divided by the most copies a rank takes part in. In place, it counts what an
@@ -72,7 +72,7 @@ def _copy_seconds(comm, H: int, F: int, dtype: torch.dtype, device: torch.device
     R = comm.world_size
     if R == 1:
         return 0.0
-    tokens, E = 64 * R, 2 * R
+    tokens, E = 2 * R * max(1, tokens // (2 * R)), 2 * R  # equal per-expert counts need tokens % (2R) == 0
     layer = MoE(comm, H=H, F=F, E=E, K=2, S=tokens, dtype=dtype).to(device)
     x = torch.randn(tokens, H, generator=torch.Generator().manual_seed(comm.rank)).to(device, dtype)
     cases = [_routing(comm, tokens, E, hot, device) for hot in (0, tokens // 2)]
@@ -102,16 +102,21 @@ def measure_cost_model(
     device=None,
     rows: int = 512,
     reps: int = 15,
+    tokens: int = 256,
     max_slack: float = 0.5,
     candidates: int = 8,
 ) -> planner.CostModel:
     """A ``CostModel`` for experts ``w13 [H, 2F]``, ``w2 [F, H]`` of ``dtype`` on ``comm``'s ranks (collective:
-    every rank calls it and gets the same model: the slowest rank's row and copy times)."""
-    if min(H, F, rows, reps) < 1:
-        raise ValueError(f"measure_cost_model needs positive H, F, rows and reps, got {(H, F, rows, reps)}")
+    every rank calls it and gets the same model: the slowest rank's row and copy times). ``rows``: the segment
+    that prices a row; ``tokens``: tokens per rank of the layer step that prices a copy (the layer's own S prices
+    it best: a copy competes with that step's traffic)."""
+    if min(H, F, rows, reps, tokens) < 1:
+        raise ValueError(
+            f"measure_cost_model needs positive H, F, rows, reps and tokens, got {(H, F, rows, reps, tokens)}"
+        )
     dev = torch.device(device) if device is not None else torch.device(getattr(comm, "device", None) or "cpu")
     t = torch.tensor(
-        [_row_seconds(H, F, dtype, dev, rows, reps), _copy_seconds(comm, H, F, dtype, dev, reps)],
+        [_row_seconds(H, F, dtype, dev, rows, reps), _copy_seconds(comm, H, F, dtype, dev, reps, tokens)],
         dtype=torch.float64,
         device=dev,
     )

@@ -23,7 +23,7 @@ from .test_device_plan import assert_same_plan, device_plan
 pytestmark = pytest.mark.gpu  # on CPU under numba's CUDA simulator; on the GPU under make gpu-check
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=30, deadline=None)
 @given(cases(max_R=6, max_epn=3, max_scale=80), st.sampled_from([0.01, 0.1, 0.5, 2.0]), st.sampled_from([1, 3, 4]))
 def test_device_slack_plan_equals_cpu(case: Case, slack: float, threads: int):
     T = case.counts()
@@ -31,7 +31,7 @@ def test_device_slack_plan_equals_cpu(case: Case, slack: float, threads: int):
     assert_same_plan(plan(T, slack=slack, token_padding=pad), device_plan(T, threads, slack=slack, token_padding=pad))
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=12, deadline=None)
 @given(cases(max_R=5, max_epn=3, max_scale=60), st.integers(0, 2**31 - 1), st.floats(0, 1), st.floats(0, 1))
 def test_device_cost_plan_equals_cpu(case: Case, seed: int, row_s: float, copy_s: float):
     """The cost choice (several candidates, picked on the device) and its sticky variant."""
