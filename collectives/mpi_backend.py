@@ -70,6 +70,16 @@ class _Staged:
                     self.originals[i].copy_(self.hosts[i])
 
 
+def _alltoallv_args(staged: _Staged, inp, out_splits, in_splits) -> tuple[list, list]:
+    """(send spec, receive spec) of an (I)Alltoallv over the staged host buffers, splits in bytes."""
+    row = _row_numel(inp) * inp.element_size()
+    send, recv, BYTE = [n * row for n in in_splits], [n * row for n in out_splits], _mpi().BYTE
+    return (
+        [_bytes(staged.hosts[1]), (send, _displs(send)), BYTE],
+        [_bytes(staged.hosts[0]), (recv, _displs(recv)), BYTE],
+    )
+
+
 class MPICommunicator(Communicator):
     """A ``Communicator`` over an ``mpi4py`` communicator (``MPI.COMM_WORLD`` unless given)."""
 
@@ -123,34 +133,19 @@ class MPICommunicator(Communicator):
 
     def _all_to_all_single(self, out, inp, out_splits, in_splits, timeout):
         s = _Staged(out, inp)
-        row = _row_numel(inp) * inp.element_size()
-        send = [n * row for n in in_splits]
-        recv = [n * row for n in out_splits]
         BYTE = _mpi().BYTE
         if len(set(in_splits)) == 1 and len(set(out_splits)) == 1:  # MPICH's Alltoall beats Alltoallv here
             self._call("Alltoall", "all_to_all_single", timeout, [_bytes(s.hosts[1]), BYTE], [_bytes(s.hosts[0]), BYTE])
             s.write_back(0)
             return out
-        self._call(
-            "Alltoallv",
-            "all_to_all_single",
-            timeout,
-            [_bytes(s.hosts[1]), (send, _displs(send)), BYTE],
-            [_bytes(s.hosts[0]), (recv, _displs(recv)), BYTE],
-        )
+        self._call("Alltoallv", "all_to_all_single", timeout, *_alltoallv_args(s, inp, out_splits, in_splits))
         s.write_back(0)
         return out
 
     def _start_all_to_all_single(self, out, inp, out_splits, in_splits, timeout):
         """Post MPI's nonblocking Ialltoallv now; the returned callable polls it to completion."""
         s = _Staged(out, inp)
-        row = _row_numel(inp) * inp.element_size()
-        send = [n * row for n in in_splits]
-        recv = [n * row for n in out_splits]
-        BYTE = _mpi().BYTE
-        request = self.comm.Ialltoallv(
-            [_bytes(s.hosts[1]), (send, _displs(send)), BYTE], [_bytes(s.hosts[0]), (recv, _displs(recv)), BYTE]
-        )
+        request = self.comm.Ialltoallv(*_alltoallv_args(s, inp, out_splits, in_splits))
 
         def finish() -> None:
             self._finish(request, "all_to_all_single", timeout)
