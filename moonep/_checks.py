@@ -13,8 +13,7 @@ from typing import Any
 
 import torch
 
-import planner
-from planner.slack import slack_num
+from planner.slack import check_options, slack_num
 
 
 class Problem(enum.IntEnum):
@@ -237,13 +236,8 @@ def agree_geometry(buf) -> None:
 
 
 def balance_options(slack: Any, cost: Any) -> tuple[float | None, Any, float]:
-    """(slack, cost, the largest σ a plan may use) after checking them together (planner's words)."""
-    if cost is not None and not isinstance(cost, planner.CostModel):
-        raise ValueError(f"cost must be a planner.CostModel, got {type(cost).__name__}")
-    if cost is not None and slack is not None:
-        raise ValueError("pass slack or cost, not both (cost chooses the slack per step)")
-    if slack is not None:
-        planner.row_bound(0, 1, slack)  # names a bad slack
+    """(slack, cost, the largest σ a plan may use) after the planner's own check of the options."""
+    check_options(slack, cost)
     return slack, cost, cost.max_slack if cost is not None else (slack or 0.0)
 
 

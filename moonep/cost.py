@@ -19,6 +19,7 @@ import time
 import torch
 
 import planner
+from planner.slack import copies_per_rank
 
 from .experts import gated_backward, gated_forward
 
@@ -53,7 +54,7 @@ def _row_seconds(H: int, F: int, dtype: torch.dtype, device: torch.device, rows:
     return _median_seconds(step, reps, device) / rows
 
 
-def _routing(comm, tokens: int, E: int, hot: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+def _routing(tokens: int, E: int, hot: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """(topk_idx [tokens, 2], weights) with exactly equal per-expert counts, except that the first ``hot``
     tokens of every rank send their first slot to expert 0 instead (rank 0's home group grows)."""
     slots = torch.arange(tokens * 2, device=device)
@@ -75,7 +76,7 @@ def _copy_seconds(comm, H: int, F: int, dtype: torch.dtype, device: torch.device
     tokens, E = 2 * R * max(1, tokens // (2 * R)), 2 * R  # equal per-expert counts need tokens % (2R) == 0
     layer = MoE(comm, H=H, F=F, E=E, K=2, S=tokens, dtype=dtype).to(device)
     x = torch.randn(tokens, H, generator=torch.Generator().manual_seed(comm.rank)).to(device, dtype)
-    cases = [_routing(comm, tokens, E, hot, device) for hot in (0, tokens // 2)]
+    cases = [_routing(tokens, E, hot, device) for hot in (0, tokens // 2)]
     times, copies = [[], []], 0
     for i in range(reps + 1):
         for j in (0, 1) if i % 2 else (1, 0):
@@ -87,9 +88,7 @@ def _copy_seconds(comm, H: int, F: int, dtype: torch.dtype, device: torch.device
                 times[j].append(time.perf_counter() - t0)
             if j == 1:
                 p = layer.last_plan.global_plan
-                received = (p.experts_to_copy >= 0).sum(1)
-                pushed = torch.zeros_like(received).index_add_(0, p.donor.clamp(min=0), received * (p.donor >= 0))
-                copies = int((received + pushed).max())
+                copies = int(copies_per_rank(p.donor, p.experts_to_copy).max())
     return max(0.0, statistics.median(times[1]) - statistics.median(times[0])) / max(copies, 1)
 
 

@@ -367,6 +367,7 @@ def start_push(buffer: Buffer, plan: CommPlan, weights, *, layout: str = "fused"
     key = _key(key, weights)
     pools = pools_of(buffer, weights, layout)
     for pool in pools:
+        pool.wait()  # a push still in flight into these slots lands first (as in push_replicas)
         pool.owner = (key, plan)
     pending = buffer.prefetch_weight_start(plan, [w.detach() for w in weights], [p.weights.data for p in pools])
     for pool in pools:

@@ -14,7 +14,7 @@ import numpy as np
 
 from ._inputs import as_counts, check_shape, is_tensor, positive_int, topology_nodes
 from .device import host_plan, plan_tensor
-from .slack import CostModel, slack_num
+from .slack import CostModel, check_options
 from .tables import Plan, make_plan, raise_error
 
 
@@ -57,7 +57,7 @@ def plan(
     defer_errors: tensor counts only: leave an invalid plan's error in ``TensorPlan.err`` instead of raising
         (raising reads the device; a caller that reads the plan's tables anyway checks ``err`` in that read).
     """
-    num = _slack_option(caps, slack, cost)
+    num = check_options(slack, cost, caps)
     if is_tensor(slots_per_expert):
         return _plan_tensor(
             slots_per_expert, caps, slots_per_rank, token_padding, previous, topology, defer_errors, num, cost
@@ -86,17 +86,6 @@ def plan(
     counts, caps_out, alloc, donor, copy, cu, send, flows, err = out  # counts: the kernel's copy of T
     raise_error(err, slots)
     return make_plan(counts, caps_out, alloc, donor, copy, send, cu, flows, pad, epn)
-
-
-def _slack_option(caps: Any, slack: Any, cost: Any) -> int | None:
-    """Check the slack options together -> σ as ``slack_num`` (None: no slack)."""
-    if cost is not None and not isinstance(cost, CostModel):
-        raise ValueError(f"cost must be a planner.CostModel, got {type(cost).__name__}")
-    if cost is not None and slack is not None:
-        raise ValueError("pass slack or cost, not both (cost chooses the slack per step)")
-    if caps is not None and (slack is not None or cost is not None):
-        raise ValueError("caps fix every rank's rows: they cannot be combined with slack or cost")
-    return None if slack is None else slack_num(slack)
 
 
 def _plan_tensor(T, caps, slots_per_rank, token_padding, previous, topology, defer_errors, num, cost):

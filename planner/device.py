@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from . import _kernel
-from .slack import CostModel, slack_caps, slack_num
+from .slack import CostModel, copies_per_rank, slack_caps, slack_num
 from .tables import PlanShape, make_plan, raise_error
 
 INT64_MAX = 2**63 - 1
@@ -178,9 +178,8 @@ def cheapest(cands: list[TensorPlan], cost) -> TensorPlan:
 
     secs = []
     for c in cands:
-        received = (c.experts_to_copy >= 0).sum(1).to(torch.float64)
-        pushed = torch.zeros_like(received).index_add_(0, c.donor.clamp(min=0), received * (c.donor >= 0))
-        t = (c.cu_seqlens[:, -1].to(torch.float64) * cost.row_seconds + (received + pushed) * cost.copy_seconds).max()
+        copies = copies_per_rank(c.donor, c.experts_to_copy).to(torch.float64)
+        t = (c.cu_seqlens[:, -1].to(torch.float64) * cost.row_seconds + copies * cost.copy_seconds).max()
         secs.append(torch.where(c.err[0] != 0, torch.inf, t))
     best = torch.argmin(torch.stack(secs)).view(1)
     pick = {

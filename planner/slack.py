@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -90,9 +91,28 @@ class CostModel:
 
     def rank_seconds(self, rows: np.ndarray, donor: np.ndarray, experts_to_copy: np.ndarray) -> np.ndarray:
         """[R] predicted seconds per rank of a numpy plan's tables (rows [R] padded, donor [R], copy [R, slots])."""
-        received = (experts_to_copy >= 0).sum(1)
-        pushed = np.bincount(donor[donor >= 0], weights=received[donor >= 0], minlength=len(donor))
-        return rows * self.row_seconds + (received + pushed) * self.copy_seconds
+        return rows * self.row_seconds + copies_per_rank(donor, experts_to_copy) * self.copy_seconds
+
+
+def check_options(slack: Any, cost: Any, caps: Any = None) -> int | None:
+    """Check the balancing options together (one-line ValueErrors) -> σ as ``slack_num`` (None: no slack)."""
+    if cost is not None and not isinstance(cost, CostModel):
+        raise ValueError(f"cost must be a planner.CostModel, got {type(cost).__name__}")
+    if cost is not None and slack is not None:
+        raise ValueError("pass slack or cost, not both (cost chooses the slack per step)")
+    if caps is not None and (slack is not None or cost is not None):
+        raise ValueError("caps fix every rank's rows: they cannot be combined with slack or cost")
+    return None if slack is None else slack_num(slack)
+
+
+def copies_per_rank(donor, experts_to_copy):
+    """[R] expert copies each rank takes part in: replicas it receives plus replicas it pushes as a donor.
+    Tensors (any device, no host read) or numpy arrays; the count ``CostModel`` prices."""
+    received = (experts_to_copy >= 0).sum(1)
+    if isinstance(received, np.ndarray):
+        return received + np.bincount(donor[donor >= 0], weights=received[donor >= 0], minlength=len(donor))
+    pushed = received.new_zeros(received.shape).index_add_(0, donor.clamp(min=0), received * (donor >= 0))
+    return received + pushed
 
 
 @njit(cache=True)

@@ -10,13 +10,11 @@ import copy
 
 import pytest
 import torch
+import transformers  # the dev extra: make test installs it, so a missing install fails here instead of skipping
 
+import moonep
 from collectives import launch
-
-transformers = pytest.importorskip("transformers", reason="transformers is in the dev extra (make test installs it)")
-
-import moonep  # noqa: E402
-from moonep.integrations import hf  # noqa: E402
+from moonep.integrations import hf
 
 V, L, B, LR = 64, 5, 2, 0.5
 TOL = 1e-5

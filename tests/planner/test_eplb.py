@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -74,7 +75,6 @@ def test_groups_not_divisible_by_nodes_fall_back_to_global():
 
 
 def test_torch_in_torch_out():
-    torch = pytest.importorskip("torch")
     out = rebalance_experts(torch.tensor(README_WEIGHT), 16, 4, 2, 8)
     assert all(isinstance(t, torch.Tensor) for t in out)
     assert out[0].tolist()[0][:4] == [5, 6, 5, 7]
@@ -162,9 +162,6 @@ def _ref_eplb(weight, num_phy, groups, nodes, gpus):
     log2phy = torch.full((L, E * width), -1, dtype=torch.int64)
     log2phy.scatter_(-1, phy2log * width + rank, torch.arange(num_phy).expand(L, -1))
     return phy2log, log2phy.view(L, E, width), logcnt
-
-
-torch = pytest.importorskip("torch")
 
 
 @st.composite
