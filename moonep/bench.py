@@ -9,10 +9,10 @@ stage, so the weight push is not overlapped with the token exchange there). ``*_
 thread CPU time for fwd+bwd: what the layer would take with one core per rank and free communication, the number to
 read when ranks outnumber cores (then wall time only measures the total work of all ranks). Ours balances as
 ``--balance`` says: ``cost`` (default) measures a ``planner.CostModel`` on the ranks (``moonep.measure_cost_model``:
-the expert step's time per row, the exchanges of one replica) and lets the planner choose σ per step; ``ours_slack``
-is the σ the step used (max rows / mean rows - 1), ``ours_rows_bound`` the rows any plan may give a rank (σ =
-max_slack: the static buffers' size), ``ours_replicas`` and ``ours_weight_bytes`` (push forward plus grads back) the
-weight traffic. ``ours_host_reads_per_layer``: reads of tensor data into Python during one fwd+bwd
+one more row in the layer's step, the two exchanges of one replica) and lets the planner choose σ per step;
+``ours_slack`` is the σ the step used (max rows / mean rows - 1), ``ours_rows_bound`` the rows any plan may give a
+rank (σ = max_slack: the static buffers' size), ``ours_replicas`` and ``ours_weight_bytes`` (push forward plus grads
+back) the weight traffic. ``ours_host_reads_per_layer``: reads of tensor data into Python during one fwd+bwd
 (``moonep.hostreads``; the CPU planner kernel's zero-copy entry exempt), the slowest rank's; each is a host sync on
 a GPU. Peak bytes are measured (``moonep.peak_memory.PeakBytes``, one untimed fwd+bwd per layer, the largest rank):
 bytes of every tensor storage the call allocates, alive at once, plus for ours the static ``Buffer`` and the replica

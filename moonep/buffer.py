@@ -21,6 +21,7 @@ that bad input on any rank fails on every rank before any row moves. Its four co
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -301,13 +302,13 @@ class Buffer:
         if during is not None:
             during(plan)
         rows.wait()
-        U_in = sum(plan.recv_uniq_splits)
-        out = self._recv[: plan.recv_rows]
-        torch.index_select(self._wire_in[: 1 + U_in], 0, plan.row_source, out=out)  # the epilogue, in one pass
+        wire = self._wire_in[: 1 + sum(plan.recv_uniq_splits)]
         weights = self._recv_w[: plan.recv_rows] if with_weights else None
-        if zero_copy:
-            return out, weights
-        return out.clone(), None if weights is None else weights.clone()
+        if not zero_copy:  # the epilogue in one pass, straight into the caller's own tensor
+            return wire.index_select(0, plan.row_source), None if weights is None else weights.clone()
+        out = self._recv[: plan.recv_rows]
+        torch.index_select(wire, 0, plan.row_source, out=out)
+        return out, weights
 
     def _send_rows(self, plan: CommPlan, hidden: torch.Tensor, with_weights: bool, zero_copy: bool):
         """One row per (token, destination) over the wire, expanded into the expert-grouped receive rows."""
@@ -402,22 +403,26 @@ class Buffer:
         self.prefetch_weight_start(plan, local_weights, prefetch_buffers).wait()
 
     def prefetch_weight_start(self, plan: CommPlan, local_weights, prefetch_buffers) -> Pending:
-        """``prefetch_weight`` started (one asynchronous all-to-all per projection); ``wait()`` lands the slots.
-        Until then the slots are undefined and the local weights must not change."""
+        """``prefetch_weight`` started (one asynchronous all-to-all for all projections of one dtype: a copy's
+        rows side by side); ``wait()`` lands the slots. Until then the slots are undefined and the local weights
+        must not change."""
         self._check_owner("prefetch_weight", plan)
         if not plan.num_replicas:  # every rank read the same plan: all skip the exchange together
             return Pending()
         started = []
-        for loc, buf in zip(_as_list(local_weights), _as_list(prefetch_buffers)):
-            inp = loc.detach().reshape(self.epn, -1).index_select(0, plan.push_rows).to(buf.dtype)
-            got = torch.empty(plan.my_slots.numel(), inp.shape[1], dtype=buf.dtype, device=buf.device)
-            started.append((self.comm.all_to_all_single_start(got, inp, plan.slot_splits, plan.push_splits), got, buf))
+        for locs, bufs in _by_dtype(_as_list(local_weights), _as_list(prefetch_buffers)):
+            dtype = bufs[0].dtype
+            rows = [loc.detach().reshape(self.epn, -1).index_select(0, plan.push_rows).to(dtype) for loc in locs]
+            inp = torch.cat(rows, 1)
+            got = torch.empty(plan.my_slots.numel(), inp.shape[1], dtype=inp.dtype, device=inp.device)
+            started.append((self.comm.all_to_all_single_start(got, inp, plan.slot_splits, plan.push_splits), got, bufs))
 
         def land() -> None:
-            for pending, got, buf in started:
+            for pending, got, bufs in started:
                 pending.wait()
                 if plan.my_slots.numel():
-                    buf.view(buf.shape[0], -1).index_copy_(0, plan.my_slots, got)
+                    for buf, part in zip(bufs, _columns(got, bufs)):
+                        buf.view(buf.shape[0], -1).index_copy_(0, plan.my_slots, part)
 
         return Pending(land)
 
@@ -425,23 +430,42 @@ class Buffer:
         """Sum the replica slots' weight-gradients into their home experts' grads; zero the consumed slots.
 
         local_grads: [epn, ...] (or a sequence); reduce_buffers: [epn, ...] slot grads (same structure).
-        Collective: every rank calls it, after every rank wrote its slot grads.
+        Collective: every rank calls it, after every rank wrote its slot grads. One all-to-all for all
+        projections of one dtype.
         """
         self._check_owner("reduce_grad", plan)
         if not plan.num_replicas:
             return
-        for grad, buf in zip(_as_list(local_grads), _as_list(reduce_buffers)):
-            flat = buf.view(buf.shape[0], -1)
-            inp = flat.index_select(0, plan.my_slots)
-            got = torch.empty(plan.push_rows.numel(), inp.shape[1], dtype=buf.dtype, device=buf.device)
+        for grads, bufs in _by_dtype(_as_list(local_grads), _as_list(reduce_buffers)):
+            flats = [buf.view(buf.shape[0], -1) for buf in bufs]
+            inp = torch.cat([flat.index_select(0, plan.my_slots) for flat in flats], 1)
+            got = torch.empty(plan.push_rows.numel(), inp.shape[1], dtype=inp.dtype, device=inp.device)
             self.comm.all_to_all_single(got, inp, plan.push_splits, plan.slot_splits, validate=False)
-            if plan.push_rows.numel():
-                grad.view(self.epn, -1).index_add_(0, plan.push_rows, got.to(grad.dtype))
-            flat.index_fill_(0, plan.my_slots, 0)
+            for grad, flat, part in zip(grads, flats, _columns(got, bufs)):
+                if plan.push_rows.numel():
+                    grad.view(self.epn, -1).index_add_(0, plan.push_rows, part.to(grad.dtype))
+                flat.index_fill_(0, plan.my_slots, 0)
 
 
 def _as_list(x) -> list[torch.Tensor]:
     return [x] if isinstance(x, torch.Tensor) else list(x)
+
+
+def _by_dtype(locals_: list[torch.Tensor], slots: list[torch.Tensor]) -> list[tuple[list, list]]:
+    """Pairs (local tensors, slot tensors) grouped by the slots' dtype: each group travels as one exchange."""
+    if len(locals_) != len(slots):
+        raise ValueError(f"{len(locals_)} local tensors but {len(slots)} slot tensors: one per projection")
+    groups: dict = {}
+    for loc, slot in zip(locals_, slots):
+        groups.setdefault(slot.dtype, ([], []))
+        groups[slot.dtype][0].append(loc)
+        groups[slot.dtype][1].append(slot)
+    return list(groups.values())
+
+
+def _columns(rows: torch.Tensor, slots: list[torch.Tensor]) -> list[torch.Tensor]:
+    """rows [n, sum of per-expert sizes] split into one [n, size] column block per slot tensor."""
+    return list(torch.split(rows, [math.prod(t.shape[1:]) for t in slots], 1))
 
 
 __all__ = ["Buffer", "CommPlan", "resolve_device"]

@@ -1,14 +1,21 @@
 """``measure_cost_model``: the planner's ``CostModel`` measured on an EP group, for cost-aware balancing.
 
-A routed row costs the expert step's grouped gated MLP (forward and backward, timed through moonep's own
-code); an expert copy costs the exchanges a replica adds to a step: its weights pushed forward
-(``Buffer.prefetch_weight``, one all-to-all per projection) and its fp32 gradients reduced back
-(``Buffer.reduce_grad``). Both are timed here on the group's own devices and
-transport, with the layer's shapes, and agreed across ranks (the slowest rank's times), so every rank builds the
-same model and hence the same plans. The copy is priced inside the layer (a step that replicates minus a
-balanced one), because on a shared host an isolated exchange misses what the copy costs the step.
+Both prices are measured on the group's own devices and transport, with the layer's shapes, through moonep's own
+code, and agreed across ranks (the slowest rank's times), so every rank builds the same model and hence the same
+plans:
 
-Axes: ``H`` hidden, ``F`` expert FFN size; projections ``w13 [H, 2F]`` and ``w2 [F, H]`` of one expert.
+- a routed row costs what one more row costs the EP layer's whole step (forward and backward: dispatch, the
+  grouped gated MLP, combine and their backward): the step on an exactly balanced routing of ``tokens`` tokens
+  per rank minus the same step on half of them, over the rows per rank that differ (the whole step's average
+  row where noise hides the difference). Pricing the row in the layer counts its exchange and layout work, not
+  only its GEMMs;
+- an expert copy costs the exchanges a replica adds: its weights pushed forward (``Buffer.prefetch_weight``) and
+  its fp32 gradients reduced back (``Buffer.reduce_grad``), on a plan that replicates, over the most copies a
+  rank takes part in. The exchanges are timed on their own: a difference of two whole layer steps would also
+  count the other layout's segment sizes, which are not the copy's.
+
+Each time is a median over ``reps`` alternating calls. Axes: ``H`` hidden, ``F`` expert FFN size; projections
+``w13 [H, 2F]`` and ``w2 [F, H]`` of one expert.
 """
 
 from __future__ import annotations
@@ -21,37 +28,29 @@ import torch
 import planner
 from planner.slack import copies_per_rank
 
-from .experts import gated_backward, gated_forward
+from .experts import pools_of
 
 
-def _median_seconds(fn, reps: int, device: torch.device) -> float:
-    """Median wall seconds of ``fn()`` over ``reps`` calls (after one warm-up), synchronised on CUDA."""
-    times = []
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _median_times(comm, fns, reps: int, device: torch.device) -> list[float]:
+    """Median wall seconds of each of ``fns`` over ``reps`` rounds (after one warm-up round), the callables
+    alternating with their order flipped every round so that drift hits them alike; each call starts after a
+    barrier (collective: the same calls on every rank)."""
+    times: list[list[float]] = [[] for _ in fns]
     for i in range(reps + 1):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        if i:
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def _row_seconds(H: int, F: int, dtype: torch.dtype, device: torch.device, rows: int, reps: int) -> float:
-    """Seconds per routed row of the expert step's grouped gated MLP, forward and backward (one segment of
-    ``rows`` rows through ``moonep.experts``' own forward and backward)."""
-    g = torch.Generator(device="cpu").manual_seed(0)
-    x = torch.randn(rows, H, generator=g).to(device, dtype)
-    ws = (torch.randn(1, H, 2 * F, generator=g).to(device, dtype), torch.randn(1, F, H, generator=g).to(device, dtype))
-    dy, segs = torch.randn(rows, H, generator=g).to(device, dtype), ((0, 0, rows),)
-
-    def step():
-        _, pre = gated_forward(x, ws, segs)
-        gated_backward(x, ws, segs, pre, dy)
-
-    return _median_seconds(step, reps, device) / rows
+        for j in range(len(fns)) if i % 2 else reversed(range(len(fns))):
+            comm.barrier()
+            _sync(device)
+            t0 = time.perf_counter()
+            fns[j]()
+            _sync(device)
+            if i:
+                times[j].append(time.perf_counter() - t0)
+    return [statistics.median(t) for t in times]
 
 
 def _routing(tokens: int, E: int, hot: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,33 +62,48 @@ def _routing(tokens: int, E: int, hot: int, device) -> tuple[torch.Tensor, torch
     return idx, torch.full((tokens, 2), 0.5, device=device)
 
 
-def _copy_seconds(comm, H: int, F: int, dtype: torch.dtype, device: torch.device, reps: int, tokens: int) -> float:
-    """Seconds one replica costs where it is paid: the EP layer's step (forward and backward) on a routing whose
-    exact plan replicates, minus the same step on an exactly balanced routing (same rows on every rank, no
-    replica), alternating, divided by the most copies a rank takes part in. In place, it counts what an
-    isolated exchange misses: the weight push and grad reduce competing with the step's own traffic and work."""
+def _layer(comm, H: int, F: int, tokens: int, dtype: torch.dtype, device: torch.device):
+    """(an exact-balance MoE layer with 2 experts per rank and top-2, this rank's tokens x [tokens, H])."""
     from .moe import MoE  # heavy: the layer itself (moe does not import this module)
 
-    R = comm.world_size
-    if R == 1:
-        return 0.0
-    tokens, E = 2 * R * max(1, tokens // (2 * R)), 2 * R  # equal per-expert counts need tokens % (2R) == 0
-    layer = MoE(comm, H=H, F=F, E=E, K=2, S=tokens, dtype=dtype).to(device)
+    layer = MoE(comm, H=H, F=F, E=2 * comm.world_size, K=2, S=tokens, dtype=dtype).to(device)
     x = torch.randn(tokens, H, generator=torch.Generator().manual_seed(comm.rank)).to(device, dtype)
-    cases = [_routing(tokens, E, hot, device) for hot in (0, tokens // 2)]
-    times, copies = [[], []], 0
-    for i in range(reps + 1):
-        for j in (0, 1) if i % 2 else (1, 0):
-            idx, w = cases[j]
-            comm.barrier()
-            t0 = time.perf_counter()
-            layer(x, topk_idx=idx, topk_weights=w).float().sum().backward()
-            if i:
-                times[j].append(time.perf_counter() - t0)
-            if j == 1:
-                p = layer.last_plan.global_plan
-                copies = int(copies_per_rank(p.donor, p.experts_to_copy).max())
-    return max(0.0, statistics.median(times[1]) - statistics.median(times[0])) / max(copies, 1)
+    return layer, x
+
+
+def _row_seconds(comm, layer, x, reps: int, device: torch.device) -> float:
+    """Seconds one more routed row per rank costs the layer's step (module docstring): balanced routings of
+    ``tokens`` and ``tokens // 2`` tokens per rank (2 slots each), no replica in either."""
+    tokens, E = x.shape[0], layer.E
+    cases = [(x[:n], *_routing(n, E, 0, device)) for n in (tokens, tokens // 2)]
+
+    def step(xs, idx, w):
+        return lambda: layer(xs, topk_idx=idx, topk_weights=w).float().sum().backward()
+
+    full, half = _median_times(comm, [step(*c) for c in cases], reps, device)
+    rows = 2 * (tokens - tokens // 2)  # balanced: every rank computes 2 rows a token
+    if full > half:
+        return (full - half) / rows
+    return full / (2 * tokens)  # the difference drowned in noise (a tiny layer): the average row instead
+
+
+def _copy_seconds(comm, layer, x, reps: int, device: torch.device) -> float:
+    """Seconds one expert copy costs a rank: the replica exchanges of a plan that replicates (weight push and
+    grad reduce, through the layer's own Buffer and pools), over the most copies a rank takes part in."""
+    tokens = x.shape[0]
+    idx, w = _routing(tokens, layer.E, tokens // 2, device)
+    layer(x, topk_idx=idx, topk_weights=w).float().sum().backward()  # the plan of a skewed step
+    plan, buf, weights = layer.last_plan, layer.buffer, (layer.w13, layer.w2)
+    pools = pools_of(buf, weights, "fused")
+    grads = [torch.zeros(t.shape, dtype=torch.float32, device=device) for t in weights]
+
+    def exchanges():
+        buf.prefetch_weight(plan, [t.detach() for t in weights], [p.weights.data for p in pools])
+        buf.reduce_grad(plan, grads, [p.grads for p in pools])
+
+    (t,) = _median_times(comm, [exchanges], reps, device)
+    p = plan.global_plan
+    return t / max(int(copies_per_rank(p.donor, p.experts_to_copy).max()), 1)
 
 
 def measure_cost_model(
@@ -99,26 +113,24 @@ def measure_cost_model(
     F: int,
     dtype: torch.dtype = torch.float32,
     device=None,
-    rows: int = 512,
     reps: int = 15,
     tokens: int = 256,
     max_slack: float = 0.5,
     candidates: int = 8,
 ) -> planner.CostModel:
     """A ``CostModel`` for experts ``w13 [H, 2F]``, ``w2 [F, H]`` of ``dtype`` on ``comm``'s ranks (collective:
-    every rank calls it and gets the same model: the slowest rank's row and copy times). ``rows``: the segment
-    that prices a row; ``tokens``: tokens per rank of the layer step that prices a copy (the layer's own S prices
-    it best: a copy competes with that step's traffic)."""
-    if min(H, F, rows, reps, tokens) < 1:
-        raise ValueError(
-            f"measure_cost_model needs positive H, F, rows, reps and tokens, got {(H, F, rows, reps, tokens)}"
-        )
+    every rank calls it and gets the same model: the slowest rank's row and copy times). ``tokens``: tokens per
+    rank of the layer steps that price a row (the layer's own S prices it best: a row's exchange and layout
+    costs grow with the step)."""
+    if min(H, F, reps, tokens - 1) < 1:
+        raise ValueError(f"measure_cost_model needs positive H, F, reps and tokens >= 2, got {(H, F, reps, tokens)}")
     dev = torch.device(device) if device is not None else torch.device(getattr(comm, "device", None) or "cpu")
-    t = torch.tensor(
-        [_row_seconds(H, F, dtype, dev, rows, reps), _copy_seconds(comm, H, F, dtype, dev, reps, tokens)],
-        dtype=torch.float64,
-        device=dev,
-    )
+    tokens = 4 * comm.world_size * max(1, tokens // (4 * comm.world_size))  # equal counts per expert, halved too
+    layer, x = _layer(comm, H, F, tokens, dtype, dev)
+    prices = [_row_seconds(comm, layer, x, reps, dev), 0.0]
+    if comm.world_size > 1:  # one rank: no exchange, no replica
+        prices[1] = _copy_seconds(comm, layer, x, reps, dev)
+    t = torch.tensor(prices, dtype=torch.float64, device=dev)
     comm.all_reduce(t, "max")
     row_s, copy_s = t.tolist()
     return planner.CostModel(row_seconds=row_s, copy_seconds=copy_s, max_slack=max_slack, candidates=candidates)

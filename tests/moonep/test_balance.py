@@ -86,8 +86,8 @@ def test_balanced_layer_computes_the_exact_function(world_size: int, case: str):
     assert got["out"] < 1e-5 and got["grad"] < 1e-5, got
     assert got["rows"] <= got["bound"], got
     calls_exact, calls_ours = got["calls"]
-    if got["replicas"] == 0:  # the weight push (2 projections) and the grad reduce (2) are skipped
-        assert calls_ours == calls_exact - 4, got
+    if got["replicas"] == 0:  # the weight push and the grad reduce (one exchange each, both projections) skipped
+        assert calls_ours == calls_exact - 2, got
     else:
         assert calls_ours == calls_exact, got
 
@@ -125,7 +125,7 @@ def test_cost_aware_layer_keeps_one_host_read():
 
 
 def _measure_rank(comm) -> list[tuple[float, float]]:
-    cost = moonep.measure_cost_model(comm, H=16, F=32, rows=64, reps=2)
+    cost = moonep.measure_cost_model(comm, H=16, F=32, tokens=64, reps=2)
     mine = torch.tensor([cost.row_seconds, cost.copy_seconds], dtype=torch.float64)
     every = torch.empty(2 * comm.world_size, dtype=torch.float64)
     comm.all_gather(every, mine)
@@ -134,7 +134,12 @@ def _measure_rank(comm) -> list[tuple[float, float]]:
 
 def test_measured_cost_model_is_the_same_on_every_rank():
     models = launch(_measure_rank, 2, timeout=30, job_timeout=120)
-    assert models[0] == models[1] and models[0][0] > 0 and models[0][1] >= 0, models
+    assert models[0] == models[1] and models[0][0] > 0 and models[0][1] > 0, models
+
+
+def test_one_rank_prices_rows_and_no_copy():
+    (model,) = launch(_measure_rank, 1, timeout=30, job_timeout=60)
+    assert model[0] > 0 and model[1] == 0.0, model
 
 
 @pytest.mark.parametrize(
@@ -185,9 +190,10 @@ def _overlap_rank(comm) -> list[str]:
 
 
 def test_weight_push_travels_beside_the_token_rows():
-    """The token rows start, then both projections' weight pushes start, before the rows are waited for."""
+    """The token rows start, then the weight push (both projections of a copy in one row) starts, before the rows
+    are waited for."""
     events = launch(_overlap_rank, 2, timeout=30, job_timeout=60)
     rows = next(i for i, e in enumerate(events) if e.startswith("start:") and e.endswith(f"x{H}"))
     rows_wait = events.index("wait:" + events[rows].split(":")[1])
-    pushes = [i for i, e in enumerate(events) if e.startswith("start:") and e.endswith((f"x{H * 2 * F}", f"x{F * H}"))]
-    assert len(pushes) == 2 and all(rows < i < rows_wait for i in pushes), events
+    pushes = [i for i, e in enumerate(events) if e.startswith("start:") and e.endswith(f"x{H * 2 * F + F * H}")]
+    assert len(pushes) == 1 and all(rows < i < rows_wait for i in pushes), events
