@@ -28,7 +28,7 @@ import torch
 import planner
 from planner.slack import copies_per_rank
 
-from .experts import pools_of
+from .experts import pools_of, push_replicas
 
 
 def _sync(device: torch.device) -> None:
@@ -75,10 +75,11 @@ def _row_seconds(comm, layer, x, reps: int, device: torch.device) -> float:
     """Seconds one more routed row per rank costs the layer's step (module docstring): balanced routings of
     ``tokens`` and ``tokens // 2`` tokens per rank (2 slots each), no replica in either."""
     tokens, E = x.shape[0], layer.E
-    cases = [(x[:n], *_routing(n, E, 0, device)) for n in (tokens, tokens // 2)]
+    # inputs and routing weights that need grads, as in training: the backward exchanges are part of a row's price
+    cases = [(x[:n].detach().requires_grad_(), *_routing(n, E, 0, device)) for n in (tokens, tokens // 2)]
 
     def step(xs, idx, w):
-        return lambda: layer(xs, topk_idx=idx, topk_weights=w).float().sum().backward()
+        return lambda: layer(xs, topk_idx=idx, topk_weights=w.requires_grad_()).float().sum().backward()
 
     full, half = _median_times(comm, [step(*c) for c in cases], reps, device)
     rows = 2 * (tokens - tokens // 2)  # balanced: every rank computes 2 rows a token
@@ -94,11 +95,11 @@ def _copy_seconds(comm, layer, x, reps: int, device: torch.device) -> float:
     idx, w = _routing(tokens, layer.E, tokens // 2, device)
     layer(x, topk_idx=idx, topk_weights=w).float().sum().backward()  # the plan of a skewed step
     plan, buf, weights = layer.last_plan, layer.buffer, (layer.w13, layer.w2)
-    pools = pools_of(buf, weights, "fused")
+    pools = pools_of(buf, weights, "fused")  # shared with the group's other layers of this shape
     grads = [torch.zeros(t.shape, dtype=torch.float32, device=device) for t in weights]
 
-    def exchanges():
-        buf.prefetch_weight(plan, [t.detach() for t in weights], [p.weights.data for p in pools])
+    def exchanges():  # the layer's own push (it marks the slots as taken: a layer in flight pushes again)
+        push_replicas(buf, plan, ("measure_cost_model",), pools, weights)
         buf.reduce_grad(plan, grads, [p.grads for p in pools])
 
     (t,) = _median_times(comm, [exchanges], reps, device)

@@ -137,6 +137,30 @@ def test_measured_cost_model_is_the_same_on_every_rank():
     assert models[0] == models[1] and models[0][0] > 0 and models[0][1] > 0, models
 
 
+def _measure_mid_step_rank(comm) -> float:
+    """A layer whose shapes share the cost probe's pools (E = 2R, same H and F): its grads with a measurement
+    between its forward and backward, against the same step undisturbed."""
+    grads = []
+    for measure in (False, True):
+        torch.manual_seed(0)
+        moe = moonep.MoE(comm, H=H, F=F, E=2 * comm.world_size, K=K, S=S)
+        with torch.no_grad():
+            moe.router.bias[0] = 5.0  # the exact plan replicates: the shared pools hold this step's replicas
+        x = torch.randn(S, H, generator=torch.Generator().manual_seed(comm.rank))
+        y = moe(x)
+        if measure:
+            moonep.measure_cost_model(comm, H=H, F=F, tokens=S, reps=1)
+        y.square().sum().backward()
+        grads.append([p.grad for p in moe.parameters()])
+    worst = torch.tensor([max(_rel(a, b) for a, b in zip(*grads))], dtype=torch.float64)
+    return comm.all_reduce(worst, "max").item()
+
+
+def test_measuring_between_forward_and_backward_leaves_the_step_exact():
+    """The probe pushes into the pools a layer's step may be using; the step pushes its replicas again."""
+    assert launch(_measure_mid_step_rank, 2, timeout=30, job_timeout=120) < 1e-6
+
+
 def test_one_rank_prices_rows_and_no_copy():
     (model,) = launch(_measure_rank, 1, timeout=30, job_timeout=60)
     assert model[0] > 0 and model[1] == 0.0, model
