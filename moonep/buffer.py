@@ -21,7 +21,6 @@ that bad input on any rank fails on every rank before any row moves. Its four co
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -30,7 +29,7 @@ import planner
 from collectives import Pending
 from planner.tables import raise_error as raise_plan_error
 
-from . import _checks
+from . import _checks, replica_exchange
 from ._checks import Problem
 from .comm_plan import CommPlan
 from .geometry import EPGeometry
@@ -407,24 +406,7 @@ class Buffer:
         rows side by side); ``wait()`` lands the slots. Until then the slots are undefined and the local weights
         must not change."""
         self._check_owner("prefetch_weight", plan)
-        if not plan.num_replicas:  # every rank read the same plan: all skip the exchange together
-            return Pending()
-        started = []
-        for locs, bufs in _by_dtype(_as_list(local_weights), _as_list(prefetch_buffers)):
-            dtype = bufs[0].dtype
-            rows = [loc.detach().reshape(self.epn, -1).index_select(0, plan.push_rows).to(dtype) for loc in locs]
-            inp = torch.cat(rows, 1)
-            got = torch.empty(plan.my_slots.numel(), inp.shape[1], dtype=inp.dtype, device=inp.device)
-            started.append((self.comm.all_to_all_single_start(got, inp, plan.slot_splits, plan.push_splits), got, bufs))
-
-        def land() -> None:
-            for pending, got, bufs in started:
-                pending.wait()
-                if plan.my_slots.numel():
-                    for buf, part in zip(bufs, _columns(got, bufs)):
-                        buf.view(buf.shape[0], -1).index_copy_(0, plan.my_slots, part)
-
-        return Pending(land)
+        return replica_exchange.push_start(self.comm, self.epn, plan, local_weights, prefetch_buffers)
 
     def reduce_grad(self, plan: CommPlan, local_grads, reduce_buffers) -> None:
         """Sum the replica slots' weight-gradients into their home experts' grads; zero the consumed slots.
@@ -434,38 +416,7 @@ class Buffer:
         projections of one dtype.
         """
         self._check_owner("reduce_grad", plan)
-        if not plan.num_replicas:
-            return
-        for grads, bufs in _by_dtype(_as_list(local_grads), _as_list(reduce_buffers)):
-            flats = [buf.view(buf.shape[0], -1) for buf in bufs]
-            inp = torch.cat([flat.index_select(0, plan.my_slots) for flat in flats], 1)
-            got = torch.empty(plan.push_rows.numel(), inp.shape[1], dtype=inp.dtype, device=inp.device)
-            self.comm.all_to_all_single(got, inp, plan.push_splits, plan.slot_splits, validate=False)
-            for grad, flat, part in zip(grads, flats, _columns(got, bufs)):
-                if plan.push_rows.numel():
-                    grad.view(self.epn, -1).index_add_(0, plan.push_rows, part.to(grad.dtype))
-                flat.index_fill_(0, plan.my_slots, 0)
-
-
-def _as_list(x) -> list[torch.Tensor]:
-    return [x] if isinstance(x, torch.Tensor) else list(x)
-
-
-def _by_dtype(locals_: list[torch.Tensor], slots: list[torch.Tensor]) -> list[tuple[list, list]]:
-    """Pairs (local tensors, slot tensors) grouped by the slots' dtype: each group travels as one exchange."""
-    if len(locals_) != len(slots):
-        raise ValueError(f"{len(locals_)} local tensors but {len(slots)} slot tensors: one per projection")
-    groups: dict = {}
-    for loc, slot in zip(locals_, slots):
-        groups.setdefault(slot.dtype, ([], []))
-        groups[slot.dtype][0].append(loc)
-        groups[slot.dtype][1].append(slot)
-    return list(groups.values())
-
-
-def _columns(rows: torch.Tensor, slots: list[torch.Tensor]) -> list[torch.Tensor]:
-    """rows [n, sum of per-expert sizes] split into one [n, size] column block per slot tensor."""
-    return list(torch.split(rows, [math.prod(t.shape[1:]) for t in slots], 1))
+        replica_exchange.reduce(self.comm, self.epn, plan, local_grads, reduce_buffers)
 
 
 __all__ = ["Buffer", "CommPlan", "resolve_device"]

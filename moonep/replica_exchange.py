@@ -1,0 +1,80 @@
+"""The replica weight exchanges of an EP step: weights pushed to the ranks that compute an expert's copy, their
+gradients reduced home. ``Buffer.prefetch_weight(_start)`` and ``Buffer.reduce_grad`` call these after checking
+the plan is theirs.
+
+Axes: ``epn`` experts per rank = replica slots per rank; a projection's tensors are ``[epn, ...]``. Each exchange
+is one all-to-all per dtype: the projections of one copy travel side by side in one row, so a replica costs two
+collectives a step (the push forward, the reduce backward) however many projections an expert has. When a plan has
+no replica at all, every rank read the same plan and all skip the exchange together.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from collectives import Pending
+
+from .comm_plan import CommPlan
+
+
+def push_start(comm, epn: int, plan: CommPlan, local_weights, prefetch_buffers) -> Pending:
+    """Start sending this rank's replicated experts (``local_weights``: [epn, ...] or a sequence, one per
+    projection) into the replica slots (``prefetch_buffers``, same structure) of the ranks that compute them;
+    ``wait()`` lands them (unused slots untouched)."""
+    if not plan.num_replicas:
+        return Pending()
+    started = []
+    for locs, slots in _by_dtype(_as_list(local_weights), _as_list(prefetch_buffers)):
+        dtype = slots[0].dtype
+        rows = [loc.detach().reshape(epn, -1).index_select(0, plan.push_rows).to(dtype) for loc in locs]
+        inp = torch.cat(rows, 1)  # [copies pushed, sum of the projections' sizes]
+        got = torch.empty(plan.my_slots.numel(), inp.shape[1], dtype=inp.dtype, device=inp.device)
+        started.append((comm.all_to_all_single_start(got, inp, plan.slot_splits, plan.push_splits), got, slots))
+
+    def land() -> None:
+        for pending, got, slots in started:
+            pending.wait()
+            if plan.my_slots.numel():
+                for slot, part in zip(slots, _columns(got, slots)):
+                    slot.view(slot.shape[0], -1).index_copy_(0, plan.my_slots, part)
+
+    return Pending(land)
+
+
+def reduce(comm, epn: int, plan: CommPlan, local_grads, reduce_buffers) -> None:
+    """Sum the occupied replica slots' grads (``reduce_buffers``: [epn, ...] or a sequence) into their home
+    experts' grads (``local_grads``, same structure) and zero the consumed slots."""
+    if not plan.num_replicas:
+        return
+    for grads, slots in _by_dtype(_as_list(local_grads), _as_list(reduce_buffers)):
+        flats = [slot.view(slot.shape[0], -1) for slot in slots]
+        inp = torch.cat([flat.index_select(0, plan.my_slots) for flat in flats], 1)
+        got = torch.empty(plan.push_rows.numel(), inp.shape[1], dtype=inp.dtype, device=inp.device)
+        comm.all_to_all_single(got, inp, plan.push_splits, plan.slot_splits, validate=False)
+        for grad, flat, part in zip(grads, flats, _columns(got, slots)):
+            if plan.push_rows.numel():
+                grad.view(epn, -1).index_add_(0, plan.push_rows, part.to(grad.dtype))
+            flat.index_fill_(0, plan.my_slots, 0)
+
+
+def _as_list(x) -> list[torch.Tensor]:
+    return [x] if isinstance(x, torch.Tensor) else list(x)
+
+
+def _by_dtype(locals_: list[torch.Tensor], slots: list[torch.Tensor]) -> list[tuple[list, list]]:
+    """Pairs (local tensors, slot tensors) grouped by the slots' dtype: each group travels as one exchange."""
+    if len(locals_) != len(slots):
+        raise ValueError(f"{len(locals_)} local tensors but {len(slots)} slot tensors: one per projection")
+    groups: dict = {}
+    for loc, slot in zip(locals_, slots):
+        pair = groups.setdefault(slot.dtype, ([], []))
+        pair[0].append(loc)
+        pair[1].append(slot)
+    return list(groups.values())
+
+
+def _columns(rows: torch.Tensor, slots: list[torch.Tensor]) -> list[torch.Tensor]:
+    """rows [n, sum of per-expert sizes] split into one [n, size] column block per slot tensor."""
+    return list(torch.split(rows, [math.prod(t.shape[1:]) for t in slots], 1))
