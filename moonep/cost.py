@@ -14,7 +14,8 @@ plans:
   rank takes part in. The exchanges are timed on their own: a difference of two whole layer steps would also
   count the other layout's segment sizes, which are not the copy's.
 
-Each time is a median over ``reps`` alternating calls. Axes: ``H`` hidden, ``F`` expert FFN size; projections
+Each time is a median over ``reps`` rounds of one loop that alternates all of them, so that a slow spell of a
+shared host moves the row and the copy price alike. Axes: ``H`` hidden, ``F`` expert FFN size; projections
 ``w13 [H, 2F]`` and ``w2 [F, H]`` of one expert.
 """
 
@@ -71,28 +72,30 @@ def _layer(comm, H: int, F: int, tokens: int, dtype: torch.dtype, device: torch.
     return layer, x
 
 
-def _row_seconds(comm, layer, x, reps: int, device: torch.device) -> float:
-    """Seconds one more routed row per rank costs the layer's step (module docstring): balanced routings of
-    ``tokens`` and ``tokens // 2`` tokens per rank (2 slots each), no replica in either."""
+def _row_steps(layer, x, device) -> list:
+    """The layer's step (forward and backward) on exactly balanced routings of ``tokens`` and ``tokens // 2``
+    tokens per rank (2 slots each, no replica in either), with inputs and routing weights that need grads as in
+    training: the backward exchanges are part of a row's price."""
     tokens, E = x.shape[0], layer.E
-    # inputs and routing weights that need grads, as in training: the backward exchanges are part of a row's price
     cases = [(x[:n].detach().requires_grad_(), *_routing(n, E, 0, device)) for n in (tokens, tokens // 2)]
 
     def step(xs, idx, w):
         return lambda: layer(xs, topk_idx=idx, topk_weights=w.requires_grad_()).float().sum().backward()
 
-    full, half = _median_times(comm, [step(*c) for c in cases], reps, device)
-    rows = 2 * (tokens - tokens // 2)  # balanced: every rank computes 2 rows a token
+    return [step(*c) for c in cases]
+
+
+def _row_seconds(full: float, half: float, tokens: int) -> float:
+    """Seconds one more routed row per rank costs the step, from the two balanced steps' times."""
     if full > half:
-        return (full - half) / rows
+        return (full - half) / (2 * (tokens - tokens // 2))  # balanced: every rank computes 2 rows a token
     return full / (2 * tokens)  # the difference drowned in noise (a tiny layer): the average row instead
 
 
-def _copy_seconds(comm, layer, x, reps: int, device: torch.device) -> float:
-    """Seconds one expert copy costs a rank: the replica exchanges of a plan that replicates (weight push and
-    grad reduce, through the layer's own Buffer and pools), over the most copies a rank takes part in."""
-    tokens = x.shape[0]
-    idx, w = _routing(tokens, layer.E, tokens // 2, device)
+def _copy_exchanges(layer, x, device):
+    """(the replica exchanges of a plan that replicates: weight push and grad reduce through the layer's own
+    Buffer and pools, the most copies a rank takes part in under that plan)."""
+    idx, w = _routing(x.shape[0], layer.E, x.shape[0] // 2, device)
     layer(x, topk_idx=idx, topk_weights=w).float().sum().backward()  # the plan of a skewed step
     plan, buf, weights = layer.last_plan, layer.buffer, (layer.w13, layer.w2)
     pools = pools_of(buf, weights, "fused")  # shared with the group's other layers of this shape
@@ -102,9 +105,8 @@ def _copy_seconds(comm, layer, x, reps: int, device: torch.device) -> float:
         push_replicas(buf, plan, ("measure_cost_model",), pools, weights)
         buf.reduce_grad(plan, grads, [p.grads for p in pools])
 
-    (t,) = _median_times(comm, [exchanges], reps, device)
     p = plan.global_plan
-    return t / max(int(copies_per_rank(p.donor, p.experts_to_copy).max()), 1)
+    return exchanges, max(int(copies_per_rank(p.donor, p.experts_to_copy).max()), 1)
 
 
 def measure_cost_model(
@@ -128,9 +130,12 @@ def measure_cost_model(
     dev = torch.device(device) if device is not None else torch.device(getattr(comm, "device", None) or "cpu")
     tokens = 4 * comm.world_size * max(1, tokens // (4 * comm.world_size))  # equal counts per expert, halved too
     layer, x = _layer(comm, H, F, tokens, dtype, dev)
-    prices = [_row_seconds(comm, layer, x, reps, dev), 0.0]
+    fns = _row_steps(layer, x, dev)
     if comm.world_size > 1:  # one rank: no exchange, no replica
-        prices[1] = _copy_seconds(comm, layer, x, reps, dev)
+        exchanges, copies = _copy_exchanges(layer, x, dev)
+        fns.append(exchanges)
+    times = _median_times(comm, fns, reps, dev)  # in one alternating loop: a slow spell hits all prices alike
+    prices = [_row_seconds(times[0], times[1], tokens), times[2] / copies if len(times) > 2 else 0.0]
     t = torch.tensor(prices, dtype=torch.float64, device=dev)
     comm.all_reduce(t, "max")
     row_s, copy_s = t.tolist()
