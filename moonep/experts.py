@@ -66,14 +66,27 @@ def pool_for(buffer: Buffer, name: str, shape: tuple[int, ...], dtype: torch.dty
     return pools[key]
 
 
+def _claim(pools, key: object, plan: CommPlan) -> None:
+    """Mark the pools as (key, plan)'s, after a push still in flight into their slots has landed."""
+    for pool in pools:
+        pool.wait()
+        pool.owner = (key, plan)
+
+
 def push_replicas(buffer: Buffer, plan: CommPlan, key: object, pools, locals_) -> None:
     """Push the replicated experts' weights into the pools' slots (collective) and mark the pools as ours."""
-    for pool in pools:
-        pool.wait()  # a push still in flight into these slots lands first
-        pool.owner = (key, plan)
+    _claim(pools, key, plan)
     # through .data: autograd graphs that saved slot views (torch.func expert modules) must not see a version
     # bump; the re-push guard restores a layer's replicas before its backward reads them
     buffer.prefetch_weight(plan, [w.detach() for w in locals_], [p.weights.data for p in pools])
+
+
+def ensure_replicas(buffer: Buffer, plan: CommPlan, key: object, pools, locals_) -> None:
+    """``push_replicas`` unless the pools already hold this layer's replicas of this plan (collective: every
+    rank decides alike, the owners evolve the same everywhere). ``locals_``: [epn, ...] tensors, or a callable
+    making them, called only when a push is needed."""
+    if any(p.owner != (key, plan) for p in pools):
+        push_replicas(buffer, plan, key, pools, locals_() if callable(locals_) else locals_)
 
 
 def group_view(own: torch.Tensor, slots: torch.Tensor) -> list[torch.Tensor]:
@@ -342,9 +355,7 @@ class _RepushGuard(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dz):
-        if any(p.owner != (ctx.key, ctx.plan) for p in ctx.pools):
-            weights = ctx.local_weights() if callable(ctx.local_weights) else ctx.local_weights
-            push_replicas(ctx.buffer, ctx.plan, ctx.key, ctx.pools, weights)
+        ensure_replicas(ctx.buffer, ctx.plan, ctx.key, ctx.pools, ctx.local_weights)
         return (None,) * 5 + (dz,)
 
 
@@ -366,9 +377,7 @@ def start_push(buffer: Buffer, plan: CommPlan, weights, *, layout: str = "fused"
     weights = tuple(weights)
     key = _key(key, weights)
     pools = pools_of(buffer, weights, layout)
-    for pool in pools:
-        pool.wait()  # a push still in flight into these slots lands first (as in push_replicas)
-        pool.owner = (key, plan)
+    _claim(pools, key, plan)
     pending = buffer.prefetch_weight_start(plan, [w.detach() for w in weights], [p.weights.data for p in pools])
     for pool in pools:
         pool.pending = pending
@@ -406,8 +415,7 @@ def grouped_experts(
     check_weights(layout, weights, buffer.epn, x.shape[-1])
     key = _key(key, weights)
     pools = pools_of(buffer, weights, layout)
-    if any(p.owner != (key, plan) for p in pools):
-        push_replicas(buffer, plan, key, pools, weights)
+    ensure_replicas(buffer, plan, key, pools, weights)
     for pool in pools:
         pool.wait()
     own = _ReplicaGradsHome.apply(buffer, plan, pools, *weights)

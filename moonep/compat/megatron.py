@@ -36,7 +36,7 @@ from torch import nn
 from .. import autograd as ep
 from .._checks import raise_agreed
 from ..buffer import Buffer
-from ..experts import pool_for, push_replicas, repush_guard
+from ..experts import ensure_replicas, pool_for, repush_guard
 from ._group import as_communicator
 
 PROBLEMS = {
@@ -183,8 +183,7 @@ class MoonEPTokenDispatcher:
         pools = [
             pool_for(buf, f"megatron-stacked:{i}", tuple(w.shape[1:]), w.dtype) for i, w in enumerate(local_weights)
         ]
-        if any(p.owner != (key, plan) for p in pools):
-            push_replicas(buf, plan, key, pools, local_weights)
+        ensure_replicas(buf, plan, key, pools, local_weights)
         per_expert = [w[i] for w in local_weights for i in range(epn)]  # views: grads flow to the stacked params
         tokens, *slots = _PooledSlots.apply(buf, plan, pools, epn, tokens, *per_expert)
         # a [2*epn] tensor needs one copy of the own experts; the slots come from the shared pools (cat copies
@@ -287,8 +286,7 @@ class SequentialExperts(nn.Module):
         def stacked():  # send buffers for a push (the own params are read in place otherwise)
             return [torch.stack([p.detach() for p in ps]) for ps in own]
 
-        if any(p.owner != (key, plan) for p in pools):
-            push_replicas(buf, plan, key, pools, stacked())
+        ensure_replicas(buf, plan, key, pools, stacked)
         tokens, *slots = _PooledSlots.apply(buf, plan, pools, d.epn, tokens, *[p for ps in own for p in ps])
         sizes, outs = tokens_per_expert.tolist(), []
         for g, (x, p) in enumerate(zip(torch.split(tokens, sizes), torch.split(permuted_probs, sizes))):
