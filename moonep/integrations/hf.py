@@ -8,12 +8,16 @@ swaps each such ``experts`` module for an ``EPExperts`` holding this rank's ``ep
 shared experts, attention and norms are untouched. Families on the seam: Qwen3-MoE, Qwen3-Next, DeepSeek-V3,
 Mixtral (GPT-OSS is not: in x out weights with biases and a clamped activation; it is refused by name).
 
-Each rank must run the same number of forwards (the EP exchanges are collective): same batch count, and under
-``generate()`` the same number of new tokens on every rank (``min_new_tokens=max_new_tokens``). Expert
-gradients follow moonep's contract (the gradient of the SUM of every EP rank's loss; moonep/README.md).
+Each rank must run the same number of forwards (the EP exchanges are collective): the same batch count. For
+``generate()`` the parallelized model does that itself: it runs in transformers' ``synced_gpus`` mode, a rank
+whose sequences are done keeps running forwards until every rank's are, and the "all done?" check is agreed over
+``comm`` (any backend, one small all-reduce per new token), so ranks may generate different numbers of tokens.
+Expert gradients follow moonep's contract (the gradient of the SUM of every EP rank's loss; moonep/README.md).
 """
 
 from __future__ import annotations
+
+import types
 
 import torch
 from torch import nn
@@ -153,7 +157,33 @@ def parallelize(model: nn.Module, comm, *, S: int | None = None) -> nn.Module:
             )
         epn = E // R
         block.experts = EPExperts(block.experts, comm, shared, comm.rank * epn, epn)
+    _sync_generate(model, comm)
     return model
+
+
+def _sync_generate(model: nn.Module, comm) -> None:
+    """``model.generate`` in synced mode with the finished check over ``comm`` (bound methods on the instance:
+    ``copy.deepcopy`` rebinds them to the copy)."""
+    if not callable(getattr(type(model), "generate", None)):
+        return
+    model._moonep_comm = comm
+    model.generate = types.MethodType(_generate_synced, model)
+    model._has_unfinished_sequences = types.MethodType(_unfinished_on_any_rank, model)
+
+
+def _generate_synced(self, *args, **kwargs):
+    """transformers' ``generate`` with ``synced_gpus=True`` unless the caller says otherwise."""
+    kwargs.setdefault("synced_gpus", True)
+    return type(self).generate(self, *args, **kwargs)
+
+
+def _unfinished_on_any_rank(self, this_peer_finished: bool, synced_gpus: bool, device: torch.device) -> bool:
+    """transformers' loop condition; synced, "some rank still generates" from an all-reduce over the EP ranks
+    (collective: every rank evaluates it once per new token, finished or not)."""
+    if not synced_gpus:
+        return not this_peer_finished
+    flag = torch.tensor([0 if this_peer_finished else 1], dtype=torch.int64, device=device)
+    return bool(self._moonep_comm.all_reduce(flag, "sum").item())
 
 
 def _top_k(name: str, block: nn.Module) -> int:

@@ -1,6 +1,7 @@
 """``moonep.integrations.hf.parallelize`` on real transformers 5.x models (tiny random configs built here, no
 download) over gloo ranks, against the unmodified model in one process: logits, loss, every gradient, one SGD
-step, greedy ``generate()`` and the ``gather_state_dict`` round trip, for Qwen3-MoE, DeepSeek-V3, Qwen3-Next and
+step, greedy ``generate()`` with a different number of new tokens on every rank (ranks that are done keep the
+collective exchanges going) and the ``gather_state_dict`` round trip, for Qwen3-MoE, DeepSeek-V3, Qwen3-Next and
 Mixtral at EP 2 and 4 (one launch per EP size runs every family). Inside torch's DDP the model is refused without
 ``moonep.ignore_in_ddp`` and runs with it. Bad models are refused with one line."""
 
@@ -115,8 +116,9 @@ def _family_errors(comm, cfg) -> dict[str, float]:
         float((saved[k] - v).abs().max()) if saved[k].shape == v.shape else 1.0 for k, v in original.items()
     )
     prompt = _batch(r)[:, :3]
-    kw = dict(max_new_tokens=3, min_new_tokens=3, do_sample=False, pad_token_id=0)
-    err["generate"] = float((model.generate(prompt, **kw) != ref.generate(prompt, **kw)).sum())
+    kw = dict(max_new_tokens=2 + r, do_sample=False, pad_token_id=0)  # rank r is done after 2 + r tokens
+    got, want = model.generate(prompt, **kw), ref.generate(prompt, **kw)
+    err["generate"] = float((got != want).sum()) if got.shape == want.shape else float("inf")
     ref_logits, ref_losses, ref_grads = _reference(ref, R)
     out = model(_batch(r), labels=_batch(r))
     err["logits"], err["loss"] = _rel(out.logits, ref_logits[r]), abs(float(out.loss) - ref_losses[r])
