@@ -44,7 +44,9 @@ def _row(model, system, gpus, precision, gbs, mbs, layout, tokens, tflops, label
 
 CANDIDATES = (
     _row("gpt-oss-120b", "h100", 64, "bf16", 512, 4, (1, 4, 1, 1, 8), 5630, 153, "GPT OSS 120B"),
-    _row("qwen3-30b-a3b", "h100", 16, "fp8", 512, 2, (1, 2, 1, 24, 8), 5275, 121, "Qwen3_30B_a3B", dispatcher="deepep"),
+    _row(
+        "qwen3-30b-a3b", "h100", 16, "fp8", 512, 2, (1, 2, 1, 24, 8), 5275, 121, "Qwen3_30B_a3B", moe_a2a_overlap=True
+    ),
     _row(
         "qwen3-235b-a22b",
         "h100",
@@ -59,12 +61,14 @@ CANDIDATES = (
         moe_a2a_overlap=True,
     ),
     _row("gpt-oss-120b", "b200", 64, "bf16", 512, 4, (1, 1, 1, 1, 8), 8213, 223, "GPT OSS 120B"),
-    _row("qwen3-30b-a3b", "b200", 8, "fp8", 512, 1, (1, 1, 1, 1, 8), 9299, 214, "Qwen3_30B_a3B", dispatcher="deepep"),
+    _row("qwen3-30b-a3b", "b200", 8, "fp8", 512, 1, (1, 1, 1, 1, 8), 9299, 214, "Qwen3_30B_a3B"),
     _row("qwen3-235b-a22b", "b200", 64, "fp8", 1024, 1, (1, 8, 1, 2, 8), 3269, 484, "Qwen3_235B_a22B"),
 )
 """Dropless MoE rows of the 25.11 tables for the two preset GPU types (VP 1 there means no interleaving).
-Settings the table does not give are set as for the validation rows (``simulator.published``): the ``deepep``
-dispatcher for Qwen3-30B-A3B and ``moe_a2a_overlap`` for the Qwen3-235B-A22B H100 recipe."""
+Settings the table does not give are read as for the validation rows (``simulator.published``), from the
+25.11 release's recipe files (``scripts/performance/configs/qwen3/workload_base_configs.py`` at Megatron-Bridge
+tag v0.2.0): ``moe_a2a_overlap`` for both H100 Qwen3 recipes; no flex dispatcher in any Qwen3 recipe there
+(``classic``)."""
 
 
 def recipe_key(row: Published) -> tuple:

@@ -19,8 +19,11 @@ What the tables do not give is set the same way for every row (no per-row tuning
 interleaved schedule where VP > 1. Three recipe settings are read from the Megatron-Bridge recipe files
 (``scripts/performance/configs/{deepseek,qwen}/*_workload_base_configs.py``) because they change the model's
 work, not its speed knobs: the flex (HybridEP/DeepEP) dispatcher of the DeepSeek-V3 and Qwen3-30B-A3B recipes
-(``deepep`` here), ``moe_a2a_overlap=True`` of the Qwen3-235B-A22B H100 recipe and ``recompute_modules=
-["mla_up_proj"]`` of the DeepSeek-V3 recipes. The others use Megatron's all-to-all dispatcher (``classic``).
+(``deepep`` here), ``moe_a2a_overlap=True`` of the Qwen3-235B-A22B and Qwen3-30B-A3B H100 recipes
+(``QWEN3_*_PRETRAIN_CONFIG_H100_FP8_CS_V1`` in ``qwen3_workload_base_configs.py`` at tag v0.3.0, the 26.02
+release; the only H100 Qwen3-30B-A3B recipe there with the table's PP 2 x VP 12 x EP 8 layout) and
+``recompute_modules=["mla_up_proj"]`` of the DeepSeek-V3 recipes. The others use Megatron's all-to-all
+dispatcher (``classic``).
 """
 
 from __future__ import annotations
@@ -86,6 +89,7 @@ MOE_ROWS = (
         118,
         _A26.format("Qwen3_30B_a3B") + ", DGX-H100 FP8",
         dispatcher="deepep",
+        moe_a2a_overlap=True,
     ),
     Published(
         "qwen3-235b-a22b",

@@ -43,7 +43,12 @@ def test_enough_rows_in_band():
 
 
 def test_mean_errors():
-    assert mean_abs_error(TABLE, "moe") <= 0.10 and mean_abs_error(TABLE, "dense") <= 0.10, format_published(TABLE)
+    """A broad drift guard: the MAE of each kind over the rows that are not documented misses stays within 10%
+    (a documented miss is tracked by its own expected failure above; the README gives the MAE with and without
+    it)."""
+    tracked = [r for r in TABLE if _key(r) not in KNOWN_MISSES]
+    for kind in ("moe", "dense"):
+        assert mean_abs_error(tracked, kind) <= 0.10, (kind, format_published(TABLE))
 
 
 def test_both_flop_conventions_reported():
