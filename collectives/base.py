@@ -133,6 +133,7 @@ class Communicator(abc.ABC):
             self.tracer.world_size = world_size  # the world communicator comes first; sub-groups never set it
         self.link_delays = link_delays_from_env()  # {(src, dst) global ranks: seconds}; empty = no injection
         self._validated = 0  # validated calls entered on this group (``_mark_arrival``)
+        self._header_of = ""  # the op whose argument header is being exchanged (names it in a backend's timeout)
 
     # ---------------------------------------------------------------- backend primitives (checked input)
     @abc.abstractmethod
@@ -194,12 +195,17 @@ class Communicator(abc.ABC):
         """``{group rank: validated calls entered}`` as recorded by ``_mark_arrival``; None when unknown."""
         return None
 
-    def _name_absent(self, exc: CollectiveError, op: str) -> CollectiveError:
-        """``exc`` with the ranks that never reached this call named (their arrival count is behind ours)."""
+    def _absent_ranks(self) -> list[int]:
+        """Global ranks whose arrival count is behind ours: they never reached this rank's current validated call
+        ([] when unknown)."""
         seen = self._arrivals()
         if not seen:
-            return exc
-        absent = [self.group_ranks[r] for r in range(self.world_size) if seen.get(r, 0) < self._validated]
+            return []
+        return [self.group_ranks[r] for r in range(self.world_size) if seen.get(r, 0) < self._validated]
+
+    def _name_absent(self, exc: CollectiveError, op: str) -> CollectiveError:
+        """``exc`` with the ranks that never reached this call named (their arrival count is behind ours)."""
+        absent = self._absent_ranks()
         if not absent:
             return exc
         return CollectiveError(
@@ -499,10 +505,13 @@ class Communicator(abc.ABC):
         header = torch.empty(w, mine.numel(), dtype=torch.int64, device=device)
         self._validated += 1
         self._mark_arrival(self._validated)
+        self._header_of = op
         try:
             self._timed("validate", header.numel() * 8, self._all_gather, header, mine.view(1, -1).to(device), timeout)
         except CollectiveError as exc:
             raise self._name_absent(exc, op) from exc
+        finally:
+            self._header_of = ""
         header = header.cpu()
         if problem:
             raise ValueError(f"{op} on rank {self.rank}: {problem}")

@@ -1,5 +1,9 @@
 """``mpi`` backend: mpi4py, tensors exchanged as raw buffers (never pickled).
 
+A rank that never reaches a validated call is named on timeout, as on the torch backend: when the group lives on
+one node, its ranks keep their counts of validated calls in an MPI shared-memory array (written and read with
+plain memory accesses, no MPI call), so the rank whose call timed out can see whose count is behind.
+
 Launch with ``mpiexec -n N python -m mpi4py your_script.py`` (the ``-m mpi4py`` runner aborts the whole job when
 one rank raises; without it the other ranks would wait for their timeout). Every call is nonblocking and polled
 until done or until its timeout, which raises ``CollectiveError``. CPU tensors are passed to MPI in place; CUDA
@@ -14,6 +18,7 @@ import sys
 import threading
 import time
 
+import numpy as np
 import torch
 
 from collectives.base import CollectiveError, Communicator, _row_numel
@@ -81,7 +86,8 @@ def _alltoallv_args(staged: _Staged, inp, out_splits, in_splits) -> tuple[list, 
 
 
 class MPICommunicator(Communicator):
-    """A ``Communicator`` over an ``mpi4py`` communicator (``MPI.COMM_WORLD`` unless given)."""
+    """A ``Communicator`` over an ``mpi4py`` communicator (``MPI.COMM_WORLD`` unless given). Construction is
+    collective over that communicator (it sets up the shared arrival counts)."""
 
     backend = "mpi"
 
@@ -100,6 +106,16 @@ class MPICommunicator(Communicator):
             tracer=tracer,
             global_rank=MPI.COMM_WORLD.Get_rank(),
         )
+        self._arrival_win, self._arrival_counts = _arrival_array(self.comm)
+
+    def _mark_arrival(self, count: int) -> None:
+        if self._arrival_counts is not None:
+            self._arrival_counts[self.rank] = count
+
+    def _arrivals(self) -> dict[int, int] | None:
+        if self._arrival_counts is None:
+            return None
+        return {r: int(c) for r, c in enumerate(self._arrival_counts)}
 
     def _call(self, name: str, op: str, timeout: float, *args, **kwargs) -> None:
         """Run MPI's ``name`` (blocking spelling, e.g. ``Alltoallv``) within ``timeout`` seconds.
@@ -208,6 +224,10 @@ class MPICommunicator(Communicator):
     def close(self) -> None:
         super().close()
         MPI = _mpi()
+        if self._arrival_win is not None:  # collective over the group, like the window's creation
+            self._arrival_counts = None
+            self._arrival_win.Free()
+            self._arrival_win = None
         if self.comm not in (MPI.COMM_WORLD, MPI.COMM_SELF, MPI.COMM_NULL):
             self.comm.Free()
         self.comm = MPI.COMM_NULL
@@ -232,7 +252,7 @@ class _Watchdog:
         if self._thread is None:
             self._thread = threading.Thread(target=self._watch, name="moonep-mpi-watchdog", daemon=True)
             self._thread.start()
-        self._what = (comm.global_rank, op, timeout)
+        self._what = (comm, op, timeout)
         self._deadline = time.monotonic() + timeout
 
     def disarm(self) -> None:
@@ -243,11 +263,17 @@ class _Watchdog:
             time.sleep(self.POLL_S)
             deadline = self._deadline
             if deadline is not None and time.monotonic() > deadline:
-                rank, op, timeout = self._what
+                comm, op, timeout = self._what
+                op = comm._header_of or op  # a validated call times out in its header's exchange: name the call
+                absent = comm._absent_ranks()
+                who = (
+                    f"rank(s) {absent} never reached it (stuck or busy before it, or dead)"
+                    if absent
+                    else "a peer is dead, stuck, or called a different collective"
+                )
                 message = (
-                    f"moonep CollectiveError: {op} on rank {rank} did not complete within its {timeout:g}s "
-                    f"timeout (a peer is dead, stuck, or called a different collective); aborting the MPI "
-                    f"job\n"
+                    f"moonep CollectiveError: {op} on rank {comm.global_rank} did not complete within its "
+                    f"{timeout:g}s timeout ({who}); aborting the MPI job\n"
                 )
                 sys.stderr.write(message)
                 sys.stderr.flush()
@@ -258,6 +284,26 @@ class _Watchdog:
 
 
 _WATCHDOG = _Watchdog()
+
+
+def _arrival_array(comm):
+    """(window, int64 [size] view) of the group's validated-call counts in node-shared memory; (None, None) when
+    the group spans nodes (then nobody is named). Collective over ``comm``, like its creation."""
+    MPI = _mpi()
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        if node.Get_size() != comm.Get_size():
+            return None, None
+        n = comm.Get_size()
+        win = MPI.Win.Allocate_shared(8 * n if node.Get_rank() == 0 else 0, 8, comm=node)
+        buf, _ = win.Shared_query(0)
+        counts = np.ndarray(buffer=buf, dtype=np.int64, shape=(n,))
+        if node.Get_rank() == 0:
+            counts[:] = 0
+        node.Barrier()
+        return win, counts
+    finally:
+        node.Free()
 
 
 def _displs(counts: list[int]) -> list[int]:

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from collectives import CollectiveError, LaunchError, launch
+from tests.collectives.conftest import needs_mpi
 
 
 def _outcome(fn) -> str:
@@ -61,6 +62,20 @@ def test_rank_that_never_arrives_is_named(op):
     assert time.monotonic() - t0 < 15
     assert msg.startswith(f"CollectiveError: {op} on rank 0: rank(s) [1] never reached it"), msg
     assert "no answer within its 1s timeout" in msg, msg
+
+
+def test_rank_that_never_arrives_is_named_under_mpi():
+    """The MPI backend ends a timed-out job (its collectives cannot be cancelled); its message names the late rank
+    from the group's shared arrival counts. Would catch the old 'a peer is dead, stuck, or called a different
+    collective' with nobody named."""
+    needs_mpi()
+    t0 = time.monotonic()
+    with pytest.raises(LaunchError) as info:
+        launch(late_rank_1, 2, backend="mpi", timeout=20, job_timeout=60, op="barrier")
+    assert time.monotonic() - t0 < 15
+    assert info.value.rank == 0, str(info.value)
+    want = "barrier on rank 0 did not complete within its 1s timeout (rank(s) [1] never reached it"
+    assert want in info.value.details, info.value.details
 
 
 def dtype_mismatch(comm):
