@@ -138,6 +138,10 @@ def _diagnose(args) -> int:
     if args.trace_dir == "probe" and args.world_size is not None:
         return _probe(args)
     if args.follow:  # the job may not have created the folder yet: Tail waits for it
+        if not args.interval > 0:  # also refuses nan
+            return _err(f"--interval: must be > 0 seconds, got {args.interval}")
+        if args.max_seconds is not None and not args.max_seconds > 0:
+            return _err(f"--max-seconds: must be > 0 seconds, got {args.max_seconds}")
         try:
             found = follow(args.trace_dir, interval_s=args.interval, max_seconds=args.max_seconds)
         except KeyboardInterrupt:

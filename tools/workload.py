@@ -173,6 +173,8 @@ def run_local(
 ) -> dict:
     """Launch ``world_size`` local gloo ranks running the workload; rank 0's result."""
     check_fault_ranks(world_size, cfg.slowdowns, cfg.data_delays, cfg.link_delays)
+    if cfg.skew > 0 and cfg.hot_rank >= world_size:  # a rank that does not exist would wrap to another one
+        raise ValueError(f"hot_rank {cfg.hot_rank} is not a rank of a {world_size}-rank job (0..{world_size - 1})")
     return launch(
         run_workload,
         world_size,

@@ -129,6 +129,22 @@ def test_cli_follow_is_bounded(tmp_path, capsys):
     assert "data_loader ranks [0]" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("flag,value", [("--interval", "0"), ("--interval", "nan"), ("--max-seconds", "-1")])
+def test_cli_follow_refuses_bad_timing_in_one_line(tmp_path, capsys, flag, value):
+    """Catches: --interval 0 ending in a ValueError traceback, --max-seconds -1 returning 0 without a poll."""
+    args = ["diagnose", str(tmp_path), "--follow", "--interval", "0.05", "--max-seconds", "0.1", flag, value]
+    assert main(args, packages=["tools"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {flag}: must be > 0 seconds") and "Traceback" not in err, err
+
+
+def test_demo_refuses_a_hot_rank_outside_the_job(capsys):
+    """Catches: --hot-rank 9 on 4 ranks silently skewing rank 1 (9 % 4) and reporting it as the hot rank."""
+    args = ["straggler-demo", "--world-size", "4", "--skew", "0.5", "--hot-rank", "9"]
+    assert main(args, packages=["tools"]) == 2
+    assert "error: hot_rank 9 is not a rank of a 4-rank job (0..3)" in capsys.readouterr().err
+
+
 def test_simulated_what_if_maps_findings_to_the_simulator():
     """Catches: the simulator's slowdown applied the wrong way round (what-if above the measured step)."""
     from simulator import ParallelConfig
