@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 from collectives import launch
 from collectives.bench import FULL_SIZES, QUICK_SIZES, bench_collectives, format_round_trip, format_table, round_trip
@@ -48,6 +49,17 @@ def _round_trip_rank(comm, hidden: int):
     return round_trip(comm, hidden=hidden)
 
 
+def _job_problem(args) -> str:
+    """One line naming a bad job argument ('' when fine): checked before any rank starts."""
+    if args.world_size < 1:
+        return f"--world-size: must be >= 1, got {args.world_size}"
+    if not args.timeout > 0:  # also refuses nan
+        return f"--timeout: must be > 0 seconds, got {args.timeout}"
+    if getattr(args, "hidden", 1) < 1:
+        return f"--hidden: must be >= 1, got {args.hidden}"
+    return ""
+
+
 def _run(args, fn, **kwargs):
     return launch(fn, args.world_size, backend=args.backend, timeout=args.timeout, **kwargs)
 
@@ -68,7 +80,17 @@ def _is_rank0() -> bool:
     return True
 
 
+def _refuse(args) -> int:
+    problem = _job_problem(args)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def _bench(args) -> int:
+    if _refuse(args):
+        return 2
     report = _run(args, _bench_rank, quick=args.quick)
     if _is_rank0():
         _emit(args, report, format_table(report))
@@ -76,6 +98,8 @@ def _bench(args) -> int:
 
 
 def _roundtrip(args) -> int:
+    if _refuse(args):
+        return 2
     report = _run(args, _round_trip_rank, hidden=args.hidden)
     if _is_rank0():
         _emit(args, report, format_round_trip(report))

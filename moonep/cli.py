@@ -30,11 +30,31 @@ def register(commands, bench) -> None:
     p.set_defaults(func=handler)
 
 
+def parse_maxvios(text: str) -> list[float]:
+    """``--maxvio`` "0,1,2" -> [0.0, 1.0, 2.0]; ValueError naming a value that is not a finite number >= 0."""
+    out = []
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        try:
+            v = float(part)
+        except ValueError:
+            raise ValueError(f"--maxvio: {part!r} is not a number (give e.g. 0,1,2,4,8)") from None
+        if not 0 <= v < float("inf"):
+            raise ValueError(f"--maxvio: {part} must be a finite number >= 0")
+        out.append(v)
+    if not out:
+        raise ValueError("--maxvio: no value given (give e.g. 0,1,2,4,8)")
+    return out
+
+
 def handler(args: argparse.Namespace) -> int:
     from . import bench  # heavy: torch; --help stays light
 
-    maxvios = [float(v) for v in args.maxvio.split(",") if v.strip()]
     try:
+        if args.world_size < 1:
+            raise ValueError(f"--world-size must be >= 1, got {args.world_size}")
+        maxvios = parse_maxvios(args.maxvio)
         balance = bench.parse_balance(args.balance, args.max_slack)
     except ValueError as e:
         print(f"moonep bench ep: {e}", file=sys.stderr)

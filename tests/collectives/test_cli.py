@@ -22,6 +22,23 @@ def test_parser_has_collectives_commands():
     assert callable(parser.parse_args(["roundtrip"]).func)
 
 
+@pytest.mark.parametrize(
+    "argv,named",
+    [
+        (["roundtrip", "--world-size", "0"], "--world-size: must be >= 1, got 0"),
+        (["roundtrip", "--world-size", "2", "--hidden", "0"], "--hidden: must be >= 1, got 0"),
+        (["roundtrip", "--world-size", "2", "--timeout", "-1"], "--timeout: must be > 0 seconds, got -1.0"),
+        (["bench", "collectives", "--world-size", "-2"], "--world-size: must be >= 1, got -2"),
+    ],
+)
+def test_bad_job_arguments_are_one_line_before_any_rank_starts(capsys, argv, named):
+    """Catches: a ValueError traceback from launch (world size, timeout) or a ZeroDivisionError on every rank
+    (--hidden 0) for a user's typo."""
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: {named}\n", err
+
+
 def test_bench_collectives_quick_writes_stable_json(tmp_path):
     out = tmp_path / "bench.json"
     assert main(["bench", "collectives", "--quick", "--world-size", "2", "--json", str(out)]) == 0

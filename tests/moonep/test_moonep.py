@@ -105,6 +105,25 @@ def test_moe_refuses_a_buffer_of_another_geometry():
         moonep.MoE(OneRank(), H=4, F=4, E=4, K=2, S=8, token_padding=4, buffer=buf)
 
 
+@pytest.mark.parametrize(
+    "extra,named",
+    [
+        (["--world-size", "0"], "--world-size must be >= 1, got 0"),
+        (["--maxvio", "abc"], "--maxvio: 'abc' is not a number"),
+        (["--maxvio", "0,-1"], "--maxvio: -1 must be a finite number >= 0"),
+        (["--maxvio", ","], "--maxvio: no value given"),
+    ],
+)
+def test_bench_ep_refuses_bad_arguments_in_one_line(capsys, extra, named):
+    """Catches: a traceback for --maxvio abc / --world-size 0, and a negative maxvio benchmarked as if it meant
+    something."""
+    from moonep.console import main
+
+    assert main(["bench", "ep", "--quick", *extra]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"moonep bench ep: {named}") and "Traceback" not in err, err
+
+
 def test_bench_quick_schema(tmp_path):
     """`moonep bench ep --quick` writes the stable JSON schema and a plot; ours (cost-aware, the default) stays
     inside its row bound and never computes more rows than the classic dispatcher's hottest rank."""
