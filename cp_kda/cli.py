@@ -7,6 +7,7 @@ and loads no torch; the handler imports the benchmark.
 from __future__ import annotations
 
 import argparse
+import sys
 
 from moonep_base import write_json
 
@@ -21,13 +22,17 @@ def register(commands: argparse._SubParsersAction, bench: argparse._SubParsersAc
     )
     p.add_argument("--json", metavar="PATH", help="write the results here as JSON")
     p.add_argument("--quick", action="store_true", help="tiny sizes (seconds): checks the pipeline and schema")
-    p.add_argument("--heads", type=int, default=2, help="H, heads (default 2)")
-    p.add_argument("--head-dim", type=int, default=128, help="K = V, head dimension (default 128, as K3)")
+    p.add_argument("--heads", type=int, default=2, help="H, heads (default 2; --quick uses 1)")
+    p.add_argument("--head-dim", type=int, default=128, help="K = V, head dimension (default 128, as K3; --quick: 16)")
     p.add_argument("--chunk-size", type=int, default=64, help="chunk length C (default 64)")
     p.set_defaults(func=bench_kda)
 
 
 def bench_kda(args: argparse.Namespace) -> int:
+    bad = [f"--{n}: must be >= 1, got {v}" for n, v in _sizes(args) if v < 1]
+    if bad:  # before any work: a 0 ended in a ZeroDivisionError or a kernel's ValueError traceback
+        print(f"error: {bad[0]}", file=sys.stderr)
+        return 2
     from .bench import run_bench  # heavy: torch (cp_kda.cli must not load it: moonep --help imports this module)
 
     result = run_bench(quick=args.quick, H=args.heads, K=args.head_dim, V=args.head_dim, chunk_size=args.chunk_size)
@@ -45,3 +50,7 @@ def bench_kda(args: argparse.Namespace) -> int:
     if args.json:
         write_json(args.json, result)
     return 0
+
+
+def _sizes(args: argparse.Namespace) -> list[tuple[str, int]]:
+    return [("heads", args.heads), ("head-dim", args.head_dim), ("chunk-size", args.chunk_size)]

@@ -132,11 +132,27 @@ def rank_error(run_dir: str, exc, started: float = 0.0) -> tuple[str, int]:
     return f"error: {where} failed: {details[-1] if details else 'no details'}", 1
 
 
+def _world_sizes(text: str) -> tuple[int, ...]:
+    """``--world-sizes`` "1,2,4" -> (1, 2, 4); ValueError naming a part that is not an integer >= 1."""
+    sizes = []
+    for part in (p.strip() for p in text.split(",")):
+        if not part.isdigit() or int(part) < 1:
+            raise ValueError(f"--world-sizes: {part!r} is not a world size (give integers >= 1, e.g. 1,2,4)")
+        sizes.append(int(part))
+    return tuple(sizes)
+
+
 def _bench(args: argparse.Namespace) -> int:
     from .bench import run_bench  # heavy: torch
 
-    sizes = (1, 2) if args.quick else tuple(int(x) for x in args.world_sizes.split(","))
-    out = run_bench(args.preset, sizes, 2 if args.quick else args.steps)
+    try:
+        sizes = (1, 2) if args.quick else _world_sizes(args.world_sizes)
+        if args.steps < 1:
+            raise ValueError(f"--steps: must be >= 1, got {args.steps}")
+        out = run_bench(args.preset, sizes, 2 if args.quick else args.steps)
+    except ValueError as exc:  # bad flags (sizes the preset's batch does not split over): one line
+        print(f"error: {str(exc).splitlines()[0]}", file=sys.stderr)
+        return 2
     for r in out["results"]:
         print(
             f"EP={r['world_size']}: {r['tokens_per_s']:.0f} tokens/s, {r['step_s'] * 1e3:.0f} ms/step, "

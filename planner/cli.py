@@ -71,6 +71,11 @@ def _load_counts(args):
         return T
     if args.ranks is None or args.experts is None:
         raise ValueError("--synthetic needs --ranks and --experts")
+    for name, v in (("--ranks", args.ranks), ("--experts", args.experts), ("--tokens", args.tokens)):
+        if v < 1:
+            raise ValueError(f"{name}: must be >= 1, got {v}")
+    if not 1 <= args.topk <= args.experts:
+        raise ValueError(f"--topk: must be in [1, --experts={args.experts}], got {args.topk}")
     return synthetic_counts(args.synthetic, args.ranks, args.experts, args.topk, args.tokens, args.seed)
 
 

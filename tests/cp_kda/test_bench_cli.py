@@ -4,6 +4,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from moonep.console import main
 
 
@@ -29,3 +31,10 @@ def test_cli_module_is_light():
         subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
         == "False"
     )
+
+
+@pytest.mark.parametrize("flag", ["--heads", "--head-dim", "--chunk-size"])
+def test_bad_sizes_are_one_line(capsys, flag):
+    """Catches: --heads 0 ending in a ZeroDivisionError, --chunk-size 0 in the kernel's ValueError traceback."""
+    assert main(["bench", "kda", "--quick", flag, "0"]) == 2
+    assert capsys.readouterr().err == f"error: {flag}: must be >= 1, got 0\n"

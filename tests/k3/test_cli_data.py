@@ -79,3 +79,22 @@ def test_bench_schema():
     out = run_bench("tiny", (1,), steps=1)
     (row,) = out["results"]
     assert row["world_size"] == 1 and row["tokens_per_s"] > 0 and row["peak_rss_mb"] > 0
+
+
+@pytest.mark.parametrize(
+    "extra,named",
+    [
+        (["--world-sizes", "a"], "--world-sizes: 'a' is not a world size"),
+        (["--world-sizes", "1,0"], "--world-sizes: '0' is not a world size"),
+        (["--world-sizes", "3"], "global_batch: 16 is not divisible by the data-parallel size 3"),
+        (["--steps", "0"], "--steps: must be >= 1, got 0"),
+    ],
+)
+def test_bench_refuses_bad_flags_in_one_line(capsys, extra, named):
+    """Catches: a ValueError traceback for --world-sizes a / 0, and a StatisticsError after training for
+    --steps 0."""
+    from moonep.console import main
+
+    assert main(["bench", "train", *extra]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {named}") and "Traceback" not in err, err

@@ -6,6 +6,7 @@ import argparse
 import json
 
 import numpy as np
+import pytest
 
 from planner import cli
 
@@ -112,6 +113,24 @@ def test_plan_command_load_file_and_bad_input(tmp_path, capsys):
     assert run(["plan", "--synthetic", "zipf:1", "--ranks", "4"]) == 2  # --experts missing
     assert run(["plan", "--synthetic", "uniform:1", "--ranks", "4", "--experts", "8"]) == 2
     assert "zipf:1.2 or router:1.2" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "extra,named",
+    [
+        (["--topk", "0"], "--topk: must be in [1, --experts=8], got 0"),
+        (["--topk", "9"], "--topk: must be in [1, --experts=8], got 9"),
+        (["--tokens", "-1"], "--tokens: must be >= 1, got -1"),
+        (["--ranks", "0"], "--ranks: must be >= 1, got 0"),
+    ],
+)
+def test_plan_command_refuses_bad_synthetic_sizes(capsys, extra, named):
+    """Catches: --topk 0 planned as an empty load (exit 0), --tokens -1 reported as numpy's 'n < 0'."""
+    base = {"--ranks": "4", "--experts": "8", "--topk": "2", "--tokens": "16"}
+    base.update(zip(extra[::2], extra[1::2]))
+    argv = ["plan", "--synthetic", "zipf:1"] + [x for kv in base.items() for x in kv]
+    assert run(argv) == 2
+    assert f"moonep plan: {named}" in capsys.readouterr().err
 
 
 def test_device_planner_bench_on_cpu_checks_its_plans(tmp_path, capsys):
