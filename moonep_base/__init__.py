@@ -45,12 +45,39 @@ def build_parser(registers: Sequence[Register], prog: str, description: str | No
 
 
 def run(parser: argparse.ArgumentParser, argv: Sequence[str] | None = None) -> int:
-    """Parse ``argv`` (default ``sys.argv[1:]``) and call the chosen handler; help and exit 2 without one."""
+    """Parse ``argv`` (default ``sys.argv[1:]``) and call the chosen handler; help and exit 2 without one. An
+    ``OSError`` on a path the user gave (``--json`` naming a folder, an unwritable ``--plot``) is one line and
+    exit 2; any other ``OSError`` propagates."""
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     func = getattr(args, "func", None)
     if func is None:
         return _usage(parser)
-    return int(func(args) or 0)
+    try:
+        return int(func(args) or 0)
+    except OSError as exc:
+        given = _path_given(argv, exc)
+        if given is None:
+            raise
+        print(f"error: {given}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+
+
+def _path_given(argv: list[str], exc: OSError) -> str | None:
+    """``--flag PATH`` (or ``PATH``, positional) when ``exc`` is about a path on the command line, a file written
+    under it, or its temp twin from ``write_json``; None otherwise."""
+    hit = [os.path.abspath(os.fspath(n)) for n in (exc.filename, exc.filename2) if n is not None]
+    for i, word in enumerate(argv):
+        value = word.split("=", 1)[1] if word.startswith("--") and "=" in word else word
+        if not value or value.startswith("-"):
+            continue
+        given = os.path.abspath(value)
+        if any(h == given or h.startswith((given + os.sep, given + ".tmp.")) for h in hit):
+            if value is not word:
+                return word.replace("=", " ", 1)
+            flag = argv[i - 1] if i and argv[i - 1].startswith("--") else ""
+            return f"{flag} {value}".strip()
+    return None
 
 
 def run_package(register: Register, prog: str, argv: Sequence[str] | None = None) -> int:

@@ -81,8 +81,8 @@ def parse_synthetic(spec: str) -> tuple[str, float]:
         skew = float(value or "1.0")
     except ValueError:
         raise ValueError(f"--synthetic must look like zipf:1.2 or router:1.2, got {spec!r}") from None
-    if skew < 0:
-        raise ValueError(f"zipf skew must be >= 0, got {skew}")
+    if not 0 <= skew < float("inf"):  # nan and inf too: they gave an all-zero or warning-laden load
+        raise ValueError(f"{kind} skew must be a finite number >= 0, got {value}")
     return kind, skew
 
 

@@ -151,11 +151,33 @@ def _diagnose(args) -> int:
         return _err(f"{args.trace_dir}: not a folder")
     probe = None
     if args.probe_json:
-        with open(args.probe_json) as f:
-            probe = json.load(f)
+        probe, problem = load_probe(args.probe_json)
+        if problem:
+            return _err(f"--probe-json {args.probe_json}: {problem}")
     if args.world_size is not None and args.world_size < 1:
         return _err(f"--world-size: must be >= 1, got {args.world_size}")
     return _finish(args.trace_dir, probe, args.json, args.plot, world_size=args.world_size, partial=args.partial)
+
+
+def load_probe(path: str) -> tuple[dict | None, str]:
+    """(the probe JSON ``moonep probe --json`` wrote, "") or (None, what is wrong with it)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            probe = json.load(f)
+    except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError
+        return None, f"not JSON ({str(exc).splitlines()[0]})"
+    one_way = probe.get("one_way_s") if isinstance(probe, dict) else None
+    if not isinstance(one_way, list) or not one_way or any(not isinstance(r, list) for r in one_way):
+        return None, "not a probe result: no one_way_s [R][R] table (write it with moonep probe --json)"
+    R, pairs = len(one_way), probe.get("slow_pairs")
+    if not isinstance(pairs, list):
+        return None, "not a probe result: slow_pairs is not a list"
+    for p in pairs:
+        ranks = p.get("ranks") if isinstance(p, dict) else None
+        ok = isinstance(ranks, list) and len(ranks) == 2 and all(isinstance(r, int) and 0 <= r < R for r in ranks)
+        if not ok or not all(isinstance(p.get(k), (int, float)) for k in ("seconds", "ratio")):
+            return None, f"slow_pairs entry {p!r} needs ranks [src, dst] in 0..{R - 1}, seconds and ratio"
+    return probe, ""
 
 
 def _finish(trace_dir: str, probe, json_path, plot_dir, *, world_size=None, partial=False) -> int:
@@ -164,6 +186,9 @@ def _finish(trace_dir: str, probe, json_path, plot_dir, *, world_size=None, part
         warnings.simplefilter("ignore")  # the report lists dropped lines itself
         report, tables = analyse(trace_dir, probe=probe, world_size=world_size)
     report = finite_json(report)
+    expected = report["coverage"]["expected_ranks"]
+    if probe and expected and len(probe["one_way_s"]) != expected:  # its pairs would name other ranks
+        return _err(f"the probe covers {len(probe['one_way_s'])} ranks, the trace {expected}")
     print(format_report(report))
     if json_path:
         write_json(json_path, report)
@@ -180,6 +205,7 @@ def _finish(trace_dir: str, probe, json_path, plot_dir, *, world_size=None, part
 
 def _gaps(cov: dict) -> str:
     gaps = [f"missing ranks {cov['missing_ranks']}"] if cov["missing_ranks"] else []
+    gaps += [f"ranks {cov['extra_ranks']} beyond the {cov['expected_ranks']} expected"] if cov["extra_ranks"] else []
     gaps += [f"ranks short of steps {cov['ranks_missing_steps']}"] if cov["ranks_missing_steps"] else []
     gaps += [f"{cov['lines_dropped']} lines dropped"] if cov["lines_dropped"] else []
     return ", ".join(gaps)
@@ -209,6 +235,8 @@ def _demo(args) -> int:
         )
     except ValueError as exc:
         return _err(str(exc))
+    if args.trace_dir and os.path.exists(args.trace_dir) and not os.path.isdir(args.trace_dir):
+        return _err(f"--trace-dir {args.trace_dir}: exists and is not a folder")
     trace_dir = args.trace_dir or tempfile.mkdtemp(prefix="moonep-demo-trace-")
     try:
         run_local(cfg, args.world_size, trace_dir)

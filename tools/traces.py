@@ -182,6 +182,8 @@ class Coverage:
     """rank -> steps of the union it has no record of (ranks that stopped early or lost lines)."""
     dropped: list[str]
     """``file:line: why`` of every dropped line (and unreadable files)."""
+    extra_ranks: list[int] = field(default_factory=list)
+    """Ranks with records at or beyond ``expected_ranks`` (a stray file, or a wrong ``--world-size``)."""
 
     @property
     def empty(self) -> bool:
@@ -189,7 +191,7 @@ class Coverage:
 
     @property
     def complete(self) -> bool:
-        return not (self.empty or self.missing_ranks or self.short_ranks or self.dropped)
+        return not (self.empty or self.missing_ranks or self.short_ranks or self.dropped or self.extra_ranks)
 
     def to_json(self) -> dict:
         return {
@@ -197,6 +199,7 @@ class Coverage:
             "expected_from": self.source,
             "ranks": self.ranks,
             "missing_ranks": self.missing_ranks,
+            "extra_ranks": self.extra_ranks,
             "steps": self.steps,
             "ranks_missing_steps": {str(r): n for r, n in self.short_ranks.items()},
             "lines_dropped": len(self.dropped),
@@ -256,4 +259,5 @@ def _coverage(out: dict[int, RankTrace], dropped, world_size, headers: set[int],
     steps = set().union(*(t.span for t in out.values())) if out else set()
     short = {r: len(steps - set(out[r].span)) for r in ranks if steps - set(out[r].span)}
     missing = sorted(everyone - set(ranks))
-    return Coverage(expected, source, ranks, missing, len(steps), short, dropped)
+    extra = [r for r in ranks if expected is not None and r >= expected]
+    return Coverage(expected, source, ranks, missing, len(steps), short, dropped, extra)

@@ -122,13 +122,16 @@ def test_plan_command_load_file_and_bad_input(tmp_path, capsys):
         (["--topk", "9"], "--topk: must be in [1, --experts=8], got 9"),
         (["--tokens", "-1"], "--tokens: must be >= 1, got -1"),
         (["--ranks", "0"], "--ranks: must be >= 1, got 0"),
+        (["--synthetic", "router:inf"], "router skew must be a finite number >= 0, got inf"),
+        (["--synthetic", "zipf:nan"], "zipf skew must be a finite number >= 0, got nan"),
     ],
 )
 def test_plan_command_refuses_bad_synthetic_sizes(capsys, extra, named):
-    """Catches: --topk 0 planned as an empty load (exit 0), --tokens -1 reported as numpy's 'n < 0'."""
-    base = {"--ranks": "4", "--experts": "8", "--topk": "2", "--tokens": "16"}
+    """Catches: --topk 0 planned as an empty load (exit 0), --tokens -1 reported as numpy's 'n < 0', router:inf
+    planned (exit 0)."""
+    base = {"--synthetic": "zipf:1", "--ranks": "4", "--experts": "8", "--topk": "2", "--tokens": "16"}
     base.update(zip(extra[::2], extra[1::2]))
-    argv = ["plan", "--synthetic", "zipf:1"] + [x for kv in base.items() for x in kv]
+    argv = ["plan"] + [x for kv in base.items() for x in kv]
     assert run(argv) == 2
     assert f"moonep plan: {named}" in capsys.readouterr().err
 

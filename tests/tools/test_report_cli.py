@@ -237,3 +237,48 @@ def test_empty_folder_is_an_error_even_with_partial(tmp_path, capsys):
     for extra in ([], ["--partial"]):
         assert main(["diagnose", str(tmp_path / "e"), *extra], packages=["tools"]) == 2
         assert "nothing to diagnose" in capsys.readouterr().err
+
+
+def _probe(R: int, pairs=()) -> dict:
+    return {"one_way_s": [[None if i == j else 1e-4 for j in range(R)] for i in range(R)], "slow_pairs": list(pairs)}
+
+
+@pytest.mark.parametrize(
+    "content,named",
+    [
+        ("", "not JSON"),
+        ("[1]", "not a probe result: no one_way_s"),
+        ("{}", "not a probe result: no one_way_s"),
+        (json.dumps(_probe(4, [{"src": 0}])), "slow_pairs entry {'src': 0} needs ranks [src, dst] in 0..3"),
+        (json.dumps(_probe(4, [{"ranks": [0, 9], "seconds": 1.0, "ratio": 5.0}])), "needs ranks [src, dst] in 0..3"),
+        (json.dumps(_probe(3)), "the probe covers 3 ranks, the trace 4"),
+    ],
+)
+def test_diagnose_refuses_a_bad_probe_json_in_one_line(tmp_path, capsys, content, named):
+    """Catches: JSONDecodeError / AttributeError / KeyError tracebacks for a broken --probe-json, and an empty or
+    other-sized probe silently ignored."""
+    trace = write_dir(tmp_path / "trace", make_records())
+    probe = tmp_path / "probe.json"
+    probe.write_text(content)
+    assert main(["diagnose", str(trace), "--probe-json", str(probe)], packages=["tools"]) == 2
+    err = capsys.readouterr().err
+    assert named in err and "Traceback" not in err, err
+
+
+def test_diagnose_refuses_ranks_beyond_the_expected_world_size(tmp_path, capsys):
+    """Catches: 4 rank files diagnosed as a complete 2-rank job ('coverage 4/2 ranks', exit 0)."""
+    trace = write_dir(tmp_path, make_records(ranks=4))
+    assert main(["diagnose", str(trace), "--world-size", "2"], packages=["tools"]) == 2
+    assert "incomplete trace (ranks [2, 3] beyond the 2 expected)" in capsys.readouterr().err
+
+
+def test_unwritable_output_paths_are_one_line(tmp_path, capsys):
+    """Catches: IsADirectoryError / FileExistsError tracebacks for --json naming a folder and --trace-dir naming
+    a file."""
+    trace = write_dir(tmp_path / "trace", make_records(ranks=2, steps=12))
+    assert main(["diagnose", str(trace), "--json", str(tmp_path)], packages=["tools"]) in (2,)
+    assert capsys.readouterr().err.endswith(f"error: --json {tmp_path}: Is a directory\n")
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    assert main(["straggler-demo", "--trace-dir", str(afile)], packages=["tools"]) == 2
+    assert f"error: --trace-dir {afile}: exists and is not a folder" in capsys.readouterr().err
