@@ -21,6 +21,9 @@ import torch
 from collectives import launch
 from collectives.faults import parse_link_delay_specs
 
+MAX_NBYTES = 1 << 30
+"""Largest probe payload (1 GiB)."""
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ProbeConfig:
@@ -29,15 +32,15 @@ class ProbeConfig:
     rounds: int = 5
     """Timed sends per ordered pair (the minimum is kept: one descheduled rank does not make a slow link)."""
     nbytes: int = 4096
-    """Payload per send."""
+    """Payload per send (at most ``MAX_NBYTES``: the probe times latency, and every rank allocates it)."""
     factor: float = 3.0
     """A pair this many times the median pair time is slow..."""
     min_extra_s: float = 0.005
     """...and at least this many seconds over it (loopback jitter on busy shared cores reaches a few ms)."""
 
     def __post_init__(self):
-        if self.rounds < 1 or self.nbytes < 4:
-            raise ValueError(f"rounds must be >= 1 and nbytes >= 4, got {self.rounds}, {self.nbytes}")
+        if self.rounds < 1 or not 4 <= self.nbytes <= MAX_NBYTES:
+            raise ValueError(f"rounds must be >= 1 and nbytes in [4, {MAX_NBYTES}], got {self.rounds}, {self.nbytes}")
         if not self.factor > 1 or self.min_extra_s < 0:
             raise ValueError(f"factor must be > 1 and min_extra_s >= 0, got {self.factor}, {self.min_extra_s}")
 

@@ -282,3 +282,9 @@ def test_unwritable_output_paths_are_one_line(tmp_path, capsys):
     afile.write_text("x")
     assert main(["straggler-demo", "--trace-dir", str(afile)], packages=["tools"]) == 2
     assert f"error: --trace-dir {afile}: exists and is not a folder" in capsys.readouterr().err
+
+
+def test_probe_refuses_a_payload_no_rank_can_allocate(capsys):
+    """Catches: --nbytes 99999999999999 reaching every rank's allocator (a RuntimeError traceback)."""
+    assert main(["probe", "--world-size", "2", "--nbytes", "99999999999999"], packages=["tools"]) == 2
+    assert "nbytes in [4, 1073741824], got 5, 99999999999999" in capsys.readouterr().err
