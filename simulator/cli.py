@@ -10,18 +10,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 
 from moonep_base import write_json
 from simulator.analytic import simulate
 from simulator.hardware import load_hardware
+from simulator.layers import RECOMPUTE_MODES
 from simulator.memory import GIB, inference_memory
 from simulator.network import ClusterSpec
-from simulator.parallel import RECOMPUTE_MODULES, ParallelConfig
+from simulator.parallel import RECOMPUTE_MODULES, SCHEDULES, ParallelConfig
 from simulator.report import format_result, format_search, write_plots
 from simulator.search import SearchSpace, search
 from simulator.specs import load_model
-from simulator.whatif import whatif
+from simulator.whatif import TIERS, check_link, check_slowdown, whatif
 
 
 def register(commands, bench) -> None:
@@ -177,12 +179,14 @@ class UsageError(ValueError):
 
 
 _POSITIVE = ("gpus", "tp", "pp", "ep", "cp", "dp", "vpp", "micro_batch", "seq_len", "global_batch_tokens", "top")
-_NON_NEGATIVE = ("etp", "pp_first_layers", "pp_last_layers", "maxvio", "oversubscription", "offload_fraction")
+_NON_NEGATIVE = ("etp", "pp_first_layers", "pp_last_layers")
+_NUMBERS = {"maxvio": 0, "oversubscription": 1, "offload_fraction": 0}
+"""Float flags and their floors: finite and >= the floor (argparse's float() takes inf and nan)."""
 
 
 def _check_sizes(args) -> None:
     """Every size flag is in range, named as on the command line (argparse takes ``--tp -2`` as an int)."""
-    for name in _POSITIVE + ("nodes_per_leaf", "event_top", "inference_batch"):
+    for name in _POSITIVE + ("nodes_per_leaf", "event_top", "inference_batch", "inference_context"):
         v = getattr(args, name, None)
         floor = 0 if name == "event_top" else 1
         if v is not None and v < floor:
@@ -191,6 +195,13 @@ def _check_sizes(args) -> None:
         v = getattr(args, name, None)
         if v is not None and not v >= 0:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 0, got {v}")
+    for name, floor in _NUMBERS.items():
+        v = getattr(args, name, None)
+        if v is not None and not (math.isfinite(v) and v >= floor):
+            raise UsageError(f"--{name.replace('_', '-')}: must be a finite number >= {floor}, got {v}")
+    v = getattr(args, "max_seconds", None)
+    if v is not None and not (math.isfinite(v) and v > 0):
+        raise UsageError(f"--max-seconds: must be a finite number > 0, got {v}")
 
 
 def _load(args):
@@ -294,7 +305,7 @@ def _run(args) -> int:
         return _usage_error(exc)
     res = simulate(spec, hw, par, args.gpus, cluster, engine=args.engine)
     out = _clean(res.to_dict())
-    if args.inference_context:
+    if args.inference_context is not None:
         inf = inference_memory(spec, batch=args.inference_batch, context=args.inference_context, tp=par.tp, ep=par.ep)
         out["inference_memory_gib"] = {k: (v / GIB if "per_" not in k else v) for k, v in inf.items()}
     print(format_result(res))
@@ -316,8 +327,8 @@ def _search(args) -> int:
     try:
         spec, hw, cluster, base = _setup(args)
         space = SearchSpace(
-            schedules=tuple(args.schedules.split(",")),
-            recompute=tuple(args.recompute_modes.split(",")),
+            schedules=_choice_list("--schedules", args.schedules, SCHEDULES),
+            recompute=_choice_list("--recompute-modes", args.recompute_modes, RECOMPUTE_MODES),
             micro_batch=_int_list("--micro-batches", args.micro_batches),
         )
     except UsageError as exc:
@@ -337,32 +348,66 @@ def _search(args) -> int:
 
 def _int_list(flag: str, text: str) -> tuple[int, ...]:
     try:
-        return tuple(int(x) for x in text.split(","))
+        values = tuple(int(x) for x in text.split(","))
     except ValueError:
-        raise UsageError(f"{flag} must be a comma list of integers, got {text!r}") from None
+        values = ()
+    if not values or min(values) < 1:
+        raise UsageError(f"{flag}: must be a comma list of integers >= 1, got {text!r}")
+    return values
 
 
-def _parse_links(items: list[str]) -> list[dict]:
+def _choice_list(flag: str, text: str, allowed: tuple[str, ...]) -> tuple[str, ...]:
+    values = tuple(text.split(","))
+    bad = [v for v in values if v not in allowed]
+    if bad:
+        raise UsageError(f"{flag}: unknown {', '.join(map(repr, bad))}; known: {', '.join(allowed)}")
+    return values
+
+
+def _parse_slow(items: list[str], par: ParallelConfig) -> dict[int, float]:
+    """``--slow RANK=FACTOR`` items, each checked (rank in the job, factor finite >= 1)."""
+    slow = {}
+    for item in items:
+        rank, _, factor = item.partition("=")
+        try:
+            slow[int(rank)] = float(factor)
+        except ValueError:
+            raise UsageError(f"--slow {item}: expected RANK=FACTOR (an integer and a number)") from None
+        try:
+            check_slowdown(int(rank), float(factor), par.gpus)
+        except ValueError as exc:
+            raise UsageError(f"--slow {item}: {exc}") from None
+    return slow
+
+
+def _parse_links(items: list[str], par: ParallelConfig, gpus_per_node: int, cluster: ClusterSpec) -> list[dict]:
+    """``--link RANK:TIER=FACTOR`` / ``leaf:I=FACTOR`` items, each checked against the job and the cluster."""
     links = []
     for item in items:
         who, _, factor = item.partition("=")
         a, _, b = who.partition(":")
-        if a == "leaf":
-            links.append({"leaf": int(b), "factor": float(factor)})
-        else:
-            links.append({"rank": int(a), "tier": b or "nic", "factor": float(factor)})
+        try:
+            link = {"leaf": int(b)} if a == "leaf" else {"rank": int(a), "tier": b or "nic"}
+            link["factor"] = float(factor)
+        except ValueError:
+            raise UsageError(
+                f"--link {item}: expected RANK:TIER=FACTOR (TIER one of {', '.join(TIERS)}) or leaf:I=FACTOR"
+            ) from None
+        try:
+            check_link(link, par, gpus_per_node, cluster)
+        except ValueError as exc:
+            raise UsageError(f"--link {item}: {exc}") from None
+        links.append(link)
     return links
 
 
 def _whatif(args) -> int:
     try:
         spec, hw, cluster, par = _setup(args)
-        slow = {int(k): float(v) for k, v in (s.split("=") for s in args.slow)}
-        links = _parse_links(args.link)
+        slow = _parse_slow(args.slow, par)
+        links = _parse_links(args.link, par, hw.gpus_per_node, cluster)
     except UsageError as exc:
         return _usage_error(exc)
-    except ValueError as exc:
-        return _usage_error(UsageError(f"--slow / --link: {exc}"))
     out = whatif(spec, hw, par, args.gpus, cluster, rank_slowdown=slow, links=links, engine=args.engine)
     print(json.dumps(out, indent=2))
     if args.json:
@@ -380,8 +425,7 @@ def _calibrate(args) -> int:
             else CalibrationSizes()
         )
     except (ValueError, OSError) as exc:
-        print(f"calibrate: {exc}")
-        return 2
+        return _usage_error(exc)
     profile = calibrate(world_size=args.world_size, quick=args.quick, backend=args.backend, sizes=sizes)
     m = profile["measured"]
     print(

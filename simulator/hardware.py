@@ -10,6 +10,7 @@ and Blackwell sets are engineering estimates, to be replaced by ``moonep simulat
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from typing import Any
@@ -27,6 +28,18 @@ def check_types(obj: Any) -> None:
             continue
         if not isinstance(v, want) or (bool not in want and isinstance(v, bool)):
             raise ValueError(f"{type(obj).__name__}.{f.name} must be of type {f.type}, got {v!r}")
+
+
+def check_finite(obj: Any, names: tuple[str, ...], *, positive: bool = False) -> None:
+    """Each named field of ``obj`` is a finite number ``>= 0`` (``> 0`` with ``positive``): ``ValueError`` naming
+    the field otherwise (NaN and infinity from a hand-written JSON profile included)."""
+    for name in names:
+        v = getattr(obj, name)
+        bad = isinstance(v, bool) or not isinstance(v, (int, float))
+        if bad or not math.isfinite(v) or v < 0 or (positive and v == 0):
+            raise ValueError(
+                f"{type(obj).__name__}.{name} must be a finite number {'>' if positive else '>='} 0, got {v!r}"
+            )
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -83,16 +96,18 @@ class Efficiency:
         for f in ("tp_overlap", "dp_overlap", "ep_overlap"):
             if not 0 <= getattr(self, f) <= 1:
                 raise ValueError(f"Efficiency.{f} must be in [0, 1], got {getattr(self, f)!r}")
-        for f in (
-            "elementwise_bytes",
-            "step_overhead_s",
-            "layer_overhead_s",
-            "grouped_half_rows",
-            "moe_layer_fixed_s",
-            "moe_copy_ns",
-        ):
-            if getattr(self, f) < 0:
-                raise ValueError(f"Efficiency.{f} must be >= 0, got {getattr(self, f)!r}")
+        check_finite(
+            self,
+            (
+                "gemm_half_gflop",
+                "elementwise_bytes",
+                "step_overhead_s",
+                "layer_overhead_s",
+                "grouped_half_rows",
+                "moe_layer_fixed_s",
+                "moe_copy_ns",
+            ),
+        )
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -162,9 +177,7 @@ class HostSpec:
             raise ValueError(
                 f"HostSpec.effective_cores must be in (0, ranks={self.ranks}], got {self.effective_cores!r}"
             )
-        for f in fields(self):
-            if f.name not in ("timing", "cores", "ranks", "effective_cores") and not getattr(self, f.name) >= 0:
-                raise ValueError(f"HostSpec.{f.name} must be >= 0, got {getattr(self, f.name)!r}")
+        check_finite(self, tuple(f.name for f in fields(self) if f.name not in ("timing", "cores", "ranks")))
         if (
             min(self.ref_elements, self.kda_elements, self.kda_tiny_elements) < 1
             or self.kda_elements <= self.kda_tiny_elements
@@ -218,15 +231,12 @@ class HardwareSpec:
 
     def __post_init__(self):
         check_types(self)
-        for f in ("bf16_tflops", "hbm_gib", "hbm_tbps", "nvlink_gbps", "nic_gbps"):
-            if not getattr(self, f) > 0:
-                raise ValueError(f"HardwareSpec.{f} must be > 0, got {getattr(self, f)!r}")
-        if self.fp8_tflops < 0:
-            raise ValueError(f"HardwareSpec.fp8_tflops must be >= 0, got {self.fp8_tflops!r}")
+        check_finite(
+            self, ("bf16_tflops", "hbm_gib", "hbm_tbps", "nvlink_gbps", "nic_gbps", "pcie_gbps"), positive=True
+        )
+        check_finite(self, ("fp8_tflops", "nvlink_latency_us", "nic_latency_us", "reserved_gib", "price_per_gpu_hour"))
         if not isinstance(self.gpus_per_node, int) or self.gpus_per_node < 1:
             raise ValueError(f"HardwareSpec.gpus_per_node must be a positive integer, got {self.gpus_per_node!r}")
-        if self.reserved_gib < 0 or self.price_per_gpu_hour < 0:
-            raise ValueError("HardwareSpec.reserved_gib and price_per_gpu_hour must be >= 0")
 
     def peak_tflops(self, precision: str) -> float:
         return self.fp8_tflops if precision == "fp8" else self.bf16_tflops
@@ -388,6 +398,8 @@ def load_hardware(name_or_path: str | os.PathLike | HardwareSpec | dict[str, Any
             raise ValueError(f"{key}: a hardware file holds one JSON object")
     data.pop("measured", None)  # calibration's raw numbers ride along for the reader
     base = data.pop("base", None)
+    if base is not None and not isinstance(base, str):
+        raise ValueError(f"hardware 'base' must be a preset name ({', '.join(PRESETS)}), got {base!r}")
     if base is not None:
         return HardwareSpec.from_dict(data, base=load_hardware(base))
     return HardwareSpec.from_dict(data)

@@ -40,8 +40,10 @@ class ClusterSpec:
     def __post_init__(self):
         if self.topology not in TOPOLOGIES:
             raise ValueError(f"ClusterSpec.topology must be one of {TOPOLOGIES}, got {self.topology!r}")
-        if not self.oversubscription >= 1:
-            raise ValueError(f"ClusterSpec.oversubscription must be >= 1, got {self.oversubscription!r}")
+        if not (math.isfinite(self.oversubscription) and self.oversubscription >= 1):
+            raise ValueError(
+                f"ClusterSpec.oversubscription must be a finite number >= 1, got {self.oversubscription!r}"
+            )
         if not isinstance(self.nodes_per_leaf, int) or self.nodes_per_leaf < 1:
             raise ValueError(f"ClusterSpec.nodes_per_leaf must be a positive integer, got {self.nodes_per_leaf!r}")
 

@@ -7,6 +7,7 @@ parallel folding: EP x ETP divides TP x CP x DP; ETP defaults to TP). A step pro
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 
@@ -96,8 +97,8 @@ class ParallelConfig:
             raise ValueError(f"ParallelConfig.schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         if self.dispatcher not in DISPATCHERS:
             raise ValueError(f"ParallelConfig.dispatcher must be one of {DISPATCHERS}, got {self.dispatcher!r}")
-        if not self.maxvio >= 0:
-            raise ValueError(f"ParallelConfig.maxvio must be >= 0, got {self.maxvio!r}")
+        if not (isinstance(self.maxvio, (int, float)) and math.isfinite(self.maxvio) and self.maxvio >= 0):
+            raise ValueError(f"ParallelConfig.maxvio must be a finite number >= 0, got {self.maxvio!r}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"ParallelConfig.precision must be one of {PRECISIONS}, got {self.precision!r}")
         self._check_recipe()

@@ -10,6 +10,7 @@ on the event engine (``engine: event`` in their rows).
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import re
 import sys
@@ -19,9 +20,10 @@ from dataclasses import dataclass, replace
 
 from simulator.analytic import simulate
 from simulator.hardware import load_hardware
+from simulator.layers import RECOMPUTE_MODES
 from simulator.memory import GIB, peak_memory
 from simulator.network import ClusterSpec
-from simulator.parallel import ParallelConfig, infeasible_reason
+from simulator.parallel import SCHEDULES, ParallelConfig, infeasible_reason
 from simulator.specs import load_model
 
 
@@ -54,6 +56,13 @@ class SearchSpace:
                 raise ValueError(f"SearchSpace.{f} must not be empty")
         if self.vpp < 2 or self.max_pp < 1 or self.max_ep < 1:
             raise ValueError("SearchSpace.vpp must be >= 2 and max_pp, max_ep >= 1")
+        for f in ("tp", "cp", "micro_batch"):
+            if any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in getattr(self, f)):
+                raise ValueError(f"SearchSpace.{f} must hold positive integers, got {getattr(self, f)!r}")
+        for f, allowed in (("recompute", RECOMPUTE_MODES), ("schedules", SCHEDULES), ("zero_stage", (0, 1, 2, 3))):
+            bad = [v for v in getattr(self, f) if v not in allowed]
+            if bad:
+                raise ValueError(f"SearchSpace.{f}: unknown {bad}; known: {', '.join(map(str, allowed))}")
 
 
 def candidates(spec, gpus: int, base: ParallelConfig, space: SearchSpace):
@@ -112,6 +121,8 @@ def search(
     max_seconds: float | None = None,
 ) -> dict:
     """Ranked feasible configurations by tokens/s/GPU plus search statistics (``configs_per_s``)."""
+    if max_seconds is not None and not (math.isfinite(max_seconds) and max_seconds > 0):
+        raise ValueError(f"max_seconds must be a finite number > 0, got {max_seconds!r}")
     spec, hw = load_model(model), load_hardware(hardware)
     base = base or ParallelConfig(seq_len=spec.seq_len, global_batch_tokens=max(spec.seq_len * gpus, 2**24))
     space = space or SearchSpace()

@@ -22,6 +22,8 @@ from typing import Any, Callable
 from k3.config import K3Config
 
 ATTENTION_KINDS = ("mha", "mla")
+MAX_SIZE = 2**31 - 1
+"""Largest size a spec field takes (widths, counts, lengths): far above any model, far below float overflow."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -138,6 +140,23 @@ class ModelSpec:
             raise ValueError("ModelSpec.sliding_window_layers must be 0-based indices below num_layers")
         if self.sliding_window_layers and self.sliding_window < 1:
             raise ValueError("ModelSpec.sliding_window must be > 0 when sliding_window_layers is set")
+        self._check_shapes()
+
+    def _check_shapes(self) -> None:
+        """Sizes that are each valid but impossible together (a head narrower than one unit, groups of no expert)."""
+        if self.attention == "mha" and not self.head_dim and self.hidden < self.num_heads:
+            raise ValueError(
+                f"ModelSpec.num_heads {self.num_heads} > hidden {self.hidden}: the head width hidden // num_heads "
+                "is 0 (set head_dim)"
+            )
+        if self.expert_groups and (self.expert_groups > self.num_experts or self.num_experts % self.expert_groups):
+            raise ValueError(f"ModelSpec.expert_groups {self.expert_groups} must divide num_experts {self.num_experts}")
+        if self.expert_groups and self.groups_per_token > self.expert_groups:
+            raise ValueError(
+                f"ModelSpec.groups_per_token {self.groups_per_token} must be <= expert_groups {self.expert_groups}"
+            )
+        if self.first_k_dense > self.num_layers:
+            raise ValueError(f"ModelSpec.first_k_dense {self.first_k_dense} must be <= num_layers {self.num_layers}")
 
     @property
     def kv_heads(self) -> int:
@@ -192,8 +211,8 @@ def _check_field_types(spec: "ModelSpec") -> None:
             ok = all(isinstance(i, int) and not isinstance(i, bool) for i in v)
         if not ok:
             raise ValueError(f"ModelSpec.{f.name} must be of type {f.type}, got {v!r}")
-        if want is int and v < 0:
-            raise ValueError(f"ModelSpec.{f.name} must be >= 0, got {v!r}")
+        if want is int and not 0 <= v <= MAX_SIZE:
+            raise ValueError(f"ModelSpec.{f.name} must be in [0, {MAX_SIZE}], got {v!r}")
 
 
 @lru_cache(maxsize=64)
@@ -469,8 +488,8 @@ def _hf_getter(c: dict) -> Callable[..., Any]:
             return v
         if isinstance(v, bool) or not isinstance(v, (int, float)) or (isinstance(v, float) and not v.is_integer()):
             raise ValueError(f"HF config: field {key!r} must be a whole number, got {v!r}")
-        if v < 0:
-            raise ValueError(f"HF config: field {key!r} must be >= 0, got {v!r}")
+        if not 0 <= v <= MAX_SIZE:
+            raise ValueError(f"HF config: field {key!r} must be in [0, {MAX_SIZE}], got {v!r}")
         return v
 
     return get

@@ -13,6 +13,9 @@ wins. Global ranks are numbered TP fastest, then CP, DP, PP (``network`` module)
 
 from __future__ import annotations
 
+import math
+from numbers import Integral, Real
+
 from simulator.analytic import Perturbation, simulate
 from simulator.hardware import load_hardware
 from simulator.network import ClusterSpec
@@ -25,6 +28,41 @@ def _locate(par: ParallelConfig, rank: int) -> tuple[int, int]:
     """(pipeline stage, DP replica) of global ``rank``."""
     per_stage = par.tp * par.cp * par.dp
     return rank // per_stage, (rank % per_stage) // (par.tp * par.cp)
+
+
+def _index(value, what: str, stop: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, Integral) or not 0 <= value < stop:
+        raise ValueError(f"{what} must be an integer in [0, {stop}), got {value!r}")
+    return value
+
+
+def check_slowdown(rank: int, factor: float, gpus: int) -> None:
+    """A compute slowdown: ``rank`` a GPU of the job, ``factor`` a finite number >= 1; ``ValueError`` otherwise."""
+    _index(rank, "rank", gpus)
+    if isinstance(factor, bool) or not isinstance(factor, Real) or not (math.isfinite(factor) and factor >= 1):
+        raise ValueError(f"slowdown factor must be a finite number >= 1, got {factor!r}")
+
+
+def check_link(link: dict, par: ParallelConfig, gpus_per_node: int, cluster: ClusterSpec) -> None:
+    """A link degradation: a GPU's ``rank`` and ``tier`` (nvlink, nic, spine) or a ``leaf`` index (with an optional
+    ``rail``) of the job's cluster, and a bandwidth ``factor`` in (0, 1]; ``ValueError`` naming the key otherwise."""
+    if not isinstance(link, dict) or ("rank" in link) == ("leaf" in link):
+        raise ValueError(f"a link names one of 'rank' or 'leaf', got {link!r}")
+    unknown = sorted(set(link) - {"rank", "tier", "leaf", "rail", "factor"})
+    if unknown:
+        raise ValueError(f"unknown link key(s) {unknown}")
+    factor = link.get("factor", 1.0)
+    if isinstance(factor, bool) or not isinstance(factor, Real) or not 0 < factor <= 1:
+        raise ValueError(f"link factor must be a number in (0, 1], got {factor!r}")
+    if "rank" in link:
+        _index(link["rank"], "link rank", par.gpus)
+        if link.get("tier", "nic") not in TIERS:
+            raise ValueError(f"link tier must be one of {', '.join(TIERS)}, got {link['tier']!r}")
+        return
+    span = gpus_per_node * cluster.nodes_per_leaf
+    _index(link["leaf"], "leaf", -(-par.gpus // span))
+    if "rail" in link:
+        _index(link["rail"], "rail", gpus_per_node)
 
 
 def _link_ranks(link: dict, par: ParallelConfig, gpus_per_node: int, cluster: ClusterSpec) -> list[int]:
@@ -52,21 +90,18 @@ def perturbations(
         return out[key]
 
     for rank, factor in rank_slowdown.items():
-        if not 0 <= int(rank) < par.gpus or not factor >= 1.0:
-            raise ValueError(f"rank_slowdown: rank {rank} must be in [0, {par.gpus}) and factor >= 1")
+        try:
+            check_slowdown(rank, factor, par.gpus)
+        except ValueError as exc:
+            raise ValueError(f"rank_slowdown: {exc}") from None
         stage, replica = _locate(par, int(rank))
         pert = get(replica)
         pert.compute[stage] = max(pert.compute[stage], float(factor))
     for link in links:
+        check_link(link, par, gpus_per_node, cluster)
         factor = float(link.get("factor", 1.0))
-        if not 0 < factor <= 1.0:
-            raise ValueError(f"link factor must be in (0, 1], got {factor}")
-        tiers = [TIERS[link.get("tier", "spine" if "leaf" in link else "nic")]]
-        if "leaf" in link:
-            tiers = [2]
+        tiers = [2] if "leaf" in link else [TIERS[link.get("tier", "nic")]]
         for rank in _link_ranks(link, par, gpus_per_node, cluster):
-            if not 0 <= rank < par.gpus:
-                raise ValueError(f"link rank {rank} outside [0, {par.gpus})")
             stage, replica = _locate(par, rank)
             pert = get(replica)
             cs = list(pert.comm[stage])
