@@ -16,8 +16,10 @@ The fault *specs* of training jobs live here too, so that both the trainer (``k3
 - ``src=A,dst=B,ms=M[,from_step=N]`` (``LinkDelay``): the delay above; the job calls ``inject_link_delay``
   when step N starts.
 
-Every parser raises ``ValueError`` naming the bad part, so a typo never silently runs a clean job. Applying a
-slowdown or data delay is the job's business (time-based: see ``tools/workload.py`` and ``k3/train.py``).
+Every parser raises ``ValueError`` naming the bad part, so a typo never silently runs a clean job; factors and
+delays must be finite and at most ``MAX_FACTOR`` / ``MAX_MS`` (``inf`` hung a job or overflowed a timestamp).
+Applying a slowdown or data delay is the job's business (time-based: see ``tools/workload.py`` and
+``k3/train.py``).
 """
 
 from __future__ import annotations
@@ -26,6 +28,16 @@ import os
 from dataclasses import dataclass
 
 LINK_DELAY_ENV = "MOONEP_INJECT_LINK_DELAY"
+MAX_FACTOR = 1000.0
+"""Largest slowdown factor: beyond it a "slow" rank is a hung job (``inf`` never finished a step)."""
+MAX_MS = 3_600_000.0
+"""Largest injected delay, in ms (one hour): larger values overflow the timestamps the delays are added to."""
+
+
+def _check_range(what: str, value: float, low: float, high: float) -> None:
+    """ValueError naming ``what`` unless ``low <= value <= high`` (the chained compare also refuses nan)."""
+    if not low <= value <= high:
+        raise ValueError(f"{what} must be >= {low:.0f} and <= {high:.0f}, got {value}")
 
 
 def parse_link_delays(spec: str) -> dict[tuple[int, int], float]:
@@ -44,8 +56,8 @@ def parse_link_delays(spec: str) -> dict[tuple[int, int], float]:
             src, dst, ms = int(fields["src"]), int(fields["dst"]), float(fields["ms"])
         except ValueError as exc:
             raise ValueError(f"link delay {part!r}: src and dst must be integers, ms a number") from exc
-        if src < 0 or dst < 0 or src == dst or not ms >= 0:
-            raise ValueError(f"link delay {part!r}: needs two different ranks >= 0 and ms >= 0")
+        if src < 0 or dst < 0 or src == dst or not 0 <= ms <= MAX_MS:
+            raise ValueError(f"link delay {part!r}: needs two different ranks >= 0 and ms >= 0 and <= {MAX_MS:.0f}")
         delays[(src, dst)] = ms / 1000.0
     return delays
 
@@ -62,15 +74,14 @@ class Slowdown:
     rank: int
     """Global rank that is slowed."""
     factor: float
-    """Compute-time multiplier, >= 1 (1.2 = 20% slower)."""
+    """Compute-time multiplier, 1 to ``MAX_FACTOR`` (1.2 = 20% slower)."""
     from_step: int = 0
     """First step (0-based) that is slow."""
 
     def __post_init__(self):
         if self.rank < 0:
             raise ValueError(f"slowdown rank must be >= 0, got {self.rank}")
-        if not self.factor >= 1.0:
-            raise ValueError(f"slowdown factor must be >= 1, got {self.factor}")
+        _check_range("slowdown factor", self.factor, 1.0, MAX_FACTOR)
         if self.from_step < 0:
             raise ValueError(f"slowdown from_step must be >= 0, got {self.from_step}")
 
@@ -82,15 +93,14 @@ class DataDelay:
     rank: int
     """Global rank whose data loader is slow."""
     ms: float
-    """Extra milliseconds per step, >= 0."""
+    """Extra milliseconds per step, 0 to ``MAX_MS``."""
     from_step: int = 0
     """First step (0-based) that is slow."""
 
     def __post_init__(self):
         if self.rank < 0:
             raise ValueError(f"data delay rank must be >= 0, got {self.rank}")
-        if not self.ms >= 0:
-            raise ValueError(f"data delay ms must be >= 0, got {self.ms}")
+        _check_range("data delay ms", self.ms, 0.0, MAX_MS)
         if self.from_step < 0:
             raise ValueError(f"data delay from_step must be >= 0, got {self.from_step}")
 
@@ -104,15 +114,14 @@ class LinkDelay:
     dst: int
     """Receiving global rank (!= src)."""
     ms: float
-    """Extra milliseconds per transfer, >= 0."""
+    """Extra milliseconds per transfer, 0 to ``MAX_MS``."""
     from_step: int = 0
     """First step (0-based) that is delayed."""
 
     def __post_init__(self):
         if self.src < 0 or self.dst < 0 or self.src == self.dst:
             raise ValueError(f"link delay needs two different ranks >= 0, got src={self.src} dst={self.dst}")
-        if not self.ms >= 0:
-            raise ValueError(f"link delay ms must be >= 0, got {self.ms}")
+        _check_range("link delay ms", self.ms, 0.0, MAX_MS)
         if self.from_step < 0:
             raise ValueError(f"link delay from_step must be >= 0, got {self.from_step}")
 

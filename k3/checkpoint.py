@@ -110,14 +110,25 @@ def identity_problem(recorded: dict, current: dict) -> str | None:
     return "; ".join(diffs) or None
 
 
+def _nothing_to_resume(run_dir: str) -> str:
+    """The one line for ``--resume`` of a folder that holds no checkpoint (or does not exist)."""
+    if not os.path.isdir(run_dir):
+        return f"--resume: run folder {run_dir} does not exist (nothing to resume)"
+    pointer = os.path.join(root(run_dir), "latest.json")
+    return f"--resume: run folder {run_dir} holds no checkpoint (no {pointer}); drop --resume to start afresh there"
+
+
 def check_run_dir(run_dir: str, identity: dict, resume: bool) -> dict | None:
     """Pure check before anything starts (every rank reaches the same verdict from the same files).
 
     Returns ``run.json`` when there is a checkpoint to resume, None for a fresh start. CheckpointError: a
-    checkpointed folder reused without ``resume``, or a resume whose identity (world size, preset, optimizer,
-    seed, balance, CP, schedule, ...) differs from the checkpointed run's, naming each difference.
+    ``resume`` of a folder without a checkpoint, a checkpointed folder reused without ``resume``, or a resume
+    whose identity (world size, preset, optimizer, seed, balance, CP, schedule, ...) differs from the
+    checkpointed run's, naming each difference.
     """
     latest, run = read_latest(run_dir), read_run(run_dir)
+    if latest is None and resume:  # asked to continue: a mistyped --run-dir must not silently train from scratch
+        raise CheckpointError(_nothing_to_resume(run_dir))
     if latest is None:
         return None
     if run is None:

@@ -114,7 +114,7 @@ class TrainConfig:
     run_dir: str = "out/k3-train"
     """Run folder: metrics.jsonl, plots, config, checkpoints."""
     resume: bool = False
-    """Continue from the latest checkpoint in run_dir."""
+    """Continue from the latest checkpoint in run_dir (an error when it holds none)."""
     progress: bool = True
     """tqdm bar on rank 0."""
     trace_dir: str | None = None
@@ -147,10 +147,42 @@ class TrainConfig:
         check_device(self.device)
         if self.balance not in ("qb", "sign", "none"):
             raise ValueError(f"balance: expected qb, sign or none, got {self.balance!r}")
+        if self.seed < 0:  # numpy's generators refuse it inside every rank, with a message naming no flag
+            raise ValueError(f"seed: must be >= 0, got {self.seed}")
+        _check_folder("run_dir", self.run_dir)
+        if self.trace_dir:
+            _check_folder("trace_dir", self.trace_dir)
+        self._check_fault_steps()
+
+    def _check_fault_steps(self) -> None:
+        """ValueError for a fault that starts at or after ``steps``: it would never apply, and the job would run
+        clean while the user expects a fault."""
+        for name, flag, specs in (
+            ("slowdowns", "--inject-slowdown", self.slowdowns),
+            ("data_delays", "--inject-data-delay", self.data_delays),
+            ("link_delays", "--inject-link-delay", self.link_delays),
+        ):
+            for spec in specs:
+                if spec.from_step >= self.steps:
+                    raise ValueError(
+                        f"{name} ({flag}): from_step={spec.from_step} is not below steps={self.steps}, "
+                        f"so the fault would never apply"
+                    )
 
     def check_fault_ranks(self, world_size: int) -> None:
         """ValueError naming every injected rank that is not below ``world_size``."""
         check_fault_ranks(world_size, self.slowdowns, self.data_delays, self.link_delays)
+
+
+def _check_folder(name: str, path: str) -> None:
+    """ValueError naming ``name`` when ``path``, or the nearest part of it that exists, is not a folder: caught
+    here, not as a NotADirectoryError / FileExistsError traceback from inside a rank or the launcher."""
+    full = existing = os.path.abspath(path)
+    while not os.path.lexists(existing):  # the root always exists: this ends
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        where = path if existing == full else f"{path} (its part {existing})"
+        raise ValueError(f"{name}: {where} exists and is not a folder")
 
 
 class Trainer:

@@ -65,11 +65,58 @@ def test_data_folder(tmp_path):
         ({"cp": 3, "world_size": 4}, "cp"),
         ({"balance": "aux"}, "balance"),
         ({"steps": 0}, "steps"),
+        ({"seed": -1}, "seed: must be >= 0, got -1"),
     ],
 )
 def test_train_config_checks(change, field):
     with pytest.raises(ValueError, match=field):
         TrainConfig(**change)
+
+
+def _claimed_without_checkpoint(tmp_path) -> str:
+    """A run killed before its first checkpoint: run.json claimed, no latest.json."""
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "run" / "checkpoints" / "run.json").write_text('{"run_id": "x", "config_hash": "y", "identity": {}}')
+    return "--run-dir", str(tmp_path / "run"), "--resume"
+
+
+def _file(tmp_path, *below: str) -> str:
+    (tmp_path / "f").write_text("not a folder")
+    return str(tmp_path.joinpath("f", *below))
+
+
+@pytest.mark.parametrize(
+    "flags, named",
+    [
+        (lambda t: ("--run-dir", str(t / "missing"), "--resume"), "--resume: run folder {t}/missing does not exist"),
+        (lambda t: ("--run-dir", str(t), "--resume"), "--resume: run folder {t} holds no checkpoint (no {t}/checkp"),
+        (_claimed_without_checkpoint, "--resume: run folder {t}/run holds no checkpoint"),
+        (lambda t: ("--run-dir", _file(t)), "run_dir: {t}/f exists and is not a folder"),
+        (lambda t: ("--run-dir", _file(t, "run")), "run_dir: {t}/f/run (its part {t}/f) exists and is not a folder"),
+        (lambda t: ("--run-dir", str(t / "run"), "--trace-dir", _file(t)), "trace_dir: {t}/f exists and is not a"),
+        (lambda t: ("--run-dir", str(t / "run"), "--seed", "-1"), "seed: must be >= 0, got -1"),
+    ],
+    ids=[
+        "resume-missing",
+        "resume-empty",
+        "resume-claimed",
+        "run-dir-file",
+        "run-dir-below-file",
+        "trace-dir-file",
+        "seed",
+    ],
+)
+def test_train_refuses_bad_run_flags_in_one_line(tmp_path, capsys, flags, named):
+    """Catches: --resume of a mistyped or empty folder silently training from scratch (exit 0), a file as
+    --run-dir / --trace-dir ending in a NotADirectoryError / FileExistsError traceback, and --seed -1 failing
+    inside a rank with a message that names no flag. All refused before any rank starts."""
+    from moonep.console import main
+
+    argv = ["train", "--no-progress", "--world-size", "1", "--steps", "1", *flags(tmp_path)]
+    assert main(argv, packages=["k3"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: " + named.format(t=tmp_path)) and err.count("\n") == 1, err
+    assert "Traceback" not in err and not (tmp_path / "missing").exists() and not (tmp_path / "run" / "errors").exists()
 
 
 def test_bench_schema():

@@ -32,6 +32,10 @@ def _train_cli(argv: list[str]) -> int:
         ("--inject-data-delay", "rank=7,ms=5", ["data delay rank 7"]),
         ("--inject-slowdown", "rank=1", ["'rank=1'", "missing ['factor']"]),
         ("--inject-link-delay", "src=2,dst=2,ms=5", ["two different ranks"]),
+        ("--inject-slowdown", "rank=1,factor=2,from_step=1", ["slowdowns (--inject-slowdown): from_step=1", "steps=1"]),
+        ("--inject-data-delay", "rank=1,ms=5,from_step=7", ["data_delays (--inject-data-delay): from_step=7"]),
+        ("--inject-link-delay", "src=0,dst=1,ms=5,from_step=1", ["link_delays (--inject-link-delay): from_step=1"]),
+        ("--inject-slowdown", "rank=1,factor=inf", ["slowdown factor must be >= 1 and <= 1000, got inf"]),
     ],
 )
 def test_bad_fault_flags_fail_before_launch(tmp_path, capsys, flag, spec, words):
