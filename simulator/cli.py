@@ -419,6 +419,15 @@ def _calibrate(args) -> int:
     from simulator.calibrate import CalibrationSizes, calibrate  # heavy: torch, kept out of --help
 
     try:
+        for flag, v in (
+            ("--world-size", args.world_size),
+            ("--micro-batch", args.micro_batch),
+            ("--seq-len", args.seq_len),
+        ):
+            if v is not None and v < 1:  # --world-size 0 ran a 1-rank calibration; --seq-len 0 the model's own
+                raise ValueError(f"{flag}: must be >= 1, got {v}")
+        if not args.model and (args.seq_len is not None or args.micro_batch != 1):
+            raise ValueError("--seq-len and --micro-batch size a --model's calibration: pass --model too")
         sizes = (
             CalibrationSizes.from_model(args.model, args.seq_len, args.micro_batch)
             if args.model

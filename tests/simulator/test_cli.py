@@ -196,6 +196,22 @@ def test_calibrate_bad_model_file_is_one_line(tmp_path, capsys):
 
 
 @pytest.mark.parametrize(
+    "extra,needle",
+    [
+        (["--world-size", "0"], "--world-size: must be >= 1, got 0"),
+        (["--micro-batch", "0", "--model", "k3-tiny"], "--micro-batch: must be >= 1, got 0"),
+        (["--seq-len", "0", "--model", "k3-tiny"], "--seq-len: must be >= 1, got 0"),
+        (["--micro-batch", "2"], "--seq-len and --micro-batch size a --model's calibration: pass --model too"),
+    ],
+)
+def test_calibrate_bad_sizes_are_one_line(tmp_path, capsys, extra, needle):
+    """Catches: --world-size 0 running a 1-rank calibration, --seq-len 0 falling back to the model's own length
+    (a long run), --micro-batch without --model silently ignored."""
+    assert main(["simulate", "calibrate", "--quick", *extra, "--out", str(tmp_path / "hw.json")]) == 2
+    assert capsys.readouterr().err.strip() == f"error: {needle}"
+
+
+@pytest.mark.parametrize(
     "content,needle",
     [
         ({"efficiency": {"elementwise_bytes": float("nan")}}, "Efficiency.elementwise_bytes must be a finite number"),
