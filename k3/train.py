@@ -36,7 +36,7 @@ import moonep
 from collectives import launch
 from collectives.faults import DataDelay, LinkDelay, Slowdown, check_fault_ranks, faults_at
 from collectives.launch import check_device, external_launcher, rank_device
-from moonep_base import run_package, write_json
+from moonep_base import check_folder, run_package, write_json
 
 from .balance import rows_per_rank, update_router_biases
 from .checkpoint import (
@@ -149,9 +149,9 @@ class TrainConfig:
             raise ValueError(f"balance: expected qb, sign or none, got {self.balance!r}")
         if self.seed < 0:  # numpy's generators refuse it inside every rank, with a message naming no flag
             raise ValueError(f"seed: must be >= 0, got {self.seed}")
-        _check_folder("run_dir", self.run_dir)
+        check_folder("run_dir", self.run_dir)
         if self.trace_dir:
-            _check_folder("trace_dir", self.trace_dir)
+            check_folder("trace_dir", self.trace_dir)
         self._check_fault_steps()
 
     def _check_fault_steps(self) -> None:
@@ -172,17 +172,6 @@ class TrainConfig:
     def check_fault_ranks(self, world_size: int) -> None:
         """ValueError naming every injected rank that is not below ``world_size``."""
         check_fault_ranks(world_size, self.slowdowns, self.data_delays, self.link_delays)
-
-
-def _check_folder(name: str, path: str) -> None:
-    """ValueError naming ``name`` when ``path``, or the nearest part of it that exists, is not a folder: caught
-    here, not as a NotADirectoryError / FileExistsError traceback from inside a rank or the launcher."""
-    full = existing = os.path.abspath(path)
-    while not os.path.lexists(existing):  # the root always exists: this ends
-        existing = os.path.dirname(existing)
-    if not os.path.isdir(existing):
-        where = path if existing == full else f"{path} (its part {existing})"
-        raise ValueError(f"{name}: {where} exists and is not a folder")
 
 
 class Trainer:

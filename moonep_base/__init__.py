@@ -26,7 +26,7 @@ from typing import Any, Callable, Sequence
 
 from moonep_base.lazy import lazy_exports
 
-__all__ = ["build_parser", "lazy_exports", "run", "run_package", "write_json"]
+__all__ = ["build_parser", "check_folder", "lazy_exports", "run", "run_package", "write_json"]
 
 Register = Callable[[Any, Any], None]
 """``register(commands, bench)`` of a package's ``cli.py``."""
@@ -88,6 +88,18 @@ def run_package(register: Register, prog: str, argv: Sequence[str] | None = None
 def _usage(parser: argparse.ArgumentParser) -> int:
     parser.print_help(sys.stderr)
     return 2
+
+
+def check_folder(name: str, path: str) -> None:
+    """ValueError naming ``name`` when ``path``, or the nearest part of it that exists, is not a folder (a run or
+    trace folder the job will create): caught before any rank starts, not as a NotADirectoryError /
+    FileExistsError traceback from a rank or the launcher."""
+    full = existing = os.path.abspath(path)
+    while not os.path.lexists(existing):  # the root always exists: this ends
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        where = path if existing == full else f"{path} (its part {existing})"
+        raise ValueError(f"{name}: {where} exists and is not a folder")
 
 
 def write_json(path: str | os.PathLike, obj: Any) -> None:

@@ -21,7 +21,7 @@ import tempfile
 import warnings
 
 from collectives.faults import parse_data_delays, parse_link_delay_specs, parse_slowdowns
-from moonep_base import write_json
+from moonep_base import check_folder, write_json
 from tools.bench import bench_telemetry
 from tools.follow import follow
 from tools.probe import ProbeConfig, run_probe
@@ -235,8 +235,11 @@ def _demo(args) -> int:
         )
     except ValueError as exc:
         return _err(str(exc))
-    if args.trace_dir and os.path.exists(args.trace_dir) and not os.path.isdir(args.trace_dir):
-        return _err(f"--trace-dir {args.trace_dir}: exists and is not a folder")
+    if args.trace_dir:
+        try:
+            check_folder("--trace-dir", args.trace_dir)
+        except ValueError as exc:
+            return _err(str(exc))
     trace_dir = args.trace_dir or tempfile.mkdtemp(prefix="moonep-demo-trace-")
     try:
         run_local(cfg, args.world_size, trace_dir)

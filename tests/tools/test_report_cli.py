@@ -281,7 +281,7 @@ def test_unwritable_output_paths_are_one_line(tmp_path, capsys):
     afile = tmp_path / "afile"
     afile.write_text("x")
     assert main(["straggler-demo", "--trace-dir", str(afile)], packages=["tools"]) == 2
-    assert f"error: --trace-dir {afile}: exists and is not a folder" in capsys.readouterr().err
+    assert f"error: --trace-dir: {afile} exists and is not a folder" in capsys.readouterr().err
 
 
 def test_probe_refuses_a_payload_no_rank_can_allocate(capsys):
