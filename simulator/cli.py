@@ -186,7 +186,7 @@ _NUMBERS = {"maxvio": 0, "oversubscription": 1, "offload_fraction": 0}
 
 def _check_sizes(args) -> None:
     """Every size flag is in range, named as on the command line (argparse takes ``--tp -2`` as an int)."""
-    for name in _POSITIVE + ("nodes_per_leaf", "event_top", "inference_batch", "inference_context"):
+    for name in _POSITIVE + ("nodes_per_leaf", "event_top", "inference_batch", "inference_context", "world_size"):
         v = getattr(args, name, None)
         floor = 0 if name == "event_top" else 1
         if v is not None and v < floor:
@@ -370,13 +370,14 @@ def _parse_slow(items: list[str], par: ParallelConfig) -> dict[int, float]:
     for item in items:
         rank, _, factor = item.partition("=")
         try:
-            slow[int(rank)] = float(factor)
+            rank, factor = int(rank), float(factor)
         except ValueError:
             raise UsageError(f"--slow {item}: expected RANK=FACTOR (an integer and a number)") from None
         try:
-            check_slowdown(int(rank), float(factor), par.gpus)
+            check_slowdown(rank, factor, par.gpus)
         except ValueError as exc:
             raise UsageError(f"--slow {item}: {exc}") from None
+        slow[rank] = factor
     return slow
 
 
@@ -419,13 +420,7 @@ def _calibrate(args) -> int:
     from simulator.calibrate import CalibrationSizes, calibrate  # heavy: torch, kept out of --help
 
     try:
-        for flag, v in (
-            ("--world-size", args.world_size),
-            ("--micro-batch", args.micro_batch),
-            ("--seq-len", args.seq_len),
-        ):
-            if v is not None and v < 1:  # --world-size 0 ran a 1-rank calibration; --seq-len 0 the model's own
-                raise ValueError(f"{flag}: must be >= 1, got {v}")
+        _check_sizes(args)  # --world-size 0 ran a 1-rank calibration; --seq-len 0 fell back to the model's own
         if not args.model and (args.seq_len is not None or args.micro_batch != 1):
             raise ValueError("--seq-len and --micro-batch size a --model's calibration: pass --model too")
         sizes = (

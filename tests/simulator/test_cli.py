@@ -198,9 +198,9 @@ def test_calibrate_bad_model_file_is_one_line(tmp_path, capsys):
 @pytest.mark.parametrize(
     "extra,needle",
     [
-        (["--world-size", "0"], "--world-size: must be >= 1, got 0"),
-        (["--micro-batch", "0", "--model", "k3-tiny"], "--micro-batch: must be >= 1, got 0"),
-        (["--seq-len", "0", "--model", "k3-tiny"], "--seq-len: must be >= 1, got 0"),
+        (["--world-size", "0"], "--world-size must be >= 1, got 0"),
+        (["--micro-batch", "0", "--model", "k3-tiny"], "--micro-batch must be >= 1, got 0"),
+        (["--seq-len", "0", "--model", "k3-tiny"], "--seq-len must be >= 1, got 0"),
         (["--micro-batch", "2"], "--seq-len and --micro-batch size a --model's calibration: pass --model too"),
     ],
 )
