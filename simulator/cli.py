@@ -3,7 +3,9 @@
 The cost model is imported at module level (``import simulator`` loads it anyway: it is numbers only); the
 calibration, which imports torch, only in its handler, so ``--help`` loads no torch.
 
-Exit status: 0 feasible, 1 infeasible (the reason is printed and in the JSON), 2 usage errors.
+Exit status: 0 feasible, 1 infeasible for memory (the reason is printed and in the JSON), 2 bad input: a flag or
+file, or a layout whose sizes do not factor (``parallel.infeasible_reason``: divisibility, a schedule the layout
+cannot run, FP8 on hardware without it).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from simulator.hardware import load_hardware
 from simulator.layers import RECOMPUTE_MODES
 from simulator.memory import GIB, inference_memory
 from simulator.network import ClusterSpec
-from simulator.parallel import RECOMPUTE_MODULES, SCHEDULES, ParallelConfig
+from simulator.parallel import RECOMPUTE_MODULES, SCHEDULES, ParallelConfig, infeasible_reason
 from simulator.report import format_result, format_search, write_plots
 from simulator.search import SearchSpace, search
 from simulator.specs import load_model
@@ -224,6 +226,14 @@ def _setup(args):
         raise UsageError(str(exc)) from None
 
 
+def _check_layout(spec, hw, par: ParallelConfig, gpus: int) -> None:
+    """A layout given in full on the command line whose sizes do not factor is bad input (exit 2), not an answer:
+    only memory makes a well-formed layout infeasible (exit 1). ``search`` keeps such layouts as skipped counts."""
+    reason = infeasible_reason(spec, hw, par, gpus)
+    if reason:
+        raise UsageError(f"the layout cannot run: {reason}")
+
+
 def _build(args, spec, hw):
     cluster = ClusterSpec(
         topology=args.topology, oversubscription=args.oversubscription, nodes_per_leaf=args.nodes_per_leaf
@@ -301,6 +311,7 @@ def _usage_error(exc: Exception) -> int:
 def _run(args) -> int:
     try:
         spec, hw, cluster, par = _setup(args)
+        _check_layout(spec, hw, par, args.gpus)
     except UsageError as exc:
         return _usage_error(exc)
     res = simulate(spec, hw, par, args.gpus, cluster, engine=args.engine)
@@ -405,6 +416,7 @@ def _parse_links(items: list[str], par: ParallelConfig, gpus_per_node: int, clus
 def _whatif(args) -> int:
     try:
         spec, hw, cluster, par = _setup(args)
+        _check_layout(spec, hw, par, args.gpus)
         slow = _parse_slow(args.slow, par)
         links = _parse_links(args.link, par, hw.gpus_per_node, cluster)
     except UsageError as exc:

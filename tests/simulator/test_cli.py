@@ -107,6 +107,30 @@ def test_bad_input_is_one_line_and_exit_2(flags, needle, capsys):
     assert err.startswith("error: ") and needle in err and "\n" not in err, err
 
 
+_MOE_JOB = ["--model", "qwen3-30b-a3b", "--gpus", "16", "--pp", "2", "--ep", "8"]
+
+
+@pytest.mark.parametrize("command", ["run", "whatif"])
+@pytest.mark.parametrize(
+    "flags,needle",
+    [
+        (["--global-batch-tokens", "12345"], "global batch 12345 tokens is not a whole number of 4096-token"),
+        (["--seq-len", "7"], "not a whole number of 7-token sequences"),
+        (["--micro-batch", "1000000"], "do not split into DP 8 x micro-batch 1000000"),
+        (["--micro-batch", "3"], "do not split into DP 8 x micro-batch 3"),
+        (["--gpus", "48", "--tp", "3"], "TP 3 does not divide the 8 GPUs of a node"),
+        (["--gpus", "64", "--pp", "64", "--ep", "1"], "48 layers cannot fill 64 pipeline stages"),
+        (["--vpp", "2"], "vpp 2 > 1 needs the interleaved schedule"),
+        (["--hardware", "a100", "--precision", "fp8"], "has no FP8 tensor cores"),
+    ],
+)
+def test_layout_that_does_not_factor_is_bad_input(command, flags, needle, capsys):
+    """Sizes that do not factor are a user's mistake (exit 2, one line), not an answer; only memory is exit 1."""
+    assert main(["simulate", command, *_MOE_JOB, *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: the layout cannot run: ") and needle in err and "\n" not in err, err
+
+
 _JOB = ["--model", "llama3-8b", "--hardware", "h100", "--gpus", "8"]
 
 
