@@ -27,9 +27,9 @@ from simulator import host
 from simulator import network as net
 from simulator.hardware import HardwareSpec
 from simulator.layers import layer_stats
+from simulator.modelspec import ModelSpec
 from simulator.parallel import ParallelConfig
 from simulator.replicas import replicas_per_rank
-from simulator.specs import ModelSpec
 
 COMPUTE_CLASSES = (
     "gemm",

@@ -27,9 +27,9 @@ from functools import lru_cache
 
 from simulator.hardware import HardwareSpec, HostSpec
 from simulator.layers import embedding_params, head_params, layer_stats
+from simulator.modelspec import ModelSpec
 from simulator.parallel import ParallelConfig
 from simulator.replicas import replicas_per_rank
-from simulator.specs import ModelSpec
 
 # Framework ops per sublayer call, (forward, backward), of the k3 implementation (k3/*.py on moonep and
 # cp_kda), counted with TorchDispatchMode at T = 64; the KDA kernel (kda_gate + kda_chunk) and collectives are

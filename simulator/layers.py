@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from simulator.specs import ModelSpec
+from simulator.modelspec import ModelSpec
 
 KDA_CHUNK = 64
 RECOMPUTE_MODES = ("none", "selective", "selective+act", "full")

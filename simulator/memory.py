@@ -18,9 +18,9 @@ from functools import lru_cache
 
 from simulator.hardware import HardwareSpec
 from simulator.layers import embedding_params, head_params, layer_stats
+from simulator.modelspec import ModelSpec
 from simulator.parallel import ParallelConfig, rank_chunks, stage_layers
 from simulator.replicas import replicas_per_rank
-from simulator.specs import ModelSpec
 
 GIB = float(2**30)
 MEMORY_ITEMS = ("params", "grads", "optimizer", "activations", "kda_states", "mla_kv", "ep_buffers", "reserved")

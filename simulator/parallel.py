@@ -13,7 +13,7 @@ from functools import lru_cache
 
 from simulator.hardware import HardwareSpec
 from simulator.layers import RECOMPUTE_MODES
-from simulator.specs import ModelSpec
+from simulator.modelspec import ModelSpec
 
 SCHEDULES = ("1f1b", "interleaved", "dualpipe")
 RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp_act", "moe_act", "mla_up_proj", "shared_experts")

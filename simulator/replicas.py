@@ -11,8 +11,8 @@ from __future__ import annotations
 import math
 from functools import lru_cache
 
+from simulator.modelspec import ModelSpec
 from simulator.parallel import ParallelConfig
-from simulator.specs import ModelSpec
 
 
 def replicas_per_rank(spec: ModelSpec, par: ParallelConfig) -> int:

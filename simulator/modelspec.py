@@ -1,0 +1,214 @@
+"""``ModelSpec``: a decoder-only transformer described by the few numbers that cost and memory depend on.
+
+Each layer has an attention kind (``mha`` incl. GQA, ``mla``, ``kda``) and an FFN kind (``dense`` or ``moe``);
+``layer_kinds()`` lists them. Counting formulas live in ``simulator.layers``; presets and loaders in
+``simulator.specs`` and ``simulator.hf_config``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import MISSING, asdict, dataclass, fields
+from functools import lru_cache
+
+ATTENTION_KINDS = ("mha", "mla")
+MAX_SIZE = 2**31 - 1
+"""Largest size a spec field takes (widths, counts, lengths): far above any model, far below float overflow."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class ModelSpec:
+    """A decoder-only transformer (dense or MoE; softmax, MLA or KDA attention per layer)."""
+
+    name: str
+    """Label used in reports."""
+    hidden: int
+    """Model width H."""
+    num_layers: int
+    """Number of decoder layers L."""
+    vocab: int
+    """Vocabulary size V."""
+    num_heads: int
+    """Attention heads of the softmax (MHA/GQA/MLA) layers."""
+    num_kv_heads: int = 0
+    """Key/value heads for GQA; 0 means ``num_heads`` (MHA). Ignored by MLA."""
+    head_dim: int = 0
+    """Per-head width for MHA/GQA; 0 means ``hidden // num_heads``."""
+    attention: str = "mha"
+    """Softmax attention flavour of the non-KDA layers: ``mha`` (incl. GQA) or ``mla``."""
+    q_lora_rank: int = 0
+    """MLA query low-rank width (0: full-rank query projection)."""
+    kv_lora_rank: int = 0
+    """MLA compressed KV width (the cached latent)."""
+    qk_nope_dim: int = 0
+    """MLA per-head query/key width without position part."""
+    qk_rope_dim: int = 0
+    """MLA shared key/query slice per head (cached with the latent)."""
+    v_head_dim: int = 0
+    """MLA per-head value width."""
+    attn_output_gate: bool = False
+    """Full-rank sigmoid output gate on attention (K3 MLA and KDA): one extra H x (heads*dv) matrix."""
+    kda_layers: tuple[int, ...] = ()
+    """0-based indices of layers using KDA linear attention instead of ``attention``."""
+    kda_heads: int = 0
+    """KDA heads."""
+    kda_head_dim: int = 0
+    """KDA per-head key = value width."""
+    kda_conv: int = 4
+    """KDA short-convolution taps on q, k, v."""
+    ffn_hidden: int = 0
+    """Dense FFN width (the dense layers of an MoE model too)."""
+    gated_ffn: bool = True
+    """GLU-style FFN (3 matrices) rather than 2-matrix GeLU MLP."""
+    num_experts: int = 0
+    """Routed experts E per MoE layer (0: dense model)."""
+    top_k: int = 0
+    """Experts per token K."""
+    moe_ffn_hidden: int = 0
+    """Routed/shared expert width."""
+    num_shared_experts: int = 0
+    """Shared experts (fused into one MLP of width ``num_shared_experts * moe_ffn_hidden``)."""
+    first_k_dense: int = 0
+    """Leading layers with a dense FFN instead of MoE."""
+    moe_latent_dim: int = 0
+    """LatentMoE width: routed experts work in this latent (dispatch sends it); 0 = full width."""
+    expert_groups: int = 0
+    """Expert groups of group-limited routing (HF ``n_group``; 0: none)."""
+    groups_per_token: int = 0
+    """Groups a token's experts may come from (HF ``topk_group``; DeepSeek-V3: 4 of 8); 0: no limit."""
+    router_bias: bool = False
+    """Router carries a per-expert selection bias (aux-free balancing)."""
+    bias: bool = False
+    """Linear layers carry biases (GPT/Megatron)."""
+    norm: str = "rmsnorm"
+    """``rmsnorm`` (gain only) or ``layernorm`` (gain and bias)."""
+    attn_res: bool = False
+    """K3 Block AttnRes: 4 norms + 2 pseudo-queries per layer and 3 vectors at the output."""
+    attn_res_block_size: int = 0
+    """Layers per AttnRes block (sets how many sources each mix reads; 0 = one block)."""
+    dropout: bool = False
+    """Dropout after attention and MLP (saves a 1-byte mask each; Megatron GPT runs)."""
+    tie_embeddings: bool = False
+    """Input embedding and LM head share weights."""
+    position_embeddings: int = 0
+    """Rows of a learned absolute position table (0: none)."""
+    sliding_window: int = 0
+    """Keys a query attends to in the sliding-window layers (0: no sliding-window layers)."""
+    sliding_window_layers: tuple[int, ...] = ()
+    """0-based indices of softmax layers using the ``sliding_window`` (gpt-oss: every other layer)."""
+    seq_len: int = 4096
+    """Default training sequence length."""
+
+    def __post_init__(self):
+        _check_field_types(self)
+        for f in ("hidden", "num_layers", "vocab", "num_heads"):
+            if not isinstance(getattr(self, f), int) or getattr(self, f) < 1:
+                raise ValueError(f"ModelSpec.{f} must be a positive integer, got {getattr(self, f)!r}")
+        if self.attention not in ATTENTION_KINDS:
+            raise ValueError(f"ModelSpec.attention must be one of {ATTENTION_KINDS}, got {self.attention!r}")
+        if self.attention == "mla" and min(self.kv_lora_rank, self.qk_nope_dim, self.v_head_dim) < 1:
+            raise ValueError("ModelSpec.kv_lora_rank/qk_nope_dim/v_head_dim must be > 0 for MLA")
+        if self.num_kv_heads and self.num_heads % self.num_kv_heads:
+            raise ValueError(f"ModelSpec.num_kv_heads {self.num_kv_heads} must divide num_heads {self.num_heads}")
+        if any(not 0 <= i < self.num_layers for i in self.kda_layers):
+            raise ValueError("ModelSpec.kda_layers must be 0-based indices below num_layers")
+        if self.kda_layers and min(self.kda_heads, self.kda_head_dim) < 1:
+            raise ValueError("ModelSpec.kda_heads and kda_head_dim must be > 0 when kda_layers is set")
+        if self.num_experts and not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(f"ModelSpec.top_k must be in [1, num_experts], got {self.top_k}")
+        if self.num_experts and self.moe_ffn_hidden < 1:
+            raise ValueError("ModelSpec.moe_ffn_hidden must be > 0 for an MoE model")
+        if (not self.num_experts or self.first_k_dense) and self.ffn_hidden < 1:
+            raise ValueError("ModelSpec.ffn_hidden must be > 0 when any layer is dense")
+        if self.norm not in ("rmsnorm", "layernorm"):
+            raise ValueError(f"ModelSpec.norm must be rmsnorm or layernorm, got {self.norm!r}")
+        if self.seq_len < 1:
+            raise ValueError(f"ModelSpec.seq_len must be >= 1, got {self.seq_len}")
+        if self.attn_res_block_size < 0:
+            raise ValueError(f"ModelSpec.attn_res_block_size must be >= 0, got {self.attn_res_block_size}")
+        if any(not 0 <= i < self.num_layers for i in self.sliding_window_layers):
+            raise ValueError("ModelSpec.sliding_window_layers must be 0-based indices below num_layers")
+        if self.sliding_window_layers and self.sliding_window < 1:
+            raise ValueError("ModelSpec.sliding_window must be > 0 when sliding_window_layers is set")
+        self._check_shapes()
+
+    def _check_shapes(self) -> None:
+        """Sizes that are each valid but impossible together (a head narrower than one unit, groups of no expert)."""
+        if self.attention == "mha" and not self.head_dim and self.hidden < self.num_heads:
+            raise ValueError(
+                f"ModelSpec.num_heads {self.num_heads} > hidden {self.hidden}: the head width hidden // num_heads "
+                "is 0 (set head_dim)"
+            )
+        if self.expert_groups and (self.expert_groups > self.num_experts or self.num_experts % self.expert_groups):
+            raise ValueError(f"ModelSpec.expert_groups {self.expert_groups} must divide num_experts {self.num_experts}")
+        if self.expert_groups and self.groups_per_token > self.expert_groups:
+            raise ValueError(
+                f"ModelSpec.groups_per_token {self.groups_per_token} must be <= expert_groups {self.expert_groups}"
+            )
+        if self.first_k_dense > self.num_layers:
+            raise ValueError(f"ModelSpec.first_k_dense {self.first_k_dense} must be <= num_layers {self.num_layers}")
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_kv_heads or self.num_heads
+
+    @property
+    def dhead(self) -> int:
+        return self.head_dim or self.hidden // self.num_heads
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def layer_kinds(self) -> tuple[tuple[str, str], ...]:
+        """``(attention kind, ffn kind)`` per layer, kinds in {mha, mla, kda} x {dense, moe} (cached)."""
+        return _layer_kinds(self)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["kda_layers"] = list(self.kda_layers)
+        return d
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "ModelSpec":
+        """A spec from a JSON object; a missing, unknown or ill-typed field is a ``ValueError`` naming it."""
+        if not isinstance(data, dict):
+            raise ValueError(f"a ModelSpec JSON holds one object, got {type(data).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown ModelSpec field(s) {unknown}")
+        missing = sorted(f.name for f in fields(cls) if f.default is MISSING and f.name not in data)
+        if missing:
+            raise ValueError(f"ModelSpec JSON is missing required field(s) {missing}")
+        data = dict(data)
+        for f in ("kda_layers", "sliding_window_layers"):
+            if not isinstance(data.get(f, ()), (list, tuple)):
+                raise ValueError(f"ModelSpec.{f} must be a list of layer indices, got {data[f]!r}")
+            data[f] = tuple(data.get(f, ()))
+        return cls(**data)
+
+
+_TYPES = {"int": int, "bool": bool, "str": str, "tuple[int, ...]": tuple}
+
+
+def _check_field_types(spec: "ModelSpec") -> None:
+    """Each field has its annotated type (``bool`` is not an ``int``) and integer sizes are >= 0."""
+    for f in fields(spec):
+        v, want = getattr(spec, f.name), _TYPES[f.type]
+        ok = isinstance(v, want) and (want is bool or not isinstance(v, bool))
+        if want is tuple and ok:
+            ok = all(isinstance(i, int) and not isinstance(i, bool) for i in v)
+        if not ok:
+            raise ValueError(f"ModelSpec.{f.name} must be of type {f.type}, got {v!r}")
+        if want is int and not 0 <= v <= MAX_SIZE:
+            raise ValueError(f"ModelSpec.{f.name} must be in [0, {MAX_SIZE}], got {v!r}")
+
+
+@lru_cache(maxsize=64)
+def _layer_kinds(spec: ModelSpec) -> tuple[tuple[str, str], ...]:
+    kda = set(spec.kda_layers)
+    moe = spec.is_moe
+    return tuple(
+        ("kda" if i in kda else spec.attention, "moe" if moe and i >= spec.first_k_dense else "dense")
+        for i in range(spec.num_layers)
+    )
