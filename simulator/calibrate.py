@@ -20,15 +20,15 @@ wall time one rank sees while all ``world_size`` local ranks do the same work at
 ``calibrate`` measures the kernel rates in its own process, launches ``measure_in_group`` (without them) on
 fresh ranks and turns the measurements into a profile with ``profile_from``; a job can call
 ``measure_in_group`` between its own steps instead, so that the profile and the steps see the same machine
-(the 20% test does). On a GPU it also measures the MoE fixed terms (``simulator.calibrate_moe``). This and
-``calibrate_moe`` are the only simulator modules that import torch (the rest of the simulator is numbers
-in, numbers out), and ``collectives`` and ``cp_kda`` inside the two functions that run them, as the layering's
-listed exceptions (``tests/test_layers.py``): it measures them.
+(the 20% test does). On a GPU it also measures the MoE fixed terms (``simulator.calibrate_moe``); the host
+costs are measured by ``simulator.calibrate_host``. These three are the only simulator modules that import torch
+(the rest of the simulator is numbers in, numbers out); ``collectives.launch`` (here) and ``cp_kda``
+(``calibrate_host.measure_kda``) are imported inside the functions that run them, as the layering's listed
+exceptions (``tests/test_layers.py``): calibration measures them.
 """
 
 from __future__ import annotations
 
-import os
 import platform
 import statistics
 import time
@@ -36,9 +36,18 @@ from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from simulator.calibrate_host import (
+    BIG,
+    SHARED_SECONDS_PER_REPEAT,
+    calibrate_host,
+    collective_costs,
+    effective_cores,
+    op_costs,
+    shared_timer,
+    solo_timer,
+    timed,
+)
 from simulator.specs import load_model
 
 
@@ -86,16 +95,6 @@ class CalibrationSizes:
         )
 
 
-def _timed(fn, repeats: int, clock=time.perf_counter) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = clock()
-        fn()
-        times.append(clock() - t0)
-    return statistics.median(times)
-
-
 def _sync(device: str):
     return torch.cuda.synchronize if device == "cuda" else (lambda: None)
 
@@ -113,7 +112,7 @@ def measure_gemm(m: int, k: int, n: int, repeats: int, device: str) -> float:
         sync()
 
     clock = time.perf_counter if device == "cuda" else time.process_time
-    return 2.0 * m * k * n * calls / _timed(run, repeats, clock) / 1e12
+    return 2.0 * m * k * n * calls / timed(run, repeats, clock) / 1e12
 
 
 def measure_attention(seq: int, heads: int, repeats: int, device: str) -> float:
@@ -127,7 +126,7 @@ def measure_attention(seq: int, heads: int, repeats: int, device: str) -> float:
         F.scaled_dot_product_attention(q, k, v, is_causal=True)
         sync()
 
-    return 2.0 * heads * seq * seq * d / _timed(run, repeats) / 1e12
+    return 2.0 * heads * seq * seq * d / timed(run, repeats) / 1e12
 
 
 def measure_copy(nbytes: int, repeats: int, device: str) -> float:
@@ -140,7 +139,7 @@ def measure_copy(nbytes: int, repeats: int, device: str) -> float:
         dst.copy_(src)
         sync()
 
-    return 2.0 * nbytes / _timed(run, repeats) / 1e12
+    return 2.0 * nbytes / timed(run, repeats) / 1e12
 
 
 def _a2a_rank(comm, nbytes: int, repeats: int) -> float:
@@ -164,234 +163,16 @@ def _a2a_rank(comm, nbytes: int, repeats: int) -> float:
     return sent / statistics.median(times) / 1e9
 
 
-# ------------------------------------------------------------------------------------------ host (CPU) costs
-def _reference_block(width: int):
-    """A small eager block in the style of model code: RMS norm, tanh/sigmoid gate, softmax mix of two sources
-    and a row gather, each an ``nn.Module`` call under autograd."""
-
-    class Block(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.gain = nn.Parameter(torch.ones(width))
-            self.bias = nn.Parameter(torch.zeros(width))
-
-        def forward(self, x):
-            h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * self.gain
-            h = torch.tanh(h / 4.0) * torch.sigmoid(h + self.bias)
-            h = h.index_select(0, torch.arange(x.shape[0])).contiguous()
-            v = torch.stack([x, h], 0)
-            w = torch.softmax(v.mean(-1), dim=0)
-            return (w.unsqueeze(-1) * v).sum(0)
-
-    return nn.Sequential(*(Block() for _ in range(20)))
-
-
-def _count_ops(fn) -> int:
-    class Count(TorchDispatchMode):
-        n = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            Count.n += 1
-            return func(*args, **(kwargs or {}))
-
-    with Count():
-        fn()
-    return Count.n
-
-
-def solo_timer(repeats: int):
-    """Seconds per call of ``fn`` on this rank alone: median CPU time of ``repeats`` calls after a warm-up."""
-    return lambda fn: _timed(fn, repeats, time.process_time)
-
-
-def _agreed_count(comm, fn, seconds: float, minimum: int) -> int:
-    """How many calls of ``fn`` take about ``seconds`` of CPU time on this rank (after a warm-up call); the
-    largest over ranks, so that every rank runs the same count."""
-    fn()
-    t0 = time.process_time()
-    fn()
-    count = torch.tensor([max(minimum, round(seconds / max(time.process_time() - t0, 1e-6)))], dtype=torch.int64)
-    comm.all_reduce(count, op="max", validate=False)
-    return int(count)
-
-
-def _wall_per_call(comm, fn, count: int) -> float:
-    """Seconds per call of ``fn`` looped ``count`` times by every rank at once after a barrier: wall time,
-    mean over ranks."""
-    comm.barrier()
-    t0 = time.perf_counter()
-    for _ in range(count):
-        fn()
-    wall = torch.tensor([(time.perf_counter() - t0) / count], dtype=torch.float64)
-    comm.all_reduce(wall, validate=False)
-    return float(wall) / comm.world_size
-
-
-def shared_timer(comm, seconds: float):
-    """Seconds per call of ``fn`` while every rank of ``comm`` runs it: each rank loops ``fn`` for about
-    ``seconds`` of CPU time (the same count on all ranks), wall time per call averaged over ranks. That is the
-    time one rank of a job sees when all local ranks do this work at once, time sharing included, measured
-    directly rather than as a solo cost times a separately measured stretch (whose noises multiply). Ranks that
-    finish first free their cores for the rest, so the tail reads slightly less contention than a job sees."""
-    return lambda fn: _wall_per_call(comm, fn, _agreed_count(comm, fn, seconds, 3))
-
-
-def measure_ops(tokens: int, width: int, timer) -> tuple[float, float, float]:
-    """Microseconds per framework op of the reference block: (forward, backward, no-grad forward), as
-    ``timer`` (``solo_timer`` or ``shared_timer``) measures a call."""
-    blocks, x = _reference_block(width), torch.randn(tokens, width, requires_grad=True)
-
-    def fwd():
-        return blocks(x)
-
-    y = fwd()
-    n_fwd, n_bwd = _count_ops(fwd), _count_ops(lambda: y.sum().backward())
-    t_fwd = timer(fwd)
-    t_both = timer(lambda: fwd().sum().backward())
-    with torch.no_grad():
-        t_nograd = timer(fwd)
-    return t_fwd / n_fwd * 1e6, max(0.0, t_both - t_fwd) / n_bwd * 1e6, t_nograd / n_fwd * 1e6
-
-
-def measure_kda(batch: int, seq: int, heads: int, dim: int, timer) -> float:
-    """Microseconds of one ``cp_kda`` gate + chunk call, forward and backward, on ``[batch, seq, heads, dim]``."""
-    import cp_kda  # layering exception: times the real kernel (listed in tests/test_layers.py)
-
-    gen = torch.Generator().manual_seed(0)
-    shape = (batch, seq, heads, dim)
-    q, k = (torch.nn.functional.normalize(torch.randn(shape, generator=gen), dim=-1) for _ in range(2))
-    v, f = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
-    beta = torch.rand(shape[:3], generator=gen)
-    leaves = [t.requires_grad_() for t in (q, k, v, f, beta)]
-    a_log, dt_bias = torch.zeros(heads, requires_grad=True), torch.zeros(heads * dim, requires_grad=True)
-
-    def run():
-        g = cp_kda.kda_gate(leaves[3], a_log, dt_bias, lower_bound=-5.0)
-        cp_kda.kda_chunk(leaves[0], leaves[1], leaves[2], g, leaves[4])[0].sum().backward()
-
-    return timer(run) * 1e6
-
-
-def _per_call_us(comm, fn, repeats: int) -> float:
-    """Wall microseconds per call of the collective ``fn``, all ranks calling back to back, mean over ranks.
-
-    Wall, not CPU time: with ranks time-sharing cores a call lasts until every peer has been scheduled to do its
-    part (measured here at 4 ranks on 2 cores: 2.6-2.8x a call's CPU time, against 2.2x for busy work), and that
-    is what a training step waits for."""
-    fn()
-    return _wall_per_call(comm, fn, repeats) * 1e6
-
-
-def _collective_costs(comm, repeats: int, big: int) -> dict:
-    """Per-call and per-MB wall costs of the collectives a training step issues (small vs ``big`` bytes)."""
-    R, out = comm.world_size, {}
-    for nbytes, tag in ((1024, "small"), (big, "big")):
-        rows = max(R, nbytes // 128 // R * R)
-        inp = torch.ones(rows, 32)
-        got = torch.empty_like(inp)
-        out[f"a2a_{tag}"] = _per_call_us(comm, lambda: comm.all_to_all_single(got, inp, validate=False), repeats)
-        buf = torch.ones(max(1, nbytes // 4))
-        out[f"ar_{tag}"] = _per_call_us(comm, lambda: comm.all_reduce(buf, validate=False), repeats)
-    small = torch.ones(256)
-    out["checked"] = _per_call_us(comm, lambda: comm.all_reduce(small), repeats)
-    counts, gathered = torch.zeros(16, dtype=torch.int64), torch.empty(16 * R, dtype=torch.int64)
-    out["ag"] = _per_call_us(comm, lambda: comm.all_gather(gathered, counts, validate=False), repeats)
-    return out
-
-
-PROBE_SECONDS = 0.3
-"""CPU seconds of the effective-cores work on one rank alone: shorter windows are dominated by scheduler
-granularity (a 50 ms probe scattered 0.6-2.0 effective cores on one idle-ish machine, 300 ms 0.8-1.05)."""
-
-
-def _effective_cores(comm, sizes: CalibrationSizes, rounds: int) -> float:
-    """Throughput of all ranks busy at once, in units of one rank alone: R * (CPU time alone) / (wall together)."""
-    blocks, x = _reference_block(sizes.hidden), torch.randn(sizes.tokens, sizes.hidden, requires_grad=True)
-
-    def step():
-        blocks(x).sum().backward()
-
-    count = _agreed_count(comm, step, PROBE_SECONDS, 1)  # every rank does the same work
-    work = lambda: [step() for _ in range(count)]  # noqa: E731
-    ratios = []
-    for _ in range(rounds):
-        comm.barrier()
-        alone = torch.zeros(1, dtype=torch.float64)
-        if comm.rank == 0:
-            t0 = time.process_time()
-            work()
-            alone[0] = time.process_time() - t0
-        comm.all_reduce(alone, validate=False)
-        comm.barrier()
-        t0 = time.perf_counter()
-        work()
-        wall = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-        comm.all_reduce(wall, op="max", validate=False)
-        ratios.append(comm.world_size * float(alone) / float(wall))
-    return min(float(comm.world_size), statistics.median(ratios))
-
-
-BIG = 1 << 20
-"""Bytes of the large collective measurements (the per-MB costs are big minus small)."""
-
-
-SHARED_SECONDS_PER_REPEAT = 0.04
-"""CPU seconds each rank loops one shared measurement for, per repeat (quick: 5 repeats, 0.2 s)."""
-
-
-def _op_costs(sizes: CalibrationSizes, timer) -> dict:
-    """Per-op and KDA host costs as ``timer`` measures them."""
-    tiny, act = measure_ops(8, 8, timer), measure_ops(sizes.tokens, sizes.hidden, timer)
-    rows, tiny_tokens = sizes.tokens // sizes.seq_len, min(16, sizes.tokens // 2)  # tiny: the fixed cost
-    return {
-        "ops_tiny": tiny,
-        "ops_act": act,
-        "tiny_tokens": tiny_tokens,
-        "kda": measure_kda(rows, sizes.seq_len, sizes.kda_heads, sizes.kda_head_dim, timer),
-        "kda_tiny": measure_kda(1, tiny_tokens, sizes.kda_heads, sizes.kda_head_dim, timer),
-    }
-
-
 def _ranks_body(comm, sizes: CalibrationSizes, repeats: int, nbytes: int, host: bool) -> dict:
     """What ``measure_in_group`` measures on all ranks at once: all-to-all bandwidth, and on CPU the
     collectives' and the per-op and KDA costs with all ranks busy at once, then the effective cores (which
     only rescale those costs to another rank count)."""
     out = {"a2a_gbps": _a2a_rank(comm, nbytes, repeats)}
     if host:
-        out.update(_collective_costs(comm, repeats * 6, BIG))
-        out.update(_op_costs(sizes, shared_timer(comm, SHARED_SECONDS_PER_REPEAT * repeats)))
-        out["effective_cores"] = _effective_cores(comm, sizes, 3 if repeats < 10 else 5)
+        out.update(collective_costs(comm, repeats * 6, BIG))
+        out.update(op_costs(sizes, shared_timer(comm, SHARED_SECONDS_PER_REPEAT * repeats)))
+        out["effective_cores"] = effective_cores(comm, sizes, 3 if repeats < 10 else 5)
     return out
-
-
-def calibrate_host(m: dict) -> dict:
-    """The ``host`` block of a CPU profile (fields of ``hardware.HostSpec``) from ``measure_in_group``'s (or a
-    one-rank ``calibrate``'s) measurements."""
-    per_mb = lambda key: max(0.0, m.get(f"{key}_big", 0.0) - m.get(f"{key}_small", 0.0)) / (BIG / 1e6)  # noqa: E731
-    (tf, tb, tn), (af, ab, _) = m["ops_tiny"], m["ops_act"]
-    sizes = CalibrationSizes(**m["sizes"])
-    return {
-        "timing": "shared_wall",
-        "cores": len(os.sched_getaffinity(0)),
-        "effective_cores": m.get("effective_cores", 1.0),
-        "ranks": m["world_size"],
-        "op_fwd_tiny_us": tf,
-        "op_bwd_tiny_us": tb,
-        "op_nograd_tiny_us": tn,
-        "op_fwd_us": af,
-        "op_bwd_us": ab,
-        "ref_elements": sizes.tokens * sizes.hidden,
-        "kda_us": m["kda"],
-        "kda_tiny_us": m["kda_tiny"],
-        "kda_elements": sizes.tokens * sizes.kda_heads * sizes.kda_head_dim,
-        "kda_tiny_elements": m["tiny_tokens"] * sizes.kda_heads * sizes.kda_head_dim,
-        "a2a_call_us": m.get("a2a_small", 0.0),
-        "all_reduce_call_us": m.get("ar_small", 0.0),
-        "checked_all_reduce_call_us": m.get("checked", 0.0),
-        "all_gather_call_us": m.get("ag", 0.0),
-        "a2a_us_per_mb": per_mb("a2a"),
-        "all_reduce_us_per_mb": per_mb("ar"),
-    }
 
 
 def _kernel_rates(sizes: CalibrationSizes, repeats: int, quick: bool, device: str) -> dict:
@@ -474,7 +255,7 @@ def calibrate(
                 )
             )
         elif device == "cpu":  # one rank: the host costs alone, in this process
-            measured.update(_op_costs(sizes, solo_timer(repeats)))
+            measured.update(op_costs(sizes, solo_timer(repeats)))
     finally:
         torch.set_num_threads(threads)
     return profile_from(measured, backend=backend)
