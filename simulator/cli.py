@@ -12,20 +12,26 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 
 from moonep_base import write_json
 from simulator.analytic import simulate
-from simulator.hardware import load_hardware
+from simulator.cli_input import (
+    UsageError,
+    check_layout,
+    check_sizes,
+    choice_list,
+    int_list,
+    parse_links,
+    parse_slow,
+    setup,
+)
 from simulator.layers import RECOMPUTE_MODES
 from simulator.memory import GIB, inference_memory
-from simulator.network import ClusterSpec
-from simulator.parallel import RECOMPUTE_MODULES, SCHEDULES, ParallelConfig, infeasible_reason
+from simulator.parallel import RECOMPUTE_MODULES, SCHEDULES
 from simulator.report import format_result, format_search, write_plots
 from simulator.search import SearchSpace, search
-from simulator.specs import load_model
-from simulator.whatif import TIERS, check_link, check_slowdown, whatif
+from simulator.whatif import whatif
 
 
 def register(commands, bench) -> None:
@@ -176,133 +182,6 @@ def _parallel_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-class UsageError(ValueError):
-    """Bad input (a flag, a model or hardware file): one line on stderr, exit status 2."""
-
-
-_POSITIVE = ("gpus", "tp", "pp", "ep", "cp", "dp", "vpp", "micro_batch", "seq_len", "global_batch_tokens", "top")
-_NON_NEGATIVE = ("etp", "pp_first_layers", "pp_last_layers")
-_NUMBERS = {"maxvio": 0, "oversubscription": 1, "offload_fraction": 0}
-"""Float flags and their floors: finite and >= the floor (argparse's float() takes inf and nan)."""
-
-
-def _check_sizes(args) -> None:
-    """Every size flag is in range, named as on the command line (argparse takes ``--tp -2`` as an int)."""
-    for name in _POSITIVE + ("nodes_per_leaf", "event_top", "inference_batch", "inference_context", "world_size"):
-        v = getattr(args, name, None)
-        floor = 0 if name == "event_top" else 1
-        if v is not None and v < floor:
-            raise UsageError(f"--{name.replace('_', '-')} must be >= {floor}, got {v}")
-    for name in _NON_NEGATIVE:
-        v = getattr(args, name, None)
-        if v is not None and not v >= 0:
-            raise UsageError(f"--{name.replace('_', '-')} must be >= 0, got {v}")
-    for name, floor in _NUMBERS.items():
-        v = getattr(args, name, None)
-        if v is not None and not (math.isfinite(v) and v >= floor):
-            raise UsageError(f"--{name.replace('_', '-')}: must be a finite number >= {floor}, got {v}")
-    v = getattr(args, "max_seconds", None)
-    if v is not None and not (math.isfinite(v) and v > 0):
-        raise UsageError(f"--max-seconds: must be a finite number > 0, got {v}")
-
-
-def _load(args):
-    """(model spec, hardware); a bad preset name or file is a ``UsageError``."""
-    try:
-        return load_model(args.model), load_hardware(args.hardware)
-    except (ValueError, OSError, TypeError) as exc:
-        raise UsageError(str(exc)) from None
-
-
-def _setup(args):
-    """(model spec, hardware, cluster, parallel config) from the flags; raises ``UsageError``."""
-    _check_sizes(args)
-    spec, hw = _load(args)
-    try:
-        return _build(args, spec, hw)
-    except UsageError:
-        raise
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
-
-
-def _check_layout(spec, hw, par: ParallelConfig, gpus: int) -> None:
-    """A layout given in full on the command line whose sizes do not factor is bad input (exit 2), not an answer:
-    only memory makes a well-formed layout infeasible (exit 1). ``search`` keeps such layouts as skipped counts."""
-    reason = infeasible_reason(spec, hw, par, gpus)
-    if reason:
-        raise UsageError(f"the layout cannot run: {reason}")
-
-
-def _build(args, spec, hw):
-    cluster = ClusterSpec(
-        topology=args.topology, oversubscription=args.oversubscription, nodes_per_leaf=args.nodes_per_leaf
-    )
-    seq = args.seq_len or spec.seq_len
-    gbt = args.global_batch_tokens or max(2**24, seq * args.gpus)
-    if not hasattr(args, "tp"):
-        return (
-            spec,
-            hw,
-            cluster,
-            ParallelConfig(
-                seq_len=seq,
-                global_batch_tokens=gbt,
-                precision=args.precision,
-                dispatcher=args.dispatcher,
-                maxvio=args.maxvio,
-                zero_stage=args.zero,
-            ),
-        )
-    denom = args.tp * args.cp * args.pp
-    if args.dp is None and args.gpus % denom:
-        raise UsageError(
-            f"--gpus {args.gpus} is not a multiple of TP x CP x PP = {args.tp}x{args.cp}x{args.pp} = {denom}"
-        )
-    dp = args.dp if args.dp is not None else args.gpus // denom
-    if denom * dp != args.gpus:
-        raise UsageError(
-            f"--dp {dp}: TP x CP x PP x DP = {args.tp}x{args.cp}x{args.pp}x{dp} = {denom * dp} != --gpus {args.gpus}"
-        )
-    par = _parallel(args, dp, seq, gbt)
-    if (par.tp * par.cp * par.dp) % (par.ep * par.expert_tp):
-        raise UsageError(
-            f"--ep {par.ep} x ETP {par.expert_tp} does not divide TP x CP x DP = {par.tp}x{par.cp}x{par.dp} "
-            f"= {par.tp * par.cp * par.dp} (the ranks experts fold over)"
-        )
-    return spec, hw, cluster, par
-
-
-def _parallel(args, dp: int, seq: int, gbt: int) -> ParallelConfig:
-    return ParallelConfig(
-        tp=args.tp,
-        pp=args.pp,
-        ep=args.ep,
-        cp=args.cp,
-        dp=dp,
-        vpp=args.vpp,
-        micro_batch=args.micro_batch,
-        global_batch_tokens=gbt,
-        seq_len=seq,
-        recompute=args.recompute,
-        zero_stage=args.zero,
-        schedule=args.schedule,
-        dispatcher=args.dispatcher,
-        maxvio=args.maxvio,
-        precision=args.precision,
-        sequence_parallel=not args.no_sequence_parallel,
-        etp=args.etp,
-        recompute_modules=tuple(m for m in args.recompute_modules.split(",") if m),
-        activation_dtype=args.activation_dtype,
-        offload_fraction=args.offload_fraction,
-        pp_first_layers=args.pp_first_layers,
-        pp_last_layers=args.pp_last_layers,
-        moment_dtype=args.moment_dtype,
-        main_grads_dtype=args.main_grads_dtype,
-        moe_a2a_overlap=args.moe_a2a_overlap,
-    )
-
-
 def _usage_error(exc: Exception) -> int:
     print(f"error: {exc}", file=sys.stderr)
     return 2
@@ -310,8 +189,8 @@ def _usage_error(exc: Exception) -> int:
 
 def _run(args) -> int:
     try:
-        spec, hw, cluster, par = _setup(args)
-        _check_layout(spec, hw, par, args.gpus)
+        spec, hw, cluster, par = setup(args)
+        check_layout(spec, hw, par, args.gpus)
     except UsageError as exc:
         return _usage_error(exc)
     res = simulate(spec, hw, par, args.gpus, cluster, engine=args.engine)
@@ -336,11 +215,11 @@ def _clean(d: dict) -> dict:
 
 def _search(args) -> int:
     try:
-        spec, hw, cluster, base = _setup(args)
+        spec, hw, cluster, base = setup(args)
         space = SearchSpace(
-            schedules=_choice_list("--schedules", args.schedules, SCHEDULES),
-            recompute=_choice_list("--recompute-modes", args.recompute_modes, RECOMPUTE_MODES),
-            micro_batch=_int_list("--micro-batches", args.micro_batches),
+            schedules=choice_list("--schedules", args.schedules, SCHEDULES),
+            recompute=choice_list("--recompute-modes", args.recompute_modes, RECOMPUTE_MODES),
+            micro_batch=int_list("--micro-batches", args.micro_batches),
         )
     except UsageError as exc:
         return _usage_error(exc)
@@ -357,68 +236,12 @@ def _search(args) -> int:
     return 0 if report["feasible"] else 1
 
 
-def _int_list(flag: str, text: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(x) for x in text.split(","))
-    except ValueError:
-        values = ()
-    if not values or min(values) < 1:
-        raise UsageError(f"{flag}: must be a comma list of integers >= 1, got {text!r}")
-    return values
-
-
-def _choice_list(flag: str, text: str, allowed: tuple[str, ...]) -> tuple[str, ...]:
-    values = tuple(text.split(","))
-    bad = [v for v in values if v not in allowed]
-    if bad:
-        raise UsageError(f"{flag}: unknown {', '.join(map(repr, bad))}; known: {', '.join(allowed)}")
-    return values
-
-
-def _parse_slow(items: list[str], par: ParallelConfig) -> dict[int, float]:
-    """``--slow RANK=FACTOR`` items, each checked (rank in the job, factor finite >= 1)."""
-    slow = {}
-    for item in items:
-        rank, _, factor = item.partition("=")
-        try:
-            rank, factor = int(rank), float(factor)
-        except ValueError:
-            raise UsageError(f"--slow {item}: expected RANK=FACTOR (an integer and a number)") from None
-        try:
-            check_slowdown(rank, factor, par.gpus)
-        except ValueError as exc:
-            raise UsageError(f"--slow {item}: {exc}") from None
-        slow[rank] = factor
-    return slow
-
-
-def _parse_links(items: list[str], par: ParallelConfig, gpus_per_node: int, cluster: ClusterSpec) -> list[dict]:
-    """``--link RANK:TIER=FACTOR`` / ``leaf:I=FACTOR`` items, each checked against the job and the cluster."""
-    links = []
-    for item in items:
-        who, _, factor = item.partition("=")
-        a, _, b = who.partition(":")
-        try:
-            link = {"leaf": int(b)} if a == "leaf" else {"rank": int(a), "tier": b or "nic"}
-            link["factor"] = float(factor)
-        except ValueError:
-            raise UsageError(
-                f"--link {item}: expected RANK:TIER=FACTOR (TIER one of {', '.join(TIERS)}) or leaf:I=FACTOR"
-            ) from None
-        try:
-            check_link(link, par, gpus_per_node, cluster)
-        except ValueError as exc:
-            raise UsageError(f"--link {item}: {exc}") from None
-        links.append(link)
-    return links
-
-
 def _whatif(args) -> int:
     try:
-        spec, hw, cluster, par = _setup(args)
-        _check_layout(spec, hw, par, args.gpus)
-        slow = _parse_slow(args.slow, par)
-        links = _parse_links(args.link, par, hw.gpus_per_node, cluster)
+        spec, hw, cluster, par = setup(args)
+        check_layout(spec, hw, par, args.gpus)
+        slow = parse_slow(args.slow, par)
+        links = parse_links(args.link, par, hw.gpus_per_node, cluster)
     except UsageError as exc:
         return _usage_error(exc)
     out = whatif(spec, hw, par, args.gpus, cluster, rank_slowdown=slow, links=links, engine=args.engine)
@@ -432,7 +255,7 @@ def _calibrate(args) -> int:
     from simulator.calibrate import CalibrationSizes, calibrate  # heavy: torch, kept out of --help
 
     try:
-        _check_sizes(args)  # --world-size 0 ran a 1-rank calibration; --seq-len 0 fell back to the model's own
+        check_sizes(args)  # --world-size 0 ran a 1-rank calibration; --seq-len 0 fell back to the model's own
         if not args.model and (args.seq_len is not None or args.micro_batch != 1):
             raise ValueError("--seq-len and --micro-batch size a --model's calibration: pass --model too")
         sizes = (

@@ -1,0 +1,196 @@
+"""Command-line input of ``moonep simulate``: the flags turned into a checked job (model, hardware, cluster,
+parallel layout), or a ``UsageError`` naming the flag; the what-if perturbations and search lists parsed and
+checked the same way. ``simulator.cli`` prints a ``UsageError`` as one line with exit status 2."""
+
+from __future__ import annotations
+
+import math
+
+from simulator.hardware import load_hardware
+from simulator.network import ClusterSpec
+from simulator.parallel import ParallelConfig, infeasible_reason
+from simulator.specs import load_model
+from simulator.whatif import TIERS, check_link, check_slowdown
+
+
+class UsageError(ValueError):
+    """Bad input (a flag, a model or hardware file): one line on stderr, exit status 2."""
+
+
+_POSITIVE = ("gpus", "tp", "pp", "ep", "cp", "dp", "vpp", "micro_batch", "seq_len", "global_batch_tokens", "top")
+_NON_NEGATIVE = ("etp", "pp_first_layers", "pp_last_layers")
+_NUMBERS = {"maxvio": 0, "oversubscription": 1, "offload_fraction": 0}
+"""Float flags and their floors: finite and >= the floor (argparse's float() takes inf and nan)."""
+
+
+def check_sizes(args) -> None:
+    """Every size flag is in range, named as on the command line (argparse takes ``--tp -2`` as an int)."""
+    for name in _POSITIVE + ("nodes_per_leaf", "event_top", "inference_batch", "inference_context", "world_size"):
+        v = getattr(args, name, None)
+        floor = 0 if name == "event_top" else 1
+        if v is not None and v < floor:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= {floor}, got {v}")
+    for name in _NON_NEGATIVE:
+        v = getattr(args, name, None)
+        if v is not None and not v >= 0:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 0, got {v}")
+    for name, floor in _NUMBERS.items():
+        v = getattr(args, name, None)
+        if v is not None and not (math.isfinite(v) and v >= floor):
+            raise UsageError(f"--{name.replace('_', '-')}: must be a finite number >= {floor}, got {v}")
+    v = getattr(args, "max_seconds", None)
+    if v is not None and not (math.isfinite(v) and v > 0):
+        raise UsageError(f"--max-seconds: must be a finite number > 0, got {v}")
+
+
+def _load(args):
+    """(model spec, hardware); a bad preset name or file is a ``UsageError``."""
+    try:
+        return load_model(args.model), load_hardware(args.hardware)
+    except (ValueError, OSError, TypeError) as exc:
+        raise UsageError(str(exc)) from None
+
+
+def setup(args):
+    """(model spec, hardware, cluster, parallel config) from the flags; raises ``UsageError``."""
+    check_sizes(args)
+    spec, hw = _load(args)
+    try:
+        return _build(args, spec, hw)
+    except UsageError:
+        raise
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def check_layout(spec, hw, par: ParallelConfig, gpus: int) -> None:
+    """A layout given in full on the command line whose sizes do not factor is bad input (exit 2), not an answer:
+    only memory makes a well-formed layout infeasible (exit 1). ``search`` keeps such layouts as skipped counts."""
+    reason = infeasible_reason(spec, hw, par, gpus)
+    if reason:
+        raise UsageError(f"the layout cannot run: {reason}")
+
+
+def _build(args, spec, hw):
+    cluster = ClusterSpec(
+        topology=args.topology, oversubscription=args.oversubscription, nodes_per_leaf=args.nodes_per_leaf
+    )
+    seq = args.seq_len or spec.seq_len
+    gbt = args.global_batch_tokens or max(2**24, seq * args.gpus)
+    if not hasattr(args, "tp"):
+        return (
+            spec,
+            hw,
+            cluster,
+            ParallelConfig(
+                seq_len=seq,
+                global_batch_tokens=gbt,
+                precision=args.precision,
+                dispatcher=args.dispatcher,
+                maxvio=args.maxvio,
+                zero_stage=args.zero,
+            ),
+        )
+    denom = args.tp * args.cp * args.pp
+    if args.dp is None and args.gpus % denom:
+        raise UsageError(
+            f"--gpus {args.gpus} is not a multiple of TP x CP x PP = {args.tp}x{args.cp}x{args.pp} = {denom}"
+        )
+    dp = args.dp if args.dp is not None else args.gpus // denom
+    if denom * dp != args.gpus:
+        raise UsageError(
+            f"--dp {dp}: TP x CP x PP x DP = {args.tp}x{args.cp}x{args.pp}x{dp} = {denom * dp} != --gpus {args.gpus}"
+        )
+    par = _parallel(args, dp, seq, gbt)
+    if (par.tp * par.cp * par.dp) % (par.ep * par.expert_tp):
+        raise UsageError(
+            f"--ep {par.ep} x ETP {par.expert_tp} does not divide TP x CP x DP = {par.tp}x{par.cp}x{par.dp} "
+            f"= {par.tp * par.cp * par.dp} (the ranks experts fold over)"
+        )
+    return spec, hw, cluster, par
+
+
+def _parallel(args, dp: int, seq: int, gbt: int) -> ParallelConfig:
+    return ParallelConfig(
+        tp=args.tp,
+        pp=args.pp,
+        ep=args.ep,
+        cp=args.cp,
+        dp=dp,
+        vpp=args.vpp,
+        micro_batch=args.micro_batch,
+        global_batch_tokens=gbt,
+        seq_len=seq,
+        recompute=args.recompute,
+        zero_stage=args.zero,
+        schedule=args.schedule,
+        dispatcher=args.dispatcher,
+        maxvio=args.maxvio,
+        precision=args.precision,
+        sequence_parallel=not args.no_sequence_parallel,
+        etp=args.etp,
+        recompute_modules=tuple(m for m in args.recompute_modules.split(",") if m),
+        activation_dtype=args.activation_dtype,
+        offload_fraction=args.offload_fraction,
+        pp_first_layers=args.pp_first_layers,
+        pp_last_layers=args.pp_last_layers,
+        moment_dtype=args.moment_dtype,
+        main_grads_dtype=args.main_grads_dtype,
+        moe_a2a_overlap=args.moe_a2a_overlap,
+    )
+
+
+def int_list(flag: str, text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        values = ()
+    if not values or min(values) < 1:
+        raise UsageError(f"{flag}: must be a comma list of integers >= 1, got {text!r}")
+    return values
+
+
+def choice_list(flag: str, text: str, allowed: tuple[str, ...]) -> tuple[str, ...]:
+    values = tuple(text.split(","))
+    bad = [v for v in values if v not in allowed]
+    if bad:
+        raise UsageError(f"{flag}: unknown {', '.join(map(repr, bad))}; known: {', '.join(allowed)}")
+    return values
+
+
+def parse_slow(items: list[str], par: ParallelConfig) -> dict[int, float]:
+    """``--slow RANK=FACTOR`` items, each checked (rank in the job, factor finite >= 1)."""
+    slow = {}
+    for item in items:
+        rank, _, factor = item.partition("=")
+        try:
+            rank, factor = int(rank), float(factor)
+        except ValueError:
+            raise UsageError(f"--slow {item}: expected RANK=FACTOR (an integer and a number)") from None
+        try:
+            check_slowdown(rank, factor, par.gpus)
+        except ValueError as exc:
+            raise UsageError(f"--slow {item}: {exc}") from None
+        slow[rank] = factor
+    return slow
+
+
+def parse_links(items: list[str], par: ParallelConfig, gpus_per_node: int, cluster: ClusterSpec) -> list[dict]:
+    """``--link RANK:TIER=FACTOR`` / ``leaf:I=FACTOR`` items, each checked against the job and the cluster."""
+    links = []
+    for item in items:
+        who, _, factor = item.partition("=")
+        a, _, b = who.partition(":")
+        try:
+            link = {"leaf": int(b)} if a == "leaf" else {"rank": int(a), "tier": b or "nic"}
+            link["factor"] = float(factor)
+        except ValueError:
+            raise UsageError(
+                f"--link {item}: expected RANK:TIER=FACTOR (TIER one of {', '.join(TIERS)}) or leaf:I=FACTOR"
+            ) from None
+        try:
+            check_link(link, par, gpus_per_node, cluster)
+        except ValueError as exc:
+            raise UsageError(f"--link {item}: {exc}") from None
+        links.append(link)
+    return links
