@@ -108,27 +108,35 @@ class GatedActivation:
     fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     """(gate [n, F], up [n, F]) -> h [n, F], elementwise."""
     grad: Callable | None = None
-    """(gate, up, dh) -> (h, dgate, dup); None: autograd through ``fn`` (elementwise, small)."""
+    """(gate, up, dh, out [n, 2F]) -> h, writing (dgate, dup) into out's two halves; None: autograd through
+    ``fn`` (elementwise, small)."""
 
     def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         return self.fn(gate, up)
 
-    def value_and_grad(self, gate, up, dh):
-        """(h, dgate, dup) at (gate, up) for the upstream grad dh [n, F]."""
+    def value_and_grad(self, gate, up, dh, out=None):
+        """(h, dgate, dup) at (gate, up) for the upstream grad dh [n, F]. dgate and dup are the two halves of
+        ``out`` [n, 2F] (new when None): the backward's weight-grad GEMM reads them as one matrix, uncopied."""
+        n, F = gate.shape
+        out = gate.new_empty(n, 2 * F) if out is None else out
         if self.grad is not None:
-            return self.grad(gate, up, dh)
+            return self.grad(gate, up, dh, out), out[:, :F], out[:, F:]
         g, u = gate.detach().requires_grad_(), up.detach().requires_grad_()
         with torch.enable_grad():
             h = self.fn(g, u)
             dgate, dup = torch.autograd.grad(h, (g, u), dh)
-        return h.detach(), dgate, dup
+        out[:, :F].copy_(dgate)
+        out[:, F:].copy_(dup)
+        return h.detach(), out[:, :F], out[:, F:]
 
 
-def _swiglu_grad(gate, up, dh):
+def _swiglu_grad(gate, up, dh, out):
+    F = gate.shape[1]
     sg = torch.sigmoid(gate)
     act = gate * sg
-    dgate = dh * up * (sg * (1 + gate * (1 - sg)))  # d silu(g) / dg = s(g) (1 + g (1 - s(g)))
-    return act * up, dgate, dh * act
+    torch.mul(dh * up, sg * (1 + gate * (1 - sg)), out=out[:, :F])  # d silu(g) / dg = s(g) (1 + g (1 - s(g)))
+    torch.mul(dh, act, out=out[:, F:])
+    return act * up
 
 
 SWIGLU = GatedActivation(lambda gate, up: Fn.silu(gate) * up, _swiglu_grad)
@@ -216,6 +224,15 @@ def gated_forward(x, ws, segs, layout: str = "fused", act: GatedActivation = SWI
     return y, pre
 
 
+def _mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """out = a @ b, the GEMM writing into ``out`` (a group's grad slot) rather than into a temporary then
+    copied: on CPU the copy into a fresh grad tensor cost as much as a third of the weight-grad GEMM."""
+    if out.dtype == a.dtype:
+        torch.mm(a, b, out=out)
+    else:  # grads kept in another dtype (fp32 grads of bf16 weights)
+        out.copy_(a @ b)
+
+
 def _segment_backward(layout, act, ws, dws, g, xs, pg, dy, dx, row_w, ys, dw_rows) -> None:
     """Backward of one segment (see ``gated_backward``): writes dws[.][g], dx and (if row_w) dw_rows."""
     F = pg.shape[1] // 2
@@ -224,13 +241,13 @@ def _segment_backward(layout, act, ws, dws, g, xs, pg, dy, dx, row_w, ys, dw_row
     if row_w is not None:  # dy is the grad of z = y * w
         dy = dz * row_w[:, None].to(dz.dtype)
     dm = dy @ down.t()
-    h, dgate, dup = act.value_and_grad(pg[:, :F], pg[:, F:], dm)
+    da = pg.new_empty(pg.shape)  # [rows, 2F]: (dgate, dup) side by side, as the pre-activations
+    h, _, _ = act.value_and_grad(pg[:, :F], pg[:, F:], dm, out=da)
     if row_w is not None:  # dw = <dz, y>; y recomputed from h when the forward did not keep it
         dw_rows.copy_((dz * (h @ down if ys is None else ys)).sum(1))
-    _down(layout, dws, g).copy_(h.t() @ dy)
-    da = torch.cat((dgate, dup), dim=1)
+    _mm_into(_down(layout, dws, g), h.t(), dy)
     for i, ((w, cols), (dw, _)) in enumerate(zip(_in_blocks(layout, ws, g, F), _in_blocks(layout, dws, g, F))):
-        dw.copy_(xs.t() @ da[:, cols])
+        _mm_into(dw, xs.t(), da[:, cols])
         if i == 0:
             torch.mm(da[:, cols], w.t(), out=dx)
         else:
