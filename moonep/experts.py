@@ -131,12 +131,14 @@ class GatedActivation:
 
 
 def _swiglu_grad(gate, up, dh, out):
+    # three [n, F] temporaries, the rest in place: on CPU each fresh tensor costs as much as the pass itself
     F = gate.shape[1]
     sg = torch.sigmoid(gate)
     act = gate * sg
-    torch.mul(dh * up, sg * (1 + gate * (1 - sg)), out=out[:, :F])  # d silu(g) / dg = s(g) (1 + g (1 - s(g)))
+    dsilu = torch.rsub(sg, 1).mul_(gate).add_(1).mul_(sg)  # d silu(g) / dg = s(g) (1 + g (1 - s(g)))
+    torch.mul(dh, up, out=out[:, :F]).mul_(dsilu)
     torch.mul(dh, act, out=out[:, F:])
-    return act * up
+    return act.mul_(up)
 
 
 SWIGLU = GatedActivation(lambda gate, up: Fn.silu(gate) * up, _swiglu_grad)
