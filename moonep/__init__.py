@@ -22,7 +22,7 @@ _LAZY = {
     "MoE": ("moonep.moe", "MoE"),
     "SigmoidTopKRouter": ("moonep.moe", "SigmoidTopKRouter"),
     "grouped_experts": ("moonep.experts", "grouped_experts"),
-    "GatedActivation": ("moonep.experts", "GatedActivation"),
+    "GatedActivation": ("moonep.expert_math", "GatedActivation"),
     "measure_cost_model": ("moonep.cost", "measure_cost_model"),
     "expert_parameters": ("moonep.parallel", "expert_parameters"),
     "ignore_in_ddp": ("moonep.parallel", "ignore_in_ddp"),

@@ -24,7 +24,8 @@ from torch import nn
 
 from ..autograd import combine, dispatch
 from ..buffer import Buffer
-from ..experts import SWIGLU, GatedActivation, grouped_experts
+from ..expert_math import SWIGLU, GatedActivation
+from ..experts import grouped_experts
 from ..parallel import check_not_replicated, mark_expert
 
 FUSED = ("gate_up_proj", "down_proj")

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 import moonep
 from collectives import launch
 from k3.layers import situ_glu
-from moonep.experts import SWIGLU, GatedActivation, check_weights
+from moonep.expert_math import SWIGLU, GatedActivation, check_weights
 from tests.distributed import run_checks
 
 H, F, EPN, S, K = 6, 5, 2, 7, 2
