@@ -39,7 +39,6 @@ import torch.nn.functional as F
 
 from simulator.calibrate_host import (
     BIG,
-    SHARED_SECONDS_PER_REPEAT,
     calibrate_host,
     collective_costs,
     effective_cores,
@@ -161,6 +160,10 @@ def _a2a_rank(comm, nbytes: int, repeats: int) -> float:
         times.append(float(dt))
     sent = inp.numel() * inp.element_size() * (comm.world_size - 1) / comm.world_size
     return sent / statistics.median(times) / 1e9
+
+
+SHARED_SECONDS_PER_REPEAT = 0.04
+"""CPU seconds each rank loops one shared measurement for, per repeat (quick: 5 repeats, 0.2 s)."""
 
 
 def _ranks_body(comm, sizes: CalibrationSizes, repeats: int, nbytes: int, host: bool) -> dict:

@@ -203,10 +203,6 @@ BIG = 1 << 20
 """Bytes of the large collective measurements (the per-MB costs are big minus small)."""
 
 
-SHARED_SECONDS_PER_REPEAT = 0.04
-"""CPU seconds each rank loops one shared measurement for, per repeat (quick: 5 repeats, 0.2 s)."""
-
-
 def op_costs(sizes: CalibrationSizes, timer) -> dict:
     """Per-op and KDA host costs as ``timer`` measures them."""
     tiny, act = measure_ops(8, 8, timer), measure_ops(sizes.tokens, sizes.hidden, timer)
