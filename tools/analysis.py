@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from tools.traces import RankTrace, load_dir
+from tools.traces import RankTrace, finish, load_dir
 
 
 @dataclass(slots=True)
@@ -62,10 +62,28 @@ class Tables:
     """Per (group, op) transfer series."""
     stages: dict[int, int | None]
     """Pipeline stage of each rank (None when the trace does not say)."""
+    idle_s: np.ndarray | None = None
+    """Seconds the rank spent in no record (gaps, off-CPU time inside compute records), waits for a late rank
+    inside a phase that holds a hidden collective taken out (``hidden_waits``)."""
+    hidden: dict[str, int] = field(default_factory=dict)
+    """Phase -> steps in which every rank left the phase together (it holds a collective the trace does not
+    record, like DDP's gradient all-reduce inside backward); their waits were attributed to the last arriver."""
+    notes: list[str] = field(default_factory=list)
+    """What the tables cannot tell (printed as warnings by the report)."""
+    calls: np.ndarray | None = None
+    """``[R, S]`` collective calls each rank issued in each step (0 where it recorded none that step)."""
+    damaged: list[int] = field(default_factory=list)
+    """Ranks whose trace lost lines (their per-step record counts are not evidence)."""
+    host_op_compute: bool = False
+    """Compute is the wall time of host ops (profiler traces of CPU jobs), not CPU or device time."""
+    blind: bool = False
+    """True when waits may hide inside phases (no collective recorded, or phases that hold one): a rank slowed
+    off-CPU before such a sync cannot be told from the peers that waited for it."""
 
 
 def _match(traces: dict[int, RankTrace]) -> dict[tuple, list[dict[int, object]]]:
-    """``{group: [ {rank: Collective} per call ]}`` with calls matched by occurrence within the group."""
+    """``{group: [ {rank: Collective} per call ]}`` with calls matched by sequence number when every call has one,
+    else by occurrence within the group."""
     per_rank: dict[tuple, dict[int, list]] = defaultdict(lambda: defaultdict(list))
     for rank, trace in traces.items():
         for call in trace.collectives:
@@ -75,6 +93,11 @@ def _match(traces: dict[int, RankTrace]) -> dict[tuple, list[dict[int, object]]]
         present = [r for r in group if r in by_rank]
         if len(present) < 2:
             continue  # one member alone says nothing about waiting or transfer
+        if all(c.seq is not None for r in present for c in by_rank[r]):  # numbered calls: match by number
+            numbered = {r: {c.seq: c for c in by_rank[r]} for r in present}
+            common = sorted(set.intersection(*(set(n) for n in numbered.values())))
+            matched[group] = [{r: numbered[r][k] for r in present} for k in common]
+            continue
         n = min(len(by_rank[r]) for r in present)  # a truncated file ends early: keep the common prefix
         matched[group] = [{r: by_rank[r][k] for r in present} for k in range(n)]
     return matched
@@ -128,8 +151,71 @@ def _normalised(traces, ranks, steps) -> tuple[np.ndarray, np.ndarray]:
     return norm, tokens
 
 
+def _phase_marks(traces, ranks, steps):
+    """``(j, op, {rank: mark})`` for every phase every rank ran in step ``steps[j]`` with no recorded collective
+    inside it (a recorded collective keeps its own waits)."""
+    recorded = {r: defaultdict(list) for r in ranks}  # step -> enter times of recorded collectives
+    for r in ranks:
+        for c in traces[r].collectives:
+            if c.step is not None:
+                recorded[r][c.step].append(c.t_enter)
+    for j, step in enumerate(steps):
+        per_op: dict[str, dict[int, list[float]]] = defaultdict(dict)
+        for r in ranks:
+            for op, mark in traces[r].phases.get(step, {}).items():
+                per_op[op][r] = mark
+        for op, marks in per_op.items():
+            if len(marks) >= max(2, len(ranks)) and not any(
+                m[0] <= c <= m[1] for r, m in marks.items() for c in recorded[r].get(step, ())
+            ):
+                yield j, op, marks
+
+
+def hidden_waits(traces, ranks, steps, t: Tables, align: float = 0.25) -> dict[str, int]:
+    """Find phases that hold a collective the trace does not record; take the waits in them out of the tables.
+
+    A phase (a compute record's op) that every rank leaves together although they reached its end at
+    different times ends in a synchronisation (DDP's gradient all-reduce inside ``backward``): exits spread by
+    at most ``align`` of the spread of arrivals, arrivals at least 1 ms apart, in at least 2 steps and 10% of
+    them. A rank *arrives* when its work in the phase is done: enter + CPU seconds with ``cpu_s``, else at
+    enter. In such a phase, waiting for a peer and being descheduled (a contended core, the GIL) both show as
+    off-CPU time, so with ``cpu_s`` its off-CPU time is idle on no rank (a rank slowed off-CPU elsewhere, in a
+    gap or another phase, is still seen); without ``cpu_s`` each rank's wait for the last arriver leaves its
+    compute. Where a step is aligned, the waits join ``wait_matrix_s``. Returns phase -> aligned steps.
+    """
+    index = {r: i for i, r in enumerate(ranks)}
+    aligned: dict[str, list[tuple[int, dict]]] = defaultdict(list)
+    marks_of: dict[str, list[tuple[int, dict]]] = defaultdict(list)
+    for j, op, marks in _phase_marks(traces, ranks, steps):
+        marks_of[op].append((j, marks))
+        arrive = {r: m[0] + (m[2] if not m[4] else 0.0) for r, m in marks.items()}
+        exits = [m[1] for m in marks.values()]
+        spread = max(arrive.values()) - min(arrive.values())
+        if spread >= 1e-3 and max(exits) - min(exits) <= align * spread:
+            aligned[op].append((j, arrive))
+    found = {op: len(v) for op, v in aligned.items() if len(v) >= max(2, 0.1 * len(steps))}
+    for op in found:
+        for j, marks in marks_of[op]:
+            for r, m in marks.items():
+                if not m[4]:
+                    t.idle_s[index[r], j] = max(0.0, t.idle_s[index[r], j] - m[3])
+        for j, arrive in aligned[op]:
+            last = max(arrive, key=arrive.get)
+            for r, m in dict(marks_of[op])[j].items():
+                wait = min(arrive[last] - arrive[r], m[4] if m[4] else m[3])
+                if r == last or wait <= 0:
+                    continue
+                if m[4]:  # wall time only: the wait sits in compute
+                    for table in (t.compute_s, t.norm_compute_s):
+                        table[index[r], j] = max(0.0, table[index[r], j] - wait)
+                t.wait_matrix_s[index[r], index[last]] += wait
+    return found
+
+
 def build_tables(traces: dict[int, RankTrace]) -> Tables:
     """Tables for the detectors from already-loaded traces."""
+    for trace in traces.values():
+        finish(trace)  # idempotent: --follow adds records between calls
     ranks = sorted(traces)
     steps = sorted({s for t in traces.values() for s in t.span})
     shape = (len(ranks), len(steps))
@@ -146,9 +232,36 @@ def build_tables(traces: dict[int, RankTrace]) -> Tables:
         spans = [traces[r].span[s] for r in ranks if s in traces[r].span]
         step_time[j] = max(b for _, b in spans) - min(a for a, _ in spans)
     waits, series = _cross_rank(traces, ranks)
-    return Tables(
+    idle = np.full(shape, np.nan)
+    for i, r in enumerate(ranks):
+        for s, sec in traces[r].idle.items():
+            idle[i, col[s]] = sec
+    tables = Tables(
         ranks, steps, compute, norm, tokens, data, step_time, waits, series, {r: traces[r].stage for r in ranks}
     )
+    tables.idle_s = idle
+    tables.damaged = [r for r in ranks if traces[r].damaged]
+    tables.host_op_compute = any(traces[r].host_op_compute for r in ranks)
+    tables.calls = np.zeros(shape)
+    for i, r in enumerate(ranks):
+        for c in traces[r].collectives:
+            if c.step is not None and c.op != "validate":
+                tables.calls[i, col[c.step]] += 1
+    tables.hidden = hidden_waits(traces, ranks, steps, tables)
+    for op, n in tables.hidden.items():
+        tables.notes.append(
+            f"phase {op!r} ends together on every rank in {n} of {len(steps)} steps: it holds a collective the "
+            f"trace does not record (DDP's gradient all-reduce inside backward): its off-CPU time counts as idle "
+            f"on no rank (waiting for a peer and being descheduled look the same there), and its waits go to the "
+            f"last rank to reach it"
+        )
+    tables.blind = len(ranks) > 1 and (bool(tables.hidden) or not any(t.collectives for t in traces.values()))
+    if len(ranks) > 1 and not any(t.collectives for t in traces.values()) and not tables.hidden:
+        tables.notes.append(
+            "the trace records no collective: a rank waiting for a late peer inside a phase cannot be told from "
+            "a slow one, so compute findings may blame the waiting rank"
+        )
+    return tables
 
 
 def load_tables(trace_dir: str | os.PathLike) -> Tables:

@@ -1,10 +1,11 @@
-"""``moonep diagnose | probe | straggler-demo`` and ``moonep bench telemetry`` (also ``python -m tools ...``).
+"""``moonep diagnose | probe | straggler-demo`` and ``moonep bench telemetry | detector`` (also ``python -m tools``).
 
     moonep diagnose TRACE_DIR [--json out.json] [--plot DIR] [--probe-json probe.json]
     moonep diagnose --follow TRACE_DIR [--interval 1] [--max-seconds S]
     moonep probe --world-size 4 [--json probe.json]        # also: moonep diagnose probe --world-size 4
     moonep straggler-demo --world-size 4 --steps 40 --inject-slowdown rank=2,factor=1.3,from_step=10
     moonep bench telemetry --json telemetry.json
+    moonep bench detector --json detector.json
 
 Exit status: 0 no finding, 1 findings (scripts can alert on it), 2 usage or input errors, and for an empty
 trace or (without ``--partial``) an incomplete one: an expected rank missing, a rank short of steps, a dropped line.
@@ -16,6 +17,7 @@ import argparse
 import json
 import math
 import os
+import re
 import sys
 import tempfile
 import warnings
@@ -23,17 +25,42 @@ import warnings
 from collectives.faults import parse_data_delays, parse_link_delay_specs, parse_slowdowns
 from moonep_base import check_folder, write_json
 from tools.bench import bench_telemetry
+from tools.bench_detector import bench_detector
 from tools.follow import follow
+from tools.plots import plot
 from tools.probe import ProbeConfig, run_probe
-from tools.report import analyse, format_report, plot
+from tools.report import analyse, format_report
+from tools.traces import TraceFormatError
 from tools.workload import WorkloadConfig, run_local
+
+DIAGNOSE_DESCRIPTION = """Which rank or link slows the job, why, since when, and what it costs.
+
+Accepted formats (chosen by content; one folder may hold several):
+  rank<N>.jsonl         our JSON lines (collectives tracing, moonep train, tools.detector.StragglerDetector)
+  *.json, *.json.gz     PyTorch profiler (Kineto) traces: export_chrome_trace or tensorboard_trace_handler
+                        files, one or many per rank; rank from distributedInfo, --rank-from, or rank<N> in the name
+  Flight Recorder       torch's collective ring buffer dumps (TORCH_FR_BUFFER_SIZE), JSON or pickle (read
+                        without running any object), named <prefix><rank>: hangs, mismatches, late arrivals
+
+Exit status: 0 nothing found, 1 findings, 2 bad input, an empty trace or (without --partial) an incomplete one."""
 
 
 def register(commands, bench) -> None:
     d = commands.add_parser(
-        "diagnose", help="straggler diagnosis of a trace folder (which rank or link, why, since when, what it costs)"
+        "diagnose",
+        help="straggler diagnosis of a trace folder (which rank or link, why, since when, what it costs)",
+        description=DIAGNOSE_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    d.add_argument("trace_dir", metavar="TRACE_DIR", help="folder of rank<N>.jsonl traces (or 'probe', see below)")
+    d.add_argument(
+        "trace_dir", metavar="TRACE_DIR", help="folder of traces in any accepted format (or 'probe', see below)"
+    )
+    d.add_argument(
+        "--rank-from",
+        metavar="REGEX",
+        help="read each file's rank from its name with this regex (first group), for profiler traces without "
+        "distributedInfo and Flight Recorder dumps not named <prefix><rank>",
+    )
     d.add_argument("--json", metavar="FILE", help="write the stable findings JSON here")
     d.add_argument("--plot", metavar="DIR", help="write rank x step heatmap and wait-matrix PNGs here")
     d.add_argument("--probe-json", metavar="FILE", help="a `moonep probe --json` result to name slow-link pairs")
@@ -85,6 +112,16 @@ def register(commands, bench) -> None:
     b.add_argument("--interval", type=float, default=0.05, help="sampling period, seconds (default harsh: 50 ms)")
     b.add_argument("--json", metavar="FILE", help="write the result JSON here")
     b.set_defaults(func=_bench)
+
+    det = bench.add_parser(
+        "detector", help="a training loop with vs without the in-loop StragglerDetector (goal < 1%%)"
+    )
+    det.add_argument("--steps", type=int, default=400)
+    det.add_argument("--blocks", type=int, default=10, help="alternating off/on blocks of steps (even)")
+    det.add_argument("--step-ms", type=float, default=50.0, help="busy work per step, milliseconds")
+    det.add_argument("--every", type=int, default=50, help="steps between the detector's gathers")
+    det.add_argument("--json", metavar="FILE", help="write the result JSON here")
+    det.set_defaults(func=_bench_detector)
 
 
 def _probe_args(p, with_world: bool) -> None:
@@ -156,7 +193,15 @@ def _diagnose(args) -> int:
             return _err(f"--probe-json {args.probe_json}: {problem}")
     if args.world_size is not None and args.world_size < 1:
         return _err(f"--world-size: must be >= 1, got {args.world_size}")
-    return _finish(args.trace_dir, probe, args.json, args.plot, world_size=args.world_size, partial=args.partial)
+    return _finish(
+        args.trace_dir,
+        probe,
+        args.json,
+        args.plot,
+        world_size=args.world_size,
+        partial=args.partial,
+        rank_from=args.rank_from,
+    )
 
 
 def load_probe(path: str) -> tuple[dict | None, str]:
@@ -180,11 +225,19 @@ def load_probe(path: str) -> tuple[dict | None, str]:
     return probe, ""
 
 
-def _finish(trace_dir: str, probe, json_path, plot_dir, *, world_size=None, partial=False) -> int:
+def _finish(trace_dir: str, probe, json_path, plot_dir, *, world_size=None, partial=False, rank_from=None) -> int:
     """Print (and write) the report; exit 2 when the trace cannot back a verdict (module docstring)."""
+    if rank_from is not None:
+        try:
+            re.compile(rank_from)
+        except re.error as exc:
+            return _err(f"--rank-from {rank_from!r}: not a regular expression ({exc})")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the report lists dropped lines itself
-        report, tables = analyse(trace_dir, probe=probe, world_size=world_size)
+        try:
+            report, tables = analyse(trace_dir, probe=probe, world_size=world_size, rank_from=rank_from)
+        except TraceFormatError as exc:
+            return _err(str(exc))
     report = finite_json(report)
     expected = report["coverage"]["expected_ranks"]
     if probe and expected and len(probe["one_way_s"]) != expected:  # its pairs would name other ranks
@@ -193,12 +246,12 @@ def _finish(trace_dir: str, probe, json_path, plot_dir, *, world_size=None, part
     if json_path:
         write_json(json_path, report)
     if plot_dir and tables.steps:
-        for path in plot(tables, plot_dir):
+        for path in plot(tables, plot_dir, report["findings"]):
             print(f"plot: {path}")
     cov = report["coverage"]
-    if not cov["ranks"] or not cov["steps"]:
-        return _err(f"{trace_dir}: no trace records with steps: nothing to diagnose")
-    if not cov["complete"] and not partial:
+    if (not cov["ranks"] or not cov["steps"]) and not report["findings"]:  # a hang's verdict needs no steps
+        return _err(f"{trace_dir}: no trace records with steps in any accepted format: nothing to diagnose")
+    if not cov["complete"] and not partial and cov["ranks"] and cov["steps"]:
         return _err(f"{trace_dir}: incomplete trace ({_gaps(cov)}); pass --partial to diagnose what it holds")
     return 1 if report["findings"] else 0
 
@@ -267,3 +320,19 @@ def _bench(args) -> int:
     if args.json:
         write_json(args.json, result)
     return 0
+
+
+def _bench_detector(args) -> int:
+    try:
+        result = bench_detector(args.steps, args.blocks, args.step_ms, args.every)
+    except ValueError as exc:
+        return _err(str(exc))
+    print(
+        f"detector (every {result['every']} steps): step {result['median_step_off_s'] * 1e3:.2f} ms off, "
+        f"{result['median_step_on_s'] * 1e3:.2f} ms on, ratio {result['ratio']:.4f}; its own cost "
+        f"{result['overhead_ms_per_step']:.3f} ms/step = {result['overhead_fraction'] * 100:.2f}% of the step "
+        f"(goal < {result['goal_fraction'] * 100:.0f}%; gather + diagnosis {result['gather_ms_each']:.1f} ms each)"
+    )
+    if args.json:
+        write_json(args.json, result)
+    return 0 if result["passed"] else 1

@@ -26,7 +26,18 @@ import numpy as np
 
 from tools.analysis import CallSeries, Tables
 
-KINDS = ("slow_compute", "slow_link", "data_loader", "routing_imbalance", "pipeline_stage")
+KINDS = (
+    "slow_compute",
+    "slow_link",
+    "data_loader",
+    "routing_imbalance",
+    "pipeline_stage",
+    "host_idle",
+    "hang",
+    "collective_mismatch",
+    "late_arrival",
+    "step_slowdown",
+)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -35,6 +46,9 @@ class Thresholds:
 
     compute_ratio: float = 1.1
     """Normalised compute over the peer median that counts as slow (half of the 1.2x we must catch)."""
+    host_op_ratio: float = 1.25
+    """``compute_ratio`` when compute is the wall time of host ops (profiler traces without GPU kernels): it
+    includes the scheduler's noise, and two cores of one host drift apart by 10-20% (tools/README.md)."""
     data_ratio: float = 1.3
     """Data-loading time over the peer median that counts as slow."""
     token_ratio: float = 1.25
@@ -58,6 +72,15 @@ class Thresholds:
     shared host a healthy rank's CPU time drifts 20% high for 5-7 steps now and then)."""
     min_evidence_steps: int = 8
     """Steps from the onset needed before a finding is reported (an onset near the end of the trace waits)."""
+    idle_ratio: float = 1.5
+    """Idle time (in no recorded op, or off-CPU inside one) over the peer median that counts as a stalled host."""
+    idle_excess_frac: float = 0.05
+    """Idle excess must be at least this fraction of the median step time (descheduling on a shared host adds
+    a little idle time to every rank, unevenly)."""
+    slowdown_ratio: float = 1.75
+    """Step time after a change point over the median before it that counts as a slowdown (reported only when
+    no rank is blamed and the trace cannot attribute waits: ``Tables.blind``; whole steps are noisier than one
+    rank's phases, hence the wider margin)."""
     link_factor: float = 3.0
     """A call's transfer over the group's reference latency that counts as a slow link..."""
     link_min_s: float = 0.005
@@ -69,7 +92,8 @@ class Thresholds:
     """Payload allowance: bytes at this rate are expected transfer time, not a fault."""
 
     def __post_init__(self):
-        for name in ("compute_ratio", "data_ratio", "token_ratio", "stage_ratio"):
+        ratios = ("compute_ratio", "host_op_ratio", "data_ratio", "token_ratio", "stage_ratio", "idle_ratio")
+        for name in (*ratios, "slowdown_ratio"):
             if not getattr(self, name) > 1.0:
                 raise ValueError(f"{name} must be > 1, got {getattr(self, name)}")
         if not 0 <= self.min_persistence <= 1 or not 1 <= self.min_evidence_steps <= self.persist_steps:
@@ -128,10 +152,21 @@ class Episode:
 
 
 def _rolling(a: np.ndarray, w: int, fn=np.nanmedian) -> np.ndarray:
-    """Trailing rolling ``fn`` (nan-median by default) along the last axis (shorter windows at the start)."""
-    out = np.full(a.shape, np.nan)
+    """Trailing rolling ``fn`` (nan-median by default) along the last axis (shorter windows at the start; NaN
+    where a window holds no finite value). One vectorised call: the in-loop detector runs this every gather."""
+    a = np.asarray(a, dtype=float)
+    pad = np.full(a.shape[:-1] + (w - 1,), np.nan)
+    windows = np.lib.stride_tricks.sliding_window_view(np.concatenate([pad, a], axis=-1), w, axis=-1)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # a rank without data in a window stays NaN, silently
+        return fn(windows, axis=-1)
+
+
+def _rolling_loop(a: np.ndarray, w: int, fn=np.nanmedian) -> np.ndarray:
+    """Naive twin of ``_rolling`` (tests/tools/test_detectors.py checks one against the other)."""
+    out = np.full(a.shape, np.nan)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
         for s in range(a.shape[-1]):
             chunk = a[..., max(0, s - w + 1) : s + 1]
             if np.isfinite(chunk).any():

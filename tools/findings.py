@@ -175,6 +175,95 @@ def _nanmed(a: np.ndarray) -> float | None:
     return float(np.median(a)) if a.size else None
 
 
+def _skipped_collectives(t: Tables) -> list[Finding]:
+    """A rank whose collective count in a step differs from its own usual count while every other rank issues
+    its usual count: it skipped (or added) collectives, so every later call is paired with a peer's call of
+    another step: the prelude of a hang or of silently wrong results. Each rank's last step is left out (a
+    trace cut mid-step is short there), and so is a rank whose file lost lines (a dropped record is no skip)."""
+    if t.calls is None or len(t.ranks) < 2 or len(t.steps) < 3:
+        return []
+    usual = np.median(t.calls, axis=1)
+    seen = np.isfinite(t.compute_s) | (t.calls > 0)
+    last = [max((j for j in range(len(t.steps)) if seen[i, j]), default=-1) for i in range(len(t.ranks))]
+    for j, step in enumerate(t.steps):
+        odd = [i for i in range(len(t.ranks)) if t.calls[i, j] != usual[i] and j < last[i]]
+        if not odd or len(odd) == len(t.ranks) or not usual.any() or any(t.ranks[i] in t.damaged for i in odd):
+            continue
+        blamed = [t.ranks[i] for i in odd]
+        others = [t.ranks[i] for i in range(len(t.ranks)) if i not in odd]
+        got, want = int(t.calls[odd[0], j]), int(usual[odd[0]])
+        return [
+            Finding(
+                kind="collective_mismatch",
+                ranks=blamed,
+                onset_step=step,
+                confidence=0.9,
+                what_if_step_time_s=None,
+                detail=f"ranks {blamed} issued {got} collectives in step {step} where they usually issue {want} "
+                f"and ranks {others} issued their usual count: from there on each call is paired with a peer's "
+                f"call of another step (a hang, or silently wrong results, follows)",
+                evidence={"calls": got, "usual": want, "step": step},
+            )
+        ]
+    return []
+
+
+def _unattributed(t: Tables, th: Thresholds) -> list[Finding]:
+    """The job got slower but no rank is to blame from this trace: said as a finding on every rank, never
+    "no straggler found". A change point of the step time: the first step ``k`` from which the median of the
+    ``persist_steps`` steps reaches ``slowdown_ratio`` times the median step before it (the first two steps,
+    warm-up, left out) and ``min_persistence`` of those steps are slower than that median by half the margin."""
+    st, warm = t.step_time_s, 2
+    if not t.blind or len(t.steps) < warm + th.window + th.min_evidence_steps:
+        return []
+    best = None
+    for k in range(warm + th.window, len(st) - th.min_evidence_steps + 1):
+        before = st[warm:k][np.isfinite(st[warm:k])]
+        base = float(np.median(before)) if before.size else 0.0
+        after = st[k : k + th.persist_steps]
+        after = after[np.isfinite(after)]
+        if base > 0 and after.size and np.median(after) / base >= th.slowdown_ratio:
+            persistence = float(np.mean(after >= base * (1 + (th.slowdown_ratio - 1) / 2)))
+            if persistence >= th.min_persistence:
+                best = (float(np.median(after) / base), k, float(base), persistence)
+                break  # the earliest step from which the run stays slower
+    if best is None:
+        return []
+    ratio, k, base, persistence = best
+    hidden = ", ".join(repr(op) for op in t.hidden) or "every phase (no collective is recorded)"
+    return [
+        Finding(
+            kind="step_slowdown",
+            ranks=list(t.ranks),
+            onset_step=t.steps[k],
+            confidence=0.5 * min(1.0, persistence),
+            what_if_step_time_s=base,
+            detail=f"steps take {ratio:.2f}x their earlier level from step {t.steps[k]}, but this trace cannot "
+            f"tell which rank: waits for a late peer hide inside {hidden}, and a rank slowed off-CPU (a "
+            f"contended core, sleep, I/O) before that sync looks like the peers that waited for it. Record the "
+            f"collectives (collectives tracing, a profiler trace) or time each section with "
+            f"tools.detector.StragglerDetector, then diagnose again",
+            evidence={"ratio": round(ratio, 3), "persistence": round(persistence, 3)},
+        )
+    ]
+
+
+def _drop_secondary(findings: list[Finding], share: float = 0.1) -> list[Finding]:
+    """Drop a rank's compute or idle finding that adds under ``share`` of the seconds its main cause adds: a
+    core that slept 30 ms a step also runs its 2 ms of ops a little slower afterwards (cold caches, a lower
+    clock), a consequence of the cause rather than a second one."""
+    own = ("slow_compute", "host_idle", "data_loader")
+    main: dict[int, float] = {}
+    for f in findings:
+        if f.kind in own and len(f.ranks) == 1:
+            main[f.ranks[0]] = max(main.get(f.ranks[0], 0.0), float(f.evidence.get("excess_s", 0.0)))
+    return [
+        f
+        for f in findings
+        if not (f.kind in own and len(f.ranks) == 1 and f.evidence.get("excess_s", 0.0) < share * main[f.ranks[0]])
+    ]
+
+
 def diagnose(t: Tables, th: Thresholds | None = None) -> list[Finding]:
     """All findings, most costly first (lowest what-if step time); an empty list when nothing is wrong."""
     th = th or Thresholds()
@@ -187,9 +276,31 @@ def diagnose(t: Tables, th: Thresholds | None = None) -> list[Finding]:
         )
     findings += _stages(t, th)
     findings += _per_rank(
-        t, t.norm_compute_s, "slow_compute", th.compute_ratio, th, "compute (routing load factored out)"
+        t,
+        t.norm_compute_s,
+        "slow_compute",
+        th.host_op_ratio if t.host_op_compute else th.compute_ratio,
+        th,
+        "compute (op wall time on the host)" if t.host_op_compute else "compute (routing load factored out)",
     )
     findings += _per_rank(t, t.data_s, "data_loader", th.data_ratio, th, "data loading", abs_floor=1e-4)
+    if t.idle_s is not None:
+        findings += _per_rank(
+            t,
+            t.idle_s,
+            "host_idle",
+            th.idle_ratio,
+            th,
+            "time outside any recorded op or off-CPU (sleep, I/O, a contended core, a host stall)",
+            abs_floor=1e-3,
+            min_excess=max(1e-3, th.idle_excess_frac * _median_step(t)),
+        )
     findings += _links(t, th)
+    skipped = _skipped_collectives(t)
+    if skipped:  # from there on each rank's step k is paired with another step of its peers: not comparable
+        findings = [f for f in findings if f.onset_step is None or f.onset_step < skipped[0].onset_step] + skipped
+    findings = _drop_secondary(findings)
+    if not findings:
+        findings = _unattributed(t, th)
     base = _median_step(t)
     return sorted(findings, key=lambda f: f.what_if_step_time_s if f.what_if_step_time_s is not None else base)

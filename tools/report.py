@@ -1,16 +1,19 @@
-"""The report: stable JSON (``moonep diagnose --json``), a text summary, and plots.
+"""The report: stable JSON (``moonep diagnose --json``) and a text summary (pictures: ``tools.plots``).
 
 JSON (``schema_version`` 1; keys are only ever added):
 
 - ``findings``: list of ``{kind, ranks, onset_step, confidence, what_if_step_time_s, detail, evidence}``,
-  ``kind`` in ``slow_compute | slow_link | data_loader | routing_imbalance | pipeline_stage``; ``[]`` when
-  nothing is wrong. The first five keys are the contract; ``detail`` is prose, ``evidence`` may grow.
+  ``kind`` in ``slow_compute | slow_link | data_loader | routing_imbalance | pipeline_stage | host_idle | hang |
+  collective_mismatch | late_arrival`` (``tools.detect.KINDS``); ``[]`` when nothing is wrong. The first five
+  keys are the contract; ``detail`` is prose, ``evidence`` may grow.
 - ``ranks``, ``steps`` (``{first, last, count}``), ``step_time_s`` (median), ``rank_scores`` (per rank: ``score``
   1 = best, ``compute_s``, ``data_s``, ``tokens``, ``stage``), ``wait_matrix_s`` (``{ranks, seconds[R][R]}``: row
   waited for column), ``collectives`` (per group and op: calls, median transfer and wait), ``probe`` (or null),
   ``warnings`` (skipped files and lines), ``coverage`` (``tools.traces.Coverage``: ``expected_ranks`` and where
   that came from, ``ranks``, ``missing_ranks``, ``steps``, ``ranks_missing_steps``, ``lines_dropped``, ``dropped``
-  (``file:line: why``), ``complete``). Every number in the JSON is finite (NaN/inf records are dropped on read).
+  (``file:line: why``), ``complete``), ``format`` (``jsonl | kineto | flight_recorder | none``: what the tables
+  were read from) and, with Flight Recorder dumps in the folder, ``flight_recorder`` (its summary). Every number
+  in the JSON is finite (NaN/inf records are dropped on read).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import numpy as np
 from tools.analysis import Tables, build_tables
 from tools.detect import Finding, Thresholds
 from tools.findings import diagnose, rank_scores
-from tools.traces import load_dir_coverage
+from tools.sources import load_folder
 
 SCHEMA_VERSION = 1
 
@@ -104,26 +107,29 @@ def analyse(
     thresholds: Thresholds | None = None,
     probe: dict | None = None,
     world_size: int | None = None,
+    rank_from: str | None = None,
 ) -> tuple[dict, Tables]:
-    """Read ``trace_dir``, diagnose, and return ``(report JSON, tables)``.
+    """Read ``trace_dir`` in whatever format it holds (``tools.sources``), diagnose, and return ``(report JSON,
+    tables)``.
 
     Dropped lines and skipped files are warned about (``TraceWarning``, naming ``file:line``) and listed in
     ``report["warnings"]``; ``report["coverage"]`` says what the folder holds against ``world_size`` (default:
-    the trace's own header).
+    the trace's own header). Raises ``TraceFormatError`` for a folder no diagnosis can stand on.
     """
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        traces, coverage = load_dir_coverage(trace_dir, world_size)
-        tables = build_tables(traces)
+        folder = load_folder(trace_dir, world_size=world_size, rank_from=rank_from)
+        tables = build_tables(folder.traces)
     for w in caught:
         warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-    findings = diagnose(tables, thresholds)
+    findings = diagnose(tables, thresholds) + folder.findings
     if probe:
         findings = apply_probe(findings, probe)
-    report = build_report(
-        tables, findings, trace_dir=os.fspath(trace_dir), probe=probe, notes=[str(w.message) for w in caught]
-    )
-    report["coverage"] = coverage.to_json()
+    notes = [str(w.message) for w in caught] + folder.notes + tables.notes
+    report = build_report(tables, findings, trace_dir=os.fspath(trace_dir), probe=probe, notes=notes)
+    report["coverage"] = folder.coverage.to_json()
+    report["format"] = folder.format
+    report.update(folder.extra)
     return report, tables
 
 
@@ -140,7 +146,8 @@ def format_report(report: dict) -> str:
     cov = report.get("coverage")
     if cov is not None:
         lines.append(_coverage_line(cov))
-    if not report["findings"]:
+    empty = cov is not None and (not cov["ranks"] or not cov["steps"])
+    if not report["findings"] and not empty:
         complete = cov is None or cov["complete"]
         lines.append("no straggler found" if complete else "no straggler found in what this PARTIAL trace holds")
     for f in report["findings"]:
@@ -162,47 +169,3 @@ def _coverage_line(cov: dict) -> str:
     if cov["ranks_missing_steps"]:
         line += f", ranks short of steps {cov['ranks_missing_steps']}"
     return line
-
-
-def plot(t: Tables, out_dir: str | os.PathLike) -> list[str]:
-    """``rank_step_heatmap.png`` (normalised compute over the step median) and ``wait_matrix.png``."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg  # heavy: matplotlib (~0.4 s), only when plotting
-    from matplotlib.figure import Figure  # heavy: matplotlib, as above
-
-    os.makedirs(out_dir, exist_ok=True)
-    paths = []
-    with np.errstate(all="ignore"):
-        ratio = t.norm_compute_s / np.nanmedian(t.norm_compute_s, axis=0)
-    fig = Figure(figsize=(max(6.0, 0.08 * len(t.steps) + 3), 1.0 + 0.4 * max(1, len(t.ranks))))
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
-    im = ax.imshow(
-        ratio,
-        aspect="auto",
-        cmap="viridis",
-        interpolation="nearest",
-        vmin=0.8,
-        vmax=max(1.3, float(np.nanmax(ratio)) if np.isfinite(ratio).any() else 1.3),
-        extent=(t.steps[0] - 0.5, t.steps[-1] + 0.5, len(t.ranks) - 0.5, -0.5) if t.steps else None,
-    )
-    ax.set_yticks(range(len(t.ranks)), [str(r) for r in t.ranks])
-    ax.set_xlabel("step")
-    ax.set_ylabel("rank")
-    ax.set_title("compute / step median (routing load factored out)")
-    fig.colorbar(im, ax=ax)
-    paths.append(os.path.join(out_dir, "rank_step_heatmap.png"))
-    fig.savefig(paths[-1], dpi=100, bbox_inches="tight")
-
-    fig = Figure(figsize=(5, 4))
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
-    im = ax.imshow(t.wait_matrix_s, cmap="magma", interpolation="nearest")
-    ax.set_xticks(range(len(t.ranks)), [str(r) for r in t.ranks])
-    ax.set_yticks(range(len(t.ranks)), [str(r) for r in t.ranks])
-    ax.set_xlabel("waited for (last arriver)")
-    ax.set_ylabel("waiting rank")
-    ax.set_title("wait matrix (s)")
-    fig.colorbar(im, ax=ax)
-    paths.append(os.path.join(out_dir, "wait_matrix.png"))
-    fig.savefig(paths[-1], dpi=100, bbox_inches="tight")
-    return paths

@@ -24,6 +24,8 @@ import warnings
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+from tools.intervals import clip, length
+
 COLLECTIVE_OPS = frozenset(
     {
         "all_to_all_single",
@@ -38,11 +40,19 @@ COLLECTIVE_OPS = frozenset(
     }
 )
 _RANK_FILE = re.compile(r"^rank(\d+)\.jsonl$")
+WARN_LINES = 5
+"""Dropped lines of one file warned about one by one; the rest are counted in one more warning."""
 _REQUIRED = {"op": str, "rank": int, "t_enter": (int, float), "t_exit": (int, float)}
 
 
 class TraceWarning(UserWarning):
     """A trace file or line was skipped; the message names the file."""
+
+
+class TraceFormatError(ValueError):
+    """A trace folder or file that cannot back a diagnosis (no rank information, a damaged archive, a pickle
+    holding objects, traces of two runs or world sizes). The message is one line naming the file and the
+    problem; ``moonep diagnose`` prints it and exits 2."""
 
 
 @dataclass(slots=True)
@@ -61,6 +71,9 @@ class Collective:
     """Wall-clock seconds when this rank left."""
     nbytes: int = 0
     """Payload bytes this rank contributed."""
+    seq: int | None = None
+    """Sequence number of the call within its group when the trace carries one (profiler ``Seq``, Flight
+    Recorder ``collective_seq_id``): calls are then matched across ranks by it instead of by order."""
 
 
 @dataclass(slots=True)
@@ -81,6 +94,26 @@ class RankTrace:
     """step -> (first t_enter, last t_exit) over all this rank's records of the step."""
     stage: int | None = None
     """Pipeline stage, when compute records carry one."""
+    windows: dict[int, tuple[float, float]] = field(default_factory=dict)
+    """step -> (t_enter, t_exit) of the whole iteration, from a ``kind: "step"`` record (the in-loop detector
+    writes one); without it a step runs from the previous step's last exit to its own last exit."""
+    covered: dict[int, list[tuple[float, float]]] = field(default_factory=lambda: defaultdict(list))
+    """step -> intervals this rank was inside some record (compute, data or a collective)."""
+    offcpu: dict[int, float] = field(default_factory=lambda: defaultdict(float))
+    """step -> seconds inside compute records that were not CPU (or device) time: wall minus ``cpu_s``."""
+    phases: dict[int, dict[str, list[float]]] = field(default_factory=lambda: defaultdict(dict))
+    """step -> op -> [first t_enter, last t_exit, busy seconds, off-CPU seconds, wall seconds of records without
+    ``cpu_s``] of compute records (the cross-rank view finds phases that hide a collective: every rank leaves
+    them together)."""
+    idle: dict[int, float] = field(default_factory=dict)
+    """step -> seconds the rank was neither computing, loading data nor in a recorded collective: gaps between
+    records plus off-CPU time inside them (sleep, I/O, a contended core, a host stall). Set by ``finish``."""
+    host_op_compute: bool = False
+    """Compute is host ops' wall time (a profiler trace without GPU kernels)."""
+    damaged: bool = False
+    """Lines of this rank's file were dropped: counts of its records per step prove nothing."""
+    source: str = "jsonl"
+    """Format the trace was read from: ``jsonl``, ``kineto``, ``flight_recorder``."""
 
 
 def _number(x) -> bool:
@@ -111,7 +144,7 @@ def parse_lines(path: str, text: str, dropped: list[str] | None = None) -> list[
     ``path:line`` and why; the same text is appended to ``dropped`` when given."""
     lines = text.split("\n")
     complete, tail = lines[:-1], lines[-1]  # text after the last newline was cut mid-write
-    records = []
+    records, bad = [], []
     for number, line in enumerate(complete, 1):
         if not line.strip():
             continue
@@ -124,9 +157,16 @@ def parse_lines(path: str, text: str, dropped: list[str] | None = None) -> list[
         if why is None:
             records.append(rec)
             continue
-        _drop(f"{path}:{number}: {why}; line dropped", dropped)
+        bad.append(f"{path}:{number}: {why}; line dropped")
     if tail.strip():
-        _drop(f"{path}:{len(lines)}: last line truncated (run still writing, or killed); line dropped", dropped)
+        bad.append(f"{path}:{len(lines)}: last line truncated (run still writing, or killed); line dropped")
+    for message in bad[:WARN_LINES]:
+        _drop(message, dropped)
+    if len(bad) > WARN_LINES:  # a file of another schema (a per-step timing log): one summary, not a warning a line
+        what = "no line is a trace record (not this format?)" if not records else "more lines dropped"
+        _drop(f"{path}: {len(bad) - WARN_LINES} {what}; {len(bad)} of {len(bad) + len(records)} lines dropped", None)
+        if dropped is not None:
+            dropped.extend(bad[WARN_LINES:])
     return records
 
 
@@ -140,6 +180,10 @@ def _add(trace: RankTrace, rec: dict) -> None:
     if rec.get("kind") == "header":
         return
     step, t0, t1, op = rec.get("step"), float(rec["t_enter"]), float(rec["t_exit"]), rec["op"]
+    if rec.get("kind") == "step":  # the iteration's own window (in-loop detector): not a phase
+        if step is not None:
+            trace.windows[step] = (t0, t1)
+        return
     if op in COLLECTIVE_OPS:
         group = rec.get("group")
         group = tuple(int(g) for g in group) if isinstance(group, list) and group else (trace.rank,)
@@ -148,6 +192,7 @@ def _add(trace: RankTrace, rec: dict) -> None:
         return
     lo, hi = trace.span.get(step, (t0, t1))
     trace.span[step] = (min(lo, t0), max(hi, t1))
+    trace.covered[step].append((t0, t1))
     if op in COLLECTIVE_OPS:
         return
     if rec.get("kind") == "data" or op.startswith("data"):
@@ -155,11 +200,51 @@ def _add(trace: RankTrace, rec: dict) -> None:
         return
     cpu = rec.get("cpu_s")
     busy = float(cpu) if _number(cpu) and cpu >= 0 else t1 - t0
+    off = max(0.0, (t1 - t0) - busy)
+    trace.offcpu[step] += off
+    phase = trace.phases[step].setdefault(op, [t0, t1, 0.0, 0.0, 0.0])
+    phase[0], phase[1] = min(phase[0], t0), max(phase[1], t1)
+    phase[2] += busy
+    phase[3] += off
+    phase[4] += busy if busy == t1 - t0 and not _number(cpu) else 0.0
     trace.compute[step] += busy
     seconds, tokens = trace.compute_ops[step].get(op, (0.0, 0))
     trace.compute_ops[step][op] = (seconds + busy, tokens + int(rec.get("tokens") or 0))
     if isinstance(rec.get("stage"), int):
         trace.stage = rec["stage"]
+
+
+def finish(trace: RankTrace) -> RankTrace:
+    """Fill ``trace.idle`` once every record is in: per step, the step's window minus the time covered by any
+    record, plus the off-CPU time inside compute records. A step's window is its ``kind: "step"`` record, else
+    it starts where the previous step's last record ended (a sleep between iterations belongs to the next
+    step) and ends at its own last record."""
+    if trace.source == "flight_recorder":
+        return trace  # only collectives: the time between them is work of unknown kind, not idle time
+    previous = None
+    for step in sorted(trace.span):
+        lo, hi = trace.span[step]
+        if step in trace.windows:
+            lo, hi = trace.windows[step]
+        elif previous is not None and previous < lo:
+            lo = previous
+        gap = (hi - lo) - length(clip(trace.covered.get(step, []), lo, hi))
+        trace.idle[step] = max(0.0, gap) + trace.offcpu.get(step, 0.0)
+        previous = trace.span[step][1]
+    return trace
+
+
+def traces_from_records(records: dict[int, list[dict]]) -> dict[int, RankTrace]:
+    """``{rank: RankTrace}`` from already-parsed records of our JSONL schema (the in-loop detector's window);
+    ranks with no record but a header are left out, as ``load_dir`` does."""
+    out = {}
+    for rank, recs in records.items():
+        trace = RankTrace(rank)
+        for rec in recs:
+            _add(trace, rec)
+        if trace.span or trace.collectives:
+            out[rank] = finish(trace)
+    return out
 
 
 @dataclass(slots=True)
@@ -233,19 +318,22 @@ def load_dir_coverage(
         except (OSError, UnicodeDecodeError) as exc:
             _drop(f"{path}: unreadable ({type(exc).__name__}); file skipped", dropped)
             continue
+        before = len(dropped)
         records = parse_lines(path, text, dropped)
-        trace = RankTrace(int(match.group(1)))
+        trace = RankTrace(int(match.group(1)), damaged=len(dropped) > before)
         for rec in records:
             if rec.get("kind") == "header" and rec.get("world_size"):
                 headers.add(rec["world_size"])
             top = max([top, *(g for g in rec.get("group") or () if isinstance(g, int))])
             _add(trace, rec)
         if any(rec.get("kind") != "header" for rec in records):
-            out[trace.rank] = trace
-    return out, _coverage(out, dropped, world_size, headers, top)
+            out[trace.rank] = finish(trace)
+    return out, coverage_for(out, dropped, world_size, headers, top)
 
 
-def _coverage(out: dict[int, RankTrace], dropped, world_size, headers: set[int], top: int) -> Coverage:
+def coverage_for(out: dict[int, RankTrace], dropped, world_size, headers: set[int], top: int) -> Coverage:
+    """What ``out`` covers against the expected ranks: ``world_size``, else the writers' headers, else the largest
+    rank named in a group (``top``) + 1."""
     if world_size is not None:
         expected, source = world_size, "world_size"
     elif headers:

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from tests.tools.synth import make_records, write_dir
 from tools.analysis import build_tables, load_tables
-from tools.detect import Finding, Thresholds
+from tools.detect import Finding, Thresholds, _rolling, _rolling_loop
 from tools.findings import diagnose, rank_scores
 from tools.traces import TraceWarning, load_dir, load_dir_coverage, parse_lines
 
@@ -184,3 +184,16 @@ def test_every_line_is_kept_valid_or_dropped_and_named(lines, tail):
     expected = sum(1 for line in lines if line.strip()) + (1 if tail.strip() else 0)
     assert len(records) + len(dropped) == expected
     assert all(d.startswith("f.jsonl:") and "line dropped" in d for d in dropped)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.lists(
+        st.lists(st.one_of(st.floats(0, 10), st.just(float("nan"))), min_size=1, max_size=12), min_size=1, max_size=3
+    ).filter(lambda rows: len({len(r) for r in rows}) == 1),
+    st.integers(1, 6),
+    st.sampled_from([np.nanmedian, np.nanmin]),
+)
+def test_vectorised_rolling_matches_its_loop_twin(rows, w, fn):
+    a = np.array(rows)
+    assert np.allclose(_rolling(a, w, fn), _rolling_loop(a, w, fn), equal_nan=True)

@@ -66,7 +66,7 @@ def test_cli_diagnose_json_plots_and_exit_codes(tmp_path, capsys):
     )
     out = capsys.readouterr().out
     assert "slow_compute" in out and "ranks [3]" in out
-    assert sorted(os.listdir(tmp_path / "plots")) == ["rank_step_heatmap.png", "wait_matrix.png"]
+    assert sorted(os.listdir(tmp_path / "plots")) == ["rank_step_heatmap.png", "timeline.png", "wait_matrix.png"]
     assert (tmp_path / "plots" / "wait_matrix.png").read_bytes()[:4] == b"\x89PNG"
     assert main(["diagnose", str(tmp_path / "missing")], packages=["tools"]) == 2
 

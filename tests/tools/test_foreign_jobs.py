@@ -1,0 +1,120 @@
+"""Diagnosing REAL jobs not built on ``collectives``: a two-rank gloo DDP job (``ddp_job.py``) started by torchrun.
+
+Each scenario runs once (about 5 s) and is read four ways: the profiler trace, the Flight Recorder dumps, our
+JSON lines traced the documented way (DDP's all-reduce hidden inside ``backward``) and the in-loop detector.
+Each way must name rank 1, the cause and the onset (step 10, within 2 steps); never "no straggler found" with
+exit 0. The clean run must give nothing at all. (Where our JSON lines cannot tell which rank, the report says
+so with a ``step_slowdown`` on every rank: ``test_detectors.py``.)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from moonep.console import main
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+ONSET, STEPS, SLOW_RANK = 10, 30, 1
+_RUNS: dict[str, tuple[str, subprocess.CompletedProcess]] = {}
+
+
+def run_job(scenario: str, tmp_path_factory, schedule: bool = False) -> str:
+    """The job's output folder (run once per scenario per session)."""
+    if scenario not in _RUNS:
+        out = str(tmp_path_factory.mktemp(scenario))
+        env = dict(os.environ, PYTHONPATH=ROOT, TORCH_FR_BUFFER_SIZE="2000", OMP_NUM_THREADS="1")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+        cmd += [os.path.join(HERE, "ddp_job.py"), "--scenario", scenario, "--out", out, "--steps", str(STEPS)]
+        cmd += ["--onset", str(ONSET)] + (["--schedule"] if schedule else [])
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, cwd=ROOT)
+        _RUNS[scenario] = (out, proc)
+    out, proc = _RUNS[scenario]
+    want_ok = scenario != "skip_collective"  # the hang ends in the process group's timeout on both ranks
+    assert (proc.returncode == 0) == want_ok, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out
+
+
+def diagnose(folder: str, tmp_path, capsys, *extra: str) -> tuple[int, dict, str]:
+    """``moonep diagnose folder --json``: (exit status, report, printed text)."""
+    path = tmp_path / f"{os.path.basename(folder)}-{len(os.listdir(tmp_path))}.json"
+    code = main(["diagnose", folder, "--json", str(path), *extra], packages=["tools"])
+    text = capsys.readouterr().out
+    return code, json.loads(path.read_text()) if path.exists() else {}, text
+
+
+def blamed(report: dict, kind: str) -> dict:
+    """The one finding of ``kind`` on the slow rank (with its onset near the true one), or a failure that
+    shows every finding."""
+    hits = [f for f in report["findings"] if f["kind"] == kind and f["ranks"] == [SLOW_RANK]]
+    assert hits, report["findings"]
+    assert abs(hits[0]["onset_step"] - ONSET) <= 2, hits[0]
+    assert not [f for f in report["findings"] if 0 in f["ranks"] and f["kind"] != "step_slowdown"], report["findings"]
+    return hits[0]
+
+
+@pytest.mark.parametrize(
+    ("scenario", "schedule", "profiler_kind", "jsonl_kind"),
+    [
+        ("sleep", False, "host_idle", "host_idle"),  # steps inferred: no ProfilerStep spans
+        ("slow_data", False, "data_loader", "data_loader"),
+        ("cpu_thread", True, "slow_compute", "host_idle"),  # ProfilerStep#N spans
+    ],
+)
+def test_a_slow_rank_is_named_from_every_format(
+    scenario, schedule, profiler_kind, jsonl_kind, tmp_path_factory, tmp_path, capsys
+):
+    out = run_job(scenario, tmp_path_factory, schedule)
+    code, report, text = diagnose(os.path.join(out, "profiler"), tmp_path, capsys, "--plot", str(tmp_path))
+    assert code == 1 and report["format"] == "kineto", text
+    blamed(report, profiler_kind)
+    assert os.path.exists(tmp_path / "timeline.png")
+    code, report, text = diagnose(os.path.join(out, "jsonl"), tmp_path, capsys)
+    assert code == 1 and "no straggler found" not in text, text
+    blamed(report, jsonl_kind)
+    _detector_agrees(out, tmp_path, capsys)
+
+
+def _detector_agrees(out: str, tmp_path, capsys) -> None:
+    """The in-loop detector's own findings equal ``diagnose`` on the JSON lines it wrote."""
+    code, report, _ = diagnose(os.path.join(out, "detector"), tmp_path, capsys)
+    with open(os.path.join(out, "detector", "findings.json")) as f:
+        live = json.load(f)
+    key = sorted((f["kind"], tuple(f["ranks"]), f["onset_step"]) for f in live)
+    assert key == sorted((f["kind"], tuple(f["ranks"]), f["onset_step"]) for f in report["findings"])
+    assert key and code == 1, report["findings"]
+
+
+def test_flight_recorder_names_the_late_rank(tmp_path_factory, tmp_path, capsys):
+    out = run_job("sleep", tmp_path_factory)
+    code, report, text = diagnose(os.path.join(out, "fr"), tmp_path, capsys)
+    assert code == 1 and report["format"] == "flight_recorder", text
+    blamed(report, "late_arrival")
+
+
+def test_a_skipped_collective_is_named_from_the_profiler_and_the_flight_recorder(tmp_path_factory, tmp_path, capsys):
+    out = run_job("skip_collective", tmp_path_factory)
+    code, report, text = diagnose(os.path.join(out, "profiler"), tmp_path, capsys)
+    assert code == 1, text
+    (f,) = [f for f in report["findings"] if f["kind"] == "collective_mismatch"]
+    assert f["ranks"] == [SLOW_RANK] and f["onset_step"] == ONSET, f
+    code, report, text = diagnose(os.path.join(out, "fr"), tmp_path, capsys)
+    assert code == 1, text
+    kinds = {f["kind"] for f in report["findings"]}
+    assert kinds & {"hang", "collective_mismatch"}, report["findings"]
+    assert "rank 0 in all_reduce" in text and "rank 1 in " in text  # the calls each rank is stuck in
+
+
+def test_a_clean_run_reports_nothing_in_any_format(tmp_path_factory, tmp_path, capsys):
+    out = run_job("clean", tmp_path_factory)
+    for sub in ("profiler", "jsonl", "detector", "fr"):
+        code, report, text = diagnose(os.path.join(out, sub), tmp_path, capsys)
+        assert code == 0 and report["findings"] == [], (sub, report["findings"])
+        assert "no straggler found" in text
+    with open(os.path.join(out, "detector", "findings.json")) as f:
+        assert json.load(f) == []
