@@ -171,7 +171,7 @@ def _phase_marks(traces, ranks, steps):
                 yield j, op, marks
 
 
-def hidden_waits(traces, ranks, steps, t: Tables, align: float = 0.25) -> dict[str, int]:
+def hidden_waits(traces, ranks, steps, t: Tables, align: float = 0.5) -> dict[str, int]:
     """Find phases that hold a collective the trace does not record; take the waits in them out of the tables.
 
     A phase (a compute record's op) that every rank leaves together although they reached its end at

@@ -100,6 +100,10 @@ def register(commands, bench) -> None:
     demo.add_argument("--plot", metavar="DIR", help="write the plots here")
     demo.set_defaults(func=_demo)
 
+    _bench_args(bench)
+
+
+def _bench_args(bench) -> None:
     b = bench.add_parser("telemetry", help="step time with vs without telemetry sampling (goal <= 2%% slower)")
     b.add_argument(
         "--world-size",

@@ -34,6 +34,9 @@ from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+import torch
+import torch.distributed as dist
+
 from tools.analysis import build_tables
 from tools.detect import Finding, Thresholds
 from tools.findings import diagnose
@@ -76,7 +79,6 @@ class StragglerDetector:
             self.config.run_id = os.environ.get("TORCHELASTIC_RUN_ID")
         self.on_finding = on_finding
         self.group = group
-        import torch.distributed as dist  # the package stays importable where torch.distributed is not built
 
         self._dist = dist if dist.is_available() and dist.is_initialized() else None
         self.rank = self._dist.get_rank() if self._dist else 0
@@ -124,8 +126,6 @@ class StragglerDetector:
         c = time.perf_counter()
         start = end = None
         if self._cuda():
-            import torch
-
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
         t0, cpu0 = time.time(), time.thread_time()

@@ -212,7 +212,8 @@ def _unattributed(t: Tables, th: Thresholds) -> list[Finding]:
     """The job got slower but no rank is to blame from this trace: said as a finding on every rank, never
     "no straggler found". A change point of the step time: the first step ``k`` from which the median of the
     ``persist_steps`` steps reaches ``slowdown_ratio`` times the median step before it (the first two steps,
-    warm-up, left out) and ``min_persistence`` of those steps are slower than that median by half the margin."""
+    warm-up, left out), step ``k`` and ``min_persistence`` of those steps being slower than that median by half
+    the margin."""
     st, warm = t.step_time_s, 2
     if not t.blind or len(t.steps) < warm + th.window + th.min_evidence_steps:
         return []
@@ -222,8 +223,9 @@ def _unattributed(t: Tables, th: Thresholds) -> list[Finding]:
         base = float(np.median(before)) if before.size else 0.0
         after = st[k : k + th.persist_steps]
         after = after[np.isfinite(after)]
-        if base > 0 and after.size and np.median(after) / base >= th.slowdown_ratio:
-            persistence = float(np.mean(after >= base * (1 + (th.slowdown_ratio - 1) / 2)))
+        slow = base * (1 + (th.slowdown_ratio - 1) / 2)
+        if base > 0 and after.size and st[k] >= slow and np.median(after) / base >= th.slowdown_ratio:
+            persistence = float(np.mean(after >= slow))
             if persistence >= th.min_persistence:
                 best = (float(np.median(after) / base), k, float(base), persistence)
                 break  # the earliest step from which the run stays slower

@@ -231,12 +231,14 @@ def _steps(run: FRRun) -> tuple[dict[tuple[str, int], int], str]:
     once = once_per_period(labels)
     if not once:
         return {}, "no repeating pattern of calls: steps unknown"
-    # of the calls made once per iteration, the one followed by the longest pause closes it (the next
+    # of the calls made once per iteration, the one seen in the most iterations closes them (warm-up ones too:
+    # DDP all-reduces its first step's gradients in one bucket before it rebuilds them, so a bucket's call
+    # would number every later step one too low); ties: the one followed by the longest pause (the next
     # iteration's data loading and forward pass come before its first collective)
-    pauses = defaultdict(list)
+    counts, pauses = Counter(labels), defaultdict(list)
     for a, b, label in zip(calls, calls[1:], labels):
         pauses[label].append(b.arrival_s - a.arrival_s)
-    mark = max(once, key=lambda label: float(np.median(pauses[label])) if pauses[label] else 0.0)
+    mark = max(once, key=lambda label: (counts[label], float(np.median(pauses[label])) if pauses[label] else 0.0))
     steps = steps_from_anchor(labels, mark)
     return {(c.pg, c.seq): s for c, s in zip(calls, steps)}, f"steps inferred: each ends with {mark[1]} {mark[2]}"
 

@@ -36,7 +36,8 @@ def run_job(scenario: str, tmp_path_factory, schedule: bool = False) -> str:
         _RUNS[scenario] = (out, proc)
     out, proc = _RUNS[scenario]
     want_ok = scenario != "skip_collective"  # the hang ends in the process group's timeout on both ranks
-    assert (proc.returncode == 0) == want_ok, proc.stdout[-3000:] + proc.stderr[-3000:]
+    why = [x for x in (proc.stdout + proc.stderr).splitlines() if any(w in x for w in ("rror", "Fatal", "what()"))]
+    assert (proc.returncode == 0) == want_ok, "\n".join(why[-20:]) or proc.stderr[-3000:]
     return out
 
 
@@ -48,35 +49,47 @@ def diagnose(folder: str, tmp_path, capsys, *extra: str) -> tuple[int, dict, str
     return code, json.loads(path.read_text()) if path.exists() else {}, text
 
 
-def blamed(report: dict, kind: str) -> dict:
-    """The one finding of ``kind`` on the slow rank (with its onset near the true one), or a failure that
-    shows every finding."""
-    hits = [f for f in report["findings"] if f["kind"] == kind and f["ranks"] == [SLOW_RANK]]
+def blamed(report: dict, kinds: set[str]) -> dict:
+    """The earliest finding on the slow rank whose kind is one of ``kinds`` (its onset near the true one); no
+    finding may blame rank 0. A failure shows every finding."""
+    hits = sorted(
+        (f for f in report["findings"] if f["kind"] in kinds and f["ranks"] == [SLOW_RANK]),
+        key=lambda f: f["onset_step"],
+    )
     assert hits, report["findings"]
     assert abs(hits[0]["onset_step"] - ONSET) <= 2, hits[0]
-    assert not [f for f in report["findings"] if 0 in f["ranks"] and f["kind"] != "step_slowdown"], report["findings"]
+    wrong = [f for f in report["findings"] if 0 in f["ranks"] and f["kind"] != "step_slowdown"]
+    assert not wrong, report["findings"]
     return hits[0]
 
 
 @pytest.mark.parametrize(
-    ("scenario", "schedule", "profiler_kind", "jsonl_kind"),
+    ("scenario", "schedule", "profiler_kinds", "jsonl_kinds"),
     [
-        ("sleep", False, "host_idle", "host_idle"),  # steps inferred: no ProfilerStep spans
-        ("slow_data", False, "data_loader", "data_loader"),
-        ("cpu_thread", True, "slow_compute", "host_idle"),  # ProfilerStep#N spans
+        ("sleep", False, {"host_idle"}, {"host_idle"}),  # steps inferred: no ProfilerStep spans
+        ("slow_data", False, {"data_loader"}, {"data_loader"}),
+        # ProfilerStep#N spans. The thread takes the GIL: rank 1's ops run longer AND it waits between them.
+        # Our JSON lines name it when its waits outside DDP's hidden all-reduce stand out; when they do not,
+        # the report must say it cannot tell (step_slowdown), never "no straggler found"
+        ("cpu_thread", True, {"slow_compute", "host_idle"}, None),
     ],
 )
 def test_a_slow_rank_is_named_from_every_format(
-    scenario, schedule, profiler_kind, jsonl_kind, tmp_path_factory, tmp_path, capsys
+    scenario, schedule, profiler_kinds, jsonl_kinds, tmp_path_factory, tmp_path, capsys
 ):
     out = run_job(scenario, tmp_path_factory, schedule)
     code, report, text = diagnose(os.path.join(out, "profiler"), tmp_path, capsys, "--plot", str(tmp_path))
     assert code == 1 and report["format"] == "kineto", text
-    blamed(report, profiler_kind)
+    blamed(report, profiler_kinds)
     assert os.path.exists(tmp_path / "timeline.png")
     code, report, text = diagnose(os.path.join(out, "jsonl"), tmp_path, capsys)
     assert code == 1 and "no straggler found" not in text, text
-    blamed(report, jsonl_kind)
+    if jsonl_kinds:
+        blamed(report, jsonl_kinds)
+    else:
+        named = [f for f in report["findings"] if f["ranks"] == [SLOW_RANK]]
+        unsure = [f for f in report["findings"] if f["kind"] == "step_slowdown"]
+        assert (named or unsure) and not [f for f in named if f["kind"] == "step_slowdown"], report["findings"]
     _detector_agrees(out, tmp_path, capsys)
 
 
@@ -94,7 +107,7 @@ def test_flight_recorder_names_the_late_rank(tmp_path_factory, tmp_path, capsys)
     out = run_job("sleep", tmp_path_factory)
     code, report, text = diagnose(os.path.join(out, "fr"), tmp_path, capsys)
     assert code == 1 and report["format"] == "flight_recorder", text
-    blamed(report, "late_arrival")
+    blamed(report, {"late_arrival"})
 
 
 def test_a_skipped_collective_is_named_from_the_profiler_and_the_flight_recorder(tmp_path_factory, tmp_path, capsys):
