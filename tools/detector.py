@@ -1,6 +1,6 @@
 """An in-loop straggler detector for any ``torch.distributed`` job (three lines in the training loop).
 
-    det = StragglerDetector(every=20, window=60, trace_dir="trace/", on_finding=print)
+    det = StragglerDetector(every=50, window=100, trace_dir="trace/", on_finding=print)  # device="cuda" on GPUs
     for batch in loader:
         with det.step():
             with det.section("data", kind="data"):
@@ -71,7 +71,15 @@ class DetectorConfig:
 
 
 class StragglerDetector:
-    """Times sections of each step on every rank; rank 0 diagnoses the gathered window (module docstring)."""
+    """Times sections of each step on every rank; rank 0 diagnoses the gathered window (module docstring).
+
+    Args:
+        on_finding: called on rank 0 with each new ``Finding`` (once per kind and ranks).
+        group: the ``torch.distributed`` group to gather over (default: the world).
+        device: ``"cuda"`` (or a CUDA device) to time sections with CUDA events on the current stream; None:
+            thread CPU time.
+        **config: ``DetectorConfig`` fields (``every``, ``window``, ``trace_dir``, ``thresholds``, ``run_id``).
+    """
 
     def __init__(self, *, on_finding=None, group=None, device=None, **config):
         self.config = DetectorConfig(**config)

@@ -352,6 +352,23 @@ def _late(run, matched, step_of, th: Thresholds) -> list[Finding]:
     return out
 
 
+SKEW_ROWS = 200
+"""Calls listed in the summary's ``arrival_skew`` (the most recent)."""
+
+
+def _skews(matched, step_of) -> list[dict]:
+    """Per call on every member: who arrived last and by how much after the first (seconds)."""
+    rows = []
+    for (pg, group), by_seq in matched.items():
+        for seq, calls in sorted(by_seq.items()):
+            if len(calls) == len(group) > 1:
+                arrivals = {r: c.arrival_s for r, c in calls.items()}
+                last = max(arrivals, key=arrivals.get)
+                rows.append({"group": pg, "seq": seq, "op": calls[last].op, "step": step_of.get((pg, seq)),
+                             "last_rank": last, "skew_s": arrivals[last] - min(arrivals.values())})  # fmt: skip
+    return rows
+
+
 def analyse_fr(run: FRRun, thresholds: Thresholds | None = None) -> FRAnalysis:
     """Verdicts (module docstring), the summary for the report, and the collectives as tables."""
     th = thresholds or Thresholds()
@@ -360,6 +377,7 @@ def analyse_fr(run: FRRun, thresholds: Thresholds | None = None) -> FRAnalysis:
     findings = _hangs(run, matched, step_of) + _mismatches(run, matched, step_of) + _late(run, matched, step_of, th)
     summary = {
         "files": {str(r): p for r, p in sorted(run.paths.items())},
+        "arrival_skew": _skews(matched, step_of)[-SKEW_ROWS:],
         "steps": how,
         "last_seq": {str(r): {c.pg: c.seq for c in calls} for r, calls in sorted(run.calls.items())},
         "warnings": list(run.warnings),

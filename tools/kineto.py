@@ -102,16 +102,15 @@ def _seconds(doc: dict, ts: float) -> float:
     return (doc.get("baseTimeNanoseconds") or 0) / 1e9 + ts / 1e6
 
 
-def _group_of(args: dict, world: tuple[int, ...]) -> tuple[tuple[int, ...], str | None]:
+def _group_of(args: dict) -> tuple[int, ...] | None:
+    """The event's process group ranks, when its args name them (NCCL kernels, ``record_param_comms``)."""
     ranks = args.get("Process Group Ranks", args.get("pg_ranks"))
     if isinstance(ranks, str):
         try:
             ranks = json.loads(ranks)
         except ValueError:
             ranks = None
-    group = tuple(int(r) for r in ranks) if isinstance(ranks, list) and ranks else world
-    name = args.get("Process Group Name", args.get("pg_name"))
-    return group, None if name is None else str(name)
+    return tuple(int(r) for r in ranks) if isinstance(ranks, list) and ranks else None
 
 
 class _Events:
@@ -122,6 +121,7 @@ class _Events:
         self.host: list[tuple[float, float, str, str]] = []  # t0, t1, name, cat: ops and annotations
         self.kernels: list[tuple[float, float]] = []  # compute kernels on GPU streams
         self.steps: list[tuple[int, float, float]] = []
+        self.ungrouped = False  # a collective without process-group ranks (gloo's spans): taken as the world's
         has_kernel_collectives = any(
             NCCL_KERNEL.match(str(e.get("name", ""))) for _, d in docs for e in d["traceEvents"] if isinstance(e, dict)
         )
@@ -146,15 +146,22 @@ class _Events:
         if kernel or (coll and not kernel_collectives):
             op = _KERNEL_OPS.get(kernel.group(1), kernel.group(1).lower()) if kernel else coll.group(1)
             op = str(args.get("Collective name") or op)
-            group, _ = _group_of(args, world)
+            group = _group_of(args)
+            self.ungrouped |= group is None
             seq = args.get("Seq", args.get("seq"))
-            self.collectives.append((t0, t1, op, group, seq if isinstance(seq, int) else None))
+            self.collectives.append((t0, t1, op, group or world, seq if isinstance(seq, int) else None))
         elif coll or name.startswith(("c10d::", "record_param_comms")):
             return  # the host-side issue of a collective whose GPU kernel is the real span
         elif cat == "kernel":
             self.kernels.append((t0, t1))
         elif cat in ("cpu_op", "user_annotation", "python_function"):
             self.host.append((t0, t1, name, cat))
+
+
+def _pg_count(doc: dict) -> int:
+    info = doc.get("distributedInfo")
+    count = info.get("pg_count") if isinstance(info, dict) else None
+    return count if isinstance(count, int) else 1
 
 
 def _number(x) -> bool:
@@ -203,6 +210,12 @@ def rank_trace(rank: int, docs: list[tuple[str, dict]], world: tuple[int, ...]) 
     windows, how = _windows(ev)
     trace = RankTrace(rank, source="kineto", host_op_compute=not ev.kernels)
     notes = [] if how == "ProfilerStep" else [f"no ProfilerStep spans; steps inferred from {how}"]
+    groups = max((_pg_count(doc) for _, doc in docs), default=1)
+    if ev.ungrouped and groups > 1:
+        notes.append(
+            f"{groups} process groups, but the collective spans do not say which group ran them (gloo): they "
+            f"are matched by order over the world, so waits across groups may be paired wrongly"
+        )
     if not windows:
         return trace, ["no ProfilerStep spans and no repeating structure: no steps"]
     starts = [lo for _, lo, _ in windows]

@@ -140,8 +140,9 @@ def _problem(rec) -> str | None:
 
 
 def parse_lines(path: str, text: str, dropped: list[str] | None = None) -> list[dict]:
-    """Valid records of one file's text. Each invalid line is dropped with a ``TraceWarning`` naming
-    ``path:line`` and why; the same text is appended to ``dropped`` when given."""
+    """Valid records of one file's text. Each invalid line is dropped and appended to ``dropped`` (when given)
+    as ``path:line: why``; the first ``WARN_LINES`` of a file are each a ``TraceWarning``, the rest one more
+    warning with their count (a file of another schema is one warning, not one a line)."""
     lines = text.split("\n")
     complete, tail = lines[:-1], lines[-1]  # text after the last newline was cut mid-write
     records, bad = [], []
@@ -206,7 +207,7 @@ def _add(trace: RankTrace, rec: dict) -> None:
     phase[0], phase[1] = min(phase[0], t0), max(phase[1], t1)
     phase[2] += busy
     phase[3] += off
-    phase[4] += busy if busy == t1 - t0 and not _number(cpu) else 0.0
+    phase[4] += 0.0 if _number(cpu) and cpu >= 0 else t1 - t0
     trace.compute[step] += busy
     seconds, tokens = trace.compute_ops[step].get(op, (0.0, 0))
     trace.compute_ops[step][op] = (seconds + busy, tokens + int(rec.get("tokens") or 0))

@@ -43,6 +43,8 @@ def test_real_dumps_name_the_late_rank_and_its_onset(ext, tmp_path, capsys):
     assert (f["kind"], f["ranks"], f["onset_step"]) == ("late_arrival", [1], 5)
     assert 0.025 < f["evidence"]["excess_s"] < 0.04  # the 30 ms sleep, from the arrival times
     assert report["flight_recorder"]["last_seq"] == {"0": {"default_pg": 18}, "1": {"default_pg": 18}}
+    late = [row for row in report["flight_recorder"]["arrival_skew"] if row["step"] is not None and row["step"] >= 5]
+    assert late and all(row["last_rank"] == 1 for row in late if row["skew_s"] > 0.02)
 
 
 def test_pickle_and_json_forms_hold_the_same_calls():

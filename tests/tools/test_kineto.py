@@ -190,3 +190,34 @@ def test_steps_close_at_each_anchor(prologue, body, repeats):
     closes = [i for i, x in enumerate(labels) if x == mark]
     for k, i in enumerate(closes):  # the k-th anchor ends step k
         assert steps[i] == k and (i + 1 == len(labels) or steps[i + 1] == k + 1)
+
+
+def test_a_foreign_timing_log_is_one_warning_and_an_empty_folder_no_verdict(tmp_path, capsys):
+    lines = [json.dumps({"step": i, "time_s": 0.05, "loss": 2.0}) for i in range(50)]
+    (tmp_path / "rank0.jsonl").write_text("\n".join(lines) + "\n")
+    (tmp_path / "train_log.txt").write_text("step 1 loss 2.0\n")
+    code, out, err = _cli([str(tmp_path)], capsys)
+    assert code == 2 and "no trace records with steps" in err
+    assert "no straggler found" not in out  # nothing was diagnosed: no verdict either way
+    warned = [x for x in out.splitlines() if x.startswith("warning:")]
+    assert len(warned) <= 8 and any("no line is a trace record" in x for x in warned), out
+    assert any("ignored 1 file(s)" in x and "train_log.txt" in x for x in warned), out
+
+
+def test_gloo_spans_with_several_process_groups_are_warned_about(tmp_path):
+    for name in os.listdir(FIXTURE):
+        with gzip.open(os.path.join(FIXTURE, name), "rt") as f:
+            doc = json.load(f)
+        doc["distributedInfo"]["pg_count"] = 2
+        _write(tmp_path, name.split(".")[0], doc)
+    report, _ = analyse(tmp_path)
+    assert any("2 process groups" in w and "matched by order" in w for w in report["warnings"]), report["warnings"]
+
+
+def test_a_missing_rank_file_is_incomplete(tmp_path, capsys):
+    first = sorted(os.listdir(FIXTURE))[0]
+    shutil.copy(os.path.join(FIXTURE, first), tmp_path)
+    code, out, err = _cli([str(tmp_path)], capsys)
+    assert code == 2 and "missing ranks [1]" in err, out + err
+    code, out, err = _cli([str(tmp_path), "--partial"], capsys)
+    assert code == 0 and "PARTIAL" in out, out + err
