@@ -180,14 +180,14 @@ def _skipped_collectives(t: Tables) -> list[Finding]:
     its usual count: it skipped (or added) collectives, so every later call is paired with a peer's call of
     another step: the prelude of a hang or of silently wrong results. Each rank's last step is left out (a
     trace cut mid-step is short there), and so is a rank whose file lost lines (a dropped record is no skip)."""
-    if t.calls is None or len(t.ranks) < 2 or len(t.steps) < 3:
+    if t.calls is None or len(t.ranks) < 2 or len(t.steps) < 3 or not t.calls.any():
         return []
     usual = np.median(t.calls, axis=1)
     seen = np.isfinite(t.compute_s) | (t.calls > 0)
     last = [max((j for j in range(len(t.steps)) if seen[i, j]), default=-1) for i in range(len(t.ranks))]
     for j, step in enumerate(t.steps):
         odd = [i for i in range(len(t.ranks)) if t.calls[i, j] != usual[i] and j < last[i]]
-        if not odd or len(odd) == len(t.ranks) or not usual.any() or any(t.ranks[i] in t.damaged for i in odd):
+        if not odd or len(odd) == len(t.ranks) or any(t.ranks[i] in t.damaged for i in odd):
             continue
         blamed = [t.ranks[i] for i in odd]
         others = [t.ranks[i] for i in range(len(t.ranks)) if i not in odd]
@@ -217,7 +217,7 @@ def _unattributed(t: Tables, th: Thresholds) -> list[Finding]:
     st, warm = t.step_time_s, 2
     if not t.blind or len(t.steps) < warm + th.window + th.min_evidence_steps:
         return []
-    best = None
+    found = None
     for k in range(warm + th.window, len(st) - th.min_evidence_steps + 1):
         before = st[warm:k][np.isfinite(st[warm:k])]
         base = float(np.median(before)) if before.size else 0.0
@@ -227,11 +227,11 @@ def _unattributed(t: Tables, th: Thresholds) -> list[Finding]:
         if base > 0 and after.size and st[k] >= slow and np.median(after) / base >= th.slowdown_ratio:
             persistence = float(np.mean(after >= slow))
             if persistence >= th.min_persistence:
-                best = (float(np.median(after) / base), k, float(base), persistence)
+                found = (float(np.median(after) / base), k, float(base), persistence)
                 break  # the earliest step from which the run stays slower
-    if best is None:
+    if found is None:
         return []
-    ratio, k, base, persistence = best
+    ratio, k, base, persistence = found
     hidden = ", ".join(repr(op) for op in t.hidden) or "every phase (no collective is recorded)"
     return [
         Finding(
@@ -242,9 +242,8 @@ def _unattributed(t: Tables, th: Thresholds) -> list[Finding]:
             what_if_step_time_s=base,
             detail=f"steps take {ratio:.2f}x their earlier level from step {t.steps[k]}, but this trace cannot "
             f"tell which rank: waits for a late peer hide inside {hidden}, and a rank slowed off-CPU (a "
-            f"contended core, sleep, I/O) before that sync looks like the peers that waited for it. Record the "
-            f"collectives (collectives tracing, a profiler trace) or time each section with "
-            f"tools.detector.StragglerDetector, then diagnose again",
+            f"contended core, sleep, I/O) before that sync looks like the peers that waited for it. A trace that "
+            f"records the collectives as spans of their own (a PyTorch profiler trace, collectives tracing) can",
             evidence={"ratio": round(ratio, 3), "persistence": round(persistence, 3)},
         )
     ]
