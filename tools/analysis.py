@@ -63,8 +63,8 @@ class Tables:
     stages: dict[int, int | None]
     """Pipeline stage of each rank (None when the trace does not say)."""
     idle_s: np.ndarray | None = None
-    """Seconds the rank spent in no record (gaps, off-CPU time inside compute records), waits for a late rank
-    inside a phase that holds a hidden collective taken out (``hidden_waits``)."""
+    """Seconds the rank spent in no record (gaps, off-CPU time inside compute records), without the off-CPU time
+    of phases that hold a hidden collective (``hidden_waits``: waiting there looks like being descheduled)."""
     hidden: dict[str, int] = field(default_factory=dict)
     """Phase -> steps in which every rank left the phase together (it holds a collective the trace does not
     record, like DDP's gradient all-reduce inside backward); their waits were attributed to the last arriver."""

@@ -62,9 +62,9 @@ def register(commands, bench) -> None:
         "distributedInfo and Flight Recorder dumps not named <prefix><rank>",
     )
     d.add_argument("--json", metavar="FILE", help="write the stable findings JSON here")
-    d.add_argument("--plot", metavar="DIR", help="write rank x step heatmap and wait-matrix PNGs here")
+    d.add_argument("--plot", metavar="DIR", help="write the timeline, heatmap and wait-matrix PNGs here")
     d.add_argument("--probe-json", metavar="FILE", help="a `moonep probe --json` result to name slow-link pairs")
-    d.add_argument("--follow", action="store_true", help="tail the files of a running job and print alerts")
+    d.add_argument("--follow", action="store_true", help="tail a running job's rank<N>.jsonl files, print alerts")
     d.add_argument("--interval", type=float, default=1.0, help="--follow: seconds between polls")
     d.add_argument("--max-seconds", type=float, help="--follow: stop after this long (default: until Ctrl-C)")
     d.add_argument(

@@ -103,7 +103,7 @@ def rank_of(path: str, rank_from: str | None = None) -> int | None:
     name = os.path.basename(path)
     if rank_from:
         match = re.search(rank_from, name)
-        return int(match.group(1)) if match and match.groups() and match.group(1).isdigit() else None
+        return int(match.group(1)) if match and match.groups() and (match.group(1) or "").isdigit() else None
     match = _TRAILING_DIGITS.search(name.split(".")[0])
     return int(match.group(1)) if match else None
 

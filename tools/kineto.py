@@ -82,7 +82,7 @@ def rank_and_world(doc: dict, path: str, rank_from: str | None) -> tuple[int, in
     world = world if isinstance(world, int) and world >= 1 else None
     if rank_from:
         match = re.search(rank_from, os.path.basename(path))
-        if not match or not match.groups() or not match.group(1).isdigit():
+        if not match or not match.groups() or not (match.group(1) or "").isdigit():
             raise TraceFormatError(f"{path}: --rank-from {rank_from!r} does not capture a rank number in its name")
         return int(match.group(1)), world
     if isinstance(info, dict) and isinstance(info.get("rank"), int):

@@ -154,7 +154,8 @@ def _check_one_run(rank: int, items: list[tuple[str, dict]]) -> None:
     pids: dict[object, str] = {}
     ids: dict[object, str] = {}
     for path, doc in items:
-        pid = next((e.get("pid") for e in doc["traceEvents"] if isinstance(e, dict) and e.get("ph") == "X"), None)
+        host = (e for e in doc["traceEvents"] if isinstance(e, dict) and e.get("cat") in ("cpu_op", "user_annotation"))
+        pid = next((e.get("pid") for e in host), None)  # GPU events carry the device as their pid
         pids.setdefault(pid, path)
         if doc.get("trace_id") is not None and doc["trace_id"] in ids:
             raise TraceFormatError(f"{path}: the same trace as {ids[doc['trace_id']]} (rank {rank} twice)")
