@@ -3,13 +3,16 @@ JSON-lines traces of a job whose collectives hide inside a phase (DDP's all-redu
 
 from __future__ import annotations
 
+import ast
 import json
+import os
 import time
 
 import numpy as np
 import pytest
 
 from moonep.console import main
+from tests.tools.test_foreign_jobs import run_job
 from tools.analysis import build_tables
 from tools.detector import DetectorConfig, StragglerDetector
 from tools.findings import diagnose
@@ -121,3 +124,77 @@ def test_bench_detector_runs_and_reports_the_ratio(tmp_path, capsys):
     assert code in (0, 1) and result["benchmark"] == "detector" and result["ratio"] > 0
     assert result["passed"] == (result["overhead_fraction"] < 0.01) and "ratio" in capsys.readouterr().out
     assert main(["bench", "detector", "--blocks", "3"], packages=["tools"]) == 2
+
+
+def _batches(recs: dict[int, list[dict]], lo: int, hi: int) -> list[tuple[int, list[dict], None]]:
+    """What rank 0 receives from one gather: each rank's records of steps ``lo`` .. ``hi - 1``."""
+    return [(r, [x for x in rs if lo <= x["step"] < hi], None) for r, rs in recs.items()]
+
+
+def test_rank_0_reports_each_new_finding_once(caplog):
+    """Two ranks' windows fed to rank 0's diagnosis gather by gather (no process group): the straggler from step
+    10 is reported once to ``on_finding`` and the log however many gathers still see it."""
+    recs = _ddp_records(sleep=0.03, where="gap")
+    seen = []
+    det = StragglerDetector(every=10, window=30, on_finding=seen.append)
+    with caplog.at_level("WARNING", logger="tools.detector"):
+        for lo in range(0, 30, 10):
+            det._diagnose(_batches(recs, lo, lo + 10))
+        det._diagnose(_batches(recs, 20, 30))  # the same window again: nothing new
+    assert [(f.kind, f.ranks, f.onset_step) for f in seen] == [("host_idle", [1], 10)], seen
+    assert len([r for r in caplog.records if "host_idle" in r.getMessage()]) == 1
+    assert [(f.kind, f.ranks) for f in det.findings] == [("host_idle", [1])]
+
+
+def test_the_window_keeps_the_last_steps_only():
+    recs = _ddp_records(sleep=0.0)
+    det = StragglerDetector(every=5, window=10)
+    for lo in range(0, 30, 5):
+        det._diagnose(_batches(recs, lo, lo + 5))
+    kept = {r: sorted({x["step"] for x in w}) for r, w in det._window.items()}
+    assert kept == {0: list(range(20, 30)), 1: list(range(20, 30))}
+    assert det.findings == []
+
+
+def _module_imports(path: str) -> set[str]:
+    with open(path) as f:
+        tree = ast.parse(f.read())
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+    return names
+
+
+def test_the_detector_depends_on_torch_and_pure_tools_modules_only():
+    """The detector and the ``tools`` modules it pulls in import nothing of ``collectives`` (or the simulator),
+    so it runs in any ``torch.distributed`` job."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    todo, done = ["tools.detector"], set()
+    while todo:
+        mod = todo.pop()
+        if mod in done:
+            continue
+        done.add(mod)
+        for name in _module_imports(os.path.join(root, *mod.split(".")) + ".py"):
+            top = name.split(".")[0]
+            assert top not in ("collectives", "moonep", "moonep_base", "simulator", "k3"), (mod, name)
+            if top == "tools":
+                todo.append(name)
+    pure = ("detector", "analysis", "detect", "findings", "traces", "intervals")
+    assert done == {f"tools.{m}" for m in pure}
+
+
+@pytest.mark.parametrize(("scenario", "kind"), [("sleep", "host_idle"), ("slow_data", "data_loader")])
+def test_the_detector_names_the_slow_rank_of_a_real_ddp_job(scenario, kind, tmp_path_factory):
+    """Rank 0's own findings in the real 2-rank gloo DDP job (``ddp_job.py``, run once per session and shared
+    with ``test_foreign_jobs.py``): rank 1 sleeps 30 ms a step outside every section, or its data loader 25 ms a
+    batch, from step 10. The right kind on rank 1 alone, onset within 2 steps of 10; ``diagnose`` on the JSON
+    lines the detector wrote giving the same is checked in ``test_foreign_jobs.py``."""
+    out = run_job(scenario, tmp_path_factory)
+    with open(os.path.join(out, "detector", "findings.json")) as f:
+        live = json.load(f)
+    near = [f for f in live if f["kind"] == kind and f["ranks"] == [1] and abs(f["onset_step"] - 10) <= 2]
+    assert near and not [f for f in live if 0 in f["ranks"] and f["kind"] != "step_slowdown"], live
