@@ -15,6 +15,8 @@ import torch
 
 from planner.slack import check_options, slack_num
 
+from .agreement import UNREADABLE, cost_words, dtype_word, int_word
+
 
 class Problem(enum.IntEnum):
     """What a rank found wrong with its arguments; the code travels to every rank, which raises together."""
@@ -31,6 +33,7 @@ class Problem(enum.IntEnum):
     EXPERT_OUT = 9
     RECV_WEIGHTS = 10
     FOREIGN_PLAN = 11
+    STALE_PLAN = 12
 
 
 MAX_TOTAL = 2**40
@@ -49,6 +52,7 @@ PROBLEMS = {
     Problem.EXPERT_OUT: "expert_out has the wrong type, shape, dtype or device",
     Problem.RECV_WEIGHTS: "recv_weights has the wrong type, shape, dtype or device",
     Problem.FOREIGN_PLAN: "plan was made by another Buffer or rank",
+    Problem.STALE_PLAN: "plan was made by an earlier dispatch of this Buffer, not its latest",
 }
 
 
@@ -191,11 +195,35 @@ def check_totals(rank: int, s: list[int], totals: list[int]) -> int:
     return sum(s)
 
 
-def combine_problem(buf, plan, expert_out, recv_weights) -> tuple[int, str]:
+def plan_problem(buf, plan, any_step: bool) -> tuple[int, str]:
+    """(code, detail) when ``plan`` is not this Buffer's plan on this rank, or (unless ``any_step``) not the plan
+    of its latest dispatch: an older plan lays out other rows, and its sizes often match. Host ints only."""
+    if getattr(plan, "buffer_id", None) != id(buf) or getattr(plan, "rank", None) != buf.rank:
+        return Problem.FOREIGN_PLAN, "plan must be the CommPlan this Buffer's dispatch returned on this rank"
+    if not any_step and plan.generation != buf.generation:
+        return Problem.STALE_PLAN, (
+            f"plan comes from dispatch #{plan.generation} of this Buffer but its latest is #{buf.generation}: a "
+            f"plan is valid until the next dispatch (any_step=True: the caller vouches that the rows were laid "
+            f"out by that plan's dispatch, e.g. a backward)"
+        )
+    return Problem.OK, ""
+
+
+def check_generations(generations: list[int]) -> None:
+    """Every rank's Buffer must be at the same dispatch: the same ValueError on every rank otherwise."""
+    if len(set(generations)) > 1:
+        raise ValueError(
+            f"moonep.dispatch: the ranks' Buffers are at different dispatch counts {generations} (per rank): a rank "
+            f"skipped or repeated a dispatch; every rank of the EP group must make the same calls in the same order"
+        )
+
+
+def combine_problem(buf, plan, expert_out, recv_weights, any_step: bool = False) -> tuple[int, str]:
     """(code, detail) for one rank's combine arguments; code 0 = fine. Never raises."""
     try:
-        if getattr(plan, "buffer_id", None) != id(buf) or getattr(plan, "rank", None) != buf.rank:
-            return Problem.FOREIGN_PLAN, "plan must be the CommPlan this Buffer's dispatch returned on this rank"
+        code, detail = plan_problem(buf, plan, any_step)
+        if code:
+            return code, detail
         p = _tensor_problem(expert_out, "expert_out", (plan.recv_rows, buf.H), buf.dtype, buf.device)
         if p:
             return Problem.EXPERT_OUT, p
@@ -208,40 +236,39 @@ def combine_problem(buf, plan, expert_out, recv_weights) -> tuple[int, str]:
         return Problem.EXPERT_OUT, f"could not inspect the arguments: {type(exc).__name__}: {exc}"
 
 
-def agree_geometry(buf) -> None:
-    """Every rank must build the same Buffer (sizes, dtype, padding, balancing: one plan per step depends on
-    them all): one all-gather at construction, the same ValueError on every rank naming what differs."""
-    if buf.R == 1:
-        return
-    dtypes = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
-    cost = buf.cost
-    mine = [
-        *(getattr(buf.geometry, f) for f in ("S", "H", "K", "E", "token_padding")),
-        dtypes.index(buf.dtype) if buf.dtype in dtypes else 99,
-        -1 if buf.slack is None else slack_num(buf.slack),
-        *((-1, -1, -1, -1) if cost is None else cost_words(cost)),
-        int(buf.grow),
-    ]
-    gathered = torch.empty(buf.R * len(mine), dtype=torch.int64)
-    buf.comm.all_gather(gathered, torch.tensor(mine, dtype=torch.int64), validate=False)
-    rows = gathered.view(buf.R, len(mine)).tolist()  # construction, not the data path: one read is fine
-    names = ["S", "H", "K", "E", "token_padding", "dtype", "slack", "cost", "cost", "cost", "cost", "grow"]
-    differ = sorted({n for i, n in enumerate(names) if len({row[i] for row in rows}) > 1})
-    if differ:
-        per_rank = {n: [row[names.index(n)] for row in rows] for n in differ if n not in ("cost", "dtype")}
-        raise ValueError(
-            f"moonep.Buffer: ranks build different Buffers ({', '.join(differ)} differ; per rank: {per_rank}); "
-            f"every rank of the EP group must pass the same sizes, dtype, token_padding and balancing"
-        )
+def buffer_settings(comm, S, H, K, E, token_padding, dtype, slack, cost, grow) -> tuple[dict, tuple | None]:
+    """(settings words, this rank's own problem or None) of a ``Buffer``'s arguments: every size, dtype and
+    balancing option that one plan per step depends on. Never raises (``agreement.agree_settings`` does)."""
+    sizes = {"S": S, "H": H, "K": K, "E": E, "token_padding": token_padding}
+    words = {n: int_word(v) for n, v in sizes.items()}
+    words["dtype"] = dtype_word(dtype)
+    try:  # a value that cannot be a word still travels (UNREADABLE): its own check below names it
+        words["slack"] = -1 if slack is None else slack_num(slack)
+    except ValueError:
+        words["slack"] = UNREADABLE
+    try:
+        words.update({f"cost#{i}": w for i, w in enumerate(cost_words(cost))})
+    except Exception:
+        words.update({f"cost#{i}": UNREADABLE for i in range(4)})
+    words["grow"] = int(bool(grow))
+    problem = None
+    for name, value in sizes.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            problem = (name, f"{name} must be a positive int, got {value!r}")
+            break
+    if problem is None and E % comm.world_size:
+        problem = ("E", f"E={E} must be a multiple of the EP group size R={comm.world_size}")
+    if problem is None and not isinstance(dtype, torch.dtype):
+        problem = ("dtype", f"dtype must be a torch.dtype, got {dtype!r}")
+    if problem is None:
+        try:
+            balance_options(slack, cost)
+        except (TypeError, ValueError) as exc:
+            problem = ("slack" if cost is None else "cost#0", str(exc))
+    return words, problem
 
 
 def balance_options(slack: Any, cost: Any) -> tuple[float | None, Any, float]:
     """(slack, cost, the largest σ a plan may use) after the planner's own check of the options."""
     check_options(slack, cost)
     return slack, cost, cost.max_slack if cost is not None else (slack or 0.0)
-
-
-def cost_words(cost) -> list[int]:
-    """A CostModel as four int64 words (float bits, max_slack, candidates): compared across ranks exactly."""
-    bits = torch.tensor([cost.row_seconds, cost.copy_seconds], dtype=torch.float64).view(torch.int64).tolist()
-    return [*bits, slack_num(cost.max_slack), cost.candidates]

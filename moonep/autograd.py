@@ -35,7 +35,8 @@ class _Dispatch(torch.autograd.Function):
         gw = None
         if ctx.has_w:
             gw = grad_w if grad_w is not None else torch.zeros(plan.recv_rows, device=buf.device)
-        grad_x, grad_tw = buf.combine(plan, grad_recv.contiguous(), gw)
+        # the backward runs after later dispatches of a shared Buffer (other layers, micro-batches)
+        grad_x, grad_tw = buf.combine(plan, grad_recv.contiguous(), gw, any_step=True)
         return None, None, grad_x, grad_tw, None, None, None, None
 
 
@@ -48,7 +49,7 @@ class _Combine(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        grad_rows, _, _, _ = ctx.buffer.redispatch(ctx.plan, grad_out.contiguous())
+        grad_rows, _, _, _ = ctx.buffer.redispatch(ctx.plan, grad_out.contiguous(), any_step=True)
         return None, None, grad_rows
 
 

@@ -10,8 +10,9 @@ device kernel on CUDA), the layout (``moonep.layout``), rows and weights. A fres
 into Python ONCE: the step's split table (the Python split lists that a split-list transport — NCCL, gloo,
 MPI — needs for every exchange of the step, forward and backward), read together with the error codes so
 that bad input on any rank fails on every rank before any row moves. Its four collectives:
-1. all-gather ``[E + 3]`` int64 per rank: ``slots_per_expert`` plus an error code, ``s`` and
-   ``total_num_tokens``; the same ``planner.plan`` on every rank, then this rank's send layout;
+1. all-gather ``[E + 4]`` int64 per rank: ``slots_per_expert`` plus an error code, ``s``,
+   ``total_num_tokens`` and the Buffer's dispatch count (``generation``: a plan is valid until the next
+   dispatch); the same ``planner.plan`` on every rank, then this rank's send layout;
 2. all-gather ``[R + 1]``: the unique (token, destination) rows this rank sends to each rank, and a layout
    check; then the one host read;
 3. all-to-all of the per-slot side table (int32: row, unique index, routing weight bits) with the plan's
@@ -31,11 +32,13 @@ from planner.tables import raise_error as raise_plan_error
 
 from . import _checks, replica_exchange
 from ._checks import Problem
+from .agreement import agree_settings
 from .comm_plan import CommPlan
 from .geometry import EPGeometry
 from .layout import num_recv_rows, recv_layout, replica_maps, row_sources, send_layout
 
 INT32_MAX = 2**31 - 1
+SAME_BUFFER = "every rank of the EP group must pass the same sizes, dtype, token_padding and balancing"
 
 
 def resolve_device(comm, device: Any) -> torch.device:
@@ -84,17 +87,18 @@ class Buffer:
         cost: planner.CostModel | None = None,
         grow: bool = False,
     ) -> None:
+        # compared across ranks BEFORE any rank raises on its own: a bad value on one rank is the same error on all
+        words, problem = _checks.buffer_settings(comm, S, H, K, E, token_padding, dtype, slack, cost, grow)
+        agree_settings(comm, "Buffer", words, problem, hint=SAME_BUFFER)
         self.geometry = EPGeometry(S=S, H=H, K=K, E=E, token_padding=token_padding)
-        R = comm.world_size
-        if E % R:
-            raise ValueError(f"E={E} must be a multiple of the EP group size R={R}")
-        self.comm, self.S, self.H, self.K, self.E, self.R = comm, S, H, K, E, R
-        self.rank, self.epn, self.token_padding, self.dtype = comm.rank, E // R, token_padding, dtype
+        self.comm, self.S, self.H, self.K, self.E, self.R = comm, S, H, K, E, comm.world_size
+        self.rank, self.epn, self.token_padding, self.dtype = comm.rank, E // self.R, token_padding, dtype
         self.device = resolve_device(comm, device)
         self.check_reuse = check_reuse
         self.slack, self.cost, self.max_slack = _checks.balance_options(slack, cost)
         self.grow = bool(grow)
-        _checks.agree_geometry(self)
+        self.generation = 0
+        """dispatches made so far (agreed across ranks by each dispatch); a plan is valid until the next one."""
         self._allocate(S)
 
     def _allocate(self, S: int) -> None:
@@ -147,19 +151,21 @@ class Buffer:
         code, detail, s = _checks.dispatch_problem(
             self, hidden, topk_weights, topk_idx, slots_per_expert, total_num_tokens, reuse=False
         )
+        self.generation += 1  # on every rank, even when this call raises: the ranks raise together
         idx = _checks.routed_ids(self, topk_idx) if code == 0 else torch.full((0, self.K), -1, device=self.device)
-        counts = torch.zeros(self.E + 4, dtype=torch.int64, device=self.device)  # the last entry takes -1 ids
-        counts.scatter_add_(0, torch.where(idx >= 0, idx, self.E + 3).reshape(-1), torch.ones_like(idx).reshape(-1))
-        counts = counts[: self.E + 3]
+        counts = torch.zeros(self.E + 5, dtype=torch.int64, device=self.device)  # the last entry takes -1 ids
+        counts.scatter_add_(0, torch.where(idx >= 0, idx, self.E + 4).reshape(-1), torch.ones_like(idx).reshape(-1))
+        counts = counts[: self.E + 4]
         if code == 0:
             counts[self.E] = _checks.data_code(self, topk_idx, topk_weights, slots_per_expert, counts[: self.E])
         else:
             counts[self.E] = code
         counts[self.E + 1] = s
         counts[self.E + 2] = -1 if total_num_tokens is None or code else total_num_tokens
-        gathered = torch.empty(self.R * (self.E + 3), dtype=torch.int64, device=self.device)
+        counts[self.E + 3] = self.generation
+        gathered = torch.empty(self.R * (self.E + 4), dtype=torch.int64, device=self.device)
         self.comm.all_gather(gathered, counts, validate=False)
-        g = gathered.view(self.R, self.E + 3)
+        g = gathered.view(self.R, self.E + 4)
         global_plan = planner.plan(
             g[:, : self.E], token_padding=self.token_padding, slack=self.slack, cost=self.cost, defer_errors=True
         )
@@ -172,6 +178,7 @@ class Buffer:
         step = self._read_step(g, global_plan, uniq)  # the one host read
         code_detail = detail or (_checks.data_detail(self, topk_idx, topk_weights) if step["codes"][self.rank] else "")
         _checks.raise_agreed("dispatch", self.rank, step["codes"], code_detail)
+        _checks.check_generations(step["generations"])
         total = _checks.check_totals(self.rank, step["s"], step["totals"])
         if step["err"][0]:
             raise_plan_error(step["err"], self.epn)
@@ -201,7 +208,7 @@ class Buffer:
         flat = torch.cat(parts).tolist()
         cut, out = 0, {}
         for name, n in (
-            ("head", 3 * R),
+            ("head", 4 * R),
             ("err", 3),
             ("send", R * R),
             ("uniq", R * (R + 1)),
@@ -212,7 +219,7 @@ class Buffer:
             out[name] = flat[cut : cut + n]
             cut += n
         head, u = out.pop("head"), out.pop("uniq")
-        out["codes"], out["s"], out["totals"] = head[0::3], head[1::3], head[2::3]
+        out["codes"], out["s"], out["totals"], out["generations"] = head[0::4], head[1::4], head[2::4], head[3::4]
         out["send"] = [out["send"][q * R : (q + 1) * R] for q in range(R)]
         out["uniq"] = [u[q * (R + 1) : q * (R + 1) + R] for q in range(R)]
         out["mismatch"] = [u[q * (R + 1) + R] for q in range(R)]
@@ -250,6 +257,7 @@ class Buffer:
             global_plan=global_plan,
             rank=r,
             buffer_id=id(self),
+            generation=self.generation,
             num_tokens=s,
             total_num_tokens=total,
             recv_rows=recv_rows,
@@ -315,15 +323,25 @@ class Buffer:
         return self._expand(plan, rows, with_weights, zero_copy)
 
     def redispatch(
-        self, plan: CommPlan, hidden: torch.Tensor, topk_weights: torch.Tensor | None = None, *, zero_copy: bool = False
+        self,
+        plan: CommPlan,
+        hidden: torch.Tensor,
+        topk_weights: torch.Tensor | None = None,
+        *,
+        zero_copy: bool = False,
+        any_step: bool = False,
     ):
         """Dispatch ``hidden`` [s, H] (and ``topk_weights`` [s, K] if given) along a saved plan: no planning, no
-        side table, no host read (combine's backward). Returns what ``dispatch`` returns."""
+        side table, no host read (combine's backward). Returns what ``dispatch`` returns.
+        any_step: accept a plan of an earlier dispatch of this Buffer (a backward after later dispatches);
+        otherwise, with ``check_reuse``, only the latest dispatch's plan is accepted."""
         if self.check_reuse:  # plan-reuse calls carry no count exchange: checking costs one all-reduce
-            code, detail, _ = _checks.dispatch_problem(self, hidden, topk_weights, None, None, None, reuse=True)
-            if code == 0 and (plan.buffer_id != id(self) or hidden.shape[0] != plan.num_tokens):
+            code, detail = _checks.plan_problem(self, plan, any_step)
+            if code == 0:
+                code, detail, _ = _checks.dispatch_problem(self, hidden, topk_weights, None, None, None, reuse=True)
+            if code == 0 and hidden.shape[0] != plan.num_tokens:
                 code = Problem.FOREIGN_PLAN
-                detail = f"plan was made for s={plan.num_tokens} tokens by another Buffer/rank"
+                detail = f"hidden has {hidden.shape[0]} tokens but the plan was made for s={plan.num_tokens}"
             self._agree("redispatch", code, detail)
         if topk_weights is not None:
             per_slot = self._slots_forward(
@@ -358,17 +376,26 @@ class Buffer:
         _checks.raise_agreed(op, self.rank, flags.tolist(), detail)
 
     # ------------------------------------------------------------------------------------------- combine
-    def combine(self, plan: CommPlan, expert_out: torch.Tensor, recv_weights: torch.Tensor | None = None):
+    def combine(
+        self,
+        plan: CommPlan,
+        expert_out: torch.Tensor,
+        recv_weights: torch.Tensor | None = None,
+        *,
+        any_step: bool = False,
+    ):
         """Bring every slot's expert output home and sum a token's K copies (UNWEIGHTED).
 
         expert_out [recv_rows, H]: rows in the dispatch layout (the expert side already applied routing weights).
         recv_weights [recv_rows] (optional): also gathered per slot -> gathered_weights [s, K] (masked slots 0).
+        any_step: accept a plan of an earlier dispatch of this Buffer (dispatch's backward after later
+        dispatches); otherwise, with ``check_reuse``, a plan other than the latest dispatch's is an error on
+        every rank (checked on the all-reduce that ``check_reuse`` costs anyway).
         Returns (out [s, H], gathered_weights [s, K] fp32 | None). Rows outside routed slots are ignored.
         """
         if self.check_reuse:
-            code, detail = _checks.combine_problem(self, plan, expert_out, recv_weights)
+            code, detail = _checks.combine_problem(self, plan, expert_out, recv_weights, any_step)
             self._agree("combine", code, detail)
-        plan = plan
         # prologue: a token's slots on this rank are summed into its one unique row before it travels home;
         # unfilled rows sum into the zero row, which is zeroed again for the next dispatch
         ext = self._wire_in[: 1 + sum(plan.recv_uniq_splits)]

@@ -29,6 +29,8 @@ class CommPlan:
     """the rank this CommPlan belongs to."""
     buffer_id: int
     """id() of the Buffer that made it (combine refuses a foreign plan)."""
+    generation: int
+    """the Buffer's dispatch count when its dispatch made this plan (combine/redispatch refuse an older plan)."""
     num_tokens: int
     """s: tokens this rank dispatched."""
     total_num_tokens: int

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as Fn
 from torch import nn
 
+from .agreement import agree_settings, dtype_word, int_word
 from .autograd import combine, dispatch
 from .buffer import Buffer
 from .experts import grouped_experts, start_push
@@ -61,6 +62,55 @@ class SharedExpert(nn.Module):
         return (Fn.silu(h[:, :F]) * h[:, F:]) @ self.w2
 
 
+SAME_LAYER = "every rank of the EP group must build the same layer (H, F, E, K, S, shared_F and dtype)"
+
+
+def agree_layer(comm, *, H, F, E, K, S, shared_F, dtype, problem: tuple[str, str] | None) -> None:
+    """The layer's sizes and weight dtype agreed across ranks (``agreement.agree_settings``): construction only."""
+    sizes = {"H": H, "F": F, "E": E, "K": K, "S": S, "shared_F": shared_F}
+    words = {n: int_word(v) for n, v in sizes.items()} | {"dtype": dtype_word(dtype)}
+    agree_settings(comm, "MoE", words, problem, hint=SAME_LAYER)
+
+
+def _layer_problem(args: dict) -> tuple[str, str] | None:
+    """This rank's own check of ``MoE``'s arguments, as (setting, message) for ``agree_layer``; None if fine."""
+    for name in ("H", "F", "E", "K"):
+        v = args[name]
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            return name, f"{name} must be a positive int, got {v!r}"
+    if args["E"] % args["comm"].world_size:
+        return "E", f"E={args['E']} must be a multiple of the EP group size R={args['comm'].world_size}"
+    shared_F, buffer = args["shared_F"], args["buffer"]
+    if isinstance(shared_F, bool) or not isinstance(shared_F, int) or shared_F < 0:
+        return "shared_F", f"shared_F must be an int >= 0, got {shared_F!r}"
+    if not isinstance(args["dtype"], torch.dtype):
+        return "dtype", f"dtype must be a torch.dtype, got {args['dtype']!r}"
+    if buffer is None:
+        return None  # the Buffer agrees on the rest (S, token_padding, balancing) and checks them
+    if args["slack"] is not None or args["cost"] is not None:
+        return "S", "slack and cost belong to the Buffer: pass them to the shared Buffer instead"
+    try:
+        geometry = EPGeometry(S=args["S_"], H=args["H"], K=args["K"], E=args["E"], token_padding=args["pad"])
+    except ValueError as exc:
+        return "S", str(exc)
+    if buffer.geometry != geometry:
+        return "S", f"the buffer's {buffer.geometry} differs from the layer's {geometry}"
+    return None
+
+
+def _weights_problem(w13, w2, E, R) -> tuple[str, str] | None:
+    """``MoE.from_weights``' own check of the given expert weights (None if fine)."""
+    if w13.dim() != 3 or w2.dim() != 3 or w13.shape[0] != w2.shape[0] or w13.shape[2] != 2 * w2.shape[1]:
+        got = f"{tuple(w13.shape)} and {tuple(w2.shape)}"
+        return "F", f"from_weights needs w13 [E or epn, H, 2F] and w2 [E or epn, F, H]; got {got}"
+    if w2.shape[2] != w13.shape[1]:
+        return "H", f"from_weights: w2 [.., F, H] must end in H={w13.shape[1]}, got {tuple(w2.shape)}"
+    n = w13.shape[0]
+    if isinstance(E, bool) or not isinstance(E, int) or E < 1 or E % R or n not in (E, E // R):
+        return "E", f"from_weights: {n} experts given; expected all E={E} or E/R={E // R} (R={R})"
+    return None
+
+
 class MoE(nn.Module):
     """Expert-parallel MoE layer: ``y = moe(x)`` for x [..., H] (at most S tokens per call on this rank).
 
@@ -94,17 +144,16 @@ class MoE(nn.Module):
         super().__init__()
         pad = token_padding or (buffer.token_padding if buffer is not None else 1)
         grow = S is None
-        geometry = EPGeometry(S=buffer.S if grow and buffer is not None else S or 1, H=H, K=K, E=E, token_padding=pad)
-        if buffer is not None and (slack is not None or cost is not None):
-            raise ValueError("slack and cost belong to the Buffer: pass them to the shared Buffer instead")
+        S_ = buffer.S if grow and buffer is not None else S or 1
+        # compared across ranks before any rank raises alone: F and the weights' dtype shape the replica push
+        agree_layer(comm, H=H, F=F, E=E, K=K, S=S_, shared_F=shared_F, dtype=dtype, problem=_layer_problem(locals()))
+        geometry = EPGeometry(S=S_, H=H, K=K, E=E, token_padding=pad)
         # combine's arguments come from this layer's own expert step: checking them would cost a host read
         self.buffer = buffer or Buffer(
             comm, **vars(geometry), dtype=dtype, check_reuse=False, slack=slack, cost=cost, grow=grow
         )
         self._owns_buffer = buffer is None
         b = self.buffer
-        if b.geometry != geometry:
-            raise ValueError(f"the buffer's {b.geometry} differs from the layer's {geometry}")
         self.H, self.F, self.E, self.K, self.epn = H, F, E, K, b.epn
         self.router = router if router is not None else SigmoidTopKRouter(H, E, K)
         self.w13 = nn.Parameter(torch.randn(b.epn, H, 2 * F, dtype=dtype) / H**0.5)
@@ -139,18 +188,12 @@ class MoE(nn.Module):
         out) and ``w2 [E or epn, F, H]``; given all E experts, this rank keeps its ``[rank*epn, (rank+1)*epn)``
         slice (pass ``E=`` when giving only this rank's epn). The weights are copied (dtype and device follow them);
         other arguments as ``MoE``."""
-        if w13.dim() != 3 or w2.dim() != 3 or w13.shape[0] != w2.shape[0] or w13.shape[2] != 2 * w2.shape[1]:
-            raise ValueError(
-                f"from_weights needs w13 [E or epn, H, 2F] and w2 [E or epn, F, H]; got {tuple(w13.shape)} and "
-                f"{tuple(w2.shape)}"
-            )
-        n, H, F = w13.shape[0], w13.shape[1], w2.shape[1]
-        if w2.shape[2] != H:
-            raise ValueError(f"from_weights: w2 [.., F, H] must end in H={H}, got {tuple(w2.shape)}")
         R, r = comm.world_size, comm.rank
-        E = kwargs.pop("E", None) or n  # all E experts unless E says these are this rank's epn
-        if n not in (E, E // R) or E % R:
-            raise ValueError(f"from_weights: {n} experts given; expected all E={E} or E/R={E // R} (R={R})")
+        E = kwargs.pop("E", None) or (w13.shape[0] if w13.dim() == 3 else 0)  # all E unless E says epn given
+        problem = _weights_problem(w13, w2, E, R)
+        if problem:  # the peers meet this rank in their own layer's agreement and raise with it
+            agree_layer(comm, H=0, F=0, E=E, K=K, S=S or 1, shared_F=0, dtype=w13.dtype, problem=problem)
+        n, H, F = w13.shape[0], w13.shape[1], w2.shape[1]
         epn = E // R
         mine = slice(r * epn, (r + 1) * epn) if n == E else slice(None)
         layer = cls(comm, H=H, F=F, E=E, K=K, S=S, dtype=w13.dtype, **kwargs)

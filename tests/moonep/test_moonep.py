@@ -72,8 +72,11 @@ def test_import_is_lazy():
 def test_buffer_rejects_bad_geometry():
     from moonep.buffer import Buffer
 
-    class FakeComm:  # the local checks come before the construction's agreement: size and rank are all they read
+    class FakeComm:  # three ranks making the same call: the agreement gathers three copies of this rank's words
         world_size, rank = 3, 0
+
+        def all_gather(self, out, inp, validate=True):
+            out.copy_(inp.repeat(self.world_size))
 
     with pytest.raises(ValueError, match="multiple"):
         Buffer(FakeComm(), S=4, H=8, K=2, E=8)
