@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from tools.calls import match_calls
+from tools.clocks import align_clocks, offsets_note
 from tools.traces import RankTrace, finish, load_dir
 
 
@@ -76,38 +78,18 @@ class Tables:
     """Ranks whose trace lost lines (their per-step record counts are not evidence)."""
     host_op_compute: bool = False
     """Compute is the wall time of host ops (profiler traces of CPU jobs), not CPU or device time."""
+    clock_offsets: dict[int, float] = field(default_factory=dict)
+    """rank -> seconds its clock read ahead of the lowest rank's (negative: behind), corrected before scoring."""
     blind: bool = False
     """True when waits may hide inside phases (no collective recorded, or phases that hold one): a rank slowed
     off-CPU before such a sync cannot be told from the peers that waited for it."""
-
-
-def _match(traces: dict[int, RankTrace]) -> dict[tuple, list[dict[int, object]]]:
-    """``{group: [ {rank: Collective} per call ]}`` with calls matched by sequence number when every call has one,
-    else by occurrence within the group."""
-    per_rank: dict[tuple, dict[int, list]] = defaultdict(lambda: defaultdict(list))
-    for rank, trace in traces.items():
-        for call in trace.collectives:
-            per_rank[call.group][rank].append(call)
-    matched = {}
-    for group, by_rank in per_rank.items():
-        present = [r for r in group if r in by_rank]
-        if len(present) < 2:
-            continue  # one member alone says nothing about waiting or transfer
-        if all(c.seq is not None for r in present for c in by_rank[r]):  # numbered calls: match by number
-            numbered = {r: {c.seq: c for c in by_rank[r]} for r in present}
-            common = sorted(set.intersection(*(set(n) for n in numbered.values())))
-            matched[group] = [{r: numbered[r][k] for r in present} for k in common]
-            continue
-        n = min(len(by_rank[r]) for r in present)  # a truncated file ends early: keep the common prefix
-        matched[group] = [{r: by_rank[r][k] for r in present} for k in range(n)]
-    return matched
 
 
 def _cross_rank(traces, ranks) -> tuple[np.ndarray, list[CallSeries]]:
     index = {r: i for i, r in enumerate(ranks)}
     waits = np.zeros((len(ranks), len(ranks)))
     series: dict[tuple, CallSeries] = {}
-    for group, calls in _match(traces).items():
+    for group, calls in match_calls(traces).items():
         for call in calls:
             enters = {r: c.t_enter for r, c in call.items()}
             last = max(enters, key=enters.get)
@@ -216,6 +198,8 @@ def build_tables(traces: dict[int, RankTrace]) -> Tables:
     """Tables for the detectors from already-loaded traces."""
     for trace in traces.values():
         finish(trace)  # idempotent: --follow adds records between calls
+    align_clocks(traces)  # before any score: an offset clock hides a late rank
+    clock_offsets = {r: t.clock_shift for r, t in sorted(traces.items()) if t.clock_shift}  # all passes (--follow)
     ranks = sorted(traces)
     steps = sorted({s for t in traces.values() for s in t.span})
     shape = (len(ranks), len(steps))
@@ -240,6 +224,9 @@ def build_tables(traces: dict[int, RankTrace]) -> Tables:
         ranks, steps, compute, norm, tokens, data, step_time, waits, series, {r: traces[r].stage for r in ranks}
     )
     tables.idle_s = idle
+    tables.clock_offsets = clock_offsets
+    if clock_offsets:
+        tables.notes.append(offsets_note(clock_offsets, ranks[0]))
     tables.damaged = [r for r in ranks if traces[r].damaged]
     tables.host_op_compute = any(traces[r].host_op_compute for r in ranks)
     tables.calls = np.zeros(shape)

@@ -87,6 +87,7 @@ def build_report(
         "step_time_s": float(np.median(finite)) if finite.size else None,
         "rank_scores": rank_scores(t),
         "wait_matrix_s": {"ranks": list(t.ranks), "seconds": np.round(t.wait_matrix_s, 6).tolist()},
+        "clock_offsets_s": {str(r): round(o, 6) for r, o in t.clock_offsets.items()},
         "collectives": [
             {
                 "group": list(s.group),

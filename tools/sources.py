@@ -21,7 +21,7 @@ import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from tools import flight_recorder, kineto
+from tools import clocks, flight_recorder, kineto
 from tools.detect import Finding
 from tools.traces import Coverage, RankTrace, TraceFormatError, coverage_for, load_dir_coverage
 
@@ -76,6 +76,8 @@ def load_folder(trace_dir: str | os.PathLike, *, world_size: int | None = None, 
     fr = _flight_recorder(files.get("flight_recorder", []), rank_from)
     if chosen == "jsonl":
         traces, coverage = load_dir_coverage(trace_dir, world_size)
+        if coverage.run_id is None:
+            clocks.check_one_run(traces)
         folder = Folder(traces, coverage, "jsonl")
     elif chosen == "kineto":
         traces, world, notes = _kineto(files["kineto"], rank_from)

@@ -114,6 +114,9 @@ class RankTrace:
     """Lines of this rank's file were dropped: counts of its records per step prove nothing."""
     source: str = "jsonl"
     """Format the trace was read from: ``jsonl``, ``kineto``, ``flight_recorder``."""
+    clock_shift: float = 0.0
+    """Seconds subtracted from this rank's times (``tools.clocks``: its clock's estimated offset); records read
+    later (a followed trace) are shifted as they arrive."""
 
 
 def _number(x) -> bool:
@@ -180,7 +183,8 @@ def _drop(message: str, dropped: list[str] | None) -> None:
 def _add(trace: RankTrace, rec: dict) -> None:
     if rec.get("kind") == "header":
         return
-    step, t0, t1, op = rec.get("step"), float(rec["t_enter"]), float(rec["t_exit"]), rec["op"]
+    step, op = rec.get("step"), rec["op"]
+    t0, t1 = float(rec["t_enter"]) - trace.clock_shift, float(rec["t_exit"]) - trace.clock_shift
     if rec.get("kind") == "step":  # the iteration's own window (in-loop detector): not a phase
         if step is not None:
             trace.windows[step] = (t0, t1)
@@ -270,6 +274,8 @@ class Coverage:
     """``file:line: why`` of every dropped line (and unreadable files)."""
     extra_ranks: list[int] = field(default_factory=list)
     """Ranks with records at or beyond ``expected_ranks`` (a stray file, or a wrong ``--world-size``)."""
+    run_id: str | None = None
+    """The run every rank file's header names (None: the writers recorded none)."""
 
     @property
     def empty(self) -> bool:
@@ -291,6 +297,7 @@ class Coverage:
             "lines_dropped": len(self.dropped),
             "dropped": self.dropped[:100],
             "complete": self.complete,
+            "run_id": self.run_id,
         }
 
 
@@ -305,6 +312,7 @@ def load_dir_coverage(
     """``load_dir`` plus its ``Coverage`` (``world_size``: the ranks the caller knows the job had)."""
     out: dict[int, RankTrace] = {}
     dropped: list[str] = []
+    runs: dict[str, str | None] = {}
     headers: set[int] = set()
     top = -1  # largest global rank named in any group
     names = sorted(os.listdir(trace_dir)) if os.path.isdir(trace_dir) else []
@@ -322,6 +330,7 @@ def load_dir_coverage(
         before = len(dropped)
         records = parse_lines(path, text, dropped)
         trace = RankTrace(int(match.group(1)), damaged=len(dropped) > before)
+        runs[path] = _check_one_file(path, trace.rank, records)
         for rec in records:
             if rec.get("kind") == "header" and rec.get("world_size"):
                 headers.add(rec["world_size"])
@@ -329,7 +338,40 @@ def load_dir_coverage(
             _add(trace, rec)
         if any(rec.get("kind") != "header" for rec in records):
             out[trace.rank] = finish(trace)
-    return out, coverage_for(out, dropped, world_size, headers, top)
+    coverage = coverage_for(out, dropped, world_size, headers, top)
+    coverage.run_id = _check_one_run(runs)
+    return out, coverage
+
+
+def _check_one_file(path: str, rank: int, records: list[dict]) -> str | None:
+    """The run id of one rank file (None: its writer recorded none). Raises ``TraceFormatError`` for a file that
+    holds another rank's records (a copy of another rank's file) or two runs (a reused folder)."""
+    other = next((rec["rank"] for rec in records if rec["rank"] != rank), None)
+    if other is not None:
+        raise TraceFormatError(
+            f"{path}: holds records of rank {other}, not of rank {rank} (a copy of another rank's file?): "
+            f"remove it or put the real rank{rank}.jsonl back"
+        )
+    runs = sorted({rec["run_id"] for rec in records if rec.get("kind") == "header" and rec.get("run_id")})
+    if len(runs) > 1:
+        raise TraceFormatError(
+            f"{path}: holds {len(runs)} runs (run ids {', '.join(runs)}): the trace folder was reused; give each "
+            f"run its own trace folder"
+        )
+    return runs[0] if runs else None
+
+
+def _check_one_run(runs: dict[str, str | None]) -> str | None:
+    """Every rank file must come from one run: the same run id in every header that has one (returned; None when
+    no header has one). Raises ``TraceFormatError`` naming the files."""
+    by_run: dict[str, list[str]] = defaultdict(list)
+    for path, run in runs.items():
+        if run is not None:
+            by_run[run].append(os.path.basename(path))
+    if len(by_run) > 1:
+        listed = "; ".join(f"run {run}: {', '.join(files)}" for run, files in sorted(by_run.items()))
+        raise TraceFormatError(f"traces of {len(by_run)} runs in one folder ({listed}): diagnose one run at a time")
+    return next(iter(by_run), None)
 
 
 def coverage_for(out: dict[int, RankTrace], dropped, world_size, headers: set[int], top: int) -> Coverage:

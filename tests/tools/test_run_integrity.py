@@ -1,0 +1,121 @@
+"""A trace folder is one run of distinct ranks on one clock (issue 28): files of two runs, a rank file copied over
+another, and a rank whose clock is off are each caught before scoring. Mixed runs and copies are refused (exit 2,
+naming the files); clock offsets are estimated from collective exits, corrected, and reported, so a 0.5 s offset
+no longer hides a real 1.5x straggler."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from moonep.console import main
+from tests.tools.synth import make_records, write_dir
+from tools.clocks import MIN_OFFSET_S, estimate_offsets
+from tools.report import analyse
+from tools.traces import traces_from_records
+
+
+def _header(rank: int, run_id: str | None, world: int) -> dict:
+    head = {"op": "header", "kind": "header", "rank": rank, "world_size": world, "t_enter": 1.0, "t_exit": 1.0}
+    return head | ({"run_id": run_id} if run_id else {})
+
+
+def _with_headers(records: dict, run_ids: dict) -> dict:
+    return {r: [_header(r, run_ids.get(r), len(records))] + recs for r, recs in records.items()}
+
+
+def _shifted(recs: list[dict], dt: float) -> list[dict]:
+    return [rec | {"t_enter": rec["t_enter"] + dt, "t_exit": rec["t_exit"] + dt} for rec in recs]
+
+
+def _diagnose(folder, tmp_path, capsys) -> tuple[int, str, dict | None]:
+    out = tmp_path / "report.json"
+    code = main(["diagnose", str(folder), "--json", str(out)], packages=["tools"])
+    captured = capsys.readouterr()
+    return code, captured.out + captured.err, json.loads(out.read_text()) if out.exists() else None
+
+
+def test_traces_of_two_runs_are_refused_naming_the_files(tmp_path, capsys):
+    first = make_records(ranks=2, steps=12, seed=1)
+    second = make_records(ranks=2, steps=12, seed=2)
+    mixed = {0: first[0], 1: second[1]}  # the same job twice into one folder, one file each left over
+    folder = write_dir(tmp_path / "t", _with_headers(mixed, {0: "run-a", 1: "run-b"}))
+    code, text, _ = _diagnose(folder, tmp_path, capsys)
+    assert code == 2 and "2 runs in one folder" in text, text
+    assert "run run-a: rank0.jsonl" in text and "run run-b: rank1.jsonl" in text, text
+
+
+def test_a_file_holding_two_runs_is_refused(tmp_path, capsys):
+    recs = _with_headers(make_records(ranks=2, steps=8), {0: "run-a", 1: "run-a"})
+    recs[1] += [_header(1, "run-b", 2)] + _shifted(make_records(ranks=2, steps=8)[1], 50.0)  # appended
+    code, text, _ = _diagnose(write_dir(tmp_path / "t", recs), tmp_path, capsys)
+    assert code == 2 and "rank1.jsonl: holds 2 runs (run ids run-a, run-b)" in text, text
+
+
+def test_a_copied_rank_file_is_refused(tmp_path, capsys):
+    folder = write_dir(tmp_path / "t", make_records(ranks=2, steps=8))
+    shutil.copy(os.path.join(folder, "rank0.jsonl"), os.path.join(folder, "rank1.jsonl"))
+    code, text, _ = _diagnose(folder, tmp_path, capsys)
+    assert code == 2 and "rank1.jsonl: holds records of rank 0, not of rank 1" in text, text
+
+
+@pytest.mark.parametrize("later", [3600.0, -300.0])
+def test_files_without_run_ids_that_never_overlap_are_refused(tmp_path, capsys, later: float):
+    """Two runs of one job (other timings), minutes apart; no header has a run id."""
+    recs = {0: make_records(ranks=2, steps=8, seed=5)[0], 1: _shifted(make_records(ranks=2, steps=8, seed=6)[1], later)}
+    code, text, _ = _diagnose(write_dir(tmp_path / "t", recs), tmp_path, capsys)
+    first, second = (0, 1) if later > 0 else (1, 0)
+    assert code == 2 and f"rank{first}.jsonl ends before rank{second}.jsonl starts" in text, text
+
+
+@pytest.fixture(scope="module")
+def demo_trace(tmp_path_factory) -> dict[int, list[dict]]:
+    """A real 2-rank run (``moonep straggler-demo``): rank 1 computes 1.5x slower from step 10."""
+    folder = tmp_path_factory.mktemp("demo")
+    args = ["--world-size", "2", "--steps", "30", "--trace-dir", str(folder / "t")]
+    assert main(["straggler-demo", *args, "--inject-slowdown", "rank=1,factor=1.5,from_step=10"], packages=["tools"])
+    return {r: [json.loads(line) for line in open(folder / "t" / f"rank{r}.jsonl")] for r in (0, 1)}
+
+
+@pytest.mark.parametrize("skewed, offset", [(1, -0.5), (1, 0.5), (0, -0.5), (0, 0.05)])
+def test_a_clock_offset_no_longer_hides_a_straggler(demo_trace, tmp_path, capsys, skewed: int, offset: float):
+    recs = dict(demo_trace) | {skewed: _shifted(demo_trace[skewed], offset)}  # before: "no straggler found"
+    code, text, report = _diagnose(write_dir(tmp_path / "t", recs), tmp_path, capsys)
+    assert report is not None, text
+    slow = [f for f in report["findings"] if f["ranks"] == [1]]
+    assert code == 1 and slow and 9 <= slow[0]["onset_step"] <= 11, text
+    relative = offset if skewed == 1 else -offset  # reported against rank 0's clock
+    assert list(report["clock_offsets_s"]) == ["1"], report["clock_offsets_s"]
+    assert abs(report["clock_offsets_s"]["1"] - relative) < 2e-3, report["clock_offsets_s"]
+    said = re.search(r"rank 1 ([0-9.]+) ms (ahead|behind)", text)
+    assert said and abs(float(said[1]) - abs(relative) * 1e3) < 2 and said[2] == ("ahead" if relative > 0 else "behind")
+
+
+def test_clocks_in_step_are_left_alone(tmp_path):
+    recs = make_records(ranks=4, steps=20, seed=4)
+    report, _ = analyse(write_dir(tmp_path / "t", recs))
+    assert report["clock_offsets_s"] == {} and not report["findings"], report
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    offsets=st.lists(st.floats(-5.0, 5.0, allow_nan=False), min_size=3, max_size=3),
+    seed=st.integers(0, 2**16),
+)
+def test_offsets_are_recovered_from_collective_exits(offsets: list[float], seed: int):
+    """Any offsets of ranks 1..3 against rank 0 come back within the exits' own jitter (0.1 ms latency)."""
+    recs = make_records(ranks=4, steps=6, seed=seed)
+    shifted = {0: recs[0]} | {r: _shifted(recs[r], offsets[r - 1]) for r in (1, 2, 3)}
+    got, spread = estimate_offsets(traces_from_records(shifted))
+    assert got[0] == 0.0
+    for r in (1, 2, 3):
+        assert abs(got[r] - offsets[r - 1]) < 2e-4, (r, got, offsets)
+        assert spread[r] < MIN_OFFSET_S
+    assert np.isfinite(list(got.values())).all()
