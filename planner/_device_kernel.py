@@ -24,7 +24,7 @@ from numba import cuda
 from .device import NO_ERROR_POS, OVERFLOW
 
 # err[0] codes, as in planner._kernel (by value: compiling this file must not compile the CPU kernel)
-OK, NEGATIVE, CAPS_SUM, INFEASIBLE, TOO_MANY_REPLICAS, TOO_LARGE = 0, 1, 2, 3, 4, 5
+OK, NEGATIVE, CAPS_SUM, INFEASIBLE, TOO_MANY_REPLICAS, TOO_LARGE, EXPERT_TOO_LARGE = 0, 1, 2, 3, 4, 5, 7
 INT32_MAX = 2**31 - 1
 
 
@@ -56,11 +56,16 @@ def _totals(T, keep, send, cnt, errpos, epn, tid, nt):
 
 @cuda.jit(device=True)
 def _caps(cnt, caps_in, has_caps, caps, err):
-    """caps [R]: caps_in when given (CAPS_SUM unless it sums to the total), else floor/ceil of total / R."""
+    """caps [R]: caps_in when given (CAPS_SUM unless it sums to the total), else floor/ceil of total / R; an
+    expert total beyond int32 is refused first, as by the CPU kernel (a wrapped alloc entry spins stage C)."""
     R = caps.shape[0]
     total = 0
     for e in range(cnt.shape[0]):
         total += cnt[e]
+        if cnt[e] > INT32_MAX and err[0] == OK:
+            err[0] = EXPERT_TOO_LARGE
+            err[1] = e
+            err[2] = cnt[e]
     if has_caps:
         s = 0
         for r in range(R):
@@ -204,11 +209,11 @@ def _layout(d, alloc, epn, pad, donor, prev_copy, sticky, copy, cu, lay_err):
             copy[d, b] = e
     off = 0
     for g in range(epn + slots):
-        c = 0
+        c = 0  # int(): under the simulator an int32 entry stays int32 and wraps when padded up near 2**31
         if g < epn:
-            c = alloc[d * epn + g, d]
+            c = int(alloc[d * epn + g, d])
         elif copy[d, g - epn] >= 0:
-            c = alloc[copy[d, g - epn], d]
+            c = int(alloc[copy[d, g - epn], d])
         off += (c + pad - 1) // pad * pad
         cu[d, g] = off
 

@@ -10,6 +10,18 @@ from typing import Any
 
 import numpy as np
 
+INT32_MAX = 2**31 - 1
+"""the largest entry of the plan's int32 tables (``slots_per_expert``, ``alloc``)."""
+
+
+def expert_total_message(expert: int, total: int) -> str:
+    """The error of an expert whose routed slots over all ranks overflow the int32 ``alloc`` table: every kernel
+    (CPU, device, the reference twin) refuses it before stage B, whose arithmetic on a wrapped entry never ends."""
+    return (
+        f"expert {expert} has {total} routed slots summed over all ranks: "
+        f"more than the planner's int32 tables hold (2**31 - 1)"
+    )
+
 
 def is_tensor(x: Any) -> bool:
     """Whether ``x`` is a torch tensor (recognised without importing torch)."""

@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import _inputs, _jit, _topology
-from ._inputs import TOPOLOGY_CANDIDATES
+from ._inputs import INT32_MAX, TOPOLOGY_CANDIDATES
 from ._jit import HAS_NUMBA, njit, refresh_cache
 
 __all__ = ["HAS_NUMBA", "plan_arrays"]
@@ -30,7 +30,7 @@ CAPS_SUM = 2  # (sum caps, total)
 INFEASIBLE = 3  # (h, u): donor h cannot fill receiver u alone (caps too uneven)
 TOO_MANY_REPLICAS = 4  # (d, n): rank d needs n replica slots, more than slots_per_rank
 TOO_LARGE = 5  # (r, e): a count or a rank's rows do not fit the int32 plan tables
-INT32_MAX = 2**31 - 1
+EXPERT_TOO_LARGE = 7  # (e, total): an expert's slots over all ranks do not fit alloc (6: device.OVERFLOW)
 
 
 @njit(cache=True)
@@ -404,10 +404,17 @@ def _flows(T, alloc, cnt, epn, send, node, num_nodes):
 
 @njit(cache=True)
 def _caps(cnt, caps_in, R, err):
-    """caps [R]: caps_in when given (err CAPS_SUM unless it sums to the total), else floor/ceil of total/R."""
+    """caps [R]: caps_in when given (err CAPS_SUM unless it sums to the total), else floor/ceil of total/R.
+
+    Also refuses an expert whose total does not fit int32 (EXPERT_TOO_LARGE), although each count does: the
+    kernel presets alloc[e, home] = cnt[e] before stage B, and a wrapped (negative) entry spins stage C forever."""
     total = 0
     for e in range(cnt.shape[0]):
         total += cnt[e]
+        if cnt[e] > INT32_MAX and err[0] == OK:
+            err[0] = EXPERT_TOO_LARGE
+            err[1] = e
+            err[2] = cnt[e]
     caps = np.empty(R, np.int64)
     if caps_in.shape[0] == R:
         s = 0

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._inputs import TOPOLOGY_CANDIDATES, default_caps
+from ._inputs import INT32_MAX, TOPOLOGY_CANDIDATES, default_caps, expert_total_message
 
 
 def _pairs(bal: list[int], caps: list[int], prev_donor, node, num_nodes: int, topo_args):
@@ -349,6 +349,9 @@ def plan_reference(
     epn = E // R
     slots = epn if slots is None else slots
     cnt, caps, bal, alloc = initial_state(T, caps)
+    big = [e for e in range(E) if cnt[e] > INT32_MAX]
+    if big:  # Python ints never wrap, but the compiled kernels' alloc table is int32: refuse as they do
+        raise ValueError(expert_total_message(big[0], cnt[big[0]]))
     pd = None if prev_donor is None else [int(v) for v in prev_donor]
     pc = None if prev_copy is None else [[int(v) for v in row] for row in np.asarray(prev_copy).tolist()]
     nd = None if node is None else [int(v) for v in node]

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from . import _kernel
-from ._inputs import to_numpy
+from ._inputs import expert_total_message, to_numpy
 
 
 class PlanShape:
@@ -164,6 +164,8 @@ def raise_error(err: np.ndarray, slots: int) -> None:
         )
     if code == _kernel.TOO_LARGE:
         raise ValueError(f"counts too large for int32 plan tables (count or caps >= 2**31) at ({a}, {b})")
+    if code == _kernel.EXPERT_TOO_LARGE:
+        raise ValueError(expert_total_message(a, b))
     if code == _kernel.TOO_MANY_REPLICAS:
         raise ValueError(f"rank {a} needs {b} replica slots but slots_per_rank={slots}")
 

@@ -76,7 +76,7 @@ def _check_layout(plan: Plan) -> None:
     own = plan.alloc[np.arange(E), np.arange(E) // epn].reshape(R, epn)
     copy = plan.experts_to_copy
     held = np.where(copy >= 0, plan.alloc[np.maximum(copy, 0), np.arange(R)[:, None]], 0)
-    sizes = np.concatenate((own, held), axis=1)
+    sizes = np.concatenate((own, held), axis=1).astype(np.int64)  # alloc is int32: padding may pass 2**31
     padded = -(-sizes // pad) * pad
     _require(np.array_equal(np.cumsum(padded, axis=1), plan.cu_seqlens), "cu_seqlens do not match alloc")
     segments = (sizes > 0).sum(1)

@@ -15,10 +15,15 @@ counts [E]) -> (rows, tokens_per_expert, metadata)``, then ``inner_experts(rows,
 Two ways in: ``use_moonep(model_config, comm)`` swaps every ``RoutedExperts.Config``'s children before
 ``build()`` (as torchtitan's own converters swap dispatchers); ``parallelize(model, comm)`` swaps the children
 of an already built model, keeping this rank's slice of its expert weights. torchtitan is imported only here.
+
+``init_states`` on a model built through ``use_moonep`` seeds every expert from its GLOBAL index (see
+``MoonEPGroupedExperts._init_self_parameters``): under the usual shared seed, EP = n initialises exactly the
+experts EP = 1 does, and no two ranks hold copies of one another's experts.
 """
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -137,6 +142,34 @@ class MoonEPGroupedExperts(Module):
         mark_expert(self.w1_EFD, self.w2_EDF, self.w3_EFD)
         self._checked = False
 
+    def _init_self_parameters(self) -> None:
+        """torchtitan's ``init_states`` hook: expert e's weights come from a seed of its own, the same at any EP size.
+
+        torchtitan's default runs ``param_init`` on the local ``[epn, ...]`` tensor from the shared RNG, so every
+        rank drew the same values: 64 experts on 2 ranks were 32 duplicated pairs. Here one draw from the CPU RNG
+        (identical on every rank and at every EP size, so the rest of the model initialises as at EP = 1 too) is
+        mixed with the weight's name and the global expert index into a seed per expert; ``param_init`` runs on
+        that expert's ``[1, ...]`` slice under it, and the generator's state is restored afterwards. Fan-based
+        initialisers thus see one expert (torchtitan's own expert inits are fixed-std normals).
+        """
+        if self._param_init is None:
+            super()._init_self_parameters()  # torchtitan's own error: no param_init and no reset_parameters
+            return
+        base = int(torch.randint(0, 2**62, (1,)).item())
+        for name, param in self.named_parameters(recurse=False):
+            gen = _default_generator(param.device)
+            if gen is None:  # meta: nothing is drawn
+                self._init_param(name, param)
+                continue
+            state = gen.get_state()
+            try:
+                with torch.no_grad():
+                    for j in range(self.epn):
+                        gen.manual_seed(_expert_seed(base, name, self.first_expert + j))
+                        self._init_param(name, param[j : j + 1])
+            finally:
+                gen.set_state(state)
+
     def forward(self, x_RD: torch.Tensor, step: MoonEPStep) -> torch.Tensor:
         if not isinstance(step, MoonEPStep):
             raise TypeError(
@@ -150,9 +183,27 @@ class MoonEPGroupedExperts(Module):
         return grouped_experts(step.buffer, step.plan, x_RD, step.recv_weights, ws, layout="linear", key=self)
 
 
+def _default_generator(device: torch.device) -> torch.Generator | None:
+    """The generator ``param_init``'s in-place initialisers draw from on ``device``; None on meta (no data)."""
+    if device.type == "cpu":
+        return torch.default_generator
+    if device.type == "cuda":
+        return torch.cuda.default_generators[torch.cuda.current_device() if device.index is None else device.index]
+    if device.type == "meta":
+        return None
+    raise ValueError(f"MoonEPGroupedExperts: cannot seed experts per global index on device {device}")
+
+
+def _expert_seed(base: int, weight: str, expert: int) -> int:
+    """A 63-bit seed of (base, weight name, global expert index); hashed so that nearby inputs share no structure."""
+    digest = hashlib.blake2b(f"{base}/{weight}/{expert}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
 def use_moonep(model_config, comm, *, max_tokens: int | None = None) -> int:
     """Swap every ``RoutedExperts.Config`` inside ``model_config`` (any torchtitan config tree) to moonep's
-    dispatcher and experts, before ``build()``; returns how many were swapped (0 raises)."""
+    dispatcher and experts, before ``build()``; returns how many were swapped (0 raises). ``init_states`` then
+    seeds each expert from its global index: EP = n gives EP = 1's experts."""
     n = 0
     for _, cfg, _, _ in model_config.traverse(RoutedExperts.Config, recurse=True):
         inner, disp = cfg.inner_experts, cfg.token_dispatcher
