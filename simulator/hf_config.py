@@ -4,6 +4,7 @@ a missing or ill-typed one named."""
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable
 
 from simulator.modelspec import MAX_SIZE, ModelSpec
@@ -28,7 +29,7 @@ def from_hf_config(cfg: dict, name: str = "hf") -> ModelSpec:
     if not isinstance(kda_ids, (list, tuple)) or not all(isinstance(i, int) and i >= 1 for i in kda_ids):
         raise ValueError(f"HF config: 'linear_attn_config.kda_layers' must be 1-based layer numbers, got {kda_ids!r}")
     kda = tuple(i - 1 for i in kda_ids)
-    experts = int(get("n_routed_experts") or get("num_experts") or get("num_local_experts") or 0)
+    moe = _moe_fields(c, get, hidden)
     return ModelSpec(
         name=name,
         hidden=hidden,
@@ -49,17 +50,7 @@ def from_hf_config(cfg: dict, name: str = "hf") -> ModelSpec:
         kda_head_dim=int(lget("head_dim", 0)),
         kda_conv=int(lget("short_conv_kernel_size", 4)),
         ffn_hidden=int(get("intermediate_size") or 0),
-        num_experts=experts,
-        top_k=int(get("num_experts_per_tok") or get("num_experts_per_token") or 0) if experts else 0,
-        moe_ffn_hidden=int(get("moe_intermediate_size") or 0) if experts else 0,
-        num_shared_experts=int(get("n_shared_experts") or get("num_shared_experts") or 0) if experts else 0,
-        first_k_dense=int(get("first_k_dense_replace") or 0) if experts else 0,
-        moe_latent_dim=int(get("routed_expert_hidden_size") or 0)
-        if get("routed_expert_hidden_size") not in (None, hidden)
-        else 0,
-        router_bias=get("topk_method") == "noaux_tc",
-        expert_groups=int(get("n_group") or 0) if experts else 0,
-        groups_per_token=int(get("topk_group") or 0) if experts else 0,
+        **moe,
         sliding_window=int(get("sliding_window") or 0) if swa else 0,
         sliding_window_layers=swa,
         attn_res=bool(get("attn_res_block_size")),
@@ -67,6 +58,107 @@ def from_hf_config(cfg: dict, name: str = "hf") -> ModelSpec:
         tie_embeddings=bool(cfg.get("tie_word_embeddings", get("tie_word_embeddings", False))),
         seq_len=min(int(get("max_position_embeddings") or 4096), 8192),
     )
+
+
+EXPERT_COUNT = ("n_routed_experts", "num_experts", "num_local_experts", "moe_num_experts")
+"""Names of the routed-expert count (DeepSeek/Kimi, Qwen-MoE, Mixtral, ERNIE-4.5), first present wins."""
+TOP_K = ("num_experts_per_tok", "num_experts_per_token", "moe_k", "moe_topk")
+SHARED = ("n_shared_experts", "num_shared_experts", "moe_num_shared_experts")
+READ_MOE = frozenset(
+    EXPERT_COUNT
+    + TOP_K
+    + SHARED
+    + ("moe_intermediate_size", "shared_expert_intermediate_size", "first_k_dense_replace")
+    + ("routed_expert_hidden_size", "topk_method", "n_group", "topk_group", "decoder_sparse_step", "mlp_only_layers")
+    + ("moe_layer_freq", "moe_layer_start_index", "num_expert_group", "moe_layer_interval", "moe_layer_end_index")
+)
+"""Expert fields this reader uses (or checks are at their no-op values)."""
+NO_COST = frozenset(
+    ("router_aux_loss_coef", "output_router_logits", "router_z_loss_coef", "norm_topk_prob", "routed_scaling_factor")
+    + ("scoring_func", "aux_loss_alpha", "seq_aux", "ep_size", "router_jitter_noise", "moe_gate", "moe_use_aux_free")
+    + ("use_qk_norm_in_moe", "moe_router_bias_update_rate", "moe_renormalize", "moe_router_activation_func")
+)
+"""Expert fields that change the loss or the routing rule, not the step's FLOPs, memory or traffic."""
+
+
+def _first(get: Callable[..., Any], names: tuple[str, ...]) -> tuple[str | None, int]:
+    return next(((n, int(get(n))) for n in names if get(n)), (None, 0))
+
+
+def _moe_fields(c: dict, get: Callable[..., Any], hidden: int) -> dict:
+    """The ``ModelSpec`` expert fields of an HF config, under any of the known spellings (``EXPERT_COUNT``,
+    ...). Raises naming the HF fields when the config is MoE but cannot be read as such; warns about expert
+    fields it does not read, since they may change the cost."""
+    moe_keys = sorted(k for k in c if _looks_moe(k) and c[k] not in (None, 0, False, [], {}))
+    count_name, experts = _first(get, EXPERT_COUNT)
+    if not experts:
+        if moe_keys:
+            raise ValueError(
+                f"HF config: expert fields {moe_keys} but no expert count under a known name "
+                f"({', '.join(EXPERT_COUNT)}): refusing to read an MoE model as dense"
+            )
+        return {}
+    unread = [k for k in moe_keys if k not in READ_MOE and k not in NO_COST]
+    if unread:
+        warnings.warn(f"HF config: expert fields not read (their cost is not modelled): {unread}", stacklevel=3)
+    _, top_k = _first(get, TOP_K)
+    width = int(get("moe_intermediate_size") or get("intermediate_size") or 0)  # Mixtral: the expert's own width
+    if not top_k or not width:
+        missing = "top-k (" + "/".join(TOP_K) + ")" if not top_k else "expert width (moe_intermediate_size)"
+        raise ValueError(f"HF config: an MoE config ({count_name}={experts}) without its {missing}")
+    _check_every_layer_moe(c, get)
+    return {
+        "num_experts": experts,
+        "top_k": top_k,
+        "moe_ffn_hidden": width,
+        "num_shared_experts": _shared_experts(get, width),
+        "first_k_dense": int(get("first_k_dense_replace") or get("moe_layer_start_index") or 0),
+        "moe_latent_dim": int(get("routed_expert_hidden_size") or 0)
+        if get("routed_expert_hidden_size") not in (None, hidden)
+        else 0,
+        "router_bias": get("topk_method") == "noaux_tc",
+        **_expert_groups(get),
+    }
+
+
+def _expert_groups(get: Callable[..., Any]) -> dict:
+    """Group-limited routing (DeepSeek ``n_group``, Kimi ``num_expert_group``); one group is no limit."""
+    groups = _first(get, ("n_group", "num_expert_group"))[1]
+    return {"expert_groups": groups if groups > 1 else 0, "groups_per_token": int(get("topk_group") or 0)}
+
+
+def _looks_moe(key: str) -> bool:
+    low = key.lower()
+    return "expert" in low or low.startswith("moe_") or low.startswith("router_")
+
+
+def _shared_experts(get: Callable[..., Any], width: int) -> int:
+    """Shared experts as a count of routed-width MLPs: Qwen-MoE gives one shared MLP's width instead."""
+    count = _first(get, SHARED)[1]
+    shared_width = int(get("shared_expert_intermediate_size") or 0)
+    if not shared_width:
+        return count
+    if count or shared_width % width:
+        raise ValueError(
+            f"HF config: shared_expert_intermediate_size={shared_width} is not a whole number of expert widths "
+            f"({width}){' and a shared-expert count is given too' if count else ''}: not expressible"
+        )
+    return shared_width // width
+
+
+def _check_every_layer_moe(c: dict, get: Callable[..., Any]) -> None:
+    """Dense layers other than the first k are not expressible: refuse rather than price them as MoE."""
+    every = {k: int(get(k) or 1) for k in ("decoder_sparse_step", "moe_layer_freq", "moe_layer_interval")}
+    dense = c.get("mlp_only_layers") or []
+    last = get("moe_layer_end_index")
+    tail = last is not None and int(last) < int(get("num_hidden_layers")) - 1
+    if any(v != 1 for v in every.values()) or dense or tail:
+        said = ", ".join(f"{k}={v}" for k, v in every.items() if v != 1)
+        said += f"{', ' if said else ''}mlp_only_layers={dense}" if dense else ""
+        said += f"{', ' if said else ''}moe_layer_end_index={last}" if tail else ""
+        raise ValueError(
+            f"HF config: MoE on only some layers ({said}) is not expressible (ModelSpec has first_k_dense only)"
+        )
 
 
 def _hf_text(cfg: Any) -> tuple[dict, Callable[..., Any]]:
@@ -96,7 +188,7 @@ def _hf_getter(c: dict) -> Callable[..., Any]:
     return get
 
 
-_HF_OTHER = ("linear_attn_config", "topk_method", "layer_types")
+_HF_OTHER = ("linear_attn_config", "topk_method", "layer_types", "mlp_only_layers")
 _HF_BOOL = ("mla_use_output_gate", "tie_word_embeddings")
 
 
