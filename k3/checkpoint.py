@@ -167,9 +167,10 @@ def clean_run_dir(run_dir: str) -> list[str]:
     return removed
 
 
-def claim_run(run_dir: str, identity: dict) -> dict:
-    """Rank 0 of a fresh run: a new run id and the identity into ``run.json`` (replacing an unused claim)."""
-    run = {"run_id": uuid.uuid4().hex, "config_hash": config_hash(identity), "identity": identity}
+def claim_run(run_dir: str, identity: dict, run_id: str | None = None) -> dict:
+    """Rank 0 of a fresh run: its id (the run lock's; a new one when None) and the identity into ``run.json``
+    (replacing an unused claim)."""
+    run = {"run_id": run_id or uuid.uuid4().hex, "config_hash": config_hash(identity), "identity": identity}
     write_json(os.path.join(root(run_dir), "run.json"), run)
     return run
 

@@ -41,13 +41,10 @@ from .balance import rows_per_rank, update_router_biases
 from .checkpoint import (
     CheckpointError,
     agree,
-    check_run_dir,
     check_tensors,
     claim_run,
     clean_run_dir,
-    read_latest,
     read_manifest,
-    read_run,
     read_shard,
     save_checkpoint,
 )
@@ -57,6 +54,7 @@ from .data import batch, load_corpus
 from .model import build_model, token_loss_sum
 from .muon import qk_clip
 from .optim import build_optimizer, lr_at
+from .run_folder import RunLock, check_run_lock, identity, lock_run, prepare_run
 from .trace import PhaseClock
 from .train_config import TrainConfig
 
@@ -109,6 +107,8 @@ class Trainer:
         self.links_done: set[LinkDelay] = set()
         self.run: dict | None = None
         """``run.json`` of this run (rank 0 writes its id into every checkpoint manifest)."""
+        self.lock = RunLock()
+        """The run folder's lock (held on rank 0 from ``_start`` until the run ends)."""
 
     def local(self, full: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Global batch [G, seq_len + 1] -> this rank's (inputs, targets) [rows, T_l]: its data-parallel rows
@@ -279,30 +279,6 @@ def _metrics_file(run_dir: str, start: int) -> str:
     return path
 
 
-IDENTITY_FIELDS = (
-    "preset", "optimizer", "seed", "balance", "cp", "schedule_steps", "lr", "warmup", "weight_decay",
-    "grad_clip", "qk_clip_tau", "seq_len", "global_batch", "data", "max_data_bytes",
-)  # fmt: skip
-"""TrainConfig fields that decide the numbers: a resume must match the checkpointed run on each (and world size)."""
-
-
-def prepare_run(tc: TrainConfig, world_size: int) -> tuple[TrainConfig, dict | None]:
-    """Check the run folder against ``tc`` (pure file reads: every rank reaches the same verdict) and fix the
-    schedule length: the checkpointed run's when resuming, else ``steps``. Returns (tc, run.json to resume or
-    None). CheckpointError (one line): a checkpointed folder without ``resume``, or identity differences."""
-    recorded = read_run(tc.run_dir) if tc.resume else None
-    if tc.schedule_steps is None:
-        known = (recorded or {}).get("identity", {}).get("schedule_steps") if read_latest(tc.run_dir) else None
-        tc = dataclasses.replace(tc, schedule_steps=known or tc.steps)
-    run = check_run_dir(tc.run_dir, identity(tc, world_size), tc.resume)
-    return tc, run
-
-
-def identity(tc: TrainConfig, world_size: int) -> dict:
-    """What a checkpoint must agree on to be resumed by ``tc`` (``IDENTITY_FIELDS`` and the world size)."""
-    return {"world_size": world_size, **{k: getattr(tc, k) for k in IDENTITY_FIELDS}}
-
-
 def run_rank(comm, train: dict) -> dict:
     """Body of every rank (module level for ``collectives.launch``). Returns rank 0's summary. An exception
     leaves its traceback in ``<run_dir>/errors/rank<R>.traceback`` (``moonep train`` prints that path)."""
@@ -329,16 +305,22 @@ def record_error(run_dir: str, rank: int, exc: BaseException) -> str:
 
 
 def _start(comm, tc: TrainConfig) -> tuple[TrainConfig, Trainer, int]:
-    """Check the run folder, build the trainer, claim or resume the run: (tc, trainer, first step)."""
+    """Check the run folder, lock it (rank 0, for the run's life: ``trainer.lock``; a folder another run holds
+    fails every rank, naming that run), build the trainer, claim or resume the run: (tc, trainer, first step)."""
     tc, run = prepare_run(tc, comm.world_size)
-    trainer = Trainer(comm, tc)
-    if comm.rank == 0:
-        clean_run_dir(tc.run_dir)  # a crash's leftovers, before anyone writes
-        if run is None:
-            run = claim_run(tc.run_dir, identity(tc, comm.world_size))
-    trainer.run = run  # rank 0 writes it into every manifest
-    comm.barrier()
-    return tc, trainer, trainer.restore() if tc.resume else 0
+    lock = lock_run(comm, tc.run_dir, run and run["run_id"])
+    try:
+        tc, run = prepare_run(tc, comm.world_size)  # again under the lock: a run that ended meanwhile counts
+        trainer = Trainer(comm, tc)
+        if comm.rank == 0:
+            clean_run_dir(tc.run_dir)  # a crash's leftovers, before anyone writes
+            run = run or claim_run(tc.run_dir, identity(tc, comm.world_size), lock.run_id)
+        trainer.run, trainer.lock = run, lock  # rank 0 writes the run into every manifest
+        comm.barrier()
+        return tc, trainer, trainer.restore() if tc.resume else 0
+    except BaseException:
+        lock.release()
+        raise
 
 
 def _run_rank(comm, tc: TrainConfig) -> dict:
@@ -372,6 +354,7 @@ def _run_rank(comm, tc: TrainConfig) -> dict:
         from .plots import write_plots  # heavy: matplotlib, rank 0 only
 
         plots = write_plots(tc.run_dir)
+    trainer.lock.release()
     return {
         "losses": losses,
         "val_loss": val_loss,
@@ -387,6 +370,7 @@ def train(tc: TrainConfig, *, timeout: float = 300.0) -> dict:
     if external_launcher() is None:  # under torchrun/mpiexec the launcher's size counts: Trainer checks it
         tc.check_fault_ranks(tc.world_size)
         tc = prepare_run(tc, tc.world_size)[0]  # a bad run folder fails here, before any rank starts
+        check_run_lock(tc.run_dir)  # so does a folder another run holds (the ranks check again, under the lock)
     return launch(run_rank, tc.world_size, timeout=timeout, trace_dir=tc.trace_dir, train=dataclasses.asdict(tc))
 
 
