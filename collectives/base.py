@@ -9,40 +9,25 @@ With ``validate=True`` (the default) each collective first all-gathers a small i
 row size, split sizes, any local problem) so that a bad argument on one rank is reported on *every* rank as a
 ``ValueError`` naming the rank and the problem, rather than as a hang or garbage on the others. Hot paths whose
 splits are consistent by construction (the EP layer, whose splits come from one shared plan) pass
-``validate=False`` to skip that header.
+``validate=False`` to skip that header, except an all-to-all on host-waited tensors, which still agrees it
+(``peer_checks`` says why and what is left unchecked). ``send``/``recv`` are unchecked unless both sides pass
+``validate=True``.
 """
 
 from __future__ import annotations
 
 import abc
-import math
 import time
 from datetime import timedelta
 from typing import Sequence
 
 import torch
 
+from collectives import peer_checks
 from collectives.faults import link_delays_from_env
+from collectives.peer_checks import DTYPE_CODE, REDUCE_OPS
+from collectives.peer_checks import rows as _rows
 from collectives.trace import Tracer, tracer_from_env
-
-REDUCE_OPS = ("sum", "max", "min", "prod")
-
-_OPS = ("all_to_all_single", "all_gather", "all_reduce", "reduce_scatter", "broadcast", "split", "barrier")
-_OP_CODE = {name: i + 1 for i, name in enumerate(_OPS)}
-_DTYPES = (
-    torch.float32,
-    torch.float64,
-    torch.bfloat16,
-    torch.float16,
-    torch.int32,
-    torch.int64,
-    torch.int16,
-    torch.int8,
-    torch.uint8,
-    torch.bool,
-)
-_DTYPE_CODE = {dt: i + 1 for i, dt in enumerate(_DTYPES)}
-_HEADER = 8  # status, op, dtype, row numel, rows in, rows out, src, reduce op; then in/out splits per peer
 
 
 class CollectiveError(RuntimeError):
@@ -52,15 +37,6 @@ class CollectiveError(RuntimeError):
         super().__init__(message)
         self.op = op
         self.failed_ranks = tuple(failed_ranks)
-
-
-def _row_numel(t: torch.Tensor) -> int:
-    """Elements per row (dim 0); 1 for a 0-d tensor."""
-    return math.prod(t.shape[1:])
-
-
-def _rows(t: torch.Tensor) -> int:
-    return int(t.shape[0]) if t.dim() > 0 else 1
 
 
 def _check_splits(name: str, splits, world: int, rows: int) -> list[int] | str:
@@ -225,15 +201,28 @@ class Communicator(abc.ABC):
         *,
         timeout: float | None = None,
         validate: bool | None = None,
+        splits_agreed: bool = False,
     ) -> torch.Tensor:
-        """Exchange rows: ``inp[rows for peer j]`` goes to peer j, peer i's rows land in ``out`` in rank order.
+        """Exchange rows among ranks; unchecked on CUDA over NCCL/NVSHMEM, a peer's different splits go UNDETECTED.
 
+        ``inp[rows for peer j]`` goes to peer j, peer i's rows land in ``out`` in rank order.
         ``inp [sum(in_splits), ...]``, ``out [sum(out_splits), ...]``; splits count rows along dim 0 and default
         to equal parts. ``in_splits[j]`` on rank i must equal ``out_splits[i]`` on rank j. Returns ``out``.
         ``timeout`` and ``validate`` override the communicator's defaults for this call (every collective).
+        Unchecked (``validate=False``), the header is still exchanged wherever the host waits for the exchange
+        anyway (CPU tensors, and every tensor under MPI), only without the arrival count and its trace record: a
+        peer's different split sizes, dtype or row size is then the same ``ValueError`` on every rank instead of
+        garbage or a gloo abort (``peer_checks``). On CUDA tensors over NCCL or NVSHMEM that would put a host round
+        trip on the hot path, so nothing is checked there: a mismatch gives garbage or a hang until the timeout.
+        ``splits_agreed=True`` (with ``validate=False``): the caller's split sizes come from data every rank already
+        agreed on (a shared plan, counts this exchange's peers sent), so they cannot disagree: that round trip is
+        skipped too (the EP layer's exchanges; on gloo it costs about 0.35 ms a call).
         """
         problem, ins, outs = self._local_a2a_problem(out, inp, out_splits, in_splits)
-        self._agree("all_to_all_single", problem, out, inp, splits=(ins, outs), validate=validate, timeout=timeout)
+        self._agree(
+            "all_to_all_single", problem, out, inp, splits=(ins, outs), validate=validate, timeout=timeout,
+            agreed=splits_agreed,
+        )  # fmt: skip
         delay = self._link_delay(j for j, n in enumerate(ins) if n) if self.link_delays else 0.0
         return self._timed(
             "all_to_all_single",
@@ -255,14 +244,20 @@ class Communicator(abc.ABC):
         in_splits: Sequence[int],
         *,
         timeout: float | None = None,
+        splits_agreed: bool = False,
     ) -> Pending:
-        """Start ``all_to_all_single`` (hot-path form: local checks only, no argument exchange) and return at once,
-        so that the caller can start another exchange or compute before ``wait()``. Every rank must start the
-        same collectives in the same order. Backends without asynchronous collectives run it here and return a
-        finished ``Pending``; torch.distributed (gloo, NCCL) and MPI overlap it. ``timeout`` bounds the wait."""
+        """Start ``all_to_all_single`` and return; on CUDA via NCCL/NVSHMEM a peer's different splits go UNDETECTED.
+
+        The hot-path form, checked like an unchecked ``all_to_all_single`` (sizes agreed before anything is posted,
+        except on CUDA over NCCL or NVSHMEM). The caller can start another exchange or compute before ``wait()``.
+        Every rank must start the same collectives in the same order. Backends without asynchronous collectives
+        run it here and return a finished ``Pending``; torch.distributed (gloo, NCCL) and MPI overlap it.
+        ``timeout`` bounds the size agreement and the wait; ``splits_agreed``: as in ``all_to_all_single``."""
         problem, ins, outs = self._local_a2a_problem(out, inp, out_splits, in_splits)
-        if problem:
-            raise ValueError(f"all_to_all_single_start on rank {self.global_rank}: {problem}")
+        self._agree(
+            "all_to_all_single", problem, out, inp, splits=(ins, outs), validate=False, timeout=timeout,
+            agreed=splits_agreed,
+        )  # fmt: skip
         timeout = self.timeout if timeout is None else float(timeout)
         nbytes, t_enter = inp.numel() * inp.element_size(), time.time()
         delay = self._link_delay(j for j, n in enumerate(ins) if n) if self.link_delays else 0.0
@@ -342,17 +337,29 @@ class Communicator(abc.ABC):
         self._agree("barrier", None, None, None, validate=validate, timeout=timeout)
         self._timed("barrier", 0, self._barrier, timeout)
 
-    def send(self, tensor: torch.Tensor, dst: int, *, timeout: float | None = None) -> None:
-        """Blocking point-to-point send to group rank ``dst`` (pairs with ``recv`` there)."""
-        self._p2p_check(tensor, dst, "dst")
+    def send(self, tensor: torch.Tensor, dst: int, *, timeout: float | None = None, validate: bool = False) -> None:
+        """Send ``tensor`` to group rank ``dst``; UNCHECKED unless both sides pass ``validate=True``.
+
+        Unchecked, a ``recv`` whose size or dtype differs is not detected: a shorter send leaves the tail of the
+        receive buffer as it was, another dtype is read as raw bits, and gloo aborts a receiver sent more bytes than
+        it expects. ``validate=True`` first swaps a small header (dtype, shape) with the peer, so a difference is the
+        same ``ValueError`` on both ranks before any data moves. ``validate`` must be the same on both sides: an
+        unchecked peer would take the header for data.
+        """
+        self._p2p_check(tensor, dst, "dst", validate, timeout)
         delay = self._link_delay([dst]) if self.link_delays else 0.0
         self._timed(
             "send", tensor.numel() * tensor.element_size(), self._send, tensor, dst, timeout, delay=delay, peer=dst
         )
 
-    def recv(self, tensor: torch.Tensor, src: int, *, timeout: float | None = None) -> torch.Tensor:
-        """Blocking point-to-point receive from group rank ``src`` into ``tensor``; returns it."""
-        self._p2p_check(tensor, src, "src")
+    def recv(
+        self, tensor: torch.Tensor, src: int, *, timeout: float | None = None, validate: bool = False
+    ) -> torch.Tensor:
+        """Receive into ``tensor`` from group rank ``src`` and return it; UNCHECKED unless both pass ``validate=True``.
+
+        The pair of ``send``: see there what goes undetected without ``validate=True``.
+        """
+        self._p2p_check(tensor, src, "src", validate, timeout)
         self._timed("recv", tensor.numel() * tensor.element_size(), self._recv, tensor, src, timeout, peer=src)
         return tensor
 
@@ -362,8 +369,8 @@ class Communicator(abc.ABC):
         """
         problem = None if color is None or int(color) >= 0 else f"color must be >= 0 or None, got {color}"
         key = self.rank if key is None else int(key)
-        header = self._agree("split", problem, None, None, src=-1 if color is None else int(color), extra=key)
-        colors, keys = header[:, 6].tolist(), header[:, 7].tolist()
+        table = self._agree("split", problem, None, None, src=-1 if color is None else int(color), extra=key)
+        colors, keys = [row[6] for row in table], [row[7] for row in table]
         groups = {
             c: [r for _, r in sorted((k, r) for r, (cc, k) in enumerate(zip(colors, keys)) if cc == c)]
             for c in set(colors)
@@ -401,7 +408,7 @@ class Communicator(abc.ABC):
     def _tensor_problem(self, t, name: str) -> str | None:
         if not isinstance(t, torch.Tensor):
             return f"{name} must be a torch.Tensor, got {type(t).__name__}"
-        if t.dtype not in _DTYPE_CODE:
+        if t.dtype not in DTYPE_CODE:
             return f"{name} has unsupported dtype {t.dtype}"
         if not t.is_contiguous():
             return f"{name} must be contiguous"
@@ -449,15 +456,20 @@ class Communicator(abc.ABC):
                 return bad, [0] * w, [0] * w
         return None, ins, outs
 
-    def _p2p_check(self, tensor, peer: int, name: str) -> None:
-        # Point-to-point has no partner-wide header: fail locally, before anything is posted.
+    def _p2p_check(self, tensor, peer: int, name: str, validate: bool, timeout: float | None) -> None:
+        op = "send" if name == "dst" else "recv"
         problem = self._tensor_problem(tensor, "tensor")
-        if problem is None and not 0 <= peer < self.world_size:
-            problem = f"{name}={peer} is not a rank of this group (world_size={self.world_size})"
-        if problem is None and peer == self.rank:
-            problem = f"{name}={peer} is this rank itself"
+        if not 0 <= peer < self.world_size or peer == self.rank:  # no partner to tell: fail here, alone
+            where = (
+                "this rank itself" if peer == self.rank else f"not a rank of this group (world_size={self.world_size})"
+            )
+            raise ValueError(f"{op} on rank {self.rank}: {name}={peer} is {where}")
+        if validate:
+            timeout = self.timeout if timeout is None else float(timeout)
+            header = peer_checks.swap_p2p_headers(self, peer_checks.p2p_header(op, tensor, problem), peer, timeout)
+            problem = problem or peer_checks.p2p_problem(header, (min(self.rank, peer), max(self.rank, peer)))
         if problem:
-            raise ValueError(f"{'send' if name == 'dst' else 'recv'} on rank {self.rank}: {problem}")
+            raise ValueError(f"{op} on rank {self.rank}: {problem}")
 
     def _agree(
         self,
@@ -472,88 +484,53 @@ class Communicator(abc.ABC):
         extra: int = 0,
         validate: bool | None = None,
         timeout: float | None = None,
+        agreed: bool = False,
     ) -> torch.Tensor | None:
         """Check the call on every rank; raise the same ``ValueError`` everywhere if any rank's call is bad.
 
-        Returns the gathered header ``[world_size, 8 + 2*world_size]`` (int64) when it was exchanged.
+        Returns every rank's header (``world_size`` lists of ``8 + 2*world_size`` ints) when they were exchanged.
+        An unchecked all-to-all still exchanges them where the host waits for it anyway (``peer_checks``: gloo
+        would abort), through host memory and without arrival count or trace record.
         """
-        if not (self.validate if validate is None else validate) and op != "split":
+        checked = (self.validate if validate is None else validate) or op == "split"
+        on_host = not checked and not agreed and op == "all_to_all_single" and self._sizes_agreed_on_host(inp)
+        if not checked and not on_host:
             if problem:
                 raise ValueError(f"{op} on rank {self.rank}: {problem}")
             return None
-        w = self.world_size
-        mine = torch.zeros(_HEADER + 2 * w, dtype=torch.int64)
-        ok = problem is None
-        if ok and inp is not None:
-            ins, outs = splits if splits is not None else ([0] * w, [0] * w)
-            mine[:_HEADER] = torch.tensor(
-                [
-                    0,
-                    _OP_CODE[op],
-                    _DTYPE_CODE[inp.dtype],
-                    _row_numel(inp),
-                    _rows(inp),
-                    _rows(out),
-                    src,
-                    REDUCE_OPS.index(reduce_op),
-                ]
-            )
-            mine[_HEADER:] = torch.tensor(list(ins) + list(outs), dtype=torch.int64)
-        else:
-            mine[:_HEADER] = torch.tensor([0 if ok else 1, _OP_CODE[op], 0, 0, 0, 0, src, extra])
-        device = self._header_device()
-        header = torch.empty(w, mine.numel(), dtype=torch.int64, device=device)
-        self._validated += 1
-        self._mark_arrival(self._validated)
+        mine = peer_checks.call_header(op, problem, out, inp, self.world_size, splits, src, reduce_op, extra)
         self._header_of = op
         try:
-            self._timed("validate", header.numel() * 8, self._all_gather, header, mine.view(1, -1).to(device), timeout)
+            if on_host:
+                table = peer_checks.gather_on_host(self, mine, self.timeout if timeout is None else float(timeout))
+            else:
+                table = self._gather_validated(mine, timeout)
         except CollectiveError as exc:
             raise self._name_absent(exc, op) from exc
         finally:
             self._header_of = ""
-        header = header.cpu()
         if problem:
             raise ValueError(f"{op} on rank {self.rank}: {problem}")
-        disagreement = self._header_problem(op, header)
+        disagreement = peer_checks.header_problem(op, table)
         if disagreement:
             raise ValueError(f"{op} on rank {self.rank}: {disagreement}")
-        return header
+        return table
 
-    def _header_problem(self, op: str, header: torch.Tensor) -> str | None:
-        w = self.world_size
-        bad = [r for r in range(w) if header[r, 0] != 0]
-        if bad:
-            return f"rank {bad[0]} passed invalid arguments (its own error says which); no data was exchanged"
-        ops = header[:, 1].tolist()
-        if len(set(ops)) > 1:
-            names = {r: _OPS[c - 1] for r, c in enumerate(ops)}
-            return f"ranks called different collectives at the same time: {names}"
-        if op == "split":
-            return None
-        for col, what in ((2, "dtype"), (3, "elements per row"), (7, "reduce op")):
-            values = header[:, col].tolist()
-            if len(set(values)) > 1:
-                if col == 2:  # names, not the header's internal codes
-                    values = [str(_DTYPES[c - 1]) if 0 < c <= len(_DTYPES) else f"code {c}" for c in values]
-                elif col == 7:
-                    values = [REDUCE_OPS[c] if 0 <= c < len(REDUCE_OPS) else f"code {c}" for c in values]
-                return f"ranks disagree on {what}: " + ", ".join(f"rank {r} {v}" for r, v in enumerate(values))
-        if op == "all_to_all_single":
-            ins, outs = header[:, _HEADER : _HEADER + w], header[:, _HEADER + w :]
-            if not torch.equal(ins, outs.t()):
-                i, j = next((i, j) for i in range(w) for j in range(w) if ins[i, j] != outs[j, i])
-                return (
-                    f"split sizes do not match across ranks: rank {i} sends {int(ins[i, j])} rows to rank {j}, "
-                    f"which expects {int(outs[j, i])}"
-                )
-        elif op in ("all_gather", "reduce_scatter") and len(set(header[:, 4].tolist())) > 1:
-            return f"ranks disagree on inp rows: {header[:, 4].tolist()}"
-        elif op in ("all_reduce", "broadcast") and len(set(header[:, 4].tolist())) > 1:
-            return f"ranks disagree on tensor rows: {header[:, 4].tolist()}"
-        if op == "broadcast" and len(set(header[:, 6].tolist())) > 1:
-            return f"ranks disagree on src: {header[:, 6].tolist()}"
-        return None
+    def _gather_validated(self, mine: list[int], timeout: float | None) -> list[list[int]]:
+        """A validated call's header exchange: after the arrival count that names a rank which never comes; traced."""
+        self._validated += 1
+        self._mark_arrival(self._validated)
+        device = self._header_device()
+        header = torch.empty(self.world_size, len(mine), dtype=torch.int64, device=device)
+        row = torch.tensor(mine, dtype=torch.int64).view(1, -1).to(device)
+        self._timed("validate", header.numel() * 8, self._all_gather, header, row, timeout)
+        return header.cpu().tolist()
+
+    def _sizes_agreed_on_host(self, t) -> bool:
+        """Whether an unchecked all-to-all of ``t`` agrees its split sizes first: where the host waits for the
+        exchange anyway (not CUDA), so that costs one small round trip and no device read."""
+        device = t.device if isinstance(t, torch.Tensor) else self.device
+        return self.world_size > 1 and device.type != "cuda"
 
     # ---------------------------------------------------------------- tracing and timeouts
     def _timed(self, op: str, nbytes: int, fn, *args, delay: float = 0.0, peer: int | None = None):

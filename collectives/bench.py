@@ -81,7 +81,7 @@ def bench_collectives(comm: Communicator, sizes=FULL_SIZES, quick: bool = False,
         cases = {
             "all_to_all": (
                 lambda: raw_a2a(out, inp),
-                lambda: comm.all_to_all_single(out, inp, validate=False),
+                lambda: comm.all_to_all_single(out, inp, validate=False, splits_agreed=True),
                 lambda: comm.all_to_all_single(out, inp),
                 inp.numel(),
             ),

@@ -22,7 +22,6 @@ import os
 import pickle
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -30,7 +29,6 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any, Callable
 
 import torch
@@ -39,6 +37,7 @@ import torch.distributed as dist
 from collectives.base import CollectiveError, Communicator
 from collectives.mpi_backend import MPICommunicator, mpi_env_rank
 from collectives.nvshmem_backend import NVSHMEMCommunicator
+from collectives.rendezvous import env_store, mpi_store
 from collectives.torch_backend import from_group, init_torch
 from collectives.trace import tracer_from_env
 
@@ -439,33 +438,16 @@ def init(
 
 
 def _init_torch_from(launcher: str | None, timeout: float, validate: bool, trace_dir: str | None):
-    if launcher == "torchrun":
-        return init_torch(
-            int(os.environ["RANK"]),
-            int(os.environ["WORLD_SIZE"]),
-            init_method="env://",
-            timeout=timeout,
-            validate=validate,
-            trace_dir=trace_dir,
-        )
+    if launcher == "torchrun":  # our bounded env:// store: torch's own blocks without limit on a mute port
+        rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        store = env_store(rank, size, timeout)
+        return init_torch(rank, size, store=store, timeout=timeout, validate=validate, trace_dir=trace_dir)
     if launcher == "mpi":
         from mpi4py import MPI  # optional: mpi4py (the mpi extra); importing it initialises MPI
 
         world = MPI.COMM_WORLD
         rank, size = world.Get_rank(), world.Get_size()
-        store = None
-        if rank == 0:  # port 0: the OS picks a free port, which rank 0 then tells everyone
-            store = dist.TCPStore(
-                socket.gethostname(),
-                0,
-                size,
-                is_master=True,
-                wait_for_workers=False,
-                timeout=timedelta(seconds=timeout),
-            )
-        host, port = world.bcast((socket.gethostname(), store.port) if rank == 0 else None, root=0)
-        if rank != 0:
-            store = dist.TCPStore(host, port, size, is_master=False, timeout=timedelta(seconds=timeout))
+        store = mpi_store(world, timeout)
         return init_torch(rank, size, store=store, timeout=timeout, validate=validate, trace_dir=trace_dir)
     tmp = tempfile.mkdtemp(prefix="moonep-single-")
     os.environ.setdefault("MOONEP_LOOPBACK", "1")

@@ -17,11 +17,13 @@ import os
 import sys
 import threading
 import time
+import uuid
 
 import numpy as np
 import torch
 
-from collectives.base import CollectiveError, Communicator, _row_numel
+from collectives.base import CollectiveError, Communicator
+from collectives.peer_checks import row_numel as _row_numel
 
 
 def _mpi():
@@ -107,6 +109,10 @@ class MPICommunicator(Communicator):
             global_rank=MPI.COMM_WORLD.Get_rank(),
         )
         self._arrival_win, self._arrival_counts = _arrival_array(self.comm)
+        # one run id for every rank's trace header (construction is collective: every rank takes part)
+        run_id = self.comm.bcast(uuid.uuid4().hex if self.rank == 0 else None, root=0)
+        if self.tracer is not None and self.tracer.run_id is None and self.comm.Get_size() == MPI.COMM_WORLD.Get_size():
+            self.tracer.run_id = run_id
 
     def _mark_arrival(self, count: int) -> None:
         if self._arrival_counts is not None:
@@ -116,6 +122,11 @@ class MPICommunicator(Communicator):
         if self._arrival_counts is None:
             return None
         return {r: int(c) for r, c in enumerate(self._arrival_counts)}
+
+    def _sizes_agreed_on_host(self, t) -> bool:
+        """Always (world > 1): CUDA tensors are staged through host memory anyway, so the host waits for every
+        exchange and an unchecked all-to-all can agree its sizes like a CPU one."""
+        return self.world_size > 1
 
     def _call(self, name: str, op: str, timeout: float, *args, **kwargs) -> None:
         """Run MPI's ``name`` (blocking spelling, e.g. ``Alltoallv``) within ``timeout`` seconds.

@@ -33,12 +33,14 @@ from __future__ import annotations
 
 import atexit
 import os
+import uuid
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from collectives.base import CollectiveError, Communicator, _row_numel
+from collectives.base import CollectiveError, Communicator
+from collectives.peer_checks import row_numel as _row_numel
 from collectives.trace import tracer_from_env
 
 _REDUCE = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN, "prod": dist.ReduceOp.PRODUCT}
@@ -126,7 +128,17 @@ class TorchCommunicator(Communicator):
         key = ",".join(map(str, self.group_ranks))
         _GROUPS_MADE[key] = _GROUPS_MADE.get(key, 0) + 1
         self._arrival_prefix = f"{ARRIVAL_KEY}/{key}#{_GROUPS_MADE[key]}/"
+        if store is not None and self.group_ranks == tuple(range(dist.get_world_size())):
+            self._agree_run_id(store, f"moonep/run_id/{key}#{_GROUPS_MADE[key]}")
         _register_exit_hook()
+
+    def _agree_run_id(self, store, key: str) -> None:
+        """One run id for every rank's trace header: rank 0 writes a fresh one to the store (always, so a rank
+        that traces never waits for one that does not), the others read it when they trace."""
+        if self.rank == 0:
+            store.set(key, uuid.uuid4().hex)
+        if self.tracer is not None and self.tracer.run_id is None:
+            self.tracer.run_id = store.get(key).decode()
 
     # ---------------------------------------------------------------- waiting
     def _wait(self, work, op: str, timeout: float, tensor: torch.Tensor) -> None:

@@ -21,8 +21,9 @@ field          type    meaning
 =============  ======  =================================================================================
 
 The first line a tracer writes is its header, ``{"op": "header", "kind": "header", "rank", "world_size", ...}``
-(``world_size``: ranks of the job, set by the world communicator; null when the tracer never met one), so a
-reader knows which rank files should be there (``moonep diagnose`` reports missing ones). ``read_trace`` skips it.
+(``world_size``: ranks of the job, set by the world communicator; null when the tracer never met one;
+``run_id``: the job's id, the same on every rank), so a reader knows which rank files should be there (``moonep
+diagnose`` reports missing ones) and refuses files of two runs in one folder. ``read_trace`` skips it.
 
 Workloads add their own records (compute phases, data loading) with ``Tracer.record_event(op, t_enter, t_exit,
 **fields)``: same fields, ``bytes`` 0 and ``group`` ``[rank]`` unless given, plus whatever ``fields`` holds
@@ -42,6 +43,7 @@ import time
 from typing import Sequence
 
 TRACE_ENV = "MOONEP_TRACE_DIR"
+RUN_ID_ENV = "MOONEP_RUN_ID"
 
 
 class Tracer:
@@ -60,6 +62,9 @@ class Tracer:
         self._last_flush = time.time()
         self.world_size: int | None = None
         """Ranks of the job, for the header (the world communicator sets it before the first record)."""
+        self.run_id: str | None = os.environ.get(RUN_ID_ENV) or None
+        """The job's run id, the same on every rank (``$MOONEP_RUN_ID``, set by ``collectives.launch`` for the
+        ranks it spawns, or agreed by ``collectives.init``); in the header, so a reader refuses mixed runs."""
         self._header_written = False
 
     def record(
@@ -116,6 +121,7 @@ class Tracer:
             self._header_written = True
             now = time.time()
             header = {"op": "header", "kind": "header", "rank": self.rank, "world_size": self.world_size}
+            header["run_id"] = self.run_id
             header.update(t_enter=now, t_exit=now, step=None)
             self._pending.insert(0, json.dumps(header))
         if self._pending:

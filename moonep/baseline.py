@@ -22,14 +22,14 @@ class _AllToAll(torch.autograd.Function):
     def forward(ctx, comm, x, out_splits: list[int], in_splits: list[int]):
         ctx.comm, ctx.splits = comm, (out_splits, in_splits)
         out = x.new_empty(sum(out_splits), *x.shape[1:])
-        comm.all_to_all_single(out, x.contiguous(), out_splits, in_splits, validate=False)
+        comm.all_to_all_single(out, x.contiguous(), out_splits, in_splits, validate=False, splits_agreed=True)
         return out
 
     @staticmethod
     def backward(ctx, g):
         out_splits, in_splits = ctx.splits
         back = g.new_empty(sum(in_splits), *g.shape[1:])
-        ctx.comm.all_to_all_single(back, g.contiguous(), in_splits, out_splits, validate=False)
+        ctx.comm.all_to_all_single(back, g.contiguous(), in_splits, out_splits, validate=False, splits_agreed=True)
         return None, back, None, None
 
 

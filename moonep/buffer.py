@@ -245,7 +245,7 @@ class Buffer:
         else:  # fp32 bits in an int32 column: integer tables travel as integers, weights exactly
             meta[:, 2] = weights.detach().reshape(-1).index_select(0, pos).float().view(torch.int32)
         got = self._meta_in[: sum(recv_slots)]
-        side = self.comm.all_to_all_single_start(got, meta, recv_slots, send_slots)
+        side = self.comm.all_to_all_single_start(got, meta, recv_slots, send_slots, splits_agreed=True)
         rows = self._start_rows(hidden, lay.uniq_token[:U], send_uniq, recv_uniq)
         side.wait()
         row, uniq = recv_layout(got[:, 0], got[:, 1], global_plan.send_counts[:, r], recv_uniq_t)
@@ -302,7 +302,7 @@ class Buffer:
         src = self._wire_out[: uniq_token.numel()]
         torch.index_select(hidden, 0, uniq_token, out=src)
         got = self._wire_in[1 : 1 + sum(recv_uniq)]
-        return self.comm.all_to_all_single_start(got, src, recv_uniq, send_uniq)
+        return self.comm.all_to_all_single_start(got, src, recv_uniq, send_uniq, splits_agreed=True)
 
     def _expand(self, plan: CommPlan, rows, with_weights: bool, zero_copy: bool, during=None):
         """``during(plan)`` while the rows travel, then the rows expanded into the expert-grouped receive rows."""
@@ -354,7 +354,7 @@ class Buffer:
         """[n] values in send order -> [n_recv] in receive order (exact plan counts)."""
         got = torch.empty(sum(plan.recv_slot_splits), dtype=per_slot.dtype, device=self.device)
         self.comm.all_to_all_single(
-            got, per_slot.contiguous(), plan.recv_slot_splits, plan.send_slot_splits, validate=False
+            got, per_slot.contiguous(), plan.recv_slot_splits, plan.send_slot_splits, validate=False, splits_agreed=True
         )
         return got
 
@@ -402,11 +402,15 @@ class Buffer:
         ext.zero_()
         ext.index_add_(0, plan.row_source, expert_out)
         back = self._wire_out[: plan.uniq_token.numel()]
-        rows = self.comm.all_to_all_single_start(back, ext[1:], plan.send_uniq_splits, plan.recv_uniq_splits)
+        rows = self.comm.all_to_all_single_start(
+            back, ext[1:], plan.send_uniq_splits, plan.recv_uniq_splits, splits_agreed=True
+        )
         if recv_weights is not None:  # the per-slot values travel beside the rows
             per_slot = recv_weights.detach().index_select(0, plan.recv_slot_row).float().contiguous()
             home = torch.empty(plan.slot_pos.numel(), dtype=torch.float32, device=self.device)
-            slots = self.comm.all_to_all_single_start(home, per_slot, plan.send_slot_splits, plan.recv_slot_splits)
+            slots = self.comm.all_to_all_single_start(
+                home, per_slot, plan.send_slot_splits, plan.recv_slot_splits, splits_agreed=True
+            )
         rows.wait()
         ext[0].zero_()
         out = torch.zeros(plan.num_tokens, self.H, dtype=self.dtype, device=self.device)

@@ -31,7 +31,9 @@ def push_start(comm, epn: int, plan: CommPlan, local_weights, prefetch_buffers) 
         rows = [loc.detach().reshape(epn, -1).index_select(0, plan.push_rows).to(dtype) for loc in locs]
         inp = torch.cat(rows, 1)  # [copies pushed, sum of the projections' sizes]
         got = torch.empty(plan.my_slots.numel(), inp.shape[1], dtype=inp.dtype, device=inp.device)
-        started.append((comm.all_to_all_single_start(got, inp, plan.slot_splits, plan.push_splits), got, slots))
+        started.append(
+            (comm.all_to_all_single_start(got, inp, plan.slot_splits, plan.push_splits, splits_agreed=True), got, slots)
+        )
 
     def land() -> None:
         for pending, got, slots in started:
@@ -52,7 +54,7 @@ def reduce(comm, epn: int, plan: CommPlan, local_grads, reduce_buffers) -> None:
         flats = [slot.view(slot.shape[0], -1) for slot in slots]
         inp = torch.cat([flat.index_select(0, plan.my_slots) for flat in flats], 1)
         got = torch.empty(plan.push_rows.numel(), inp.shape[1], dtype=inp.dtype, device=inp.device)
-        comm.all_to_all_single(got, inp, plan.push_splits, plan.slot_splits, validate=False)
+        comm.all_to_all_single(got, inp, plan.push_splits, plan.slot_splits, validate=False, splits_agreed=True)
         for grad, flat, part in zip(grads, flats, _columns(got, slots)):
             if plan.push_rows.numel():
                 grad.view(epn, -1).index_add_(0, plan.push_rows, part.to(grad.dtype))

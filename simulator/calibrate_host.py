@@ -157,7 +157,9 @@ def collective_costs(comm, repeats: int, big: int) -> dict:
         rows = max(R, nbytes // 128 // R * R)
         inp = torch.ones(rows, 32)
         got = torch.empty_like(inp)
-        out[f"a2a_{tag}"] = _per_call_us(comm, lambda: comm.all_to_all_single(got, inp, validate=False), repeats)
+        out[f"a2a_{tag}"] = _per_call_us(
+            comm, lambda: comm.all_to_all_single(got, inp, validate=False, splits_agreed=True), repeats
+        )
         buf = torch.ones(max(1, nbytes // 4))
         out[f"ar_{tag}"] = _per_call_us(comm, lambda: comm.all_reduce(buf, validate=False), repeats)
     small = torch.ones(256)

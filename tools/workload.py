@@ -119,7 +119,7 @@ def _step(comm, cfg: WorkloadConfig, step: int, w) -> None:
     comm.all_to_all_single(received, x, recv, send)  # dispatch
     y = _compute(comm, "expert_compute", received, w, cfg.expert_iters, factor, tokens=sum(recv))
     back = torch.empty(cfg.tokens, cfg.hidden)
-    comm.all_to_all_single(back, y.contiguous(), send, recv, validate=False)  # combine
+    comm.all_to_all_single(back, y.contiguous(), send, recv, validate=False, splits_agreed=True)  # combine
     grad = back.sum(0)
     comm.all_reduce(grad, validate=False)
 

@@ -12,9 +12,11 @@ import shutil
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from collectives import launch
 from moonep.console import main
 from tests.tools.synth import make_records, write_dir
 from tools.clocks import MIN_OFFSET_S, estimate_offsets
@@ -119,3 +121,23 @@ def test_offsets_are_recovered_from_collective_exits(offsets: list[float], seed:
         assert abs(got[r] - offsets[r - 1]) < 2e-4, (r, got, offsets)
         assert spread[r] < MIN_OFFSET_S
     assert np.isfinite(list(got.values())).all()
+
+
+def _traced_job(comm, steps: int) -> None:
+    x = torch.ones(4)
+    for step in range(steps):
+        comm.tracer.step = step
+        comm.all_reduce(x)
+
+
+def test_real_runs_carry_one_run_id_and_two_runs_in_one_folder_are_refused(tmp_path, capsys):
+    """Two real 2-rank gloo jobs traced into one folder append to the same rank files: one run id per job in
+    every rank's header, and ``diagnose`` refuses the folder naming both runs."""
+    folder = str(tmp_path / "t")
+    for _ in range(2):
+        launch(_traced_job, 2, timeout=20, job_timeout=60, trace_dir=folder, steps=3)
+    heads = {r: [json.loads(line) for line in open(os.path.join(folder, f"rank{r}.jsonl"))] for r in (0, 1)}
+    ids = {r: [h["run_id"] for h in recs if h.get("kind") == "header"] for r, recs in heads.items()}
+    assert ids[0] == ids[1] and len(set(ids[0])) == 2 and all(ids[0]), ids  # per job: the same on both ranks
+    code, text, _ = _diagnose(folder, tmp_path, capsys)
+    assert code == 2 and "rank0.jsonl: holds 2 runs" in text, text

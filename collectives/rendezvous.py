@@ -1,0 +1,78 @@
+"""Rendezvous stores that keep to the caller's timeout and name the address when they cannot.
+
+torch's ``TCPStore`` client reads the server's first answer with no limit (``TCPStore::ping`` calls ``recv``
+without a timeout, whatever ``timeout`` the store was given): when another process holds ``MASTER_PORT`` and
+accepts connections without speaking the store protocol, or only listens (the kernel completes the handshake for
+it), the client blocks there for ever, while rank 0, which fails to listen, names EADDRINUSE at once. So the store
+is made on a helper thread and waited for with the timeout; a store that is not up by then, or whose making
+failed, is a ``CollectiveError`` naming ``host:port`` on every rank. The thread left behind is a daemon blocked in
+``recv`` without the GIL: it costs nothing and ends with the process.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import socket
+import threading
+from datetime import timedelta
+from typing import Callable
+
+import torch.distributed as dist
+
+from collectives.base import CollectiveError
+
+
+def bounded_store(make: Callable[[], dist.Store], host: str, port, rank: int, timeout: float) -> dist.Store:
+    """``make()``'s store if it is up within ``timeout`` seconds, else a ``CollectiveError`` naming the address."""
+    made: dict = {}
+
+    def run() -> None:
+        try:
+            made["store"] = make()
+        except BaseException as exc:  # handed to the waiting thread, which names the address
+            made["error"] = exc
+
+    thread = threading.Thread(target=run, name="moonep-rendezvous", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if "store" in made:
+        return made["store"]
+    where = f"rendezvous with the store at {host}:{port} failed on rank {rank}"
+    if "error" in made:
+        exc = made["error"]
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise CollectiveError(f"{where}: {type(exc).__name__}: {reason}", op="rendezvous") from exc
+    raise CollectiveError(
+        f"{where}: the store was not up within its {timeout:g}s timeout: nothing there answered (another process "
+        f"may hold the port without serving it, or the rank serving it never started it), or not every rank came",
+        op="rendezvous",
+    )
+
+
+def env_store(rank: int, world_size: int, timeout: float) -> dist.Store:
+    """The store of torch's ``env://`` rendezvous (``MASTER_ADDR``/``MASTER_PORT``, torchrun's agent store where
+    torchrun says so), made within ``timeout`` seconds."""
+    host, port = os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]
+
+    def make() -> dist.Store:
+        store, _, _ = next(dist.rendezvous("env://", rank, world_size, timeout=timedelta(seconds=timeout)))
+        return store
+
+    return bounded_store(make, host, port, rank, timeout)
+
+
+def mpi_store(world, timeout: float) -> dist.Store:
+    """A store for torch.distributed under mpiexec (``world``: mpi4py's ``COMM_WORLD``): rank 0 serves one on a
+    port the OS picks and broadcasts where; the others connect within ``timeout`` seconds."""
+    rank, size = world.Get_rank(), world.Get_size()
+    store = None
+    if rank == 0:  # port 0: the OS picks a free port, which rank 0 then tells everyone
+        store = dist.TCPStore(
+            socket.gethostname(), 0, size, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout)
+        )
+    host, port = world.bcast((socket.gethostname(), store.port) if rank == 0 else None, root=0)
+    if rank == 0:
+        return store
+    client = functools.partial(dist.TCPStore, host, port, size, is_master=False, timeout=timedelta(seconds=timeout))
+    return bounded_store(client, host, port, rank, timeout)
