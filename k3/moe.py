@@ -98,20 +98,14 @@ class LatentMoE(nn.Module):
         """u [s, L] = sum over each token's K experts of p_j E_j(z)."""
         if self.buffer is None:
             return moe_routed_naive(z, topk_idx, topk_w, self.w1, self.w3, self.w2, self.acts)
-        import moonep  # heavy: EP (moonep) loads only when a Buffer is attached; the model is single-device
-        from moonep.experts import grouped_experts, start_push  # heavy: as above
+        from moonep.ep_step import routed_experts  # heavy: EP loads only with a Buffer; the model is single-device
 
-        weights = (self.w1, self.w3, self.w2)
-
-        def push(plan):  # the replica weights travel beside the token rows
-            start_push(self.buffer, plan, weights, layout="linear", key=self._key)
-
-        recv, recv_w, _, plan = moonep.dispatch(self.buffer, z, topk_w, topk_idx, during=push)
         act = functools.partial(situ_glu, beta=self.acts[0], linear_beta=self.acts[1])
-        out = grouped_experts(
-            self.buffer, plan, recv, recv_w, weights, layout="linear", activation=act, key=self._key, recompute=True
+        weights = (self.w1, self.w3, self.w2)
+        u, _ = routed_experts(
+            self.buffer, z, topk_idx, topk_w, weights, layout="linear", activation=act, key=self._key, recompute=True
         )
-        return moonep.combine(self.buffer, plan, out)
+        return u
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape

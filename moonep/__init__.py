@@ -2,7 +2,8 @@
 
 Public API (imported lazily, so ``import moonep.cli`` stays light): ``Buffer`` (dispatch, combine,
 redispatch, prefetch_weight, reduce_grad), ``CommPlan``, ``EPGeometry``, the differentiable ``dispatch`` /
-``combine``, the ``MoE`` layer and its ``SigmoidTopKRouter``,
+``combine``, the one EP step (``routed_experts``, or its phases ``ep_dispatch`` / ``ep_experts`` /
+``ep_combine``), the ``MoE`` layer and its ``SigmoidTopKRouter``,
 ``measure_cost_model`` (cost-aware balancing). Adapters live in ``moonep.compat``. See
 ``moonep/README.md``.
 """
@@ -22,6 +23,11 @@ _LAZY = {
     "MoE": ("moonep.moe", "MoE"),
     "SigmoidTopKRouter": ("moonep.moe", "SigmoidTopKRouter"),
     "grouped_experts": ("moonep.experts", "grouped_experts"),
+    "routed_experts": ("moonep.ep_step", "routed_experts"),
+    "ep_dispatch": ("moonep.ep_step", "ep_dispatch"),
+    "ep_experts": ("moonep.ep_step", "ep_experts"),
+    "ep_combine": ("moonep.ep_step", "ep_combine"),
+    "EPRows": ("moonep.ep_step", "EPRows"),
     "GatedActivation": ("moonep.expert_math", "GatedActivation"),
     "measure_cost_model": ("moonep.cost", "measure_cost_model"),
     "expert_parameters": ("moonep.parallel", "expert_parameters"),

@@ -30,11 +30,10 @@ import torch
 from collectives import launch
 from planner import row_bound
 
-from .autograd import combine, dispatch
 from .baseline import classic_combine, classic_dispatch, classic_experts, classic_moe
 from .buffer import Buffer
 from .cost import measure_cost_model
-from .experts import GroupedExperts
+from .ep_step import ep_combine, ep_dispatch, ep_experts
 from .hostreads import PLANNER_CPU_ENTRY, HostReads
 from .moe import MoE
 from .peak_memory import peak_bytes
@@ -84,14 +83,16 @@ def _stage_times(comm, stages, iters: int) -> list[float]:
 
 
 def _our_stages(moe, x, idx, w):
+    """The phases of ``moonep.ep_step`` as ``moonep.MoE`` runs them (the replica push started beside the rows)."""
+    weights = (moe.w13, moe.w2)
+
     def disp(_):
-        return dispatch(moe.buffer, x, w, idx)
+        return ep_dispatch(moe.buffer, x, idx, w, weights=weights, key=moe._key)
 
-    def experts(d):
-        recv, recv_w, _, plan = d
-        return plan, GroupedExperts.apply(moe.buffer, plan, moe._key, recv, recv_w, moe.w13, moe.w2)
+    def experts(rows):
+        return rows, ep_experts(rows, weights, key=moe._key)
 
-    return [disp, experts, lambda e: combine(moe.buffer, e[0], e[1])]
+    return [disp, experts, lambda e: ep_combine(*e)]
 
 
 def _classic_stages(comm, moe, x, idx, w, E):

@@ -234,11 +234,3 @@ def grouped_experts(
     own = _ReplicaGradsHome.apply(buffer, plan, pools, *weights)
     z = _GatedCompute.apply(plan, pools, layout, as_activation(activation), recompute, x, recv_weights, *own)
     return _RepushGuard.apply(buffer, plan, key, pools, weights, z)
-
-
-class GroupedExperts:
-    """moonep.MoE's call: ``apply(buffer, plan, key, x, w, w13, w2)`` is ``grouped_experts`` (fused, SwiGLU)."""
-
-    @staticmethod
-    def apply(buffer: Buffer, plan: CommPlan, key: object, x, w, w13, w2) -> torch.Tensor:
-        return grouped_experts(buffer, plan, x, w, (w13, w2), key=key)

@@ -16,9 +16,9 @@ import torch.nn.functional as Fn
 from torch import nn
 
 from .agreement import agree_settings, dtype_word, int_word
-from .autograd import combine, dispatch
+from .autograd import dispatch
 from .buffer import Buffer
-from .experts import grouped_experts, start_push
+from .ep_step import routed_experts
 from .geometry import EPGeometry
 from .parallel import check_not_replicated, mark_expert
 
@@ -245,17 +245,10 @@ class MoE(nn.Module):
             dispatch(self.buffer, bad, None, torch.full((bad.shape[0], self.K), -1, device=x.device))
         x2 = x.reshape(-1, self.H)
         topk_idx, topk_weights = self.route(x2, topk_idx, topk_weights)
-        buf, weights = self.buffer, (self.w13, self.w2)
-
-        def push(plan):  # the replica weights travel beside the token rows
-            start_push(buf, plan, weights, key=self._key)
-
-        recv, recv_w, _, plan = dispatch(
-            buf, x2, topk_weights, topk_idx, total_num_tokens=total_num_tokens, during=push
+        weights = (self.w13, self.w2)
+        y, self.last_plan = routed_experts(
+            self.buffer, x2, topk_idx, topk_weights, weights, key=self._key, total_num_tokens=total_num_tokens
         )
-        self.last_plan = plan
-        z = grouped_experts(buf, plan, recv, recv_w, weights, key=self._key)
-        y = combine(buf, plan, z)
         if self.shared is not None:
             y = y + self.shared(x2)
         return y.reshape(shape)

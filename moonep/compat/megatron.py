@@ -33,9 +33,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .. import autograd as ep
 from .._checks import raise_agreed
 from ..buffer import Buffer
+from ..ep_step import ep_combine, ep_dispatch
 from ..experts import ensure_replicas, pool_for, repush_guard
 from ._group import as_communicator
 
@@ -116,6 +116,8 @@ class MoonEPTokenDispatcher:
         self.shared_experts = None
         self.plan = None
         """CommPlan of the micro-batch in flight (set by token_dispatch)."""
+        self.rows = None
+        """``moonep.ep_step.EPRows`` of the micro-batch in flight (token_combine brings them home)."""
 
     # ------------------------------------------------------------------------------------------ dispatch
     def dispatch_preprocess(self, hidden_states: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor):
@@ -157,11 +159,10 @@ class MoonEPTokenDispatcher:
         mine = f"{PROBLEMS[self._code]} ({self._detail})" if self._code and self._detail else ""
         raise_agreed("MoonEPTokenDispatcher", self.comm.rank, codes, mine, problems=PROBLEMS, prefix="")
         self._ensure_buffer(max(sizes), hidden_states.dtype, hidden_states.device)
-        rows, row_probs, cu, self.plan = ep.dispatch(
-            self.buffer, hidden_states, probs, self.topk_idx, total_num_tokens=sum(sizes)
-        )
-        self.cu_seqlens, self.num_rows = cu, self.plan.cu_host[-1]  # host copy from dispatch's one read
-        return rows, row_probs
+        self.rows = ep_dispatch(self.buffer, hidden_states, self.topk_idx, probs, total_num_tokens=sum(sizes))
+        self.plan = self.rows.plan
+        self.cu_seqlens, self.num_rows = self.rows.cu_seqlens, self.plan.cu_host[-1]  # host copy: dispatch's read
+        return self.rows.rows, self.rows.weights
 
     def dispatch_postprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor):
         """Local: -> (tokens [n, H] grouped by the 2*epn local groups, tokens_per_expert [2*epn] int64 on CPU,
@@ -200,7 +201,7 @@ class MoonEPTokenDispatcher:
 
     def token_combine(self, hidden_states: torch.Tensor):
         """Collective: [recv_rows, H] -> [s, H], the unweighted sum of each token's expert outputs."""
-        return ep.combine(self.buffer, self.plan, hidden_states)
+        return ep_combine(self.rows, hidden_states)
 
     def combine_postprocess(self, hidden_states: torch.Tensor):
         """Local: [s, H] -> the shape of the hidden_states given to dispatch_preprocess."""

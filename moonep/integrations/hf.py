@@ -22,10 +22,9 @@ import types
 import torch
 from torch import nn
 
-from ..autograd import combine, dispatch
 from ..buffer import Buffer
+from ..ep_step import routed_experts
 from ..expert_math import SWIGLU, GatedActivation
-from ..experts import grouped_experts
 from ..parallel import check_not_replicated, mark_expert
 
 FUSED = ("gate_up_proj", "down_proj")
@@ -92,11 +91,13 @@ class EPExperts(nn.Module):
             check_not_replicated(self)
             self._checked = True
         buf = self._shared.get(hidden_states)
-        recv, recv_w, _, plan = dispatch(buf, hidden_states, top_k_weights.float(), top_k_index)
         w13, F = self.gate_up_proj, self.F
         weights = (w13[:, :F], w13[:, F:], self.down_proj)  # linear layout: w1 (gate), w3 (up), w2: views
-        z = grouped_experts(buf, plan, recv, recv_w, weights, layout="linear", activation=self.activation, key=self)
-        return combine(buf, plan, z).to(hidden_states.dtype)
+        y, _ = routed_experts(
+            buf, hidden_states, top_k_index, top_k_weights.float(), weights, layout="linear",
+            activation=self.activation, key=self,
+        )  # fmt: skip
+        return y.to(hidden_states.dtype)
 
     def extra_repr(self) -> str:
         return f"experts [{self.first_expert}, {self.first_expert + self.epn}) of {self.num_experts}, F={self.F}"

@@ -4,13 +4,16 @@ torchtitan's ``RoutedExperts.forward`` runs ``token_dispatcher.dispatch(x [T, D]
 counts [E]) -> (rows, tokens_per_expert, metadata)``, then ``inner_experts(rows, tokens_per_expert)``, then
 ``token_dispatcher.combine(out_rows, metadata, x) -> [T, D]``. MoonEP replaces both children:
 
-- ``MoonEPTokenDispatcher``: ``moonep.dispatch`` into the balanced receive layout (``[recv_rows, D]``, static
-  shape); its second output is a ``MoonEPStep`` (the Buffer, the plan and the per-row routing weights) that
-  torchtitan hands to the inner experts untouched; ``combine`` is ``moonep.combine`` (the routing weights were
-  applied on the expert side, as moonep's contract says);
+The three children run the phases of moonep's one EP step (``moonep.ep_step``), in its order:
+
+- ``MoonEPTokenDispatcher``: ``ep_dispatch`` into the balanced receive layout (``[recv_rows, D]``, static
+  shape); its second output is a ``MoonEPStep`` (``EPRows``: the Buffer, the plan and the per-row routing
+  weights) that torchtitan hands to the inner experts untouched, and its third the same object as combine's
+  metadata; ``combine`` is ``ep_combine`` (the routing weights were applied on the expert side, as moonep's
+  contract says);
 - ``MoonEPGroupedExperts``: this rank's ``epn = E / R`` experts under torchtitan's names and layout
   (``w1_EFD [epn, F, D]``, ``w3_EFD [epn, F, D]``, ``w2_EDF [epn, D, F]``: nn.Linear style), computed by
-  ``moonep.grouped_experts`` (SwiGLU, fp32 math in the weights' dtype).
+  ``ep_experts`` (SwiGLU, fp32 math in the weights' dtype).
 
 Two ways in: ``use_moonep(model_config, comm)`` swaps every ``RoutedExperts.Config``'s children before
 ``build()`` (as torchtitan's own converters swap dispatchers); ``parallelize(model, comm)`` swaps the children
@@ -35,24 +38,17 @@ from torchtitan.config import Configurable
 from torchtitan.models.common.moe import GroupedExperts, RoutedExperts
 from torchtitan.protocols.module import Module
 
-from ..autograd import combine, dispatch
 from ..buffer import Buffer
-from ..experts import grouped_experts
+from ..ep_step import EPRows, ep_combine, ep_dispatch, ep_experts
 from ..parallel import check_not_replicated, mark_expert
 
 WEIGHTS = ("w1_EFD", "w3_EFD", "w2_EDF")
 """torchtitan's expert parameter names, in moonep's "linear" layout order (gate, up, down)."""
 
 
-@dataclass
-class MoonEPStep:
-    """What the dispatcher hands the inner experts through torchtitan's ``tokens_per_expert`` slot."""
-
-    buffer: Buffer
-    plan: Any
-    """the step's ``moonep.CommPlan``."""
-    recv_weights: torch.Tensor
-    """[recv_rows] fp32 routing weight of each received row (0 on padding)."""
+MoonEPStep = EPRows
+"""What the dispatcher hands the inner experts through torchtitan's ``tokens_per_expert`` slot: the step's
+``moonep.ep_step.EPRows`` (the Buffer, the plan, the per-row routing weights)."""
 
 
 class MoonEPTokenDispatcher(Configurable):
@@ -102,15 +98,16 @@ class MoonEPTokenDispatcher(Configurable):
         return b
 
     def dispatch(self, x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E):
-        """-> (rows [recv_rows, D], MoonEPStep, plan); the per-expert counts are not needed (dispatch plans)."""
+        """-> (rows [recv_rows, D], MoonEPStep, MoonEPStep as combine's metadata); the per-expert counts are not
+        needed (dispatch plans)."""
         del num_local_tokens_per_expert_E
         buf = self._buffer(x_TD)
-        recv, recv_w, _, plan = dispatch(buf, x_TD, topk_scores_TK.float(), topk_expert_ids_TK)
-        return recv, MoonEPStep(buf, plan, recv_w), plan
+        rows = ep_dispatch(buf, x_TD, topk_expert_ids_TK, topk_scores_TK.float())
+        return rows.rows, rows, rows
 
     def combine(self, routed_output_RD, metadata, x_TD):
         """rows [recv_rows, D] (already weighted) -> [T, D] in x's dtype."""
-        return combine(self.buffer, metadata, routed_output_RD).to(x_TD.dtype)
+        return ep_combine(metadata, routed_output_RD).to(x_TD.dtype)
 
 
 class MoonEPGroupedExperts(Module):
@@ -180,7 +177,7 @@ class MoonEPGroupedExperts(Module):
             check_not_replicated(self)
             self._checked = True
         ws = tuple(getattr(self, n) for n in WEIGHTS)
-        return grouped_experts(step.buffer, step.plan, x_RD, step.recv_weights, ws, layout="linear", key=self)
+        return ep_experts(step, ws, x=x_RD, layout="linear", key=self)
 
 
 def _default_generator(device: torch.device) -> torch.Generator | None:

@@ -1,0 +1,139 @@
+"""The EP step: the one implementation of push -> dispatch -> grouped expert step -> combine -> grad reduce.
+
+Axes: ``s`` tokens on this rank, ``H`` the rows' width, ``K`` top-k, ``n`` = recv_rows receive rows, ``epn``
+experts per rank.
+
+``routed_experts`` runs a whole MoE layer's routed part: every caller with the whole step in one place
+(``moonep.MoE``, k3's ``LatentMoE``, the Hugging Face integration) calls it. Frameworks that put their own code
+between the phases (torchtitan's ``RoutedExperts`` = token dispatcher + inner experts; Megatron's token-dispatcher
+protocol) call the phases, in this order, and nothing else:
+
+1. ``ep_dispatch``: the balanced dispatch, with the replica weight push started beside the token rows when the
+   caller passes its weights (``start_push``); returns ``EPRows``;
+2. ``ep_experts``: the grouped expert step on the receive layout (it pushes the replicas itself when the
+   dispatch did not; its backward re-pushes them if another layer used the shared pools since, and reduces the
+   replicas' grads home after the expert backward);
+3. ``ep_combine``: the rows home, a token's K copies summed (the routing weights were applied on the expert
+   side).
+
+All three are differentiable and collective: every rank of the EP group calls them in the same order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .autograd import combine, dispatch
+from .buffer import Buffer
+from .comm_plan import CommPlan
+from .experts import grouped_experts, start_push
+
+
+@dataclass(frozen=True)
+class EPRows:
+    """What one call's dispatch delivered on this rank: the receive rows and the plan that laid them out."""
+
+    buffer: Buffer
+    """the EP group's Buffer that dispatched them."""
+    plan: CommPlan
+    """the step's plan (combine, the expert step and the backward reuse it)."""
+    rows: torch.Tensor
+    """[n, H] received rows, grouped by (own expert, then replica slot), padded per segment."""
+    weights: torch.Tensor | None
+    """[n] fp32 routing weight of each received row (0 on padding); None when dispatched without weights."""
+    cu_seqlens: torch.Tensor
+    """[2*epn] int64 padded segment ends (``plan.cu_host`` holds the host copy)."""
+
+
+def ep_dispatch(
+    buffer: Buffer,
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    topk_weights: torch.Tensor | None,
+    *,
+    weights=None,
+    layout: str = "fused",
+    key=None,
+    total_num_tokens: int | None = None,
+) -> EPRows:
+    """Dispatch x [s, H] by topk_idx [s, K] (-1 = no expert) with topk_weights [s, K] (or None).
+
+    weights: this rank's experts in ``layout`` ([epn, ...] tensors), to start the replica push beside the token
+    rows (None: ``ep_experts`` pushes them when it needs them). key: the layer's owner key for the shared pools.
+    """
+    during = None
+    if weights is not None:
+        weights = tuple(weights)
+
+        def during(plan: CommPlan) -> None:  # the replica weights travel beside the token rows
+            start_push(buffer, plan, weights, layout=layout, key=key)
+
+    recv, recv_w, cu, plan = dispatch(
+        buffer, x, topk_weights, topk_idx, total_num_tokens=total_num_tokens, during=during
+    )
+    return EPRows(buffer, plan, recv, recv_w, cu)
+
+
+def ep_experts(
+    rows: EPRows,
+    weights,
+    *,
+    x: torch.Tensor | None = None,
+    layout: str = "fused",
+    activation=None,
+    key=None,
+    recompute: bool = False,
+) -> torch.Tensor:
+    """The grouped expert step on ``rows``: z [n, H] = expert(rows) * row weight (``moonep.grouped_experts``).
+
+    x: the received rows as a framework hands them to its experts (default ``rows.rows``)."""
+    return grouped_experts(
+        rows.buffer,
+        rows.plan,
+        rows.rows if x is None else x,
+        rows.weights,
+        tuple(weights),
+        layout=layout,
+        activation=activation,
+        key=key,
+        recompute=recompute,
+    )
+
+
+def ep_combine(rows: EPRows, z: torch.Tensor) -> torch.Tensor:
+    """z [n, H] (rows in ``rows``' layout, already weighted) -> y [s, H], each token's K copies summed."""
+    return combine(rows.buffer, rows.plan, z)
+
+
+def routed_experts(
+    buffer: Buffer,
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    topk_weights: torch.Tensor,
+    weights,
+    *,
+    layout: str = "fused",
+    activation=None,
+    key=None,
+    recompute: bool = False,
+    total_num_tokens: int | None = None,
+) -> tuple[torch.Tensor, CommPlan]:
+    """One MoE layer's routed experts, expert-parallel: y [s, H] = sum over k of topk_weights[:, k] *
+    expert_{topk_idx[:, k]}(x), and the step's plan.
+
+    x [s, H], topk_idx [s, K] int (-1 = no expert), topk_weights [s, K] float; weights: this rank's experts in
+    ``layout`` (``"fused"``: w13 [epn, H, 2F], w2 [epn, F, H]; ``"linear"``: w1 [epn, F, H], w3 [epn, F, H],
+    w2 [epn, H, F]); activation: act(gate, up) (default SwiGLU); key: the layer's owner key for the shared
+    replica pools (default: the weights' identities); recompute: save only the rows for the expert backward.
+    """
+    weights = tuple(weights)
+    rows = ep_dispatch(
+        buffer, x, topk_idx, topk_weights, weights=weights, layout=layout, key=key, total_num_tokens=total_num_tokens
+    )
+    z = ep_experts(rows, weights, layout=layout, activation=activation, key=key, recompute=recompute)
+    return ep_combine(rows, z), rows.plan
+
+
+__all__ = ["EPRows", "ep_combine", "ep_dispatch", "ep_experts", "routed_experts"]
