@@ -25,6 +25,7 @@ import zlib
 import torch
 
 from collectives import launch
+from moonep.parallel import is_expert
 from moonep_base import write_json
 
 from .config import K3Config
@@ -109,7 +110,7 @@ def muon_bench_rank(comm, preset: str, steps: int) -> dict:
     torch.set_num_threads(1)
     model = build_model(K3Config.preset(preset), seed=0, ep_size=comm.world_size, ep_rank=comm.rank)
     for name, p in model.named_parameters():
-        rank = comm.rank if name.endswith((".w1", ".w2", ".w3")) else 0
+        rank = comm.rank if is_expert(p) else 0
         p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(zlib.crc32(name.encode()) + rank))
     twin_model = copy.deepcopy(model)
     for p, q in zip(model.parameters(), twin_model.parameters()):

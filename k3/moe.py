@@ -24,6 +24,9 @@ import itertools
 import torch
 from torch import nn
 
+from moonep.parallel import mark_expert
+from moonep.router import SigmoidTopKRouter
+
 from .config import K3Config
 from .layers import RMSNorm, SiTUMLP, rms_norm, situ_glu
 from .naive import moe_routed_naive
@@ -31,31 +34,30 @@ from .naive import moe_routed_naive
 _LAYER_IDS = itertools.count()
 
 
-class K3Router(nn.Module):
-    """Sigmoid router with a selection-only bias (``gate.weight [E, d]``, ``e_score_correction_bias [E]``).
+class K3Router(SigmoidTopKRouter):
+    """moonep's sigmoid router (``gate.weight [E, d]``, the selection-only bias under its release name
+    ``e_score_correction_bias [E]``) plus the statistics K3's load balancing reads.
 
     x [s, d] -> (topk_idx [s, K] int64, topk_weights [s, K] fp32). Keeps the last step's detached scores
     [s, E] and per-expert counts [E] for load balancing and the max-violation metric.
     """
 
+    bias_name = "e_score_correction_bias"
+
     def __init__(self, d: int, E: int, K: int, scale: float, *, device=None) -> None:
-        super().__init__()
-        self.K, self.scale = K, scale
-        self.weight = nn.Parameter(torch.empty(E, d, device=device))
-        self.register_buffer("e_score_correction_bias", torch.zeros(E, device=device))
+        super().__init__(d, E, K, route_scale=scale, device=device, init=False)
         self.last_scores: torch.Tensor | None = None
         self.last_counts: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        scores = torch.sigmoid(x.float() @ self.weight.float().t())  # [s, E], fp32
-        topk_idx = torch.topk(scores.detach() + self.e_score_correction_bias, self.K, dim=-1).indices
-        w = scores.gather(1, topk_idx)
+        scores = self.scores(x)  # [s, E], fp32
+        topk_idx, topk_weights = self.select(scores)
         self.last_scores = scores.detach()
         # a scatter, not bincount: bincount sizes its output from the data (a host sync on a GPU)
         self.last_counts = torch.zeros(scores.shape[1], dtype=torch.int64, device=x.device).scatter_add_(
             0, topk_idx.flatten(), torch.ones_like(topk_idx.flatten())
         )
-        return topk_idx, w / (w.sum(-1, keepdim=True) + 1e-20) * self.scale
+        return topk_idx, topk_weights
 
 
 class LatentMoE(nn.Module):
@@ -86,6 +88,7 @@ class LatentMoE(nn.Module):
         """[epn, L, F] local experts' down projections (``experts.N.w2.weight``)."""
         for p in (self.w1, self.w3, self.w2):
             p.expert_shard = (ep_rank * self.epn, E)  # init draws the full [E, ...] tensor and keeps this slice
+        mark_expert(self.w1, self.w3, self.w2)  # moonep's contract: one EP rank's experts, kept out of DP sync
         width = cfg.num_shared_experts * F
         self.shared_experts = SiTUMLP(d, width, *self.acts, device=device) if width else None
         self.buffer = None

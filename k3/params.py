@@ -78,9 +78,11 @@ def count_model_parameters(cfg: K3Config) -> dict[str, int]:
 
     model = K3Model(cfg, device=torch.device("meta"))
     total = routed = 0
-    for name, p in list(model.named_parameters()) + list(model.named_buffers()):
+    from moonep.parallel import is_expert  # heavy: with the model (torch); marked by LatentMoE
+
+    for _, p in list(model.named_parameters()) + list(model.named_buffers()):
         total += p.numel()
-        if name.endswith((".w1", ".w2", ".w3")):
+        if is_expert(p):
             routed += p.numel()
     emb = model.embed_tokens.weight.numel()
     active = total - emb - routed + routed * cfg.num_experts_per_token // cfg.num_experts

@@ -35,6 +35,7 @@ import moonep
 from collectives import launch
 from collectives.faults import LinkDelay, faults_at
 from collectives.launch import external_launcher, rank_device
+from moonep.parallel import is_expert
 from moonep_base import run_package, write_json
 
 from .balance import rows_per_rank, update_router_biases
@@ -57,8 +58,6 @@ from .optim import build_optimizer, lr_at
 from .run_folder import RunLock, check_run_lock, identity, lock_run, prepare_run
 from .trace import PhaseClock
 from .train_config import TrainConfig
-
-EXPERT_SUFFIXES = (".w1", ".w2", ".w3")
 
 
 class Trainer:
@@ -91,7 +90,7 @@ class Trainer:
         )
         self.model.set_parallel(ep_buffer=self.buffer, cp_comm=self.cp_comm)
         params = dict(self.model.named_parameters())
-        self.experts = {n: p for n, p in params.items() if n.endswith(EXPERT_SUFFIXES)}
+        self.experts = {n: p for n, p in params.items() if is_expert(p)}  # marked by LatentMoE (mark_expert)
         self.replicated = {n: p for n, p in params.items() if n not in self.experts}
         # comm: replicated grads are all-reduced over the world (_sync_grads), so NS5 is split over it
         self.opt = build_optimizer(self.model, tc.optimizer, lr=tc.lr, weight_decay=tc.weight_decay, comm=comm)

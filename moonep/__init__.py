@@ -21,7 +21,7 @@ _LAZY = {
     "dispatch": ("moonep.autograd", "dispatch"),
     "combine": ("moonep.autograd", "combine"),
     "MoE": ("moonep.moe", "MoE"),
-    "SigmoidTopKRouter": ("moonep.moe", "SigmoidTopKRouter"),
+    "SigmoidTopKRouter": ("moonep.router", "SigmoidTopKRouter"),
     "grouped_experts": ("moonep.experts", "grouped_experts"),
     "routed_experts": ("moonep.ep_step", "routed_experts"),
     "ep_dispatch": ("moonep.ep_step", "ep_dispatch"),

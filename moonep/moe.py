@@ -21,31 +21,9 @@ from .buffer import Buffer
 from .ep_step import routed_experts
 from .geometry import EPGeometry
 from .parallel import check_not_replicated, mark_expert
+from .router import SigmoidTopKRouter
 
 _LAYER_IDS = itertools.count()
-
-
-class SigmoidTopKRouter(nn.Module):
-    """Default router: sigmoid scores, top-k on (score + bias), weights = renormalised selected scores.
-
-    The bias [E] steers selection only (load balancing, no gradient, never in the weights).
-    x [s, H] -> (topk_idx [s, K] int64, topk_weights [s, K] float32).
-    """
-
-    def __init__(self, H: int, E: int, K: int, *, route_scale: float = 1.0) -> None:
-        super().__init__()
-        if not 1 <= K <= E:
-            raise ValueError(f"K must be in [1, E={E}], got {K}")
-        self.K, self.route_scale = K, route_scale
-        self.weight = nn.Parameter(torch.randn(E, H) / H**0.5)
-        """[E, H] router projection."""
-        self.register_buffer("bias", torch.zeros(E))
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        scores = torch.sigmoid(x.float() @ self.weight.float().t())
-        topk_idx = torch.topk(scores.detach() + self.bias, self.K, dim=-1).indices
-        w = scores.gather(1, topk_idx)
-        return topk_idx, w / w.sum(-1, keepdim=True) * self.route_scale
 
 
 class SharedExpert(nn.Module):
