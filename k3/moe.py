@@ -106,8 +106,9 @@ class LatentMoE(nn.Module):
         act = functools.partial(situ_glu, beta=self.acts[0], linear_beta=self.acts[1])
         weights = (self.w1, self.w3, self.w2)
         u, _ = routed_experts(
-            self.buffer, z, topk_idx, topk_w, weights, layout="linear", activation=act, key=self._key, recompute=True
-        )
+            self.buffer, z, topk_idx=topk_idx, topk_weights=topk_w, weights=weights, layout="linear",
+            activation=act, key=self._key, recompute=True,
+        )  # fmt: skip
         return u
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -172,12 +172,13 @@ def raise_agreed(
     raise ValueError(f"{prefix}{op}: rank {first}: {what}{others}")
 
 
-def check_totals(rank: int, s: list[int], totals: list[int]) -> int:
+def check_totals(rank: int, s, totals) -> int:
     """The agreed global token count; raises the same ValueError on every rank when ranks disagree.
 
     totals[r] = -1 when rank r passed total_num_tokens=None: the count all-gather already carries every rank's
     s, so None on every rank means sum(s). Ranks that pass it must all pass the same value, equal to sum(s).
     """
+    s, totals = list(s), list(totals)
     given = [t for t in totals if t >= 0]
     if given and len(given) != len(totals):
         none = [r for r, t in enumerate(totals) if t < 0]
@@ -209,8 +210,9 @@ def plan_problem(buf, plan, any_step: bool) -> tuple[int, str]:
     return Problem.OK, ""
 
 
-def check_generations(generations: list[int]) -> None:
+def check_generations(generations) -> None:
     """Every rank's Buffer must be at the same dispatch: the same ValueError on every rank otherwise."""
+    generations = list(generations)
     if len(set(generations)) > 1:
         raise ValueError(
             f"moonep.dispatch: the ranks' Buffers are at different dispatch counts {generations} (per rank): a rank "

@@ -20,7 +20,12 @@ class _Dispatch(torch.autograd.Function):
         ctx, buffer: Buffer, holder: list, hidden, topk_weights, topk_idx, slots_per_expert, total_num_tokens, during
     ):
         recv, recv_w, cu, plan = buffer.dispatch(
-            hidden, topk_weights, topk_idx, slots_per_expert, total_num_tokens=total_num_tokens, during=during
+            hidden,
+            topk_idx=topk_idx,
+            topk_weights=topk_weights,
+            slots_per_expert=slots_per_expert,
+            total_num_tokens=total_num_tokens,
+            during=during,
         )
         holder.append(plan)  # the plan is not a tensor: hand it out through the holder
         ctx.buffer, ctx.plan, ctx.has_w = buffer, plan, topk_weights is not None
@@ -56,16 +61,17 @@ class _Combine(torch.autograd.Function):
 def dispatch(
     buffer: Buffer,
     hidden: torch.Tensor,
-    topk_weights: torch.Tensor | None,
-    topk_idx: torch.Tensor,
-    slots_per_expert: torch.Tensor | None = None,
     *,
+    topk_idx: torch.Tensor,
+    topk_weights: torch.Tensor | None = None,
+    slots_per_expert: torch.Tensor | None = None,
     total_num_tokens: int | None = None,
     during=None,
 ):
     """Differentiable ``Buffer.dispatch`` (``during``: see ``Buffer.dispatch``).
 
-    hidden [s, H], topk_weights [s, K] (or None), topk_idx [s, K] (-1 = no expert).
+    hidden [s, H]; keyword-only, in DeepEP's order: topk_idx [s, K] (-1 = no expert), topk_weights [s, K]
+    (or None).
     Returns (recv_hidden [recv_rows, H], recv_weights [recv_rows] | None, cu_seqlens [2*epn], plan).
     """
     holder: list = []

@@ -65,7 +65,7 @@ class ClassicRoute:
     """Bytes of token rows this rank sent."""
 
 
-def classic_dispatch(comm, x, topk_idx, topk_weights, E: int):
+def classic_dispatch(comm, x, *, topk_idx, topk_weights, E: int):
     """Permute, exchange counts, all-to-all, sort by local expert.
 
     x [s, H], topk_idx [s, K] (no -1), topk_weights [s, K] -> (rows [n, H], weights [n], cu [epn], route).
@@ -105,9 +105,9 @@ def classic_combine(comm, z, route: ClassicRoute, x):
     return torch.zeros_like(x).index_add(0, route.tok, back)
 
 
-def classic_moe(comm, x, topk_idx, topk_weights, w13, w2, E: int, stats: dict | None = None):
+def classic_moe(comm, x, *, topk_idx, topk_weights, w13, w2, E: int, stats: dict | None = None):
     """x [s, H], topk_idx [s, K] (no -1), topk_weights [s, K], w13 [epn, H, 2F], w2 [epn, F, H] -> [s, H]."""
-    rows, weights, cu, route = classic_dispatch(comm, x, topk_idx, topk_weights, E)
+    rows, weights, cu, route = classic_dispatch(comm, x, topk_idx=topk_idx, topk_weights=topk_weights, E=E)
     out = classic_combine(comm, classic_experts(rows, weights, cu, w13, w2), route, x)
     if stats is not None:
         stats["rows"] = int(rows.shape[0])

@@ -87,7 +87,7 @@ def _our_stages(moe, x, idx, w):
     weights = (moe.w13, moe.w2)
 
     def disp(_):
-        return ep_dispatch(moe.buffer, x, idx, w, weights=weights, key=moe._key)
+        return ep_dispatch(moe.buffer, x, topk_idx=idx, topk_weights=w, weights=weights, key=moe._key)
 
     def experts(rows):
         return rows, ep_experts(rows, weights, key=moe._key)
@@ -100,7 +100,11 @@ def _classic_stages(comm, moe, x, idx, w, E):
         rows, weights, cu, route = d
         return classic_experts(rows, weights, cu, moe.w13, moe.w2), route
 
-    return [lambda _: classic_dispatch(comm, x, idx, w, E), experts, lambda e: classic_combine(comm, e[0], e[1], x)]
+    return [
+        lambda _: classic_dispatch(comm, x, topk_idx=idx, topk_weights=w, E=E),
+        experts,
+        lambda e: classic_combine(comm, e[0], e[1], x),
+    ]
 
 
 def parse_balance(text: str, max_slack: float) -> dict:
@@ -153,7 +157,9 @@ def _bench_maxvio(comm, moe: MoE, x: torch.Tensor, v: float, iters: int) -> dict
     stats: dict = {}
 
     def base():
-        classic_moe(comm, x, idx, w.clone().requires_grad_(), moe.w13, moe.w2, E, stats).sum().backward()
+        classic_moe(
+            comm, x, topk_idx=idx, topk_weights=w.clone().requires_grad_(), w13=moe.w13, w2=moe.w2, E=E, stats=stats
+        ).sum().backward()
 
     ours(), base()  # warm-up (and fills stats / last_plan)
     with HostReads(exempt=(PLANNER_CPU_ENTRY,)) as reads:  # one layer fwd+bwd: the budget is 1

@@ -33,7 +33,7 @@ from planner.tables import raise_error as raise_plan_error
 from . import _checks, replica_exchange
 from ._checks import Problem
 from .agreement import agree_settings
-from .comm_plan import CommPlan
+from .comm_plan import CommPlan, StepRead
 from .geometry import EPGeometry
 from .layout import num_recv_rows, recv_layout, replica_maps, row_sources, send_layout
 
@@ -127,18 +127,19 @@ class Buffer:
     def dispatch(
         self,
         hidden: torch.Tensor,
-        topk_weights: torch.Tensor | None = None,
-        topk_idx: torch.Tensor | None = None,
-        slots_per_expert: torch.Tensor | None = None,
         *,
+        topk_idx: torch.Tensor,
+        topk_weights: torch.Tensor | None = None,
+        slots_per_expert: torch.Tensor | None = None,
         total_num_tokens: int | None = None,
         zero_copy: bool = False,
         during=None,
     ):
         """Send every routed (token, expert) slot to the rank and row the balanced plan gives it.
 
-        hidden [s, H] (dtype of the Buffer), topk_weights [s, K] float (optional), topk_idx [s, K] int expert
-        ids (-1 = no expert), slots_per_expert [E] (optional, checked against topk_idx).
+        hidden [s, H] (dtype of the Buffer); keyword-only, in DeepEP's order: topk_idx [s, K] int expert ids
+        (-1 = no expert), topk_weights [s, K] float (optional), slots_per_expert [E] (optional, checked against
+        topk_idx).
         total_num_tokens: sum of s over ranks when ranks pass different s (same value on every rank).
         Returns (recv_hidden [recv_rows, H], recv_weights [recv_rows] fp32 | None, cu_seqlens [2*epn] int64,
         plan: the step's CommPlan).
@@ -176,23 +177,23 @@ class Buffer:
         self.comm.all_gather(uniq, mine, validate=False)
         uniq = uniq.view(self.R, self.R + 1)
         step = self._read_step(g, global_plan, uniq)  # the one host read
-        code_detail = detail or (_checks.data_detail(self, topk_idx, topk_weights) if step["codes"][self.rank] else "")
-        _checks.raise_agreed("dispatch", self.rank, step["codes"], code_detail)
-        _checks.check_generations(step["generations"])
-        total = _checks.check_totals(self.rank, step["s"], step["totals"])
-        if step["err"][0]:
-            raise_plan_error(step["err"], self.epn)
-        if self.grow and max(step["s"]) > self.S:
-            self._allocate(max(step["s"]))
-        if any(step["mismatch"]):
+        code_detail = detail or (_checks.data_detail(self, topk_idx, topk_weights) if step.codes[self.rank] else "")
+        _checks.raise_agreed("dispatch", self.rank, step.codes, code_detail)
+        _checks.check_generations(step.generations)
+        total = _checks.check_totals(self.rank, step.s, step.totals)
+        if step.err[0]:
+            raise_plan_error(step.err, self.epn)
+        if self.grow and max(step.s) > self.S:
+            self._allocate(max(step.s))
+        if any(step.mismatch):
             raise AssertionError(
                 f"moonep.dispatch: routed slots per destination differ from the plan's "
-                f"send_counts on ranks {[r for r, m in enumerate(step['mismatch']) if m]}"
+                f"send_counts on ranks {[r for r, m in enumerate(step.mismatch) if m]}"
             )
         plan, rows = self._exchange_meta(global_plan, lay, step, uniq[:, self.rank], hidden, topk_weights, s, total)
         return self._expand(plan, rows, topk_weights is not None, zero_copy, during) + (plan.cu_seqlens, plan)
 
-    def _read_step(self, g: torch.Tensor, global_plan, uniq: torch.Tensor) -> dict:
+    def _read_step(self, g: torch.Tensor, global_plan, uniq: torch.Tensor) -> StepRead:
         """THE host read of a dispatch: every rank's (code, s, total), the plan's error and send counts, the
         unique-row counts, donors, replica counts and this rank's segment ends, in one transfer."""
         R = self.R
@@ -205,36 +206,18 @@ class Buffer:
             (global_plan.experts_to_copy >= 0).sum(1),
             global_plan.cu_seqlens[self.rank],
         )
-        flat = torch.cat(parts).tolist()
-        cut, out = 0, {}
-        for name, n in (
-            ("head", 4 * R),
-            ("err", 3),
-            ("send", R * R),
-            ("uniq", R * (R + 1)),
-            ("donor", R),
-            ("replicas", R),
-            ("cu", 2 * self.epn),
-        ):
-            out[name] = flat[cut : cut + n]
-            cut += n
-        head, u = out.pop("head"), out.pop("uniq")
-        out["codes"], out["s"], out["totals"], out["generations"] = head[0::4], head[1::4], head[2::4], head[3::4]
-        out["send"] = [out["send"][q * R : (q + 1) * R] for q in range(R)]
-        out["uniq"] = [u[q * (R + 1) : q * (R + 1) + R] for q in range(R)]
-        out["mismatch"] = [u[q * (R + 1) + R] for q in range(R)]
-        return out
+        return StepRead.from_flat(torch.cat(parts).tolist(), R, self.epn)
 
-    def _exchange_meta(self, global_plan, lay, step: dict, recv_uniq_t, hidden, weights, s: int, total: int):
+    def _exchange_meta(self, global_plan, lay, step: StepRead, recv_uniq_t, hidden, weights, s: int, total: int):
         """Side-table all-to-all (exact plan counts) -> the receive maps; fills the receive weights. The token
         rows' all-to-all starts beside the side table's (its splits are known from the step's read too).
         Returns (plan, the rows' Pending).
 
-        recv_uniq_t: [R] the unique rows each rank sends here, on the device (step["uniq"] holds the host copy).
+        recv_uniq_t: [R] the unique rows each rank sends here, on the device (step.uniq holds the host copy).
         """
         r, R = self.rank, self.R
-        send_slots, recv_slots = step["send"][r], [step["send"][q][r] for q in range(R)]
-        send_uniq, recv_uniq = step["uniq"][r], [step["uniq"][q][r] for q in range(R)]
+        send_slots, recv_slots = list(step.send[r]), [step.send[q][r] for q in range(R)]
+        send_uniq, recv_uniq = list(step.uniq[r]), [step.uniq[q][r] for q in range(R)]
         n, U = sum(send_slots), sum(send_uniq)
         meta = self._meta_out[:n]
         meta[:, 0] = lay.dest_row[:n]
@@ -250,8 +233,8 @@ class Buffer:
         side.wait()
         row, uniq = recv_layout(got[:, 0], got[:, 1], global_plan.send_counts[:, r], recv_uniq_t)
         push_rows, my_slots = replica_maps(global_plan, r)
-        push = [step["replicas"][d] if step["donor"][d] == r else 0 for d in range(R)]
-        mine = [step["replicas"][r] if step["donor"][r] == q else 0 for q in range(R)]
+        push = [step.replicas[d] if step.donor[d] == r else 0 for d in range(R)]
+        mine = [step.replicas[r] if step.donor[r] == q else 0 for q in range(R)]
         recv_rows = num_recv_rows(total, self.K, R, self.epn, self.token_padding, self.max_slack)
         plan = CommPlan(
             global_plan=global_plan,
@@ -263,7 +246,7 @@ class Buffer:
             recv_rows=recv_rows,
             cu_seqlens=global_plan.cu_seqlens[r],
             row_source=row_sources(row, uniq, recv_rows),
-            cu_host=tuple(step["cu"]),
+            cu_host=step.cu,
             slot_pos=pos,
             send_slot_splits=send_slots,
             uniq_token=lay.uniq_token[:U],
@@ -276,7 +259,7 @@ class Buffer:
             push_splits=push,
             my_slots=my_slots[: sum(mine)],
             slot_splits=mine,
-            num_replicas=sum(step["replicas"]),
+            num_replicas=sum(step.replicas),
         )
         if weights is not None:
             self._weights_from(plan, got[:, 2].contiguous().view(torch.float32))
@@ -326,8 +309,8 @@ class Buffer:
         self,
         plan: CommPlan,
         hidden: torch.Tensor,
-        topk_weights: torch.Tensor | None = None,
         *,
+        topk_weights: torch.Tensor | None = None,
         zero_copy: bool = False,
         any_step: bool = False,
     ):

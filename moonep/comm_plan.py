@@ -14,6 +14,58 @@ import torch
 import planner
 
 
+@dataclass(frozen=True)
+class StepRead:
+    """The host half of a dispatch: everything its one host read brings into Python (per rank ``r`` of ``R``)."""
+
+    codes: tuple[int, ...]
+    """[R] each rank's argument problem code (0 = fine; ``moonep._checks.Problem``)."""
+    s: tuple[int, ...]
+    """[R] tokens each rank dispatches."""
+    totals: tuple[int, ...]
+    """[R] total_num_tokens each rank passed (-1 = None)."""
+    generations: tuple[int, ...]
+    """[R] each rank's Buffer dispatch count (all equal, or an error)."""
+    err: tuple[int, ...]
+    """the planner's error triple (code, rank, expert; code 0 = a plan)."""
+    send: tuple[tuple[int, ...], ...]
+    """[R][R] routed slots rank q sends to rank r (the plan's send_counts)."""
+    uniq: tuple[tuple[int, ...], ...]
+    """[R][R] unique (token, destination) rows rank q sends to rank r."""
+    mismatch: tuple[int, ...]
+    """[R] 1 where a rank's layout disagreed with the plan's send_counts."""
+    donor: tuple[int, ...]
+    """[R] the rank that pushes each rank's replica weights (-1: none)."""
+    replicas: tuple[int, ...]
+    """[R] occupied replica slots per rank."""
+    cu: tuple[int, ...]
+    """[2*epn] this rank's padded segment ends."""
+
+    @classmethod
+    def from_flat(cls, flat: list[int], R: int, epn: int) -> "StepRead":
+        """Cut the one read's flat list (``Buffer._read_step`` concatenates the parts in field order)."""
+        sizes = (4 * R, 3, R * R, R * (R + 1), R, R, 2 * epn)
+        parts, cut = [], 0
+        for n in sizes:
+            parts.append(tuple(flat[cut : cut + n]))
+            cut += n
+        head, err, send, u, donor, replicas, cu = parts
+        rows = [u[q * (R + 1) : (q + 1) * (R + 1)] for q in range(R)]
+        return cls(
+            codes=head[0::4],
+            s=head[1::4],
+            totals=head[2::4],
+            generations=head[3::4],
+            err=err,
+            send=tuple(send[q * R : (q + 1) * R] for q in range(R)),
+            uniq=tuple(row[:R] for row in rows),
+            mismatch=tuple(row[R] for row in rows),
+            donor=donor,
+            replicas=replicas,
+            cu=cu,
+        )
+
+
 @dataclass(frozen=True, eq=False)
 class CommPlan:
     """Everything dispatch, combine, prefetch_weight and reduce_grad need for one layer and one step.

@@ -50,9 +50,9 @@ class EPRows:
 def ep_dispatch(
     buffer: Buffer,
     x: torch.Tensor,
-    topk_idx: torch.Tensor,
-    topk_weights: torch.Tensor | None,
     *,
+    topk_idx: torch.Tensor,
+    topk_weights: torch.Tensor | None = None,
     weights=None,
     layout: str = "fused",
     key=None,
@@ -71,7 +71,7 @@ def ep_dispatch(
             start_push(buffer, plan, weights, layout=layout, key=key)
 
     recv, recv_w, cu, plan = dispatch(
-        buffer, x, topk_weights, topk_idx, total_num_tokens=total_num_tokens, during=during
+        buffer, x, topk_idx=topk_idx, topk_weights=topk_weights, total_num_tokens=total_num_tokens, during=during
     )
     return EPRows(buffer, plan, recv, recv_w, cu)
 
@@ -110,10 +110,10 @@ def ep_combine(rows: EPRows, z: torch.Tensor) -> torch.Tensor:
 def routed_experts(
     buffer: Buffer,
     x: torch.Tensor,
+    *,
     topk_idx: torch.Tensor,
     topk_weights: torch.Tensor,
     weights,
-    *,
     layout: str = "fused",
     activation=None,
     key=None,
@@ -123,14 +123,22 @@ def routed_experts(
     """One MoE layer's routed experts, expert-parallel: y [s, H] = sum over k of topk_weights[:, k] *
     expert_{topk_idx[:, k]}(x), and the step's plan.
 
-    x [s, H], topk_idx [s, K] int (-1 = no expert), topk_weights [s, K] float; weights: this rank's experts in
-    ``layout`` (``"fused"``: w13 [epn, H, 2F], w2 [epn, F, H]; ``"linear"``: w1 [epn, F, H], w3 [epn, F, H],
-    w2 [epn, H, F]); activation: act(gate, up) (default SwiGLU); key: the layer's owner key for the shared
-    replica pools (default: the weights' identities); recompute: save only the rows for the expert backward.
+    x [s, H]; keyword-only: topk_idx [s, K] int (-1 = no expert), topk_weights [s, K] float, weights: this
+    rank's experts in ``layout`` (``"fused"``: w13 [epn, H, 2F], w2 [epn, F, H]; ``"linear"``: w1 [epn, F, H],
+    w3 [epn, F, H], w2 [epn, H, F]); activation: act(gate, up) (default SwiGLU); key: the layer's owner key for
+    the shared replica pools (default: the weights' identities); recompute: save only the rows for the expert
+    backward.
     """
     weights = tuple(weights)
     rows = ep_dispatch(
-        buffer, x, topk_idx, topk_weights, weights=weights, layout=layout, key=key, total_num_tokens=total_num_tokens
+        buffer,
+        x,
+        topk_idx=topk_idx,
+        topk_weights=topk_weights,
+        weights=weights,
+        layout=layout,
+        key=key,
+        total_num_tokens=total_num_tokens,
     )
     z = ep_experts(rows, weights, layout=layout, activation=activation, key=key, recompute=recompute)
     return ep_combine(rows, z), rows.plan

@@ -186,7 +186,7 @@ def pools_of(buffer: Buffer, weights, layout: str) -> tuple[ExpertPool, ...]:
 def start_push(buffer: Buffer, plan: CommPlan, weights, *, layout: str = "fused", key=None) -> None:
     """Start pushing this plan's replicas into the shared pools (asynchronous: ``Buffer.prefetch_weight_start``)
     and mark the pools as the layer's; ``grouped_experts`` waits for it. The layer calls it from
-    ``moonep.dispatch(..., during=...)`` so that the weights travel while the token rows do."""
+    ``moonep.ep_step.ep_dispatch(..., weights=...)`` so that the weights travel while the token rows do."""
     weights = tuple(weights)
     key = _key(key, weights)
     pools = pools_of(buffer, weights, layout)

@@ -220,12 +220,18 @@ class MoE(nn.Module):
         self._buffer_on(x.device)
         if x.dim() < 1 or shape[-1] != self.H:  # fail on every rank: the bad width rides on dispatch's all-gather
             bad = x.reshape(-1, shape[-1] if x.dim() else 1)
-            dispatch(self.buffer, bad, None, torch.full((bad.shape[0], self.K), -1, device=x.device))
+            dispatch(self.buffer, bad, topk_idx=torch.full((bad.shape[0], self.K), -1, device=x.device))
         x2 = x.reshape(-1, self.H)
         topk_idx, topk_weights = self.route(x2, topk_idx, topk_weights)
         weights = (self.w13, self.w2)
         y, self.last_plan = routed_experts(
-            self.buffer, x2, topk_idx, topk_weights, weights, key=self._key, total_num_tokens=total_num_tokens
+            self.buffer,
+            x2,
+            topk_idx=topk_idx,
+            topk_weights=topk_weights,
+            weights=weights,
+            key=self._key,
+            total_num_tokens=total_num_tokens,
         )
         if self.shared is not None:
             y = y + self.shared(x2)

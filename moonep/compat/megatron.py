@@ -159,7 +159,9 @@ class MoonEPTokenDispatcher:
         mine = f"{PROBLEMS[self._code]} ({self._detail})" if self._code and self._detail else ""
         raise_agreed("MoonEPTokenDispatcher", self.comm.rank, codes, mine, problems=PROBLEMS, prefix="")
         self._ensure_buffer(max(sizes), hidden_states.dtype, hidden_states.device)
-        self.rows = ep_dispatch(self.buffer, hidden_states, self.topk_idx, probs, total_num_tokens=sum(sizes))
+        self.rows = ep_dispatch(
+            self.buffer, hidden_states, topk_idx=self.topk_idx, topk_weights=probs, total_num_tokens=sum(sizes)
+        )
         self.plan = self.rows.plan
         self.cu_seqlens, self.num_rows = self.rows.cu_seqlens, self.plan.cu_host[-1]  # host copy: dispatch's read
         return self.rows.rows, self.rows.weights

@@ -94,8 +94,8 @@ class EPExperts(nn.Module):
         w13, F = self.gate_up_proj, self.F
         weights = (w13[:, :F], w13[:, F:], self.down_proj)  # linear layout: w1 (gate), w3 (up), w2: views
         y, _ = routed_experts(
-            buf, hidden_states, top_k_index, top_k_weights.float(), weights, layout="linear",
-            activation=self.activation, key=self,
+            buf, hidden_states, topk_idx=top_k_index, topk_weights=top_k_weights.float(), weights=weights,
+            layout="linear", activation=self.activation, key=self,
         )  # fmt: skip
         return y.to(hidden_states.dtype)
 

@@ -102,7 +102,7 @@ class MoonEPTokenDispatcher(Configurable):
         needed (dispatch plans)."""
         del num_local_tokens_per_expert_E
         buf = self._buffer(x_TD)
-        rows = ep_dispatch(buf, x_TD, topk_expert_ids_TK, topk_scores_TK.float())
+        rows = ep_dispatch(buf, x_TD, topk_idx=topk_expert_ids_TK, topk_weights=topk_scores_TK.float())
         return rows.rows, rows, rows
 
     def combine(self, routed_output_RD, metadata, x_TD):

@@ -60,7 +60,7 @@ def check_dispatch(comm, kind: str, K: int, E: int, tp: int, sizes: list[int], s
     ins = [routing(kind, R, q, sizes[q], K, E, seed) for q in range(R)]
     x, w, idx = ins[r]
     total = sum(sizes) if len(set(sizes)) > 1 else None
-    recv, recv_w, cu, plan = buf.dispatch(x, w, idx, total_num_tokens=total)
+    recv, recv_w, cu, plan = buf.dispatch(x, topk_idx=idx, topk_weights=w, total_num_tokens=total)
     # every collective runs on every rank whatever a local check finds (an early return would desync ranks)
     layout_problem, seen, real = _layout_problem(kind, ins, recv, recv_w, cu, plan, r, K, tp)
     everyone = gather_rows(comm, torch.tensor(sorted(seen), dtype=torch.int64).reshape(-1, 4))
@@ -70,7 +70,7 @@ def check_dispatch(comm, kind: str, K: int, E: int, tp: int, sizes: list[int], s
         scale[start:end] = e + 1
         start = end
     out, gw = buf.combine(plan, recv * scale, recv_w)
-    again, again_w, cu2, plan2 = buf.redispatch(plan, x * 2, w, zero_copy=True)
+    again, again_w, cu2, plan2 = buf.redispatch(plan, x * 2, topk_weights=w, zero_copy=True)
     # static receive rows: the routing never changes them (equal token counts: the Buffer's allocation, whose
     # value is checked against MoonEP's worked example in test_moonep.py); they hold the padded layout
     rows = buf.max_recv_rows if len(set(sizes)) == 1 and sizes[0] == S else plan.recv_rows
@@ -145,7 +145,8 @@ def check_weights(comm, E: int) -> str | None:
     R, r, epn = comm.world_size, comm.rank, E // comm.world_size
     buf = Buffer(comm, S=8, H=H, K=2, E=E)
     ins = [routing("skew", R, q, 8, 2, E, 3) for q in range(R)]
-    _, _, _, plan = buf.dispatch(*ins[r])
+    x, w, idx = ins[r]
+    _, _, _, plan = buf.dispatch(x, topk_idx=idx, topk_weights=w)
     tag = lambda e: torch.arange(12.0).reshape(3, 4) + 100 * e  # noqa: E731 - expert e's weight [3, 4]
     local = torch.stack([tag(r * epn + j) for j in range(epn)])
     slots = torch.full((epn, 3, 4), -7.0)
@@ -178,7 +179,7 @@ def check_autograd(comm, kind: str, K: int, E: int) -> str | None:
     x, w, idx = routing(kind, R, r, 10, K, E, 5)
     x = torch.randn(10, H, generator=torch.Generator().manual_seed(r)).requires_grad_()
     w = w.clone().requires_grad_()
-    recv, recv_w, cu, plan = moonep.dispatch(buf, x, w, idx)
+    recv, recv_w, cu, plan = moonep.dispatch(buf, x, topk_idx=idx, topk_weights=w)
     scale = torch.zeros(recv.shape[0], 1)
     start = 0
     for e, end in zip(expert_of_segments(plan, r), cu.tolist()):

@@ -117,7 +117,7 @@ def check_classic(comm, bias_hot: float) -> str | None:
         w2[r * epn : (r + 1) * epn].clone().requires_grad_(),
     )
     idx, tw = router(x)
-    y = classic_moe(comm, x, idx, tw, my13, my2, E)
+    y = classic_moe(comm, x, topk_idx=idx, topk_weights=tw, w13=my13, w2=my2, E=E)
     (y * G[r * S : (r + 1) * S]).sum().backward()
     with torch.no_grad():
         Y = dense_moe(X, router, w13, w2)
@@ -189,7 +189,9 @@ def _bad(comm, case: str) -> str | None:
         total = R * s + (1 if culprit else 0)
     verdict = f"{case}: no error raised"
     try:
-        recv, recv_w, cu, plan = buf.dispatch(x, w, idx, tpe, total_num_tokens=total)
+        recv, recv_w, cu, plan = buf.dispatch(
+            x, topk_idx=idx, topk_weights=w, slots_per_expert=tpe, total_num_tokens=total
+        )
         if case == "combine_shape":
             buf.combine(plan, recv[:-1] if culprit else recv)
             verdict = f"{case}: combine raised no error"
@@ -200,7 +202,7 @@ def _bad(comm, case: str) -> str | None:
             verdict = f"{case}: message does not name rank {R - 1} and '{key}': {msg}"
     # every rank (whatever its verdict) checks that the group is still in step: a good round trip works
     x, w, idx = routing("random", R, r, s, K, E, 9)
-    recv, _, _, plan = buf.dispatch(x, w, idx)
+    recv, _, _, plan = buf.dispatch(x, topk_idx=idx, topk_weights=w)
     out, _ = buf.combine(plan, recv)
     if not torch.allclose(out, x * K):
         return f"{case}: the round trip after the error is wrong"

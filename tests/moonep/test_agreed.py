@@ -39,7 +39,7 @@ def _total_rank(comm) -> str:
     x, idx = torch.zeros(4, 4), torch.zeros(4, 1, dtype=torch.long)
     total = 2**64 if comm.rank == 1 else 4 * comm.world_size
     try:
-        buf.dispatch(x, None, idx, total_num_tokens=total)
+        buf.dispatch(x, topk_idx=idx, total_num_tokens=total)
     except ValueError as e:
         return str(e)
     raise AssertionError(f"rank {comm.rank}: total_num_tokens=2**64 was accepted")
@@ -54,7 +54,7 @@ def _foreign_plan_rank(comm) -> str:
     a = moonep.Buffer(comm, S=4, H=4, K=1, E=comm.world_size)
     b = moonep.Buffer(comm, S=4, H=4, K=1, E=comm.world_size)
     x, idx = torch.zeros(4, 4), torch.zeros(4, 1, dtype=torch.long)
-    _, _, _, plan = a.dispatch(x, None, idx)
+    _, _, _, plan = a.dispatch(x, topk_idx=idx)
     w = torch.zeros(1, 3)
     for call in (lambda: b.prefetch_weight(plan, w, torch.zeros(1, 3)), lambda: b.reduce_grad(plan, w, w.clone())):
         try:

@@ -72,7 +72,7 @@ def check_step(comm, layout: str, activation, recompute: bool) -> str | None:
     x, w = X[rows].clone().requires_grad_(), W[rows].clone().requires_grad_()
     y, replicas = x, 0
     for ws in mine:
-        recv, recv_w, _, plan = moonep.dispatch(buf, y, w, idx[rows])
+        recv, recv_w, _, plan = moonep.dispatch(buf, y, topk_idx=idx[rows], topk_weights=w)
         z = moonep.grouped_experts(
             buf, plan, recv, recv_w, ws, layout=layout, activation=activation, recompute=recompute
         )

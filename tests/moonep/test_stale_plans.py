@@ -31,11 +31,11 @@ def _error(call) -> str:
 def _stale_plan_rank(comm) -> dict:
     buf = moonep.Buffer(comm, S=6, H=4, K=2, E=2 * comm.world_size)
     x1, idx1 = _routing(comm, 1)
-    recv1, _, _, plan1 = buf.dispatch(x1, None, idx1)
+    recv1, _, _, plan1 = buf.dispatch(x1, topk_idx=idx1)
     out1, _ = buf.combine(plan1, recv1)  # the latest plan: fine
     torch.testing.assert_close(out1, 2 * x1)  # each token's two copies, summed unweighted
     x2, idx2 = _routing(comm, 2)
-    recv2, _, _, plan2 = buf.dispatch(x2, None, idx2)
+    recv2, _, _, plan2 = buf.dispatch(x2, topk_idx=idx2)
     seen = {"both": _error(lambda: buf.combine(plan1, recv2))}
     seen["redispatch"] = _error(lambda: buf.redispatch(plan1, x2))
     # one rank alone passes the stale plan: its sizes match, so only the generation can tell
@@ -59,8 +59,8 @@ def _generation_rank(comm) -> str:
     a = moonep.Buffer(comm, S=6, H=4, K=2, E=2 * comm.world_size)
     b = moonep.Buffer(comm, S=6, H=4, K=2, E=2 * comm.world_size)
     x, idx = _routing(comm, 3)
-    (a if comm.rank == 0 else b).dispatch(x, None, idx)  # rank 1 dispatches on another Buffer
-    msg = _error(lambda: a.dispatch(x, None, idx))
+    (a if comm.rank == 0 else b).dispatch(x, topk_idx=idx)  # rank 1 dispatches on another Buffer
+    msg = _error(lambda: a.dispatch(x, topk_idx=idx))
     assert "different dispatch counts [2, 1]" in msg, msg
     return msg
 
