@@ -34,6 +34,7 @@ from .baseline import classic_combine, classic_dispatch, classic_experts, classi
 from .buffer import Buffer
 from .cost import measure_cost_model
 from .ep_step import ep_combine, ep_dispatch, ep_experts
+from .experts import pools_of, push_replicas
 from .hostreads import PLANNER_CPU_ENTRY, HostReads
 from .moe import MoE
 from .peak_memory import peak_bytes
@@ -107,6 +108,27 @@ def _classic_stages(comm, moe, x, idx, w, E):
     ]
 
 
+def _replica_times(comm, moe: MoE, iters: int) -> tuple[float, float]:
+    """(push, reduce) seconds of the last step's replica exchanges alone, each between barriers (the median of
+    the slowest rank): the weight push of the forward and the grad reduce of the backward (0 without replicas)."""
+    plan, buf, weights = moe.last_plan, moe.buffer, (moe.w13, moe.w2)
+    pools = pools_of(buf, weights, "fused")
+    grads = [torch.zeros(t.shape, dtype=torch.float32) for t in weights]
+    calls = (
+        lambda: push_replicas(buf, plan, ("bench",), pools, weights),
+        lambda: buf.reduce_grad(plan, grads, [p.grads for p in pools]),
+    )
+    per: list[list[float]] = [[], []]
+    for _ in range(iters):
+        for k, call in enumerate(calls):
+            comm.barrier()
+            t0 = time.perf_counter()
+            call()
+            per[k].append(time.perf_counter() - t0)
+    got = comm.all_reduce(torch.tensor([statistics.median(p) for p in per], dtype=torch.float64), "max")
+    return tuple(got.tolist())
+
+
 def parse_balance(text: str, max_slack: float) -> dict:
     """``--balance`` -> {"mode": "cost" | "exact" | "slack", "slack": σ, "max_slack": ...}, or ValueError."""
     if text in ("cost", "exact"):
@@ -167,6 +189,7 @@ def _bench_maxvio(comm, moe: MoE, x: torch.Tensor, v: float, iters: int) -> dict
     (t_ours, busy_ours), (t_base, busy_base) = _median_times(comm, (ours, base), iters)
     st_ours = _stage_times(comm, _our_stages(moe, x, idx, w), iters)
     st_base = _stage_times(comm, _classic_stages(comm, moe, x, idx, w, E), iters)
+    push_s, reduce_s = _replica_times(comm, moe, iters)
     plan = moe.last_plan.global_plan
     rows = comm.all_reduce(torch.tensor([stats["rows"]]), "max")
     weights_per_copy = (H * 2 * F + F * H) * 4
@@ -177,6 +200,7 @@ def _bench_maxvio(comm, moe: MoE, x: torch.Tensor, v: float, iters: int) -> dict
         for who, ts in (("ours", st_ours), ("baseline", st_base))
         for stage, t in zip(("dispatch", "expert", "combine"), ts)
     }
+    stages.update(ours_push_s=push_s, ours_reduce_s=reduce_s, baseline_push_s=0.0, baseline_reduce_s=0.0)
     total = int(plan.caps.sum())
     return {
         "maxvio": v,
@@ -220,9 +244,12 @@ def run(
         balance=balance,
         **shape,
     )
+    flat = next((e["baseline_layer_s"] for e in report["results"] if e["maxvio"] == 0), None)
     for e in report["results"]:
         e["ratio"] = e["ours_layer_s"] / e["baseline_layer_s"]
         e["busy_ratio"] = e["ours_busy_s"] / e["baseline_busy_s"]
+        # the yardstick of "skew costs nothing": the classic dispatcher on the same tokens at NO skew, same run
+        e["ratio_vs_classic_flat"] = None if flat is None else e["ours_layer_s"] / flat
     cores = os.cpu_count() or 1
     report["note"] = (
         f"{world_size} ranks on {cores} cores: ranks outnumber cores, times are contended"

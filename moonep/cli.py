@@ -12,6 +12,10 @@ import sys
 from moonep_base import write_json  # k3/train.py imports it from here too (k3 sits above moonep)
 
 
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
 def register(commands, bench) -> None:
     p = bench.add_parser("ep", help="MoonEP layer vs the classic all-to-all dispatcher over maxvio")
     p.add_argument("--world-size", type=int, default=4, help="local ranks (default 4)")
@@ -63,16 +67,20 @@ def handler(args: argparse.Namespace) -> int:
     print(report["note"])
     print(
         f"{'maxvio':>6} {'cap':>6} {'ours rows':>9} {'base rows':>9} {'σ':>5} {'copies':>6} {'ours ms':>8} "
-        f"{'base ms':>8} {'ratio':>6} {'busy ratio':>10}  fwd stages ms (dispatch/expert/combine) ours | base"
+        f"{'base ms':>8} {'ratio':>6} {'vs flat':>7} {'busy ratio':>10}  fwd stages ms (dispatch/expert/combine) "
+        f"ours | base; ours push/reduce ms"
     )
     for e in report["results"]:
         stages = lambda who: "/".join(f"{e[f'{who}_{s}_s'] * 1e3:.1f}" for s in ("dispatch", "expert", "combine"))  # noqa: E731
         print(
             f"{e['maxvio']:>6g} {e['cap']:>6} {e['ours_max_rows']:>9} {e['baseline_max_rows']:>9} "
             f"{e['ours_slack']:>5.3f} {e['ours_replicas']:>6} {e['ours_layer_s'] * 1e3:>8.2f} "
-            f"{e['baseline_layer_s'] * 1e3:>8.2f} {e['ratio']:>6.2f} {e['busy_ratio']:>10.2f}  "
-            f"{stages('ours')} | {stages('baseline')}"
+            f"{e['baseline_layer_s'] * 1e3:>8.2f} {e['ratio']:>6.2f} {_ratio(e['ratio_vs_classic_flat']):>7} "
+            f"{e['busy_ratio']:>10.2f}  {stages('ours')} | {stages('baseline')}; "
+            f"{e['ours_push_s'] * 1e3:.1f}/{e['ours_reduce_s'] * 1e3:.1f}"
         )
+    if not any(e["maxvio"] == 0 for e in report["results"]):
+        print("vs flat: needs maxvio 0 in --maxvio (the classic dispatcher without skew is the yardstick)")
     if args.json:
         write_json(args.json, report)
     if args.plot:
