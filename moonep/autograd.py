@@ -17,7 +17,7 @@ from .comm_plan import CommPlan
 class _Dispatch(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx, buffer: Buffer, holder: list, hidden, topk_weights, topk_idx, slots_per_expert, total_num_tokens, during
+        ctx, buffer: Buffer, holder: list, hidden, topk_weights, topk_idx, slots_per_expert, total_num_tokens, layout
     ):
         recv, recv_w, cu, plan = buffer.dispatch(
             hidden,
@@ -25,7 +25,7 @@ class _Dispatch(torch.autograd.Function):
             topk_weights=topk_weights,
             slots_per_expert=slots_per_expert,
             total_num_tokens=total_num_tokens,
-            during=during,
+            layout=layout,
         )
         holder.append(plan)  # the plan is not a tensor: hand it out through the holder
         ctx.buffer, ctx.plan, ctx.has_w = buffer, plan, topk_weights is not None
@@ -66,9 +66,9 @@ def dispatch(
     topk_weights: torch.Tensor | None = None,
     slots_per_expert: torch.Tensor | None = None,
     total_num_tokens: int | None = None,
-    during=None,
+    layout=None,
 ):
-    """Differentiable ``Buffer.dispatch`` (``during``: see ``Buffer.dispatch``).
+    """Differentiable ``Buffer.dispatch`` (``layout``: this call's ``Buffer.get_dispatch_layout``, or None).
 
     hidden [s, H]; keyword-only, in DeepEP's order: topk_idx [s, K] (-1 = no expert), topk_weights [s, K]
     (or None).
@@ -76,7 +76,7 @@ def dispatch(
     """
     holder: list = []
     recv, recv_w, cu = _Dispatch.apply(
-        buffer, holder, hidden, topk_weights, topk_idx, slots_per_expert, total_num_tokens, during
+        buffer, holder, hidden, topk_weights, topk_idx, slots_per_expert, total_num_tokens, layout
     )
     return recv, recv_w, cu, holder[0]
 

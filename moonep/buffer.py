@@ -33,7 +33,7 @@ from planner.tables import raise_error as raise_plan_error
 from . import _checks, replica_exchange
 from ._checks import Problem
 from .agreement import agree_settings
-from .comm_plan import CommPlan, StepRead
+from .comm_plan import CommPlan, DispatchLayout, StepRead
 from .geometry import EPGeometry
 from .layout import num_recv_rows, recv_layout, replica_maps, row_sources, send_layout
 
@@ -124,7 +124,7 @@ class Buffer:
         return sum(t.numel() * t.element_size() for t in ts)
 
     # ------------------------------------------------------------------------------------------ dispatch
-    def dispatch(
+    def get_dispatch_layout(
         self,
         hidden: torch.Tensor,
         *,
@@ -132,22 +132,12 @@ class Buffer:
         topk_weights: torch.Tensor | None = None,
         slots_per_expert: torch.Tensor | None = None,
         total_num_tokens: int | None = None,
-        zero_copy: bool = False,
-        during=None,
-    ):
-        """Send every routed (token, expert) slot to the rank and row the balanced plan gives it.
+    ) -> DispatchLayout:
+        """Plan a dispatch before any row moves (DeepEP's layout step): checks, the count all-gather, the plan,
+        the unique-row all-gather and the step's one host read; bad input on any rank fails on every rank here.
 
-        hidden [s, H] (dtype of the Buffer); keyword-only, in DeepEP's order: topk_idx [s, K] int expert ids
-        (-1 = no expert), topk_weights [s, K] float (optional), slots_per_expert [E] (optional, checked against
-        topk_idx).
-        total_num_tokens: sum of s over ranks when ranks pass different s (same value on every rank).
-        Returns (recv_hidden [recv_rows, H], recv_weights [recv_rows] fp32 | None, cu_seqlens [2*epn] int64,
-        plan: the step's CommPlan).
-        Rows are grouped by (local expert, then replica slot) and padded per segment; padding and tail rows
-        are zero. zero_copy=True returns views of the Buffer (overwritten by the next dispatch).
-        during: called as ``during(plan)`` once the step's plan is known, while the token rows travel (the EP
-        layer starts its replica weight push there: ``moonep.experts.start_push``); collective calls it starts
-        must be started alike on every rank.
+        Arguments as ``dispatch``. Returns the ``DispatchLayout`` that ``dispatch(..., layout=)`` moves the rows
+        along; its replica maps let the replica weight push start first (``moonep.experts.start_push``).
         """
         code, detail, s = _checks.dispatch_problem(
             self, hidden, topk_weights, topk_idx, slots_per_expert, total_num_tokens, reuse=False
@@ -178,6 +168,11 @@ class Buffer:
         uniq = uniq.view(self.R, self.R + 1)
         step = self._read_step(g, global_plan, uniq)  # the one host read
         code_detail = detail or (_checks.data_detail(self, topk_idx, topk_weights) if step.codes[self.rank] else "")
+        total = self._check_step(step, code_detail)
+        return self._layout(global_plan, lay, step, uniq[:, self.rank], s, total)
+
+    def _check_step(self, step: StepRead, code_detail: str) -> int:
+        """Raise, on every rank alike, what the step's read says is wrong; returns the agreed total tokens."""
         _checks.raise_agreed("dispatch", self.rank, step.codes, code_detail)
         _checks.check_generations(step.generations)
         total = _checks.check_totals(self.rank, step.s, step.totals)
@@ -190,8 +185,71 @@ class Buffer:
                 f"moonep.dispatch: routed slots per destination differ from the plan's "
                 f"send_counts on ranks {[r for r, m in enumerate(step.mismatch) if m]}"
             )
-        plan, rows = self._exchange_meta(global_plan, lay, step, uniq[:, self.rank], hidden, topk_weights, s, total)
-        return self._expand(plan, rows, topk_weights is not None, zero_copy, during) + (plan.cu_seqlens, plan)
+        return total
+
+    def _layout(self, global_plan, lay, step: StepRead, recv_uniq_t, s: int, total: int) -> DispatchLayout:
+        r, R = self.rank, self.R
+        push_rows, my_slots = replica_maps(global_plan, r)
+        push = [step.replicas[d] if step.donor[d] == r else 0 for d in range(R)]
+        mine = [step.replicas[r] if step.donor[r] == q else 0 for q in range(R)]
+        return DispatchLayout(
+            buffer_id=id(self),
+            rank=r,
+            generation=self.generation,
+            global_plan=global_plan,
+            send=lay,
+            step=step,
+            num_tokens=s,
+            total_num_tokens=total,
+            recv_uniq=recv_uniq_t,
+            push_rows=push_rows[: sum(push)],
+            push_splits=push,
+            my_slots=my_slots[: sum(mine)],
+            slot_splits=mine,
+            num_replicas=sum(step.replicas),
+        )
+
+    def dispatch(
+        self,
+        hidden: torch.Tensor,
+        *,
+        topk_idx: torch.Tensor,
+        topk_weights: torch.Tensor | None = None,
+        slots_per_expert: torch.Tensor | None = None,
+        total_num_tokens: int | None = None,
+        layout: DispatchLayout | None = None,
+        zero_copy: bool = False,
+    ):
+        """Send every routed (token, expert) slot to the rank and row the balanced plan gives it.
+
+        hidden [s, H] (dtype of the Buffer); keyword-only, in DeepEP's order: topk_idx [s, K] int expert ids
+        (-1 = no expert), topk_weights [s, K] float (optional), slots_per_expert [E] (optional, checked against
+        topk_idx). total_num_tokens: sum of s over ranks when ranks pass different s (same value on every rank).
+        layout: this call's ``get_dispatch_layout`` of the same arguments (None: planned here).
+        Returns (recv_hidden [recv_rows, H], recv_weights [recv_rows] fp32 | None, cu_seqlens [2*epn] int64,
+        plan: the step's CommPlan).
+        Rows are grouped by (local expert, then replica slot) and padded per segment; padding and tail rows
+        are zero. zero_copy=True returns views of the Buffer (overwritten by the next dispatch).
+        """
+        if layout is None:
+            layout = self.get_dispatch_layout(
+                hidden,
+                topk_idx=topk_idx,
+                topk_weights=topk_weights,
+                slots_per_expert=slots_per_expert,
+                total_num_tokens=total_num_tokens,
+            )
+        elif not isinstance(layout, DispatchLayout) or (layout.buffer_id, layout.rank) != (id(self), self.rank):
+            raise ValueError(
+                f"moonep.dispatch: rank {self.rank}: layout must come from this Buffer's get_dispatch_layout"
+            )
+        elif layout.generation != self.generation:  # the same on every rank: generations agree at each layout
+            raise ValueError(
+                f"moonep.dispatch: rank {self.rank}: layout of dispatch #{layout.generation}, but this Buffer "
+                f"planned #{self.generation} since"
+            )
+        plan, rows = self._exchange_meta(layout, hidden, topk_weights)
+        return self._expand(plan, rows, topk_weights is not None, zero_copy) + (plan.cu_seqlens, plan)
 
     def _read_step(self, g: torch.Tensor, global_plan, uniq: torch.Tensor) -> StepRead:
         """THE host read of a dispatch: every rank's (code, s, total), the plan's error and send counts, the
@@ -208,14 +266,11 @@ class Buffer:
         )
         return StepRead.from_flat(torch.cat(parts).tolist(), R, self.epn)
 
-    def _exchange_meta(self, global_plan, lay, step: StepRead, recv_uniq_t, hidden, weights, s: int, total: int):
+    def _exchange_meta(self, layout: DispatchLayout, hidden, weights):
         """Side-table all-to-all (exact plan counts) -> the receive maps; fills the receive weights. The token
         rows' all-to-all starts beside the side table's (its splits are known from the step's read too).
-        Returns (plan, the rows' Pending).
-
-        recv_uniq_t: [R] the unique rows each rank sends here, on the device (step.uniq holds the host copy).
-        """
-        r, R = self.rank, self.R
+        Returns (plan, the rows' Pending)."""
+        r, R, step, lay, global_plan = self.rank, self.R, layout.step, layout.send, layout.global_plan
         send_slots, recv_slots = list(step.send[r]), [step.send[q][r] for q in range(R)]
         send_uniq, recv_uniq = list(step.uniq[r]), [step.uniq[q][r] for q in range(R)]
         n, U = sum(send_slots), sum(send_uniq)
@@ -231,18 +286,15 @@ class Buffer:
         side = self.comm.all_to_all_single_start(got, meta, recv_slots, send_slots, splits_agreed=True)
         rows = self._start_rows(hidden, lay.uniq_token[:U], send_uniq, recv_uniq)
         side.wait()
-        row, uniq = recv_layout(got[:, 0], got[:, 1], global_plan.send_counts[:, r], recv_uniq_t)
-        push_rows, my_slots = replica_maps(global_plan, r)
-        push = [step.replicas[d] if step.donor[d] == r else 0 for d in range(R)]
-        mine = [step.replicas[r] if step.donor[r] == q else 0 for q in range(R)]
-        recv_rows = num_recv_rows(total, self.K, R, self.epn, self.token_padding, self.max_slack)
+        row, uniq = recv_layout(got[:, 0], got[:, 1], global_plan.send_counts[:, r], layout.recv_uniq)
+        recv_rows = num_recv_rows(layout.total_num_tokens, self.K, R, self.epn, self.token_padding, self.max_slack)
         plan = CommPlan(
             global_plan=global_plan,
             rank=r,
             buffer_id=id(self),
-            generation=self.generation,
-            num_tokens=s,
-            total_num_tokens=total,
+            generation=layout.generation,
+            num_tokens=layout.num_tokens,
+            total_num_tokens=layout.total_num_tokens,
             recv_rows=recv_rows,
             cu_seqlens=global_plan.cu_seqlens[r],
             row_source=row_sources(row, uniq, recv_rows),
@@ -255,11 +307,12 @@ class Buffer:
             recv_slot_uniq=uniq,
             recv_slot_splits=recv_slots,
             recv_uniq_splits=recv_uniq,
-            push_rows=push_rows[: sum(push)],
-            push_splits=push,
-            my_slots=my_slots[: sum(mine)],
-            slot_splits=mine,
-            num_replicas=sum(step.replicas),
+            push_rows=layout.push_rows,
+            push_splits=layout.push_splits,
+            my_slots=layout.my_slots,
+            slot_splits=layout.slot_splits,
+            num_replicas=layout.num_replicas,
+            layout=layout,
         )
         if weights is not None:
             self._weights_from(plan, got[:, 2].contiguous().view(torch.float32))
@@ -287,10 +340,8 @@ class Buffer:
         got = self._wire_in[1 : 1 + sum(recv_uniq)]
         return self.comm.all_to_all_single_start(got, src, recv_uniq, send_uniq, splits_agreed=True)
 
-    def _expand(self, plan: CommPlan, rows, with_weights: bool, zero_copy: bool, during=None):
-        """``during(plan)`` while the rows travel, then the rows expanded into the expert-grouped receive rows."""
-        if during is not None:
-            during(plan)
+    def _expand(self, plan: CommPlan, rows, with_weights: bool, zero_copy: bool):
+        """The rows landed, expanded into the expert-grouped receive rows."""
         rows.wait()
         wire = self._wire_in[: 1 + sum(plan.recv_uniq_splits)]
         weights = self._recv_w[: plan.recv_rows] if with_weights else None
@@ -342,10 +393,11 @@ class Buffer:
         return got
 
     def _check_owner(self, op: str, plan) -> None:
-        """A plan-taking call refuses a plan that this Buffer's dispatch did not make on this rank (a plan is one
+        """A plan-taking call refuses a plan (or layout) that this Buffer did not make on this rank (a plan is one
         rank's view of one Buffer's step; another's splits would exchange the wrong rows)."""
-        if not isinstance(plan, CommPlan) or plan.buffer_id != id(self) or plan.rank != self.rank:
-            where = "another Buffer or rank" if isinstance(plan, CommPlan) else type(plan).__name__
+        ours = isinstance(plan, (CommPlan, DispatchLayout))
+        if not ours or plan.buffer_id != id(self) or plan.rank != self.rank:
+            where = "another Buffer or rank" if ours else type(plan).__name__
             raise ValueError(
                 f"moonep.{op}: rank {self.rank}: plan must be the CommPlan this Buffer's dispatch returned on this "
                 f"rank, got one from {where}"

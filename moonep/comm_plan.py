@@ -8,6 +8,7 @@ of the step, forward and backward.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -67,6 +68,43 @@ class StepRead:
 
 
 @dataclass(frozen=True, eq=False)
+class DispatchLayout:
+    """A dispatch planned before any row moves (DeepEP's ``get_dispatch_layout``): made by
+    ``Buffer.get_dispatch_layout`` (the count and unique-row all-gathers, the plan, the one host read), used by
+    ``Buffer.dispatch(..., layout=)`` to move the rows. Carries the replica maps, so that the replica weight push
+    can start before the rows move (``moonep.experts.start_push`` takes a layout)."""
+
+    buffer_id: int
+    """id() of the Buffer that planned it."""
+    rank: int
+    """the rank it belongs to."""
+    generation: int
+    """the Buffer's dispatch count when it was planned (dispatch refuses a layout that is not the latest)."""
+    global_plan: planner.TensorPlan
+    """the planner's plan (same on every rank)."""
+    send: Any
+    """this rank's ``moonep.layout.SendLayout`` (slots by destination, unique rows)."""
+    step: StepRead
+    """the one host read's values."""
+    num_tokens: int
+    """s: tokens this rank dispatches."""
+    total_num_tokens: int
+    """sum of s over ranks."""
+    recv_uniq: torch.Tensor
+    """[R] unique rows each rank sends here, on the device (``step.uniq`` holds the host copy)."""
+    push_rows: torch.Tensor
+    """[sum(push_splits)] local expert rows whose weights this rank sends to the ranks replicating them."""
+    push_splits: list[int]
+    """[R] expert weights this rank sends to each rank."""
+    my_slots: torch.Tensor
+    """[sum(slot_splits)] this rank's occupied replica slots, in slot order."""
+    slot_splits: list[int]
+    """[R] replica weights this rank receives from each rank."""
+    num_replicas: int
+    """replicas in the whole plan (0: every rank skips the weight exchanges)."""
+
+
+@dataclass(frozen=True, eq=False)
 class CommPlan:
     """Everything dispatch, combine, prefetch_weight and reduce_grad need for one layer and one step.
 
@@ -121,6 +159,8 @@ class CommPlan:
     """[R] replica weights this rank receives from each rank (all from its donor)."""
     num_replicas: int = -1
     """replicas in the whole plan, from the step's read (0: every rank skips the weight exchanges; -1: unknown)."""
+    layout: DispatchLayout | None = None
+    """the layout the dispatch moved the rows along (a push started from it counts as this plan's)."""
 
     def __post_init__(self) -> None:
         if sum(self.send_slot_splits) != self.slot_pos.numel():

@@ -8,8 +8,9 @@ experts per rank.
 between the phases (torchtitan's ``RoutedExperts`` = token dispatcher + inner experts; Megatron's token-dispatcher
 protocol) call the phases, in this order, and nothing else:
 
-1. ``ep_dispatch``: the balanced dispatch, with the replica weight push started beside the token rows when the
-   caller passes its weights (``start_push``); returns ``EPRows``;
+1. ``ep_dispatch``: the layout step (``Buffer.get_dispatch_layout``: the plan and the one host read), the
+   replica weight push started from it when the caller passes its weights (``start_push``), then the rows
+   moved along it; returns ``EPRows``;
 2. ``ep_experts``: the grouped expert step on the receive layout (it pushes the replicas itself when the
    dispatch did not; its backward re-pushes them if another layer used the shared pools since, and reduces the
    replicas' grads home after the expert backward);
@@ -63,16 +64,12 @@ def ep_dispatch(
     weights: this rank's experts in ``layout`` ([epn, ...] tensors), to start the replica push beside the token
     rows (None: ``ep_experts`` pushes them when it needs them). key: the layer's owner key for the shared pools.
     """
-    during = None
-    if weights is not None:
-        weights = tuple(weights)
-
-        def during(plan: CommPlan) -> None:  # the replica weights travel beside the token rows
-            start_push(buffer, plan, weights, layout=layout, key=key)
-
-    recv, recv_w, cu, plan = dispatch(
-        buffer, x, topk_idx=topk_idx, topk_weights=topk_weights, total_num_tokens=total_num_tokens, during=during
+    planned = buffer.get_dispatch_layout(
+        x, topk_idx=topk_idx, topk_weights=topk_weights, total_num_tokens=total_num_tokens
     )
+    if weights is not None:  # the replica weights travel first, beside the side table and the token rows
+        start_push(buffer, planned, tuple(weights), layout=layout, key=key)
+    recv, recv_w, cu, plan = dispatch(buffer, x, topk_idx=topk_idx, topk_weights=topk_weights, layout=planned)
     return EPRows(buffer, plan, recv, recv_w, cu)
 
 

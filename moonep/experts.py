@@ -67,11 +67,17 @@ def pool_for(buffer: Buffer, name: str, shape: tuple[int, ...], dtype: torch.dty
     return pools[key]
 
 
-def _claim(pools, key: object, plan: CommPlan) -> None:
-    """Mark the pools as (key, plan)'s, after a push still in flight into their slots has landed."""
+def _step_of(plan) -> object:
+    """The step a plan belongs to: its dispatch's layout (a push started from the layout, before the rows moved,
+    is this plan's push), else the plan itself."""
+    return getattr(plan, "layout", None) or plan
+
+
+def _claim(pools, key: object, plan) -> None:
+    """Mark the pools as (key, step)'s, after a push still in flight into their slots has landed."""
     for pool in pools:
         pool.wait()
-        pool.owner = (key, plan)
+        pool.owner = (key, _step_of(plan))
 
 
 def push_replicas(buffer: Buffer, plan: CommPlan, key: object, pools, locals_) -> None:
@@ -86,7 +92,7 @@ def ensure_replicas(buffer: Buffer, plan: CommPlan, key: object, pools, locals_)
     """``push_replicas`` unless the pools already hold this layer's replicas of this plan (collective: every
     rank decides alike, the owners evolve the same everywhere). ``locals_``: [epn, ...] tensors, or a callable
     making them, called only when a push is needed."""
-    if any(p.owner != (key, plan) for p in pools):
+    if any(p.owner != (key, _step_of(plan)) for p in pools):
         push_replicas(buffer, plan, key, pools, locals_() if callable(locals_) else locals_)
 
 
@@ -183,10 +189,11 @@ def pools_of(buffer: Buffer, weights, layout: str) -> tuple[ExpertPool, ...]:
     return tuple(pool_for(buffer, nm, tuple(t.shape[1:]), t.dtype) for nm, t in zip(LAYOUTS[layout], weights))
 
 
-def start_push(buffer: Buffer, plan: CommPlan, weights, *, layout: str = "fused", key=None) -> None:
-    """Start pushing this plan's replicas into the shared pools (asynchronous: ``Buffer.prefetch_weight_start``)
-    and mark the pools as the layer's; ``grouped_experts`` waits for it. The layer calls it from
-    ``moonep.ep_step.ep_dispatch(..., weights=...)`` so that the weights travel while the token rows do."""
+def start_push(buffer: Buffer, plan, weights, *, layout: str = "fused", key=None) -> None:
+    """Start pushing the replicas of a step (its ``CommPlan``, or the ``DispatchLayout`` before the rows move)
+    into the shared pools (asynchronous: ``Buffer.prefetch_weight_start``) and mark the pools as the layer's;
+    ``grouped_experts`` waits for it. ``moonep.ep_step.ep_dispatch(..., weights=...)`` starts it from the
+    layout, so that the weights travel before and beside the token rows."""
     weights = tuple(weights)
     key = _key(key, weights)
     pools = pools_of(buffer, weights, layout)
