@@ -68,6 +68,19 @@ def register(commands, bench) -> None:
     b.add_argument("--quick", action="store_true", help="2 timed steps at EP = 1, 2 (seconds; for tests)")
     b.add_argument("--json", default=None, help="write the results here")
     b.set_defaults(func=_bench)
+    _register_memory_bench(bench)
+
+
+def _register_memory_bench(bench) -> None:
+    m = bench.add_parser(
+        "k3-memory", help="bytes K3 layers save for the backward, per token per layer, by module (and at K3 widths)"
+    )
+    m.add_argument("--widths", default="2,4", help="model widths in 1/32 of K3's, two or more (32 is K3)")
+    m.add_argument("--seq-lens", default="120,240", help="sequence lengths (per-token bytes must not grow)")
+    m.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="activation dtype")
+    m.add_argument("--quick", action="store_true", help="widths 1,2 and sequence lengths 40,72 (seconds; tests)")
+    m.add_argument("--json", default=None, help="write the results here")
+    m.set_defaults(func=_memory_bench)
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -132,12 +145,12 @@ def rank_error(run_dir: str, exc, started: float = 0.0) -> tuple[str, int]:
     return f"error: {where} failed: {details[-1] if details else 'no details'}", 1
 
 
-def _world_sizes(text: str) -> tuple[int, ...]:
+def _world_sizes(text: str, flag: str = "--world-sizes", what: str = "world size") -> tuple[int, ...]:
     """``--world-sizes`` "1,2,4" -> (1, 2, 4); ValueError naming a part that is not an integer >= 1."""
     sizes = []
     for part in (p.strip() for p in text.split(",")):
         if not part.isdigit() or int(part) < 1:
-            raise ValueError(f"--world-sizes: {part!r} is not a world size (give integers >= 1, e.g. 1,2,4)")
+            raise ValueError(f"{flag}: {part!r} is not a {what} (give integers >= 1, e.g. 1,2,4)")
         sizes.append(int(part))
     return tuple(sizes)
 
@@ -158,6 +171,26 @@ def _bench(args: argparse.Namespace) -> int:
             f"EP={r['world_size']}: {r['tokens_per_s']:.0f} tokens/s, {r['step_s'] * 1e3:.0f} ms/step, "
             f"peak RSS {r['peak_rss_mb']:.0f} MB per rank"
         )
+    if args.json:
+        write_json(args.json, out)
+    return 0
+
+
+def _memory_bench(args: argparse.Namespace) -> int:
+    from collectives import launch  # heavy: torch
+
+    from .saved_memory import check_bench_args, format_table, memory_bench_rank  # heavy: torch
+
+    try:
+        widths = (1, 2) if args.quick else _world_sizes(args.widths, "--widths", "width")
+        seq_lens = (40, 72) if args.quick else _world_sizes(args.seq_lens, "--seq-lens", "sequence length")
+        check_bench_args(widths, seq_lens)
+    except ValueError as exc:  # bad flags: one line naming the flag, before any rank starts
+        print(f"error: {str(exc).splitlines()[0]}", file=sys.stderr)
+        return 2
+    # one launched rank: the MoE layers run moonep's EP step (what training runs) over a world-size-1 group
+    out = launch(memory_bench_rank, 1, timeout=600, widths=widths, seq_lens=seq_lens, dtype=args.dtype)
+    print("\n".join(format_table(out)))
     if args.json:
         write_json(args.json, out)
     return 0

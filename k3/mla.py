@@ -10,7 +10,10 @@ UN-rotated key slice: K3 is NoPE), ``v`` value width.
 
 Context parallelism: with a ``cp_comm`` of world size > 1 each rank holds the token slice
 ``[rank*T_l, (rank+1)*T_l)`` of every sequence; keys and values are all-gathered along T (the backward sums the
-key/value grads over the group and keeps the local slice) and the causal mask is offset by the slice start.
+key/value grads over the group and keeps the local slice), the keys past the slice are dropped and the causal
+mask is aligned to the slice's end (``causal_attention``). K3 needs no other mask: no sliding window, and a
+training row is one window of the joined byte stream (no per-document mask), so one device runs SDPA's mask-free
+causal path.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.bias import causal_lower_right
 
 from .config import K3Config
 from .layers import RMSNorm
@@ -47,6 +51,34 @@ class _GatherTokens(torch.autograd.Function):
 def causal_mask(T_q: int, T_k: int, offset: int, device=None) -> torch.Tensor:
     """[T_q, T_k] bool, True where key position <= query position (queries start at ``offset``)."""
     return torch.arange(T_k, device=device)[None, :] <= (offset + torch.arange(T_q, device=device))[:, None]
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal SDPA, the queries being the LAST ``T_q`` of the ``T_k`` key positions: q [B, h, T_q, c],
+    k [B, h, T_k, c], v [B, h, T_k, c_v] -> [B, h, T_q, c_v]; query i sees keys ``0 .. T_k - T_q + i``.
+
+    ``T_k == T_q`` (one device, or the first CP rank) is SDPA's own causal path: no mask exists, so the fused
+    (flash / memory-efficient) kernels run and nothing of size T x T is kept for the backward. A CP slice further
+    on (``T_k > T_q``) on a GPU is the bottom-right causal bias, which those kernels also take without a mask;
+    on the CPU, where torch would build that mask itself (and warn), it is the exact [T_q, T_k] bool mask.
+    The fused kernels want one head width for q, k and v (MLA has c = 192 > c_v = 128; otherwise SDPA falls back
+    to its math path, which keeps fp32 [T, T] probabilities): the narrower side is padded with zero columns,
+    which adds nothing to a dot product, and the output sliced back.
+    """
+    T_q, T_k, c, c_v = q.shape[2], k.shape[2], q.shape[-1], v.shape[-1]
+    width = max(c, c_v)
+    if c < width:
+        q, k = F.pad(q, (0, width - c)), F.pad(k, (0, width - c))
+    if c_v < width:
+        v = F.pad(v, (0, width - c_v))
+    if T_k == T_q:
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    elif q.is_cuda:
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(T_q, T_k), scale=scale)
+    else:
+        mask = causal_mask(T_q, T_k, T_k - T_q, q.device)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return o[..., :c_v]
 
 
 class GatedMLA(nn.Module):
@@ -85,18 +117,18 @@ class GatedMLA(nn.Module):
         B, T, _ = x.shape
         q, k, v = self.qkv(x)
         scale = (self.n + self.r) ** -0.5
-        offset = 0
         if self.cp_comm is not None and self.cp_comm.world_size > 1:
             k, v = _GatherTokens.apply(k, self.cp_comm), _GatherTokens.apply(v, self.cp_comm)
-            offset = self.cp_comm.rank * T
-        mask = causal_mask(T, k.shape[2], offset, x.device)
+            end = (self.cp_comm.rank + 1) * T  # keys after our last query are never read: drop them here
+            k, v = k[:, :, :end], v[:, :, :end]
         if self.track_logits:
             with torch.no_grad():
                 logits = (q @ k.transpose(-1, -2)) * scale
+                mask = causal_mask(T, k.shape[2], k.shape[2] - T, x.device)
                 self.last_max_logit = logits.masked_fill(~mask, float("-inf")).amax(dim=(0, 2, 3))
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)  # [B, h, T, v]
+        o = causal_attention(q, k, v, scale)  # [B, h, T, v]
         o = o.transpose(1, 2).reshape(B, T, self.h * self.v)
         return self.o_proj(o * torch.sigmoid(self.g_proj(x)))
 
 
-__all__ = ["GatedMLA", "LORA_EPS"]
+__all__ = ["GatedMLA", "LORA_EPS", "causal_attention", "causal_mask"]

@@ -4,6 +4,10 @@
 onto the device: the range read back as Python floats, ``bincount``, and one expert at a time. The device
 versions must equal them bit for bit on CPU (tests/k3/test_balance_device.py).
 
+``attn_res_mix_autograd`` is the AttnRes mix (``k3.attnres``) as it was before it got its own backward: the
+formula on fp32 stacks of the sources, differentiated by autograd (tests/k3/test_saved_memory.py holds the
+hand-written backward to it).
+
 ``newton_schulz_loop``, ``orthogonalize_loop``, ``PerHeadMuonLoop`` and ``param_groups_by_name`` are Per-Head
 Muon (``k3.muon``) as it was before Newton-Schulz was batched over blocks and sharded over data-parallel ranks:
 one NS5 per head block in a Python loop (chunk / cat / stack), every rank orthogonalising every block, and the
@@ -194,3 +198,11 @@ def mla_naive(layer: GatedMLA, x: torch.Tensor) -> torch.Tensor:
         outs.append(torch.einsum("bts,bsc->btc", p, v[:, hd].float()))
     o = torch.cat(outs, dim=-1).to(x.dtype)
     return layer.o_proj(o * torch.sigmoid(layer.g_proj(x)))
+
+
+def attn_res_mix_autograd(sources: list[torch.Tensor], query: torch.Tensor, gain: torch.Tensor, eps: float):
+    """Formula twin of ``k3.attnres.attn_res_mix``: fp32 stacks [N+1, ..., d], autograd's backward."""
+    v = torch.stack([s.float() for s in sources], dim=0)
+    k = v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps)
+    alpha = torch.softmax((k * (gain.float() * query.float())).sum(-1), dim=0)
+    return (alpha.unsqueeze(-1) * v).sum(0).to(sources[-1].dtype)
