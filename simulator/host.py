@@ -33,11 +33,15 @@ from simulator.replicas import replicas_per_rank
 
 # Framework ops per sublayer call, (forward, backward), of the k3 implementation (k3/*.py on moonep and
 # cp_kda), counted with TorchDispatchMode at T = 64; the KDA kernel (kda_gate + kda_chunk) and collectives are
-# excluded. "kda" includes its three cp_kda.short_conv calls; the AttnRes backward grows by one op per source.
+# excluded. "kda" includes its three cp_kda.short_conv calls. "mla" was recounted for SDPA's causal path (no
+# dense mask, v padded to the q/k width). An AttnRes mix (a custom autograd function that recomputes in
+# backward) costs ATTN_RES_OPS: (base, per source) ops forward and backward.
 # "moe" was recounted for the device-resident EP path (planner tables, layout and input checks as tensor ops:
 # about 160 more forward ops a layer than the numpy layout it replaced; fitted at 1 and 2 ranks within 2%).
-FWD_OPS = {"norm": 7, "attn_res": 15, "kda": 205, "mla": 84, "mha": 84, "dense": 24, "moe": 315, "ends": 65}
-BWD_OPS = {"norm": 20, "attn_res": 34, "kda": 266, "mla": 132, "mha": 132, "dense": 45, "moe": 182, "ends": 0}
+FWD_OPS = {"norm": 7, "kda": 205, "mla": 61, "mha": 84, "dense": 24, "moe": 315, "ends": 65}
+BWD_OPS = {"norm": 20, "kda": 266, "mla": 116, "mha": 132, "dense": 45, "moe": 182, "ends": 0}
+ATTN_RES_OPS = ((4, 12), (14, 26))
+"""(forward, backward) ops of one AttnRes mix as (base, per source): counted on k3.attnres at 2, 3 and 5 sources."""
 MOE_SEGMENT_OPS = (21, 67)
 """Extra (forward, backward) ops per non-empty expert segment of the grouped SiTU-GLU loop."""
 NS5_STACK_OPS, NS5_SHARD_OPS = 52, 6
@@ -159,8 +163,9 @@ def census(spec: ModelSpec, par: ParallelConfig) -> StepCensus:
     sources = _attn_res_sources(spec)
     for kind, (sa, sf) in zip(spec.layer_kinds(), sources):
         mixes = [s for s in (sa, sf) if s] if spec.attn_res else []
-        f = fwd[kind[0]] + fwd[kind[1]] + 2 * fwd["norm"] + fwd["attn_res"] * len(mixes)
-        b = bwd[kind[0]] + bwd[kind[1]] + 2 * bwd["norm"] + sum(bwd["attn_res"] + s for s in mixes)
+        (f0, f1), (b0, b1) = ATTN_RES_OPS
+        f = fwd[kind[0]] + fwd[kind[1]] + 2 * fwd["norm"] + sum(f0 + f1 * s for s in mixes)
+        b = bwd[kind[0]] + bwd[kind[1]] + 2 * bwd["norm"] + sum(b0 + b1 * s for s in mixes)
         f_kind.setdefault(kind, []).append(f)
         b_kind.setdefault(kind, []).append(b)
     epn = spec.num_experts // par.ep if spec.is_moe else 0
@@ -190,7 +195,9 @@ def census(spec: ModelSpec, par: ParallelConfig) -> StepCensus:
         + moe_layers * (BALANCE_OPS[0] + BALANCE_OPS[1] * spec.num_experts)
     )
     avg = lambda d: {k: sum(v) / len(v) for k, v in d.items()}  # noqa: E731
-    out_mix = (fwd["attn_res"], bwd["attn_res"] + sources[-1][1]) if spec.attn_res else (0, 0)
+    (f0, f1), (b0, b1) = ATTN_RES_OPS
+    last = sources[-1][1]  # the output mix's sources
+    out_mix = (f0 + f1 * last, b0 + b1 * last) if spec.attn_res else (0, 0)
     return StepCensus(
         fwd_ops=avg(f_kind),
         bwd_ops=avg(b_kind),
