@@ -85,11 +85,11 @@ class Tables:
     off-CPU before such a sync cannot be told from the peers that waited for it."""
 
 
-def _cross_rank(traces, ranks) -> tuple[np.ndarray, list[CallSeries]]:
+def _cross_rank(matched: dict, ranks) -> tuple[np.ndarray, list[CallSeries]]:
     index = {r: i for i, r in enumerate(ranks)}
     waits = np.zeros((len(ranks), len(ranks)))
     series: dict[tuple, CallSeries] = {}
-    for group, calls in match_calls(traces).items():
+    for group, calls in matched.items():
         for call in calls:
             enters = {r: c.t_enter for r, c in call.items()}
             last = max(enters, key=enters.get)
@@ -198,7 +198,8 @@ def build_tables(traces: dict[int, RankTrace]) -> Tables:
     """Tables for the detectors from already-loaded traces."""
     for trace in traces.values():
         finish(trace)  # idempotent: --follow adds records between calls
-    align_clocks(traces)  # before any score: an offset clock hides a late rank
+    matched = match_calls(traces)  # shifting a clock moves these same Collective objects: match once
+    align_clocks(traces, matched)  # before any score: an offset clock hides a late rank
     clock_offsets = {r: t.clock_shift for r, t in sorted(traces.items()) if t.clock_shift}  # all passes (--follow)
     ranks = sorted(traces)
     steps = sorted({s for t in traces.values() for s in t.span})
@@ -215,7 +216,7 @@ def build_tables(traces: dict[int, RankTrace]) -> Tables:
     for j, s in enumerate(steps):
         spans = [traces[r].span[s] for r in ranks if s in traces[r].span]
         step_time[j] = max(b for _, b in spans) - min(a for a, _ in spans)
-    waits, series = _cross_rank(traces, ranks)
+    waits, series = _cross_rank(matched, ranks)
     idle = np.full(shape, np.nan)
     for i, r in enumerate(ranks):
         for s, sec in traces[r].idle.items():

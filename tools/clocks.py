@@ -33,11 +33,11 @@ MAX_OFFSET_S = 60.0
 """Clock offsets beyond this are not believed (NTP keeps a job's hosts far closer): such ranks are two runs."""
 
 
-def _exits(traces: dict[int, RankTrace]) -> tuple[list[int], np.ndarray]:
+def _exits(matched: dict) -> tuple[list[int], np.ndarray]:
     """(ranks, exits ``[calls, ranks]``, NaN where a rank is no member) of every matched synchronous call with at
-    least two members."""
+    least two members (``matched``: ``tools.calls.match_calls``)."""
     rows = []
-    for calls in match_calls(traces).values():
+    for calls in matched.values():
         for call in calls:
             if next(iter(call.values())).op in SYNC_OPS and len(call) > 1:
                 rows.append({r: c.t_exit for r, c in call.items()})
@@ -50,10 +50,12 @@ def _exits(traces: dict[int, RankTrace]) -> tuple[list[int], np.ndarray]:
     return ranks, exits
 
 
-def estimate_offsets(traces: dict[int, RankTrace]) -> tuple[dict[int, float], dict[int, float]]:
+def estimate_offsets(
+    traces: dict[int, RankTrace], matched: dict | None = None
+) -> tuple[dict[int, float], dict[int, float]]:
     """(offset, spread) per rank with synchronous calls, seconds, against the lowest such rank: ``offset[r] > 0``
     means rank r's clock reads ahead. Spread: median |residual - its median| over r's calls."""
-    ranks, exits = _exits(traces)
+    ranks, exits = _exits(match_calls(traces) if matched is None else matched)
     if len(ranks) < 2:
         return {}, {}
     exits = exits - np.nanmin(exits, axis=1, keepdims=True)  # per call: keeps the numbers small and exact
@@ -83,9 +85,9 @@ def shift_trace(trace: RankTrace, dt: float) -> None:
             phase[1] -= dt
 
 
-def align_clocks(traces: dict[int, RankTrace]) -> dict[int, float]:
+def align_clocks(traces: dict[int, RankTrace], matched: dict | None = None) -> dict[int, float]:
     """Correct every rank whose clock offset is clear (module docstring); returns ``{rank: offset corrected}``."""
-    offset, spread = estimate_offsets(traces)
+    offset, spread = estimate_offsets(traces, matched)
     corrected = {}
     for r, off in offset.items():
         if abs(off) > MIN_OFFSET_S and abs(off) > SPREAD_FACTOR * spread[r]:
@@ -94,7 +96,7 @@ def align_clocks(traces: dict[int, RankTrace]) -> dict[int, float]:
     return corrected
 
 
-def check_one_run(traces: dict[int, RankTrace]) -> None:
+def refuse_disjoint_ranks(traces: dict[int, RankTrace]) -> None:
     """For traces without run ids: ranks whose time ranges never overlap are one run with clocks apart only if one
     offset per rank lines up their collective exits and is believable (``MAX_OFFSET_S``); otherwise they are two
     runs and ``TraceFormatError`` names the files. (Two runs of one job a few seconds apart can line up as well
@@ -128,4 +130,4 @@ def offsets_note(corrected: dict[int, float], ref: int) -> str:
     )
 
 
-__all__ = ["MIN_OFFSET_S", "align_clocks", "check_one_run", "estimate_offsets", "offsets_note", "shift_trace"]
+__all__ = ["MIN_OFFSET_S", "align_clocks", "refuse_disjoint_ranks", "estimate_offsets", "offsets_note", "shift_trace"]

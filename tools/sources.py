@@ -77,7 +77,7 @@ def load_folder(trace_dir: str | os.PathLike, *, world_size: int | None = None, 
     if chosen == "jsonl":
         traces, coverage = load_dir_coverage(trace_dir, world_size)
         if coverage.run_id is None:
-            clocks.check_one_run(traces)
+            clocks.refuse_disjoint_ranks(traces)
         folder = Folder(traces, coverage, "jsonl")
     elif chosen == "kineto":
         traces, world, notes = _kineto(files["kineto"], rank_from)

@@ -339,7 +339,7 @@ def load_dir_coverage(
         if any(rec.get("kind") != "header" for rec in records):
             out[trace.rank] = finish(trace)
     coverage = coverage_for(out, dropped, world_size, headers, top)
-    coverage.run_id = _check_one_run(runs)
+    coverage.run_id = _common_run_id(runs)
     return out, coverage
 
 
@@ -361,7 +361,7 @@ def _check_one_file(path: str, rank: int, records: list[dict]) -> str | None:
     return runs[0] if runs else None
 
 
-def _check_one_run(runs: dict[str, str | None]) -> str | None:
+def _common_run_id(runs: dict[str, str | None]) -> str | None:
     """Every rank file must come from one run: the same run id in every header that has one (returned; None when
     no header has one). Raises ``TraceFormatError`` naming the files."""
     by_run: dict[str, list[str]] = defaultdict(list)
