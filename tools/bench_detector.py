@@ -6,7 +6,7 @@ off-block before it (median step time on / off) and ``ratio`` is the median of t
 slow drift cancels within a pair. The detector's own seconds (its timing calls per step, and each gather with
 rank 0's diagnosis) are also counted directly: ``overhead_ms_per_step`` is the figure the goal is set on (under
 1% of a 50 ms step), ``ratio`` the end-to-end check. One process, no process group (a gather is then the
-diagnosis alone; across ranks add one ``gather_object`` of a few kB every ``every`` steps).
+diagnosis alone; across ranks add one gather of a few kB every ``every`` steps).
 """
 
 from __future__ import annotations

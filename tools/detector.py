@@ -14,10 +14,11 @@ Each section is one record of our JSON-lines schema (``collectives/trace.py``): 
 (``time.time()``, one clock for the ranks of a host) and ``cpu_s``, the seconds the rank really worked: thread
 CPU time on CPU, CUDA-event time on a GPU (events are read only when the window is gathered, so timing adds no
 host sync per step). ``step()`` adds the iteration's own window (``kind: "step"``), which lets the detectors see
-time spent outside every section (a sleep, a stall). Every ``every`` steps the ranks send their new records to
-rank 0 in ONE ``gather_object`` (never per step); rank 0 keeps the last ``window`` steps and runs the same
-detectors as ``moonep diagnose`` (``tools.traces`` -> ``tools.analysis`` -> ``tools.findings``), reporting each
-new (kind, ranks) once through ``on_finding`` and the ``tools.detector`` logger. With ``trace_dir`` every rank
+time spent outside every section (a sleep, a stall). Every ``every`` steps the ranks send their new records
+to rank 0 in ONE exchange through the job's rendezvous store (never per step; no collective, nothing on the GPU
+stream, only rank 0 waits); rank 0 keeps the last ``window`` steps and runs the same detectors as ``moonep
+diagnose`` (``tools.traces`` -> ``tools.analysis`` -> ``tools.findings``), reporting each new (kind, ranks) once
+through ``on_finding`` and the ``tools.detector`` logger. With ``trace_dir`` every rank
 also appends its records to ``<trace_dir>/rank<N>.jsonl``, so ``moonep diagnose trace_dir`` finds the same.
 
 Depends on torch and torch.distributed only (not on ``collectives``); works without an initialised process
@@ -81,6 +82,8 @@ class StragglerDetector:
         **config: ``DetectorConfig`` fields (``every``, ``window``, ``trace_dir``, ``thresholds``, ``run_id``).
     """
 
+    _made = 0  # detectors made in this process: their store keys' tag
+
     def __init__(self, *, on_finding=None, group=None, device=None, **config):
         self.config = DetectorConfig(**config)
         if self.config.run_id is None:
@@ -94,7 +97,7 @@ class StragglerDetector:
         self.device = device
         self.step_index = 0
         self.gathers = 0
-        """Gathers done so far (one collective each)."""
+        """Gathers done so far (one store exchange each)."""
         self.cost_s = 0.0
         """Seconds spent in the detector's own code on this rank per step (timing, bookkeeping)."""
         self.gather_s = 0.0
@@ -106,6 +109,8 @@ class StragglerDetector:
         self._window: dict[int, deque] = {}
         self._alerted: set[tuple] = set()
         self._file = None
+        StragglerDetector._made += 1  # the same count on every rank: detectors are made in program order
+        self._tag = StragglerDetector._made
 
     def _cuda(self) -> bool:
         return self.device is not None and str(self.device).startswith("cuda")
@@ -172,14 +177,31 @@ class StragglerDetector:
         batch, self._pending = self._pending, []
         if self._dist is not None and self.world_size > 1:
             dst = self._dist.get_global_rank(self.group, 0) if self.group is not None else 0
-            got = [None] * self.world_size if self.rank == dst else None
-            self._dist.gather_object((self.rank, batch, self.config.run_id), got, dst=dst, group=self.group)
-            batches = got or []
+            batches = self._gather_json([self.rank, batch, self.config.run_id], dst)
         else:
             batches = [(self.rank, batch, self.config.run_id)]
         self.gathers += 1
         self._write(batch)
         return self._diagnose(batches) if batches else []
+
+    def _gather_json(self, obj, dst: int) -> list:
+        """``obj`` from every rank of the group, as JSON, in rank order on ``dst``; [] elsewhere.
+
+        Through the job's rendezvous store, not a collective: no rank but ``dst`` waits, nothing touches the
+        GPU stream, and no gloo Work is left to die in its worker thread. (``gather_object``'s does, and its last
+        tensor release takes the GIL: a job that exits right after ``close()`` is by then finalizing and the
+        process aborts, "terminate called without an active exception", about 1 run in 20 on two cores.)"""
+        store = self._dist.distributed_c10d._get_default_store()
+        key = f"moonep/detector/{self._tag}/{self.gathers}"
+        if self.rank != dst:
+            store.set(f"{key}/{self.rank}", json.dumps(obj))
+            return []
+        ranks = self._dist.get_process_group_ranks(self.group) if self.group is not None else range(self.world_size)
+        keys = [f"{key}/{r}" for r in ranks if r != dst]
+        got = dict(zip((r for r in ranks if r != dst), store.multi_get(keys), strict=True)) if keys else {}
+        for k in keys:
+            store.delete_key(k)
+        return [obj if r == dst else json.loads(bytes(got[r])) for r in ranks]
 
     def _write(self, batch: list[dict]) -> None:
         if not self.config.trace_dir:

@@ -100,6 +100,9 @@ def main() -> None:
         for hog in hogs:
             hog.join()  # a thread still running Python at interpreter exit can abort the process
         _finish(args, rank, prof, tracer, det)
+        # a job that leaves its process group to interpreter exit can abort there ("terminate called without an
+        # active exception", 1 run in ~15 on two cores): gloo's threads are torn down while still joinable
+        dist.destroy_process_group()
 
 
 def _timed(tracer: Tracer, op: str, fn, **fields):
