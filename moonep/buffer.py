@@ -2,8 +2,9 @@
 
 Axes: ``s`` tokens on this rank (``s <= S``), ``H`` hidden, ``K`` top-k, ``E`` experts, ``R`` ranks,
 ``epn = E / R`` experts owned per rank (rank r owns ``[r*epn, (r+1)*epn)``) = replica slots per rank,
-``recv_rows`` receive rows (MoonEP's NvS) = ``align_up(ceil(total_tokens*K/R) + (pad-1)*2*epn, pad)`` with
-``pad = token_padding``.
+``recv_rows`` receive rows of a step: this rank's padded layout (the plan's ``cu_seqlens[rank][-1]``, from the
+step's one host read), or with ``static_rows=True`` MoonEP's NvS = ``align_up(ceil((1 + max_slack) *
+total_tokens*K/R) + (pad-1)*2*epn, pad)`` with ``pad = token_padding`` (the same every step).
 
 Everything lives on the Buffer's device (its communicator's, or ``device=``): counts, the plan (the planner's
 device kernel on CUDA), the layout (``moonep.layout``), rows and weights. A fresh dispatch reads tensor data
@@ -69,6 +70,10 @@ class Buffer:
     grow: instead of refusing a call with more than S tokens, every rank grows its buffers to the largest s any
     rank brings (decided after dispatch's count all-gather, which carries every rank's s: alike on all ranks,
     no extra collective). ``buf.S`` and ``buf.geometry`` follow.
+    static_rows: receive views of MoonEP's static NvS rows whatever the routing (CUDA graphs, compiled experts
+    without dynamic shapes); default: the step's own padded rows (DeepEP's normal mode). With slack the NvS
+    bound is (1 + max_slack) x the mean, and every elementwise pass of the step (epilogue, row weights,
+    combine, their backward) runs over its empty tail.
     """
 
     def __init__(
@@ -86,6 +91,7 @@ class Buffer:
         slack: float | None = None,
         cost: planner.CostModel | None = None,
         grow: bool = False,
+        static_rows: bool = False,
     ) -> None:
         # compared across ranks BEFORE any rank raises on its own: a bad value on one rank is the same error on all
         words, problem = _checks.buffer_settings(comm, S, H, K, E, token_padding, dtype, slack, cost, grow)
@@ -97,6 +103,7 @@ class Buffer:
         self.check_reuse = check_reuse
         self.slack, self.cost, self.max_slack = _checks.balance_options(slack, cost)
         self.grow = bool(grow)
+        self.static_rows = bool(static_rows)
         self.generation = 0
         """dispatches made so far (agreed across ranks by each dispatch); a plan is valid until the next one."""
         self._allocate(S)
@@ -287,7 +294,10 @@ class Buffer:
         rows = self._start_rows(hidden, lay.uniq_token[:U], send_uniq, recv_uniq)
         side.wait()
         row, uniq = recv_layout(got[:, 0], got[:, 1], global_plan.send_counts[:, r], layout.recv_uniq)
-        recv_rows = num_recv_rows(layout.total_num_tokens, self.K, R, self.epn, self.token_padding, self.max_slack)
+        if self.static_rows:
+            recv_rows = num_recv_rows(layout.total_num_tokens, self.K, R, self.epn, self.token_padding, self.max_slack)
+        else:
+            recv_rows = step.cu[-1]
         plan = CommPlan(
             global_plan=global_plan,
             rank=r,

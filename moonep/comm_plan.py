@@ -126,7 +126,8 @@ class CommPlan:
     total_num_tokens: int
     """sum of s over ranks (sizes recv_rows)."""
     recv_rows: int
-    """rows of the receive views [recv_rows, H] this step (``layout.num_recv_rows`` of total_num_tokens)."""
+    """rows of the receive views [recv_rows, H] this step: this rank's padded rows (``cu_host[-1]``), or with
+    the Buffer's ``static_rows`` the static NvS (``layout.num_recv_rows`` of total_num_tokens)."""
     cu_seqlens: torch.Tensor
     """[2*epn] int64 padded segment ends: own experts in id order, then replica slots."""
     cu_host: tuple[int, ...]

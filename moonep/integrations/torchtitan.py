@@ -6,8 +6,8 @@ counts [E]) -> (rows, tokens_per_expert, metadata)``, then ``inner_experts(rows,
 
 The three children run the phases of moonep's one EP step (``moonep.ep_step``), in its order:
 
-- ``MoonEPTokenDispatcher``: ``ep_dispatch`` into the balanced receive layout (``[recv_rows, D]``, static
-  shape); its second output is a ``MoonEPStep`` (``EPRows``: the Buffer, the plan and the per-row routing
+- ``MoonEPTokenDispatcher``: ``ep_dispatch`` into the balanced receive layout (``[recv_rows, D]``: the rank's
+  padded rows); its second output is a ``MoonEPStep`` (``EPRows``: the Buffer, the plan and the per-row routing
   weights) that torchtitan hands to the inner experts untouched, and its third the same object as combine's
   metadata; ``combine`` is ``ep_combine`` (the routing weights were applied on the expert side, as moonep's
   contract says);

@@ -52,11 +52,13 @@ def expert_of_segments(plan, rank: int) -> list[int]:
     return list(range(rank * gp.experts_per_rank, (rank + 1) * gp.experts_per_rank)) + gp.experts_to_copy[rank].tolist()
 
 
-def check_dispatch(comm, kind: str, K: int, E: int, tp: int, sizes: list[int], seed: int = 0) -> str | None:
+def check_dispatch(
+    comm, kind: str, K: int, E: int, tp: int, sizes: list[int], seed: int = 0, static: bool = False
+) -> str | None:
     """Dispatch layout, weights, padding, combine, weight gather and plan reuse against naive twins."""
     R, r = comm.world_size, comm.rank
     S = max(sizes)
-    buf = Buffer(comm, S=S, H=H, K=K, E=E, token_padding=tp)
+    buf = Buffer(comm, S=S, H=H, K=K, E=E, token_padding=tp, static_rows=static)
     ins = [routing(kind, R, q, sizes[q], K, E, seed) for q in range(R)]
     x, w, idx = ins[r]
     total = sum(sizes) if len(set(sizes)) > 1 else None
@@ -72,8 +74,12 @@ def check_dispatch(comm, kind: str, K: int, E: int, tp: int, sizes: list[int], s
     out, gw = buf.combine(plan, recv * scale, recv_w)
     again, again_w, cu2, plan2 = buf.redispatch(plan, x * 2, topk_weights=w, zero_copy=True)
     # static receive rows: the routing never changes them (equal token counts: the Buffer's allocation, whose
-    # value is checked against MoonEP's worked example in test_moonep.py); they hold the padded layout
-    rows = buf.max_recv_rows if len(set(sizes)) == 1 and sizes[0] == S else plan.recv_rows
+    # value is checked against MoonEP's worked example in test_moonep.py); they hold the padded layout.
+    # Otherwise exactly the padded layout: this rank's last segment end
+    if static:
+        rows = buf.max_recv_rows if len(set(sizes)) == 1 and sizes[0] == S else plan.recv_rows
+    else:
+        rows = int(plan.global_plan.cu_seqlens[r, -1])
     if recv.shape != (rows, H) or recv_w.shape != (rows,) or cu.shape != (2 * (E // R),) or int(cu[-1]) > rows:
         return f"{kind}: shapes {tuple(recv.shape)}, {tuple(recv_w.shape)}, {tuple(cu.shape)}; rows={rows}"
     if layout_problem:
@@ -212,6 +218,7 @@ def run(comm, checks: tuple[str, ...] = ("dispatch", "weights", "autograd", "moe
         for kind in ("random", "one_expert", "dup_rank", "masked", "skew"):
             todo[f"dispatch_{kind}"] = lambda k=kind: check_dispatch(comm, k, 3, E, 1, [7] * R)
         todo["dispatch_padding"] = lambda: check_dispatch(comm, "skew", 2, E, 3, [9] * R, seed=1)
+        todo["dispatch_static"] = lambda: check_dispatch(comm, "skew", 2, E, 3, [9] * R, seed=1, static=True)
         todo["dispatch_varlen"] = lambda: check_dispatch(comm, "random", 2, E, 2, [5 + 3 * q for q in range(R)])
         todo["dispatch_k1"] = lambda: check_dispatch(comm, "one_expert", 1, E, 1, [4] * R)
     if "weights" in checks:

@@ -13,7 +13,8 @@ from tests.moonep import battery
 
 JOBS = [("torch", n) for n in (1, 2, 3, 4)] + [("mpi", 2), ("mpi", 3)]
 CHECKS = (
-    ["dispatch_" + k for k in ("random", "one_expert", "dup_rank", "masked", "skew", "padding", "varlen", "k1")]
+    ["dispatch_" + k for k in ("random", "one_expert", "dup_rank", "masked", "skew", "padding", "static")]
+    + ["dispatch_" + k for k in ("varlen", "k1")]
     + ["prefetch_reduce"]
     + ["autograd_" + k for k in ("random", "masked", "one_expert")]
     + [
