@@ -494,5 +494,11 @@ class Buffer:
         self._check_owner("reduce_grad", plan)
         replica_exchange.reduce(self.comm, self.epn, plan, local_grads, reduce_buffers)
 
+    def reduce_grad_start(self, plan: CommPlan, reduce_buffers) -> replica_exchange.GradsInFlight:
+        """``reduce_grad`` started before the home grads exist (the EP step's backward computes its own experts
+        meanwhile): sends the slots' grads and zeros them; ``.finish(epn, local_grads)`` adds them home."""
+        self._check_owner("reduce_grad", plan)
+        return replica_exchange.reduce_start(self.comm, plan, reduce_buffers)
+
 
 __all__ = ["Buffer", "CommPlan", "resolve_device"]

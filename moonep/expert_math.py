@@ -134,10 +134,27 @@ def _project_in(layout: str, ws, g: int, F: int, xs: torch.Tensor, out: torch.Te
         torch.mm(xs, w, out=out[:, cols])
 
 
-def gated_forward(x, ws, segs, layout: str = "fused", act: GatedActivation = SWIGLU, keep: bool = True):
+@dataclass(frozen=True)
+class GroupHook:
+    """A call the grouped math makes at a group boundary (the math itself knows nothing of what it does).
+
+    ``gated_forward`` calls ``fn`` just before the first segment of any group in ``groups`` (the EP step waits
+    there for the replica weights still in flight, computing its own experts meanwhile); ``gated_backward``
+    calls it once every group in ``groups`` has its weight grads written (the step starts sending the replica
+    grads home there, and computes its own experts' backward meanwhile)."""
+
+    groups: frozenset
+    """the group indices the hook is about."""
+    fn: Callable[[], None]
+    """called once, with no arguments."""
+
+
+def gated_forward(
+    x, ws, segs, layout: str = "fused", act: GatedActivation = SWIGLU, keep: bool = True, hook: GroupHook | None = None
+):
     """Grouped gated MLP. x [n, H]; ws: the layout's weights, each a [G, ...] tensor or a list of G views;
     segs: (group, start, end) of the non-empty segments -> (y [n, H], pre-activations [n, 2F] (gate, up) for
-    the backward, or None when ``keep`` is False: the backward then recomputes them).
+    the backward, or None when ``keep`` is False: the backward then recomputes them). hook: ``GroupHook``.
 
     Rows past the last segment (padding) give 0. A loop over segments on CPU writing straight into the outputs
     (no zero-fill of rows that are computed anyway); one grouped GEMM call on GPU would do.
@@ -147,10 +164,15 @@ def gated_forward(x, ws, segs, layout: str = "fused", act: GatedActivation = SWI
     pre = x.new_empty(n, 2 * F) if keep else None
     end = 0
     for g, a, b in segs:
+        if hook is not None and g in hook.groups:
+            hook.fn()
+            hook = None
         pg = pre[a:b] if keep else x.new_empty(b - a, 2 * F)
         _project_in(layout, ws, g, F, x[a:b], pg)
         torch.mm(act(pg[:, :F], pg[:, F:]), _down(layout, ws, g), out=y[a:b])
         end = b
+    if hook is not None:
+        hook.fn()
     y[end:].zero_()
     if keep:
         pre[end:].zero_()
@@ -188,7 +210,17 @@ def _segment_backward(layout, act, ws, dws, g, xs, pg, dy, dx, row_w, ys, dw_row
 
 
 def gated_backward(
-    x, ws, segs, pre, dy, dws=None, layout: str = "fused", act: GatedActivation = SWIGLU, row_w=None, y=None
+    x,
+    ws,
+    segs,
+    pre,
+    dy,
+    dws=None,
+    layout: str = "fused",
+    act: GatedActivation = SWIGLU,
+    row_w=None,
+    y=None,
+    hook: GroupHook | None = None,
 ):
     """Grads of ``gated_forward``: (dx [n, H], dws, dw [n] or None) with dy [n, H].
 
@@ -196,15 +228,21 @@ def gated_backward(
     ``dy`` is the grad of z = y * row_w[:, None] and dw [n] (its grad) is returned too, from ``y`` [n, H] (the
     forward's output) or, when None, from y recomputed per segment (one more down-projection GEMM).
     ``dws``: per-group outputs shaped like ``ws`` to overwrite (tensors or lists of views, any float dtype;
-    default new fp32 tensors); groups without rows get 0.
+    default new fp32 tensors); groups without rows get 0. hook: a ``GroupHook``, whose groups' segments are
+    computed first (the others after its call).
     """
     F, G = _width(layout, ws), len(ws[0])
     dx = torch.empty_like(x)
     dw_rows = None if row_w is None else torch.zeros(x.shape[0], dtype=row_w.dtype, device=x.device)
     if dws is None:
         dws = [torch.empty(G, *w[0].shape, dtype=torch.float32, device=x.device) for w in ws]
-    used, end = set(), 0
+    if hook is not None:
+        segs = [sg for sg in segs if sg[0] in hook.groups] + [sg for sg in segs if sg[0] not in hook.groups]
+    used, end, left = set(), 0, None if hook is None else {sg[0] for sg in segs} & hook.groups
     for g, a, b in segs:
+        if hook is not None and not left:
+            _grads_ready(hook, dws, used)
+            hook = None
         if pre is None:
             pg = x.new_empty(b - a, 2 * F)
             _project_in(layout, ws, g, F, x[a:b], pg)
@@ -213,12 +251,25 @@ def gated_backward(
         w_g, y_g, dw_g = (None,) * 3 if row_w is None else (row_w[a:b], None if y is None else y[a:b], dw_rows[a:b])
         _segment_backward(layout, act, ws, dws, g, x[a:b], pg, dy[a:b], dx[a:b], w_g, y_g, dw_g)
         used.add(g)
-        end = b
+        end = max(end, b)
+        if left:
+            left.discard(g)
+    if hook is not None:
+        _grads_ready(hook, dws, used)
     dx[end:].zero_()
     for g in set(range(G)) - used:
         for dw in dws:
             dw[g].zero_()
     return dx, dws, dw_rows
+
+
+def _grads_ready(hook: GroupHook, dws, used: set) -> None:
+    """The hook's groups without rows get their zero grads now (before its call reads them), then the call."""
+    for g in hook.groups - used:
+        for dw in dws:
+            if g < len(dw):
+                dw[g].zero_()
+    hook.fn()
 
 
 def swiglu_forward(x, w13, w2, segs):

@@ -28,6 +28,7 @@ from .buffer import Buffer
 from .comm_plan import CommPlan
 from .expert_math import (
     LAYOUTS,
+    GroupHook,
     as_activation,
     check_weights,
     gated_backward,
@@ -103,27 +104,39 @@ def group_view(own: torch.Tensor, slots: torch.Tensor) -> list[torch.Tensor]:
 
 # ------------------------------------------------------------------------------------- the step's autograd ops
 # The step is three nodes, so that its communication sits at the layer's boundaries, in a fixed order on every
-# rank, and the expert math between them is pure compute: forward = (push, already done or started beside the
-# token exchange) -> _ReplicaGradsHome (identity) -> _GatedCompute -> _RepushGuard (identity); the backward runs
-# them in reverse: re-push if another layer used the pools since (before the compute reads them), the compute
-# (slot grads into the pool), then the slot grads reduced home. Autograd runs a later-created node first among
-# the ready ones, so _ReplicaGradsHome (made after dispatch) reduces before dispatch's backward moves on.
+# rank: forward = (push, started beside the token exchange) -> _ReplicaGradsHome (identity) -> _GatedCompute ->
+# _RepushGuard (identity); the backward runs them in reverse: re-push if another layer used the pools since
+# (before the compute reads them), the compute, then the slot grads brought home. Inside _GatedCompute the
+# exchanges overlap the expert math: the forward computes this rank's own experts while the replica weights are
+# still in flight and waits for them only before the first replica slot; the backward computes the replica slots
+# first, starts sending their grads home, and computes its own experts meanwhile. Autograd runs a later-created
+# node first among the ready ones, so _ReplicaGradsHome (made after dispatch) lands the grads (the started
+# exchange's wait) before dispatch's backward starts another exchange.
+
+
+class _GradsHome:
+    """The link between the two backward nodes: the replica grads _GatedCompute started sending home."""
+
+    def __init__(self) -> None:
+        self.in_flight = None
 
 
 class _ReplicaGradsHome(torch.autograd.Function):
-    """Identity on this rank's expert weights; backward: their replica slots' grads summed home (reduce_grad)."""
+    """Identity on this rank's expert weights; backward: their replica slots' grads added home (the exchange
+    _GatedCompute's backward started)."""
 
     @staticmethod
-    def forward(ctx, buffer: Buffer, plan: CommPlan, pools, *weights):
-        ctx.buffer, ctx.plan, ctx.pools, ctx.dtypes = buffer, plan, pools, [t.dtype for t in weights]
+    def forward(ctx, link: _GradsHome, plan: CommPlan, pools, *weights):
+        ctx.link, ctx.plan, ctx.pools, ctx.dtypes = link, plan, pools, [t.dtype for t in weights]
         return tuple(t.view_as(t) for t in weights)
 
     @staticmethod
     def backward(ctx, *grads):
         pools = ctx.pools
-        if not ctx.plan.num_replicas:  # no replica anywhere: nothing to bring home (every rank skips alike)
+        in_flight, ctx.link.in_flight = ctx.link.in_flight, None
+        if not ctx.plan.num_replicas or in_flight is None:  # no replica anywhere (every rank skips alike)
             return (None, None, None) + grads
-        # the incoming grads are _GatedCompute's fresh fp32 tensors, consumed only here: reduce into them in place
+        # the incoming grads are _GatedCompute's fresh fp32 tensors, consumed only here: add into them in place
         own = [
             torch.zeros(p.weights.shape, dtype=torch.float32, device=p.weights.device)
             if g is None
@@ -132,34 +145,43 @@ class _ReplicaGradsHome(torch.autograd.Function):
             else g.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
             for g, p in zip(grads, pools)
         ]
-        ctx.buffer.reduce_grad(ctx.plan, own, [p.grads for p in pools])
+        in_flight.finish(pools[0].epn, own)
         return (None, None, None) + tuple(o.to(dt) for o, dt in zip(own, ctx.dtypes))
 
 
 class _GatedCompute(torch.autograd.Function):
-    """z [n, H] = gated MLP(recv rows) * recv_weights[:, None] over own weights then the pools' replica slots.
-    Pure compute: the pools hold this plan's replicas (the guard nodes see to it); slot grads go into the pools."""
+    """z [n, H] = gated MLP(recv rows) * recv_weights[:, None] over own weights then the pools' replica slots;
+    slot grads go into the pools. The replica weights land, and their grads leave, at group boundaries."""
 
     @staticmethod
-    def forward(ctx, plan: CommPlan, pools, layout: str, act, recompute: bool, x, w, *weights):
-        views = [group_view(t.detach(), p.weights) for t, p in zip(weights, pools)]
-        y, pre = gated_forward(x, views, plan.segments, layout, act, keep=not recompute)
-        ctx.plan, ctx.pools, ctx.layout, ctx.act, ctx.recompute = plan, pools, layout, act, recompute
-        ctx.save_for_backward(x, w, *(() if recompute else (pre, y)), *weights)
+    def forward(ctx, buffer: Buffer, link: _GradsHome, plan: CommPlan, pools, layout: str, act, recompute, x, w, *ws):
+        views = [group_view(t.detach(), p.weights) for t, p in zip(ws, pools)]
+        slots = frozenset(range(buffer.epn, 2 * buffer.epn))
+        land = GroupHook(slots, lambda: [p.wait() for p in pools])  # the push in flight, if any
+        y, pre = gated_forward(x, views, plan.segments, layout, act, keep=not recompute, hook=land)
+        ctx.buffer, ctx.link, ctx.plan, ctx.pools, ctx.slots = buffer, link, plan, pools, slots
+        ctx.layout, ctx.act, ctx.recompute = layout, act, recompute
+        ctx.save_for_backward(x, w, *(() if recompute else (pre, y)), *ws)
         return y * w[:, None].to(y.dtype)
 
     @staticmethod
     def backward(ctx, dz):
-        pools = ctx.pools
+        pools, plan = ctx.pools, ctx.plan
         x, w, *rest = ctx.saved_tensors
         pre, y, weights = (None, None, rest) if ctx.recompute else (rest[0], rest[1], rest[2:])
         own = [torch.empty(t.shape, dtype=torch.float32, device=t.device) for t in weights]
         views = [group_view(t.detach(), p.weights) for t, p in zip(weights, pools)]
         grads = [group_view(o, p.grads) for o, p in zip(own, pools)]
+
+        def send_home() -> None:
+            if plan.num_replicas:
+                ctx.link.in_flight = ctx.buffer.reduce_grad_start(plan, [p.grads for p in pools])
+
+        hook = GroupHook(ctx.slots, send_home)
         dx, _, dw = gated_backward(
-            x, views, ctx.plan.segments, pre, dz.contiguous(), grads, ctx.layout, ctx.act, row_w=w, y=y
+            x, views, plan.segments, pre, dz.contiguous(), grads, ctx.layout, ctx.act, row_w=w, y=y, hook=hook
         )
-        return (None,) * 5 + (dx, dw) + tuple(o.to(t.dtype) for o, t in zip(own, weights))
+        return (None,) * 7 + (dx, dw) + tuple(o.to(t.dtype) for o, t in zip(own, weights))
 
 
 class _RepushGuard(torch.autograd.Function):
@@ -236,8 +258,8 @@ def grouped_experts(
     key = _key(key, weights)
     pools = pools_of(buffer, weights, layout)
     ensure_replicas(buffer, plan, key, pools, weights)
-    for pool in pools:
-        pool.wait()
-    own = _ReplicaGradsHome.apply(buffer, plan, pools, *weights)
-    z = _GatedCompute.apply(plan, pools, layout, as_activation(activation), recompute, x, recv_weights, *own)
+    link = _GradsHome()
+    own = _ReplicaGradsHome.apply(link, plan, pools, *weights)
+    act = as_activation(activation)
+    z = _GatedCompute.apply(buffer, link, plan, pools, layout, act, recompute, x, recv_weights, *own)
     return _RepushGuard.apply(buffer, plan, key, pools, weights, z)

@@ -48,17 +48,43 @@ def push_start(comm, epn: int, plan: CommPlan, local_weights, prefetch_buffers) 
 def reduce(comm, epn: int, plan: CommPlan, local_grads, reduce_buffers) -> None:
     """Sum the occupied replica slots' grads (``reduce_buffers``: [epn, ...] or a sequence) into their home
     experts' grads (``local_grads``, same structure) and zero the consumed slots."""
+    _by_dtype(_as_list(local_grads), _as_list(reduce_buffers))  # names a count mismatch
+    reduce_start(comm, plan, reduce_buffers).finish(epn, local_grads)
+
+
+class GradsInFlight:
+    """The replica grads on their way home (``reduce_start``); ``finish`` adds them into the home grads."""
+
+    def __init__(self, plan: CommPlan, started: list) -> None:
+        self.plan, self._started = plan, started
+
+    def finish(self, epn: int, local_grads) -> None:
+        """Wait, then add the received grads into ``local_grads`` ([epn, ...] or a sequence, one per projection,
+        in the order of the slots given to ``reduce_start``)."""
+        grads = _as_list(local_grads)
+        for pending, got, slots, which in self._started:
+            pending.wait()
+            if self.plan.push_rows.numel():
+                for i, part in zip(which, _columns(got, slots)):
+                    grads[i].view(epn, -1).index_add_(0, self.plan.push_rows, part.to(grads[i].dtype))
+
+
+def reduce_start(comm, plan: CommPlan, reduce_buffers) -> GradsInFlight:
+    """Start sending the occupied replica slots' grads (``reduce_buffers``: [epn, ...] or a sequence) home (one
+    asynchronous all-to-all per dtype) and zero the consumed slots; ``finish`` lands them."""
     if not plan.num_replicas:
-        return
-    for grads, slots in _by_dtype(_as_list(local_grads), _as_list(reduce_buffers)):
+        return GradsInFlight(plan, [])
+    slots_all = _as_list(reduce_buffers)
+    started = []
+    for which, slots in _indices_by_dtype(slots_all):
         flats = [slot.view(slot.shape[0], -1) for slot in slots]
         inp = torch.cat([flat.index_select(0, plan.my_slots) for flat in flats], 1)
-        got = torch.empty(plan.push_rows.numel(), inp.shape[1], dtype=inp.dtype, device=inp.device)
-        comm.all_to_all_single(got, inp, plan.push_splits, plan.slot_splits, validate=False, splits_agreed=True)
-        for grad, flat, part in zip(grads, flats, _columns(got, slots)):
-            if plan.push_rows.numel():
-                grad.view(epn, -1).index_add_(0, plan.push_rows, part.to(grad.dtype))
+        for flat in flats:
             flat.index_fill_(0, plan.my_slots, 0)
+        got = torch.empty(plan.push_rows.numel(), inp.shape[1], dtype=inp.dtype, device=inp.device)
+        pending = comm.all_to_all_single_start(got, inp, plan.push_splits, plan.slot_splits, splits_agreed=True)
+        started.append((pending, got, slots, which))
+    return GradsInFlight(plan, started)
 
 
 def _as_list(x) -> list[torch.Tensor]:
@@ -73,6 +99,16 @@ def _by_dtype(locals_: list[torch.Tensor], slots: list[torch.Tensor]) -> list[tu
     for loc, slot in zip(locals_, slots):
         pair = groups.setdefault(slot.dtype, ([], []))
         pair[0].append(loc)
+        pair[1].append(slot)
+    return list(groups.values())
+
+
+def _indices_by_dtype(slots: list[torch.Tensor]) -> list[tuple[list[int], list[torch.Tensor]]]:
+    """(projection indices, slot tensors) grouped by the slots' dtype: each group travels as one exchange."""
+    groups: dict = {}
+    for i, slot in enumerate(slots):
+        pair = groups.setdefault(slot.dtype, ([], []))
+        pair[0].append(i)
         pair[1].append(slot)
     return list(groups.values())
 
