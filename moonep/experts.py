@@ -14,7 +14,7 @@ replica slots' weights ``[epn, ...]`` and their fp32 grads. Extra memory is ``ep
 ``epn`` fp32 grads), in total, not per layer. Because layers share the slots, the backward re-pushes a layer's
 replicas when another layer pushed since its forward (every rank takes the same decision: the pool's owner
 evolves identically on all ranks). The step's collectives run in a fixed order: the weight push in forward
-(``start_push``: started by the layer beside the token exchange), and in backward the re-push, if any, first,
+(``start_push``: started by the layer once the token rows landed), and in backward the re-push, if any, first,
 the grad reduce last; the expert math in between is pure compute (see the autograd nodes below).
 """
 
@@ -104,7 +104,7 @@ def group_view(own: torch.Tensor, slots: torch.Tensor) -> list[torch.Tensor]:
 
 # ------------------------------------------------------------------------------------- the step's autograd ops
 # The step is three nodes, so that its communication sits at the layer's boundaries, in a fixed order on every
-# rank: forward = (push, started beside the token exchange) -> _ReplicaGradsHome (identity) -> _GatedCompute ->
+# rank: forward = (push, started after the token exchange) -> _ReplicaGradsHome (identity) -> _GatedCompute ->
 # _RepushGuard (identity); the backward runs them in reverse: re-push if another layer used the pools since
 # (before the compute reads them), the compute, then the slot grads brought home. Inside _GatedCompute the
 # exchanges overlap the expert math: the forward computes this rank's own experts while the replica weights are
@@ -212,10 +212,10 @@ def pools_of(buffer: Buffer, weights, layout: str) -> tuple[ExpertPool, ...]:
 
 
 def start_push(buffer: Buffer, plan, weights, *, layout: str = "fused", key=None) -> None:
-    """Start pushing the replicas of a step (its ``CommPlan``, or the ``DispatchLayout`` before the rows move)
+    """Start pushing the replicas of a step (its ``CommPlan``, or its ``DispatchLayout`` before the rows move)
     into the shared pools (asynchronous: ``Buffer.prefetch_weight_start``) and mark the pools as the layer's;
-    ``grouped_experts`` waits for it. ``moonep.ep_step.ep_dispatch(..., weights=...)`` starts it from the
-    layout, so that the weights travel before and beside the token rows."""
+    ``grouped_experts`` waits for it before its first replica slot. ``moonep.ep_step.ep_dispatch(...,
+    weights=...)`` starts it once the token rows landed, so that it flies while the own experts compute."""
     weights = tuple(weights)
     key = _key(key, weights)
     pools = pools_of(buffer, weights, layout)
@@ -249,7 +249,7 @@ def grouped_experts(
     which are alive until this step's backward). ``recompute``: keep only x for the backward and recompute the
     [n, 2F] pre-activations and y there (the forward GEMMs once more, for n*(2F+H) fewer saved elements).
     Returns z [recv_rows, H] = expert(x) * recv_weights[:, None], ready for ``moonep.combine``.
-    The replicas' weights come from ``start_push`` (started beside the token exchange) or, if the layer did not
+    The replicas' weights come from ``start_push`` (started after the token exchange) or, if the layer did not
     start it, are pushed here; the backward re-pushes them if another layer used the pools since, and reduces
     their grads home (the three autograd nodes above).
     """

@@ -10,6 +10,7 @@ import torch
 import moonep
 import planner
 from collectives import launch
+from moonep import expert_math
 from moonep.hostreads import PLANNER_CPU_ENTRY, HostReads
 
 H, F, K, S = 8, 8, 2, 32
@@ -187,9 +188,10 @@ def _bad_rank(comm, kwargs) -> str:
 
 
 def _overlap_rank(comm) -> list[str]:
-    """The forward's exchanges in order: 'start:<rows>' and 'wait:<rows>' of every started all-to-all."""
+    """The forward's exchanges and expert segments in order: 'start:<rows>' and 'wait:<rows>' of every started
+    all-to-all, 'own:<g>' / 'slot:<g>' when the expert math starts a group's segment."""
     moe = _layer(comm, 0)  # exact plan with a hot expert: replicas, so weights move
-    events, start = [], comm.all_to_all_single_start
+    events, start, project = [], comm.all_to_all_single_start, expert_math._project_in
 
     def logged(out, inp, *args, **kwargs):
         tag = f"{inp.shape[0]}x{inp[0].numel() if inp.shape[0] else 0}"
@@ -204,21 +206,36 @@ def _overlap_rank(comm) -> list[str]:
         pending.wait = waited
         return pending
 
-    comm.all_to_all_single_start = logged
+    def segment(layout, ws, g, *args):
+        events.append(f"{'own' if g < moe.epn else 'slot'}:{g}")
+        return project(layout, ws, g, *args)
+
+    comm.all_to_all_single_start, expert_math._project_in = logged, segment
     try:
         moe(torch.randn(S, H))
     finally:
         del comm.all_to_all_single_start
+        expert_math._project_in = project
     assert moe.last_plan.global_plan.num_replicas > 0
     return events
 
 
-def test_weight_push_travels_before_and_beside_the_token_rows():
-    """The weight push (both projections of a copy in one row) starts first, from the dispatch's layout, and is
-    still in flight when the token rows start: it is waited for only after them."""
-    events = launch(_overlap_rank, 2, timeout=30, job_timeout=60)
-    rows = next(i for i, e in enumerate(events) if e.startswith("start:") and e.endswith(f"x{H}"))
-    copy = f"x{H * 2 * F + F * H}"
-    pushes = [i for i, e in enumerate(events) if e.startswith("start:") and e.endswith(copy)]
-    push_waits = [i for i, e in enumerate(events) if e.startswith("wait:") and e.endswith(copy)]
-    assert len(pushes) == 1 and pushes[0] < rows and push_waits and push_waits[0] > rows, events
+def _check_overlap(comm) -> str:
+    events = _overlap_rank(comm)
+    rows_landed = next(i for i, e in enumerate(events) if e.startswith("wait:") and e.endswith(f"x{H}"))
+    push = next(i for i, e in enumerate(events) if i > rows_landed and e.startswith("start:"))
+    tag = events[push].split(":")[1]  # a copy's both projections in one row; 0x0 on a rank that pushes none
+    assert tag == "0x0" or tag.endswith(f"x{H * 2 * F + F * H}"), events
+    push_waits = [i for i, e in enumerate(events) if e == f"wait:{tag}"]
+    own = [i for i, e in enumerate(events) if e.startswith("own:")]
+    slots = [i for i, e in enumerate(events) if e.startswith("slot:")]
+    assert push_waits and rows_landed < push < own[0] <= own[-1] < push_waits[0], events
+    assert all(i > push_waits[0] for i in slots), events
+    return "ok"
+
+
+def test_weight_push_flies_while_the_own_experts_compute():
+    """The weight push (both projections of a copy in one row) starts once the token rows have landed and is
+    waited for only after the expert step computed this rank's own experts, before its first replica slot (on
+    every rank: a failed check on any rank fails the launch)."""
+    assert launch(_check_overlap, 2, timeout=30, job_timeout=60) == "ok"
