@@ -13,7 +13,7 @@ one more row in the layer's step, the two exchanges of one replica) and lets the
 ``ours_slack`` is the σ the step used (max rows / mean rows - 1), ``ours_rows_bound`` the rows any plan may give a
 rank (σ = max_slack: the static buffers' size), ``ours_replicas`` and ``ours_weight_bytes`` (push forward plus grads
 back) the weight traffic. ``ours_host_reads_per_layer``: reads of tensor data into Python during one fwd+bwd
-(``moonep.hostreads``; the CPU planner kernel's zero-copy entry exempt), the slowest rank's; each is a host sync on
+(``moonep.hostreads``; the CPU kernels' zero-copy entries exempt), the slowest rank's; each is a host sync on
 a GPU. Peak bytes are measured (``moonep.peak_memory.PeakBytes``, one untimed fwd+bwd per layer, the largest rank):
 bytes of every tensor storage the call allocates, alive at once, plus for ours the static ``Buffer`` and the replica
 weight/grad pools, which exist before the call.
@@ -35,7 +35,7 @@ from .buffer import Buffer
 from .cost import measure_cost_model
 from .ep_step import ep_combine, ep_dispatch, ep_experts
 from .experts import pools_of, push_replicas
-from .hostreads import PLANNER_CPU_ENTRY, HostReads
+from .hostreads import CPU_KERNEL_ENTRIES, HostReads
 from .moe import MoE
 from .peak_memory import peak_bytes
 
@@ -184,7 +184,7 @@ def _bench_maxvio(comm, moe: MoE, x: torch.Tensor, v: float, iters: int) -> dict
         ).sum().backward()
 
     ours(), base()  # warm-up (and fills stats / last_plan)
-    with HostReads(exempt=(PLANNER_CPU_ENTRY,)) as reads:  # one layer fwd+bwd: the budget is 1
+    with HostReads(exempt=CPU_KERNEL_ENTRIES) as reads:  # one layer fwd+bwd: the budget is 1
         ours()
     (t_ours, busy_ours), (t_base, busy_base) = _median_times(comm, (ours, base), iters)
     st_ours = _stage_times(comm, _our_stages(moe, x, idx, w), iters)

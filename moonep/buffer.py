@@ -37,6 +37,7 @@ from .agreement import agree_settings
 from .comm_plan import CommPlan, DispatchLayout, StepRead
 from .geometry import EPGeometry
 from .layout import num_recv_rows, recv_layout, replica_maps, row_sources, send_layout
+from .layout_cpu import HAS_NUMBA, send_layout_cpu
 
 INT32_MAX = 2**31 - 1
 SAME_BUFFER = "every rank of the EP group must pass the same sizes, dtype, token_padding and balancing"
@@ -167,7 +168,8 @@ class Buffer:
         global_plan = planner.plan(
             g[:, : self.E], token_padding=self.token_padding, slack=self.slack, cost=self.cost, defer_errors=True
         )
-        lay = send_layout(global_plan, self.rank, idx)
+        compiled = HAS_NUMBA and idx.device.type == "cpu"  # one compiled pass instead of a dozen tensor ops
+        lay = (send_layout_cpu if compiled else send_layout)(global_plan, self.rank, idx)
         mismatch = (lay.slot_splits != global_plan.send_counts[self.rank]).any().long()
         mine = torch.cat((lay.uniq_splits, mismatch[None]))
         uniq = torch.empty(self.R * (self.R + 1), dtype=torch.int64, device=self.device)

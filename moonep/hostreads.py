@@ -42,6 +42,10 @@ from torch.utils._pytree import tree_leaves
 
 PLANNER_CPU_ENTRY = ("Tensor.numpy", os.path.join("planner", "device.py"), "_run_cpu_kernel")
 """The CPU planner kernel's zero-copy view of the counts: on CUDA the device kernel replaces it (exempt)."""
+LAYOUT_CPU_ENTRY = ("Tensor.numpy", os.path.join("moonep", "layout_cpu.py"), "send_layout_cpu")
+"""The CPU send-layout kernel's zero-copy views of the routing and the plan: on CUDA the tensor ops run."""
+CPU_KERNEL_ENTRIES = (PLANNER_CPU_ENTRY, LAYOUT_CPU_ENTRY)
+"""The compiled CPU kernels' zero-copy entries (no device, no sync): what a host-read count exempts."""
 READ_METHODS = (
     "item",
     "tolist",
@@ -236,4 +240,4 @@ class HostReads:
         return False
 
 
-__all__ = ["HostReads", "PLANNER_CPU_ENTRY", "READ_METHODS", "SYNC_OPS"]
+__all__ = ["CPU_KERNEL_ENTRIES", "HostReads", "LAYOUT_CPU_ENTRY", "PLANNER_CPU_ENTRY", "READ_METHODS", "SYNC_OPS"]

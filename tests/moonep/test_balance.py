@@ -11,7 +11,7 @@ import moonep
 import planner
 from collectives import launch
 from moonep import expert_math
-from moonep.hostreads import PLANNER_CPU_ENTRY, HostReads
+from moonep.hostreads import CPU_KERNEL_ENTRIES, HostReads
 
 H, F, K, S = 8, 8, 2, 32
 
@@ -116,7 +116,7 @@ def _reads_rank(comm) -> int:
     moe = _layer(comm, 0, cost=planner.CostModel(row_seconds=1.0, copy_seconds=3.0))
     x = torch.randn(S, H, requires_grad=True)
     moe(x).sum().backward()  # warm-up
-    with HostReads(exempt=(PLANNER_CPU_ENTRY,)) as reads:
+    with HostReads(exempt=CPU_KERNEL_ENTRIES) as reads:
         moe(x).sum().backward()
     return reads.count
 

@@ -4,8 +4,9 @@
   plans from the CPU kernel and from the device kernel (numba's CUDA simulator here).
 - The layout runs on ``device="meta"`` tensors: no data there, so a host read or a data-dependent shape raises.
 - One MoE layer forward + backward on real gloo ranks reads tensor data into Python once: the step's split
-  table (``Buffer._read_step``). The planner's CPU-kernel entry (a zero-copy numpy view; the device kernel
-  replaces it on CUDA) is the one exemption.
+  table (``Buffer._read_step``). The CPU kernels' entries (zero-copy numpy views of the planner's counts and of
+  the send layout's inputs; on CUDA the device kernel and the tensor ops replace them) are the exemptions.
+- The compiled CPU send layout (``moonep.layout_cpu``) equals the tensor-op layout entry for entry.
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ from hypothesis import strategies as st
 
 import planner
 from collectives import launch
-from moonep import layout, reference
+from moonep import layout, layout_cpu, reference
 from moonep.buffer import Buffer, resolve_device
-from moonep.hostreads import PLANNER_CPU_ENTRY, HostReads
+from moonep.hostreads import CPU_KERNEL_ENTRIES, HostReads
 
 STEP_READ = "moonep/buffer.py"
 
@@ -89,6 +90,21 @@ def test_device_layout_equals_numpy_twin(case, device_kernel: bool):
         assert np.array_equal(uniq_in.numpy(), tables[2])
 
 
+@settings(max_examples=150, deadline=None)
+@given(routings(), st.sampled_from(["exact", "slack", "padded"]))
+def test_compiled_cpu_layout_equals_the_tensor_layout(case, kind: str):
+    """The compiled CPU send layout (what Buffer runs on CPU) gives every table of the tensor-op layout, entry for
+    entry, masked and padding entries included: masked slots, duplicate experts, a hot expert, empty ranks."""
+    R, E, K, idx = case
+    T = torch.from_numpy(counts_of(idx, E))
+    p = planner.plan(T, **{"exact": {}, "slack": {"slack": 0.3}, "padded": {"token_padding": 4}}[kind])
+    for r in range(R):
+        ids = torch.from_numpy(idx[r])
+        want, got = layout.send_layout(p, r, ids), layout_cpu.send_layout_cpu(p, r, ids)
+        for f in ("slot_pos", "dest_row", "uniq_local", "uniq_token", "slot_splits", "uniq_splits"):
+            assert torch.equal(getattr(got, f), getattr(want, f).long()), (f, getattr(got, f), getattr(want, f))
+
+
 def test_layout_runs_on_meta_tensors():
     """No data on meta: any host read or data-dependent shape in the layout raises; every shape is static."""
     R, E, K, s = 4, 16, 3, 10
@@ -122,7 +138,7 @@ def _moe_step(comm, layers: int) -> tuple[list, int]:
         with torch.no_grad():
             m.router.bias[0] = 5.0
     moes[0](x).sum().backward()  # warm-up: numba compiles, pools are built
-    with HostReads(exempt=(PLANNER_CPU_ENTRY,)) as reads:
+    with HostReads(exempt=CPU_KERNEL_ENTRIES) as reads:
         y = x
         for m in moes:
             y = m(y)
@@ -184,7 +200,7 @@ def _cuda_moe_step(comm) -> dict:
 
     Buffer._read_step = budgeted
     try:
-        with HostReads(exempt=(PLANNER_CPU_ENTRY,)) as reads:
+        with HostReads(exempt=CPU_KERNEL_ENTRIES) as reads:
             torch.cuda.set_sync_debug_mode("error")
             y = m(xc)
             y.sum().backward()
