@@ -221,6 +221,7 @@ def gated_backward(
     row_w=None,
     y=None,
     hook: GroupHook | None = None,
+    zeroed: frozenset = frozenset(),
 ):
     """Grads of ``gated_forward``: (dx [n, H], dws, dw [n] or None) with dy [n, H].
 
@@ -228,8 +229,9 @@ def gated_backward(
     ``dy`` is the grad of z = y * row_w[:, None] and dw [n] (its grad) is returned too, from ``y`` [n, H] (the
     forward's output) or, when None, from y recomputed per segment (one more down-projection GEMM).
     ``dws``: per-group outputs shaped like ``ws`` to overwrite (tensors or lists of views, any float dtype;
-    default new fp32 tensors); groups without rows get 0. hook: a ``GroupHook``, whose groups' segments are
-    computed first (the others after its call).
+    default new fp32 tensors); groups without rows get 0, except those in ``zeroed`` (the caller keeps them at 0
+    already: the EP step's replica slots, zeroed by each reduce). hook: a ``GroupHook``, whose groups' segments
+    are computed first (the others after its call).
     """
     F, G = _width(layout, ws), len(ws[0])
     dx = torch.empty_like(x)
@@ -241,7 +243,7 @@ def gated_backward(
     used, end, left = set(), 0, None if hook is None else {sg[0] for sg in segs} & hook.groups
     for g, a, b in segs:
         if hook is not None and not left:
-            _grads_ready(hook, dws, used)
+            _grads_ready(hook, dws, used | zeroed)
             hook = None
         if pre is None:
             pg = x.new_empty(b - a, 2 * F)
@@ -255,17 +257,18 @@ def gated_backward(
         if left:
             left.discard(g)
     if hook is not None:
-        _grads_ready(hook, dws, used)
+        _grads_ready(hook, dws, used | zeroed)
     dx[end:].zero_()
-    for g in set(range(G)) - used:
+    for g in set(range(G)) - used - zeroed:
         for dw in dws:
             dw[g].zero_()
     return dx, dws, dw_rows
 
 
-def _grads_ready(hook: GroupHook, dws, used: set) -> None:
-    """The hook's groups without rows get their zero grads now (before its call reads them), then the call."""
-    for g in hook.groups - used:
+def _grads_ready(hook: GroupHook, dws, done: set) -> None:
+    """The hook's groups not ``done`` (no rows, not kept at 0) get their zero grads now (before its call reads
+    them), then the call."""
+    for g in hook.groups - done:
         for dw in dws:
             if g < len(dw):
                 dw[g].zero_()

