@@ -250,6 +250,8 @@ def run(
         e["busy_ratio"] = e["ours_busy_s"] / e["baseline_busy_s"]
         # the yardstick of "skew costs nothing": the classic dispatcher on the same tokens at NO skew, same run
         e["ratio_vs_classic_flat"] = None if flat is None else e["ours_layer_s"] / flat
+    ours = [e["ours_layer_s"] for e in report["results"]]
+    report["ours_max_over_min"] = max(ours) / min(ours)  # flatness of ours over the sweep (1: skew costs nothing)
     cores = os.cpu_count() or 1
     report["note"] = (
         f"{world_size} ranks on {cores} cores: ranks outnumber cores, times are contended"

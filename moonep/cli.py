@@ -79,6 +79,7 @@ def handler(args: argparse.Namespace) -> int:
             f"{e['busy_ratio']:>10.2f}  {stages('ours')} | {stages('baseline')}; "
             f"{e['ours_push_s'] * 1e3:.1f}/{e['ours_reduce_s'] * 1e3:.1f}"
         )
+    print(f"ours over the sweep, max / min: {report['ours_max_over_min']:.2f}")
     if not any(e["maxvio"] == 0 for e in report["results"]):
         print("vs flat: needs maxvio 0 in --maxvio (the classic dispatcher without skew is the yardstick)")
     if args.json:

@@ -164,6 +164,11 @@ def test_bench_quick_schema(tmp_path):
         assert e["ours_host_reads_per_layer"] == 1  # the step's split table, nothing else (the budget)
         assert e["baseline_max_rows"] >= e["cap"]
     lo, hi = report["results"]
+    assert report["ours_max_over_min"] == max(e["ours_layer_s"] for e in report["results"]) / min(
+        e["ours_layer_s"] for e in report["results"]
+    )
+    assert lo["ratio_vs_classic_flat"] == lo["ours_layer_s"] / lo["baseline_layer_s"]
+    assert hi["ratio_vs_classic_flat"] == hi["ours_layer_s"] / lo["baseline_layer_s"]
     assert hi["baseline_max_rows"] > lo["baseline_max_rows"]
     # measured peak bytes: the baseline's hottest rank allocates more rows with skew; ours is bounded by the rows
     # its slack allows (the static buffers are sized for max_slack), whatever the skew
