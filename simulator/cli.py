@@ -30,7 +30,9 @@ from simulator.layers import RECOMPUTE_MODES
 from simulator.memory import GIB, inference_memory
 from simulator.parallel import RECOMPUTE_MODULES, SCHEDULES
 from simulator.report import format_result, format_search, write_plots
+from simulator.saved_bytes import format_table, measured, side_by_side
 from simulator.search import SearchSpace, search
+from simulator.specs import load_model
 from simulator.whatif import whatif
 
 
@@ -46,6 +48,7 @@ def register(commands, bench) -> None:
     _register_search(sub)
     _register_whatif(sub)
     _register_calibrate(sub)
+    _register_saved_bytes(sub)
 
 
 def _register_run(sub) -> None:
@@ -117,6 +120,31 @@ def _register_calibrate(sub) -> None:
     ca.add_argument("--micro-batch", type=int, default=1, help="sequences per rank for --model")
     ca.add_argument("--out", "--json", dest="out", default="hardware_profile.json", help="profile JSON to write")
     ca.set_defaults(func=_calibrate)
+
+
+def _register_saved_bytes(sub) -> None:
+    sb = sub.add_parser(
+        "saved-bytes",
+        help="saved bytes per token per layer by module: the simulator's, beside a measured k3-memory report",
+    )
+    sb.add_argument("--model", default="k3", help="preset or config.json (default k3)")
+    sb.add_argument("--measured", metavar="FILE", help="a 'moonep bench k3-memory --json' report to put beside")
+    sb.add_argument("--json", metavar="FILE", help="write the table as JSON")
+    sb.set_defaults(func=_saved_bytes)
+
+
+def _saved_bytes(args) -> int:
+    try:
+        spec = load_model(args.model)
+        rows = measured(args.measured) if args.measured else None
+    except ValueError as exc:
+        print(f"moonep simulate saved-bytes: {exc}", file=sys.stderr)
+        return 2
+    table = side_by_side(spec, rows, name=args.model)
+    print(format_table(table))
+    if args.json:
+        write_json(args.json, table)
+    return 0
 
 
 def _usage(p) -> int:

@@ -128,6 +128,25 @@ def test_memory_bench_json_quick(tmp_path, capsys):
         assert set(r) == {"seq_len", *MODULES, "mla_layer", "kda_layer"}
         assert r["mla_layer"] == pytest.approx(r["mla"] + r["moe"] + r["norms"] + r["attn_res"])
         assert 0 < r["attn_res"] <= 2 * (2 * 7168 + 16 * 10)
+    # the simulator's K3 spec side by side (``moonep simulate saved-bytes``: the simulator reads the JSON, it may
+    # not import the model code)
+    from simulator.layers import layer_stats
+    from simulator.specs import load_model
+
+    table_path = tmp_path / "side.json"
+    assert (
+        main(["simulate", "saved-bytes", "--measured", str(path), "--json", str(table_path)], packages=["simulator"])
+        == 0
+    )
+    printed = capsys.readouterr().out
+    assert "simulator k3" in printed and "measured/sim T=72" in printed
+    table = json.loads(table_path.read_text())
+    stats = layer_stats(load_model("k3"), ("mla", "moe"))
+    assert table["simulator"]["mla_layer"] == stats.act_rep + stats.act_par and table["simulator"]["attn_res"] is None
+    for got, ratio, want in zip(table["measured"], table["ratio"], out["k3"]):
+        assert got == {m: want[m] for m in table["modules"]} | {"seq_len": want["seq_len"]}
+        assert ratio["mla_layer"] == pytest.approx(want["mla_layer"] / table["simulator"]["mla_layer"])
+        assert ratio["attn_res"] is None
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,84 @@
+"""``moonep simulate saved-bytes``: the simulator's saved bytes per token per layer, by module, beside what real
+layer code keeps (``moonep bench k3-memory --json``, measured with ``saved_tensors_hooks``).
+
+The simulator may not import the model code (tests/test_layers.py: it takes ``k3.config`` only), so the measured
+side arrives as the bench's JSON: data, not an import. Modules are the bench's: ``mla`` / ``kda`` attention,
+``moe`` / ``dense_mlp``, the two ``attn_res`` mixes, the two layer ``norms``, and the whole ``mla_layer`` /
+``kda_layer`` (attention + MoE + norms + AttnRes). The simulator's rows are its own terms (``simulator.layers``):
+attention and FFN ``par`` bytes, the norm and block inputs (``act_rep``) for the norms, and ``act_rep + act_par``
+for a layer; it has no AttnRes term (its two mixes are not modelled), and a non-flash softmax adds
+``act_s2_per_s`` bytes per key position (not included: K3's MLA runs SDPA's fused causal path).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+from simulator.layers import _attention, _ffn, layer_stats
+from simulator.modelspec import ModelSpec
+
+MODULES = ("mla", "kda", "moe", "dense_mlp", "attn_res", "norms", "mla_layer", "kda_layer")
+
+
+def simulated(spec: ModelSpec) -> dict[str, float | None]:
+    """Saved bytes per token per layer by module, as the simulator counts them (None: no term for it)."""
+    mla, kda = layer_stats(spec, ("mla", "moe")), layer_stats(spec, ("kda", "moe"))
+    return {
+        "mla": float(_attention(spec, "mla")["par"]),
+        "kda": float(_attention(spec, "kda")["par"]),
+        "moe": float(_ffn(spec, "moe")["par"]),
+        "dense_mlp": float(_ffn(spec, "dense")["par"]),
+        "attn_res": None,
+        "norms": float(mla.act_rep),
+        "mla_layer": mla.act_rep + mla.act_par,
+        "kda_layer": kda.act_rep + kda.act_par,
+    }
+
+
+def measured(path: str) -> list[dict]:
+    """The K3 rows of a ``moonep bench k3-memory --json`` report: one dict per sequence length."""
+    try:
+        with open(path) as f:
+            report = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"cannot read {path}: {e}") from None
+    rows = report.get("k3") if isinstance(report, dict) else None
+    if not isinstance(rows, list) or not rows or not all(isinstance(r, dict) and "seq_len" in r for r in rows):
+        raise ValueError(f"{path} is not a 'moonep bench k3-memory --json' report (no 'k3' rows with seq_len)")
+    return rows
+
+
+def side_by_side(spec: ModelSpec, rows: list[dict] | None, *, name: str = "k3") -> dict:
+    """{"model", "modules": [...], "simulator": {...}, "measured": [{seq_len, module: bytes}], "ratio": [...]}:
+    measured over simulated per module and sequence length (None where either side has no number)."""
+    sim = simulated(spec)
+    out: dict = {"model": name, "modules": list(MODULES), "simulator": sim, "measured": [], "ratio": []}
+    for row in rows or []:
+        got = {m: row.get(m) for m in MODULES}
+        out["measured"].append({"seq_len": row["seq_len"], **got})
+        ratio = {m: _ratio(got[m], sim[m]) for m in MODULES}
+        out["ratio"].append({"seq_len": row["seq_len"], **ratio})
+    return out
+
+
+def _ratio(a, b) -> float | None:
+    if a is None or b is None or not b or not math.isfinite(a):
+        return None
+    return a / b
+
+
+def format_table(table: dict) -> str:
+    """The side-by-side as text: one column per module, a row for the simulator, per measured T and per ratio."""
+    mods = table["modules"]
+    cell = lambda v, f: f"{'-':>11}" if v is None else f"{v:>11{f}}"  # noqa: E731
+    lines = [f"{'bytes/token/layer':<22}" + "".join(f"{m:>11}" for m in mods)]
+    lines.append(f"{'simulator ' + table['model']:<22}" + "".join(cell(table["simulator"][m], ",.0f") for m in mods))
+    for row in table["measured"]:
+        lines.append(f"{'measured T=' + str(row['seq_len']):<22}" + "".join(cell(row[m], ",.0f") for m in mods))
+    for row in table["ratio"]:
+        lines.append(f"{'measured/sim T=' + str(row['seq_len']):<22}" + "".join(cell(row[m], ".2f") for m in mods))
+    return "\n".join(lines)
+
+
+__all__ = ["MODULES", "format_table", "measured", "side_by_side", "simulated"]
