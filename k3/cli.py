@@ -193,4 +193,5 @@ def _memory_bench(args: argparse.Namespace) -> int:
     print("\n".join(format_table(out)))
     if args.json:
         write_json(args.json, out)
+        print(f"the simulator's K3 spec beside it: moonep simulate saved-bytes --measured {args.json}")
     return 0

@@ -134,8 +134,10 @@ class _ReplicaGradsHome(torch.autograd.Function):
     def backward(ctx, *grads):
         pools = ctx.pools
         in_flight, ctx.link.in_flight = ctx.link.in_flight, None
-        if not ctx.plan.num_replicas or in_flight is None:  # no replica anywhere (every rank skips alike)
+        if not ctx.plan.num_replicas:  # no replica anywhere: nothing to bring home (every rank skips alike)
             return (None, None, None) + grads
+        if in_flight is None:  # the expert backward always starts them: dropping them would be silent garbage
+            raise RuntimeError("moonep: replica grads never sent home (the expert backward did not run)")
         # the incoming grads are _GatedCompute's fresh fp32 tensors, consumed only here: add into them in place
         own = [
             torch.zeros(p.weights.shape, dtype=torch.float32, device=p.weights.device)
