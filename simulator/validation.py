@@ -2,7 +2,7 @@
 
 Table 5 iteration times (seconds) and Fig. 1 memory (GiB per GPU), as replayed by Calculon
 (``calculon-ai/calculon`` ``validation/seqsel/tab5/*.json``, quoted in
-``shared/reference/simulator_and_straggler_background.md`` section 3.1). Sequence 2048, vocab 51200. Interleaving
+``docs/reference/simulator_and_straggler_background.md`` section 3.1). Sequence 2048, vocab 51200. Interleaving
 3 for 175B and 530B as in Calculon's replay files (the Fig. 1 activation memory of those two models matches the
 interleaved formula, which supports it). The A100 efficiency set in ``hardware.py`` is one set for all rows.
 """

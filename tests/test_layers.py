@@ -1,4 +1,4 @@
-"""The house rule of /work/shared/design.md, enforced: no package imports one above it, command lines included.
+"""The house rule of docs/design.md, enforced: no package imports one above it, command lines included.
 
 Every ``.py`` file of the toolkit's packages is parsed with ``ast``; every ``import`` / ``from ... import`` of a
 toolkit package, at module level or inside a function, must be in ``ALLOWED`` (the same table as ARCHITECTURE.md,
