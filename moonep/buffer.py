@@ -319,11 +319,6 @@ class Buffer:
             recv_slot_uniq=uniq,
             recv_slot_splits=recv_slots,
             recv_uniq_splits=recv_uniq,
-            push_rows=layout.push_rows,
-            push_splits=layout.push_splits,
-            my_slots=layout.my_slots,
-            slot_splits=layout.slot_splits,
-            num_replicas=layout.num_replicas,
             layout=layout,
         )
         if weights is not None:

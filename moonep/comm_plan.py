@@ -150,18 +150,9 @@ class CommPlan:
     """[recv_rows] 1 + the received unique row of each receive row, 0 = an unfilled row (``row_sources``)."""
     recv_uniq_splits: list[int]
     """[R] unique rows received from each rank."""
-    push_rows: torch.Tensor
-    """[sum(push_splits)] local expert rows whose weights this rank sends to the ranks replicating them."""
-    push_splits: list[int]
-    """[R] expert weights this rank sends to each rank (prefetch_weight; reduce_grad receives as many)."""
-    my_slots: torch.Tensor
-    """[sum(slot_splits)] this rank's occupied replica slots, in slot order."""
-    slot_splits: list[int]
-    """[R] replica weights this rank receives from each rank (all from its donor)."""
-    num_replicas: int = -1
-    """replicas in the whole plan, from the step's read (0: every rank skips the weight exchanges; -1: unknown)."""
-    layout: DispatchLayout | None = None
-    """the layout the dispatch moved the rows along (a push started from it counts as this plan's)."""
+    layout: DispatchLayout
+    """the layout the dispatch moved the rows along (a push started from it counts as this plan's); it holds the
+    replica maps, which the properties below read (prefetch_weight and reduce_grad take either)."""
 
     def __post_init__(self) -> None:
         if sum(self.send_slot_splits) != self.slot_pos.numel():
@@ -170,6 +161,31 @@ class CommPlan:
             raise ValueError("recv_slot_splits must sum to the number of received slots")
         if self.cu_host[-1] > self.recv_rows:
             raise ValueError(f"padded layout {self.cu_host[-1]} rows exceeds recv_rows={self.recv_rows}")
+
+    @property
+    def push_rows(self) -> torch.Tensor:
+        """[sum(push_splits)] local expert rows whose weights this rank sends to the ranks replicating them."""
+        return self.layout.push_rows
+
+    @property
+    def push_splits(self) -> list[int]:
+        """[R] expert weights this rank sends to each rank (prefetch_weight; reduce_grad receives as many)."""
+        return self.layout.push_splits
+
+    @property
+    def my_slots(self) -> torch.Tensor:
+        """[sum(slot_splits)] this rank's occupied replica slots, in slot order."""
+        return self.layout.my_slots
+
+    @property
+    def slot_splits(self) -> list[int]:
+        """[R] replica weights this rank receives from each rank (all from its donor)."""
+        return self.layout.slot_splits
+
+    @property
+    def num_replicas(self) -> int:
+        """replicas in the whole plan, from the step's read (0: every rank skips the weight exchanges)."""
+        return self.layout.num_replicas
 
     @property
     def segments(self) -> tuple[tuple[int, int, int], ...]:

@@ -238,12 +238,15 @@ def gated_backward(
     dw_rows = None if row_w is None else torch.zeros(x.shape[0], dtype=row_w.dtype, device=x.device)
     if dws is None:
         dws = [torch.empty(G, *w[0].shape, dtype=torch.float32, device=x.device) for w in ws]
+    for g in set(range(G)) - {sg[0] for sg in segs} - zeroed:  # first: a hook may read them
+        for dw in dws:
+            dw[g].zero_()
     if hook is not None:
         segs = [sg for sg in segs if sg[0] in hook.groups] + [sg for sg in segs if sg[0] not in hook.groups]
-    used, end, left = set(), 0, None if hook is None else {sg[0] for sg in segs} & hook.groups
+    end, left = 0, None if hook is None else {sg[0] for sg in segs} & hook.groups
     for g, a, b in segs:
         if hook is not None and not left:
-            _grads_ready(hook, dws, used | zeroed)
+            hook.fn()
             hook = None
         if pre is None:
             pg = x.new_empty(b - a, 2 * F)
@@ -252,27 +255,13 @@ def gated_backward(
             pg = pre[a:b]
         w_g, y_g, dw_g = (None,) * 3 if row_w is None else (row_w[a:b], None if y is None else y[a:b], dw_rows[a:b])
         _segment_backward(layout, act, ws, dws, g, x[a:b], pg, dy[a:b], dx[a:b], w_g, y_g, dw_g)
-        used.add(g)
         end = max(end, b)
         if left:
             left.discard(g)
     if hook is not None:
-        _grads_ready(hook, dws, used | zeroed)
+        hook.fn()
     dx[end:].zero_()
-    for g in set(range(G)) - used - zeroed:
-        for dw in dws:
-            dw[g].zero_()
     return dx, dws, dw_rows
-
-
-def _grads_ready(hook: GroupHook, dws, done: set) -> None:
-    """The hook's groups not ``done`` (no rows, not kept at 0) get their zero grads now (before its call reads
-    them), then the call."""
-    for g in hook.groups - done:
-        for dw in dws:
-            if g < len(dw):
-                dw[g].zero_()
-    hook.fn()
 
 
 def swiglu_forward(x, w13, w2, segs):

@@ -70,8 +70,8 @@ def pool_for(buffer: Buffer, name: str, shape: tuple[int, ...], dtype: torch.dty
 
 def _step_of(plan) -> object:
     """The step a plan belongs to: its dispatch's layout (a push started from the layout, before the rows moved,
-    is this plan's push), else the plan itself."""
-    return getattr(plan, "layout", None) or plan
+    is this plan's push); a layout is its own step."""
+    return plan.layout if isinstance(plan, CommPlan) else plan
 
 
 def _claim(pools, key: object, plan) -> None:

@@ -25,10 +25,11 @@ def push_start(comm, epn: int, plan: CommPlan, local_weights, prefetch_buffers) 
     ``wait()`` lands them (unused slots untouched)."""
     if not plan.num_replicas:
         return Pending()
+    locals_, slots_all = _one_per_projection(local_weights, prefetch_buffers)
     started = []
-    for locs, slots in _by_dtype(_as_list(local_weights), _as_list(prefetch_buffers)):
+    for which, slots in _by_dtype(slots_all):
         dtype = slots[0].dtype
-        rows = [loc.detach().reshape(epn, -1).index_select(0, plan.push_rows).to(dtype) for loc in locs]
+        rows = [locals_[i].detach().reshape(epn, -1).index_select(0, plan.push_rows).to(dtype) for i in which]
         inp = torch.cat(rows, 1)  # [copies pushed, sum of the projections' sizes]
         got = torch.empty(plan.my_slots.numel(), inp.shape[1], dtype=inp.dtype, device=inp.device)
         started.append(
@@ -48,7 +49,7 @@ def push_start(comm, epn: int, plan: CommPlan, local_weights, prefetch_buffers) 
 def reduce(comm, epn: int, plan: CommPlan, local_grads, reduce_buffers) -> None:
     """Sum the occupied replica slots' grads (``reduce_buffers``: [epn, ...] or a sequence) into their home
     experts' grads (``local_grads``, same structure) and zero the consumed slots."""
-    _by_dtype(_as_list(local_grads), _as_list(reduce_buffers))  # names a count mismatch
+    _one_per_projection(local_grads, reduce_buffers)  # names a count mismatch before anything moves
     reduce_start(comm, plan, reduce_buffers).finish(epn, local_grads)
 
 
@@ -76,7 +77,7 @@ def reduce_start(comm, plan: CommPlan, reduce_buffers) -> GradsInFlight:
         return GradsInFlight(plan, [])
     slots_all = _as_list(reduce_buffers)
     started = []
-    for which, slots in _indices_by_dtype(slots_all):
+    for which, slots in _by_dtype(slots_all):
         flats = [slot.view(slot.shape[0], -1) for slot in slots]
         inp = torch.cat([flat.index_select(0, plan.my_slots) for flat in flats], 1)
         for flat in flats:
@@ -91,19 +92,15 @@ def _as_list(x) -> list[torch.Tensor]:
     return [x] if isinstance(x, torch.Tensor) else list(x)
 
 
-def _by_dtype(locals_: list[torch.Tensor], slots: list[torch.Tensor]) -> list[tuple[list, list]]:
-    """Pairs (local tensors, slot tensors) grouped by the slots' dtype: each group travels as one exchange."""
+def _one_per_projection(locals_, slots) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Both as lists, refused unless they have one tensor per projection each."""
+    locals_, slots = _as_list(locals_), _as_list(slots)
     if len(locals_) != len(slots):
         raise ValueError(f"{len(locals_)} local tensors but {len(slots)} slot tensors: one per projection")
-    groups: dict = {}
-    for loc, slot in zip(locals_, slots):
-        pair = groups.setdefault(slot.dtype, ([], []))
-        pair[0].append(loc)
-        pair[1].append(slot)
-    return list(groups.values())
+    return locals_, slots
 
 
-def _indices_by_dtype(slots: list[torch.Tensor]) -> list[tuple[list[int], list[torch.Tensor]]]:
+def _by_dtype(slots: list[torch.Tensor]) -> list[tuple[list[int], list[torch.Tensor]]]:
     """(projection indices, slot tensors) grouped by the slots' dtype: each group travels as one exchange."""
     groups: dict = {}
     for i, slot in enumerate(slots):
