@@ -18,6 +18,7 @@ import numpy as np
 
 from tools.calls import match_calls
 from tools.clocks import align_clocks, offsets_note
+from tools.gaps import gap_waits, gaps_note
 from tools.traces import RankTrace, finish, load_dir
 
 
@@ -66,10 +67,14 @@ class Tables:
     """Pipeline stage of each rank (None when the trace does not say)."""
     idle_s: np.ndarray | None = None
     """Seconds the rank spent in no record (gaps, off-CPU time inside compute records), without the off-CPU time
-    of phases that hold a hidden collective (``hidden_waits``: waiting there looks like being descheduled)."""
+    of phases that hold a hidden collective (``hidden_waits``: waiting there looks like being descheduled) and
+    the waits in gaps that end in one (``tools.gaps``)."""
     hidden: dict[str, int] = field(default_factory=dict)
     """Phase -> steps in which every rank left the phase together (it holds a collective the trace does not
     record, like DDP's gradient all-reduce inside backward); their waits were attributed to the last arriver."""
+    synced_gaps: dict[str, int] = field(default_factory=dict)
+    """Gap name -> steps in which every rank left that gap between records together (``tools.gaps``: it ends
+    in an untraced sync); their waits were taken out of ``idle_s`` and attributed to the last arriver."""
     notes: list[str] = field(default_factory=list)
     """What the tables cannot tell (printed as warnings by the report)."""
     calls: np.ndarray | None = None
@@ -243,6 +248,9 @@ def build_tables(traces: dict[int, RankTrace]) -> Tables:
             f"on no rank (waiting for a peer and being descheduled look the same there), and its waits go to the "
             f"last rank to reach it"
         )
+    tables.synced_gaps = gap_waits(traces, ranks, steps, tables)
+    if tables.synced_gaps:
+        tables.notes.append(gaps_note(tables.synced_gaps, len(steps)))
     tables.blind = len(ranks) > 1 and (bool(tables.hidden) or not any(t.collectives for t in traces.values()))
     if len(ranks) > 1 and not any(t.collectives for t in traces.values()) and not tables.hidden:
         tables.notes.append(

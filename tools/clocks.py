@@ -79,6 +79,8 @@ def shift_trace(trace: RankTrace, dt: float) -> None:
     trace.windows = {s: (a - dt, b - dt) for s, (a, b) in trace.windows.items()}
     for intervals in trace.covered.values():
         intervals[:] = [(a - dt, b - dt) for a, b in intervals]
+    for starts in trace.starts.values():
+        starts[:] = [(a - dt, op) for a, op in starts]
     for ops in trace.phases.values():
         for phase in ops.values():
             phase[0] -= dt

@@ -72,6 +72,12 @@ class Thresholds:
     shared host a healthy rank's CPU time drifts 20% high for 5-7 steps now and then)."""
     min_evidence_steps: int = 8
     """Steps from the onset needed before a finding is reported (an onset near the end of the trace waits)."""
+    shift_factor: float = 3.0
+    """An episode whose excess rises to this many times its level so far (after at least ``min_before`` steps)
+    is reported from the rise: the onset of the cost that dominates, the milder level before it in the
+    finding's evidence (a core a little busier from the start, then a stall)."""
+    min_before: int = 3
+    """Steps an episode must have run at its milder level before a rise splits it."""
     idle_ratio: float = 1.5
     """Idle time (in no recorded op, or off-CPU inside one) over the peer median that counts as a stalled host."""
     idle_excess_frac: float = 0.05
@@ -93,7 +99,7 @@ class Thresholds:
 
     def __post_init__(self):
         ratios = ("compute_ratio", "host_op_ratio", "data_ratio", "token_ratio", "stage_ratio", "idle_ratio")
-        for name in (*ratios, "slowdown_ratio"):
+        for name in (*ratios, "slowdown_ratio", "shift_factor"):
             if not getattr(self, name) > 1.0:
                 raise ValueError(f"{name} must be > 1, got {getattr(self, name)}")
         if not 0 <= self.min_persistence <= 1 or not 1 <= self.min_evidence_steps <= self.persist_steps:
@@ -202,6 +208,39 @@ def episode(ratio: np.ndarray, raw: np.ndarray, rolled_ok: np.ndarray, th: Thres
                 onset, float(np.median(flagged)) if flagged.size else float(ratio[start]), float(after.mean())
             )
     return None
+
+
+def level_shift(excess: np.ndarray, onset: int, th: Thresholds) -> int | None:
+    """The column where an episode's ``[S]`` excess seconds rise to ``shift_factor`` times its median level since
+    ``onset``, or None. The split point is the one that best separates two levels (the largest
+    ``k * (n - k) / n * (mean after - mean before) ** 2``, with ``min_evidence_steps`` after it); it needs
+    ``min_before`` steps before it, and the medians of both sides must differ by the factor."""
+    e = np.clip(np.nan_to_num(excess[onset : onset + 2 * th.persist_steps]), 0.0, None)
+    n = e.size
+    ks = np.arange(1, n - th.min_evidence_steps + 1)
+    if ks.size == 0:
+        return None
+    csum = np.concatenate([[0.0], np.cumsum(e)])
+    before, after = csum[ks] / ks, (csum[n] - csum[ks]) / (n - ks)
+    k = int(ks[np.argmax(ks * (n - ks) / n * (after - before) ** 2)])
+    if k < th.min_before:  # the best split leaves too short a milder level: one episode
+        return None
+    low, high = float(np.median(e[:k])), float(np.median(e[k:]))
+    return onset + k if high > 0 and high >= th.shift_factor * low else None
+
+
+def from_the_rise(ep: Episode, ratio: np.ndarray, raw: np.ndarray, excess: np.ndarray, th: Thresholds, steps: list):
+    """Move ``ep``'s onset to a rise of its ``[S]`` excess (``level_shift``) and its ratio to the flagged steps
+    from there; returns ``(evidence, detail suffix)`` naming the milder level before it ({} and "" when none)."""
+    rise = level_shift(excess, ep.onset, th)
+    if rise is None:
+        return {}, ""
+    low = float(np.median(excess[ep.onset : rise]))
+    evidence = {"earlier_onset_step": steps[ep.onset], "earlier_excess_s": low}
+    suffix = f"; +{low * 1e3:.1f} ms/step already from step {steps[ep.onset]}"
+    flagged = ratio[rise:][raw[rise:]]
+    ep.onset, ep.ratio = rise, float(np.median(flagged)) if flagged.size else ep.ratio
+    return evidence, suffix
 
 
 def _longest_false_run(flags: np.ndarray) -> int:

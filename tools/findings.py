@@ -17,6 +17,7 @@ from tools.detect import (
     _rolling,
     confidence,
     episode,
+    from_the_rise,
     link_reference,
     outliers,
     series_flags,
@@ -57,6 +58,7 @@ def _per_rank(
         ep = episode(ratio[i], raw[i], rolled[i], th)
         if ep is None:
             continue
+        evidence, before = from_the_rise(ep, ratio[i], raw[i], excess[i], th, t.steps)
         extra = float(np.median(excess[i, ep.onset :]))
         out.append(
             Finding(
@@ -66,8 +68,9 @@ def _per_rank(
                 confidence=confidence(ep, thr),
                 what_if_step_time_s=what_if(t.step_time_s, excess[i], ep.onset),
                 detail=f"rank {rank}: {what} {ep.ratio:.2f}x its peers' median from step "
-                f"{t.steps[ep.onset]} (+{extra * 1e3:.1f} ms/step)",
-                evidence={"ratio": round(ep.ratio, 3), "excess_s": extra, "persistence": round(ep.persistence, 3)},
+                f"{t.steps[ep.onset]} (+{extra * 1e3:.1f} ms/step{before})",
+                evidence={"ratio": round(ep.ratio, 3), "excess_s": extra, "persistence": round(ep.persistence, 3)}
+                | evidence,
             )
         )
     return out

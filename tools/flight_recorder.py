@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from tools.detect import Finding, Thresholds, confidence, episode, outliers
+from tools.detect import Finding, Thresholds, confidence, episode, from_the_rise, outliers
 from tools.steps import once_per_period, steps_from_anchor
 from tools.traces import Collective, RankTrace, TraceFormatError
 
@@ -341,13 +341,15 @@ def _late(run, matched, step_of, th: Thresholds) -> list[Finding]:
         ep = episode(ratio[i], raw[i], rolled[i], th)
         if ep is None:
             continue
+        evidence, before = from_the_rise(ep, ratio[i], raw[i], excess[i], th, steps)
         extra = float(np.median(excess[i, ep.onset :]))
         out.append(Finding(kind="late_arrival", ranks=[rank], onset_step=steps[ep.onset],
                            confidence=confidence(ep, 1.5), what_if_step_time_s=max(0.0, step_s - extra) or None,
                            detail=f"rank {rank} reaches collectives last, {extra * 1e3:.1f} ms after its peers per "
-                           f"step from step {steps[ep.onset]}: the cause lies before the call on that rank (compute, "
-                           f"data loading or the host); the dump cannot tell which, a profiler trace or the in-loop "
-                           f"detector can", evidence={"excess_s": extra, "persistence": round(ep.persistence, 3)})
+                           f"step from step {steps[ep.onset]}{before}: the cause lies before the call on that rank "
+                           f"(compute, data loading or the host); the dump cannot tell which, a profiler trace or "
+                           f"the in-loop detector can",
+                           evidence={"excess_s": extra, "persistence": round(ep.persistence, 3)} | evidence)
                    )  # fmt: skip
     return out
 

@@ -99,6 +99,8 @@ class RankTrace:
     writes one); without it a step runs from the previous step's last exit to its own last exit."""
     covered: dict[int, list[tuple[float, float]]] = field(default_factory=lambda: defaultdict(list))
     """step -> intervals this rank was inside some record (compute, data or a collective)."""
+    starts: dict[int, list[tuple[float, str]]] = field(default_factory=lambda: defaultdict(list))
+    """step -> (t_enter, op) of each of its records: names the gap a record ends (``tools.gaps``)."""
     offcpu: dict[int, float] = field(default_factory=lambda: defaultdict(float))
     """step -> seconds inside compute records that were not CPU (or device) time: wall minus ``cpu_s``."""
     phases: dict[int, dict[str, list[float]]] = field(default_factory=lambda: defaultdict(dict))
@@ -198,6 +200,7 @@ def _add(trace: RankTrace, rec: dict) -> None:
     lo, hi = trace.span.get(step, (t0, t1))
     trace.span[step] = (min(lo, t0), max(hi, t1))
     trace.covered[step].append((t0, t1))
+    trace.starts[step].append((t0, op))
     if op in COLLECTIVE_OPS:
         return
     if rec.get("kind") == "data" or op.startswith("data"):
@@ -219,23 +222,29 @@ def _add(trace: RankTrace, rec: dict) -> None:
         trace.stage = rec["stage"]
 
 
-def finish(trace: RankTrace) -> RankTrace:
-    """Fill ``trace.idle`` once every record is in: per step, the step's window minus the time covered by any
-    record, plus the off-CPU time inside compute records. A step's window is its ``kind: "step"`` record, else
-    it starts where the previous step's last record ended (a sleep between iterations belongs to the next
-    step) and ends at its own last record."""
-    if trace.source == "flight_recorder":
-        return trace  # only collectives: the time between them is work of unknown kind, not idle time
-    previous = None
+def step_windows(trace: RankTrace) -> dict[int, tuple[float, float]]:
+    """step -> (start, end) of the iteration: its ``kind: "step"`` record, else from where the previous step's
+    last record ended (a sleep between iterations belongs to the next step) to its own last record."""
+    out, previous = {}, None
     for step in sorted(trace.span):
         lo, hi = trace.span[step]
         if step in trace.windows:
             lo, hi = trace.windows[step]
         elif previous is not None and previous < lo:
             lo = previous
+        out[step] = (lo, hi)
+        previous = trace.span[step][1]
+    return out
+
+
+def finish(trace: RankTrace) -> RankTrace:
+    """Fill ``trace.idle`` once every record is in: per step, the step's window (``step_windows``) minus the
+    time covered by any record, plus the off-CPU time inside compute records."""
+    if trace.source == "flight_recorder":
+        return trace  # only collectives: the time between them is work of unknown kind, not idle time
+    for step, (lo, hi) in step_windows(trace).items():
         gap = (hi - lo) - length(clip(trace.covered.get(step, []), lo, hi))
         trace.idle[step] = max(0.0, gap) + trace.offcpu.get(step, 0.0)
-        previous = trace.span[step][1]
     return trace
 
 

@@ -56,11 +56,15 @@ def test_a_section_kind_is_checked():
             pass
 
 
-def _ddp_records(*, steps=30, onset=10, sleep=0.0, where="gap", hidden_only=False, cpu_s=True, seed=0):
+def _ddp_records(
+    *, steps=30, onset=10, sleep=0.0, where="gap", hidden_only=False, cpu_s=True, seed=0, mild=0.0, slow_opt=0.0
+):
     """Two ranks of a DDP-like loop traced the documented way: data, forward, backward (holding an unrecorded
-    all-reduce both ranks leave together), optimizer. Rank 1 loses ``sleep`` seconds from ``onset``: in a gap
-    before the data fetch, or off-CPU inside ``forward``; ``hidden_only`` puts it off-CPU inside ``backward``
-    before the sync, where a wait looks the same."""
+    all-reduce both ranks leave together), optimizer, then an unrecorded logging all-reduce both leave
+    together. Rank 1 loses ``sleep`` seconds from ``onset``: in a gap before the data fetch, or off-CPU inside
+    ``forward``; ``hidden_only`` puts it off-CPU inside ``backward`` before the sync, where a wait looks the
+    same. ``mild``: rank 1 also loses that many seconds in the gap from step 0 (a core a little busier);
+    ``slow_opt``: rank 0's optimizer computes that much longer (rank 1 waits for it at the logging sync)."""
     rng = np.random.default_rng(seed)
     recs = {0: [], 1: []}
     t = 100.0
@@ -68,7 +72,7 @@ def _ddp_records(*, steps=30, onset=10, sleep=0.0, where="gap", hidden_only=Fals
         late = sleep if step >= onset else 0.0
         arrive, ends = {}, {}
         for r in (0, 1):
-            x = t + (late if r == 1 and where == "gap" and not hidden_only else 0.0)
+            x = t + (late if r == 1 and where == "gap" and not hidden_only else 0.0) + (mild if r == 1 else 0.0)
             work = 0.004 * (1 + 0.02 * rng.standard_normal())
             fwd_off = late if r == 1 and where == "forward" and not hidden_only else 0.0
             rec = {"rank": r, "step": step, "group": [r], "bytes": 0}
@@ -82,9 +86,10 @@ def _ddp_records(*, steps=30, onset=10, sleep=0.0, where="gap", hidden_only=Fals
         sync = max(arrive.values()) + 0.0005
         for r in (0, 1):
             rec = {"rank": r, "step": step, "group": [r], "bytes": 0}
+            opt = 0.001 + (slow_opt if r == 0 else 0.0)
             recs[r].append(dict(rec, op="backward", t_enter=ends[r], t_exit=sync, cpu_s=2 * 0.004))
-            recs[r].append(dict(rec, op="optimizer", t_enter=sync, t_exit=sync + 0.001, cpu_s=0.001))
-        t = sync + 0.002
+            recs[r].append(dict(rec, op="optimizer", t_enter=sync, t_exit=sync + opt, cpu_s=opt))
+        t = sync + 0.001 + slow_opt + 0.002
     if not cpu_s:
         for rs in recs.values():
             for rec in rs:
@@ -100,6 +105,32 @@ def test_a_wait_hidden_in_backward_is_blamed_on_the_rank_that_caused_it(where, c
     kind = "host_idle" if cpu_s else "slow_compute"  # without cpu_s a sleep inside an op is its wall time
     assert (f.kind, f.ranks, f.onset_step) == (kind, [1], 10), f
     assert t.wait_matrix_s[0, 1] > 0.5 and t.wait_matrix_s[1, 0] < 0.01  # rank 0 waited for rank 1
+
+
+def test_a_milder_level_before_the_stall_does_not_move_its_onset():
+    """Rank 1 idles 4 ms a step more than rank 0 from the start (a busier core), then 30 ms from step 10: one
+    finding, from the rise, with the milder level and its start as evidence (not one episode from step 0)."""
+    (f,) = diagnose(build_tables(traces_from_records(_ddp_records(sleep=0.03, mild=0.004))))
+    assert (f.kind, f.ranks, f.onset_step) == ("host_idle", [1], 10), f
+    assert f.evidence["earlier_onset_step"] <= 2 and 0.003 < f.evidence["earlier_excess_s"] < 0.005, f
+    assert 0.03 < f.evidence["excess_s"] < 0.04 and "already from step" in f.detail
+    (alone,) = diagnose(build_tables(traces_from_records(_ddp_records(mild=0.004))))  # the milder level alone
+    # step 0 has no gap before its first record (no previous step to start from): the level shows from step 1
+    assert (alone.kind, alone.ranks, alone.onset_step) == ("host_idle", [1], 1), alone
+    assert "earlier_onset_step" not in alone.evidence
+
+
+def test_waiting_for_a_slower_peer_at_an_untraced_sync_is_not_idle():
+    """Rank 0's optimizer computes 3 ms longer; rank 1 waits for it in the logging all-reduce, which the trace
+    does not record. That gap ends together on both ranks: its wait is rank 1's wait for rank 0, not host idle
+    on rank 1 (before ``tools.gaps`` it was blamed as host_idle on rank 1)."""
+    t = build_tables(traces_from_records(_ddp_records(slow_opt=0.003)))
+    assert t.synced_gaps == {"data_load": 29} and any("a sync the trace does not record" in n for n in t.notes)
+    found = diagnose(t)
+    assert not [f for f in found if 1 in f.ranks], found
+    assert t.wait_matrix_s[1, 0] > 29 * 0.0025 and t.wait_matrix_s[0, 1] < 0.01  # rank 1 waited for rank 0
+    stalled = diagnose(build_tables(traces_from_records(_ddp_records(slow_opt=0.003, sleep=0.03))))
+    assert [(f.kind, f.ranks, f.onset_step) for f in stalled if 1 in f.ranks] == [("host_idle", [1], 10)], stalled
 
 
 def test_a_slowdown_the_trace_cannot_attribute_is_said_not_hidden(tmp_path, capsys):
@@ -183,7 +214,7 @@ def test_the_detector_depends_on_torch_and_pure_tools_modules_only():
             assert top not in ("collectives", "moonep", "moonep_base", "simulator", "k3"), (mod, name)
             if top == "tools":
                 todo.append(name)
-    pure = ("detector", "analysis", "calls", "clocks", "detect", "findings", "traces", "intervals")
+    pure = ("detector", "analysis", "calls", "clocks", "detect", "findings", "gaps", "traces", "intervals")
     assert done == {f"tools.{m}" for m in pure}
 
 

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from tests.tools.synth import make_records, write_dir
 from tools.analysis import build_tables, load_tables
-from tools.detect import Finding, Thresholds, _rolling, _rolling_loop
+from tools.detect import Finding, Thresholds, _rolling, _rolling_loop, level_shift
 from tools.findings import diagnose, rank_scores
 from tools.traces import TraceWarning, load_dir, load_dir_coverage, parse_lines
 
@@ -197,3 +197,34 @@ def test_every_line_is_kept_valid_or_dropped_and_named(lines, tail):
 def test_vectorised_rolling_matches_its_loop_twin(rows, w, fn):
     a = np.array(rows)
     assert np.allclose(_rolling(a, w, fn), _rolling_loop(a, w, fn), equal_nan=True)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.floats(0.001, 0.01),
+    st.floats(1.5, 8.0),
+    st.integers(0, 30),
+    st.integers(0, 4),
+    st.integers(0, 2**31 - 1),
+)
+def test_a_rise_splits_an_episode_only_when_it_is_large(low, factor, rise, before_onset, seed):
+    """``level_shift`` on a noisy step function: a milder level from ``onset`` for ``rise`` steps, then
+    ``factor`` times it. It names the rise exactly when the rise is a clear factor over the milder level (a
+    margin either side of ``shift_factor`` for the +-5% noise) and the milder level ran ``min_before`` steps;
+    it never splits a flat level."""
+    th = Thresholds()
+    rng = np.random.default_rng(seed)
+    n = before_onset + rise + th.persist_steps
+    excess = np.zeros(n)
+    excess[before_onset:] = low
+    excess[before_onset + rise :] = low * factor
+    excess *= 1 + 0.05 * rng.uniform(-1, 1, n)
+    got = level_shift(excess, before_onset, th)
+    flat = level_shift(np.full(n, low) * (1 + 0.05 * rng.uniform(-1, 1, n)), before_onset, th)
+    assert flat is None
+    if rise == 0 or factor < th.shift_factor * 0.85:
+        assert got is None, (got, rise, factor)
+    elif rise >= th.min_before and factor > th.shift_factor * 1.15:
+        assert got == before_onset + rise, (got, rise, factor)
+    elif rise < th.min_before:
+        assert got is None
