@@ -187,14 +187,15 @@ def episode(ratio: np.ndarray, raw: np.ndarray, rolled_ok: np.ndarray, th: Thres
         run = run + 1 if ok else 0
         if run >= th.min_windows:
             start = s - run + 1
-            # the onset: walk back from the tripping window through the contiguous run of raw-flagged steps
-            # (an isolated noisy step a few steps earlier is not the start of the fault)
+            # the onset: walk back from the tripping window through the run of raw-flagged steps, across holes
+            # of one step (a step in which the peers were slow too: the hog that starts on one core delays both)
+            # but not two (an isolated noisy step a few steps earlier is not the start of the fault)
             lo = max(0, start - th.window + 1)
             onset = start
             while onset > lo and not raw[onset]:
                 onset -= 1
-            while onset > lo and raw[onset - 1]:
-                onset -= 1
+            while onset > lo and (raw[onset - 1] or (onset - 2 >= lo and raw[onset - 2])):
+                onset -= 1 if raw[onset - 1] else 2
             if not raw[onset]:
                 onset = start
             after = raw[onset : onset + th.persist_steps]
