@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import abc
 import time
+from collections.abc import Sequence
 from datetime import timedelta
-from typing import Sequence
 
 import torch
 
@@ -137,7 +137,7 @@ class Communicator(abc.ABC):
     def _recv(self, tensor, src: int, timeout: float): ...
 
     @abc.abstractmethod
-    def _new_group(self, members: list[int], color: int) -> "Communicator":
+    def _new_group(self, members: list[int], color: int) -> Communicator:
         """Sub-communicator over ``members`` (group ranks of self, in new-rank order).
 
         Called on every rank of ``self``; ranks that are not members get ``members == []`` and return ``None``.
@@ -363,7 +363,7 @@ class Communicator(abc.ABC):
         self._timed("recv", tensor.numel() * tensor.element_size(), self._recv, tensor, src, timeout, peer=src)
         return tensor
 
-    def split(self, color: int | None, key: int | None = None) -> "Communicator | None":
+    def split(self, color: int | None, key: int | None = None) -> Communicator | None:
         """Sub-groups by ``color`` (like ``MPI_Comm_split``): ranks with equal color form a group ordered by
         ``(key, rank)``. Collective over this group; a rank passing ``color=None`` joins none and gets ``None``.
         """
@@ -392,7 +392,7 @@ class Communicator(abc.ABC):
     def _link_delay(self, peers) -> float:
         return max((self.link_delays.get((self.global_rank, self.group_ranks[j]), 0.0) for j in peers), default=0.0)
 
-    def __enter__(self) -> "Communicator":
+    def __enter__(self) -> Communicator:
         return self
 
     def __exit__(self, *exc) -> None:

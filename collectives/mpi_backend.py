@@ -259,7 +259,7 @@ class _Watchdog:
         self._thread: threading.Thread | None = None
         self.report_path: str | None = None
 
-    def arm(self, comm: "MPICommunicator", op: str, timeout: float) -> None:
+    def arm(self, comm: MPICommunicator, op: str, timeout: float) -> None:
         if self._thread is None:
             self._thread = threading.Thread(target=self._watch, name="moonep-mpi-watchdog", daemon=True)
             self._thread.start()

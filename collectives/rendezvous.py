@@ -15,8 +15,8 @@ import functools
 import os
 import socket
 import threading
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Callable
 
 import torch.distributed as dist
 

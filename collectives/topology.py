@@ -82,7 +82,7 @@ class Topology:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict) -> "Topology":
+    def from_dict(cls, data: dict) -> Topology:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
@@ -95,7 +95,7 @@ class Topology:
             f.write("\n")
 
     @classmethod
-    def from_json(cls, path: str | os.PathLike) -> "Topology":
+    def from_json(cls, path: str | os.PathLike) -> Topology:
         with open(path) as f:
             data = json.load(f)
         if not isinstance(data, dict):
@@ -116,7 +116,7 @@ class Topology:
         g.add_argument("--inter-latency-us", type=float, help="inter-node latency, us")
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace, world_size: int | None = None) -> "Topology":
+    def from_args(cls, args: argparse.Namespace, world_size: int | None = None) -> Topology:
         """Topology from ``add_arguments`` flags; without ``--nodes``/``--ranks-per-node`` one node holds all."""
         base = cls.from_json(args.topology).to_dict() if getattr(args, "topology", None) else {}
         flags = {
@@ -139,7 +139,7 @@ class Topology:
 
     # ------------------------------------------------------------------ detection
     @classmethod
-    def detect(cls, world_size: int | None = None, num_nodes: int = 1) -> "Topology":
+    def detect(cls, world_size: int | None = None, num_nodes: int = 1) -> Topology:
         """This machine's topology: GPUs and NVLink from NVML when a driver is present, else CPU ranks.
 
         Without NVML, ``world_size`` (default: the CPU count) ranks share one node and the bandwidth figures are

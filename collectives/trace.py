@@ -40,7 +40,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 TRACE_ENV = "MOONEP_TRACE_DIR"
 RUN_ID_ENV = "MOONEP_RUN_ID"

@@ -22,10 +22,9 @@ import torch
 import torch.nn.functional as F
 
 from collectives import launch
-
-from .chunk import kda_chunk
-from .cp import context_parallel_kda
-from .naive import kda_recurrent
+from cp_kda.chunk import kda_chunk
+from cp_kda.cp import context_parallel_kda
+from cp_kda.naive import kda_recurrent
 
 
 def _inputs(T, H, K, V, seed=0, requires_grad=False):

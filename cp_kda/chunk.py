@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import torch
 
-from .checks import check_kda_inputs, resolve_scale, state_dtype
-from .fla_backend import fla_chunk_kda
-from .intra import intra_chunk
-from .layout import Layout
+from cp_kda.checks import check_kda_inputs, resolve_scale, state_dtype
+from cp_kda.fla_backend import fla_chunk_kda
+from cp_kda.intra import intra_chunk
+from cp_kda.layout import Layout
 
 GROUP_ELEMENTS = 1 << 18  # elements of one [C, K] tensor over a group of chunks (1 MiB in fp32: about L2-sized)
 

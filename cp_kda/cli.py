@@ -33,7 +33,7 @@ def bench_kda(args: argparse.Namespace) -> int:
     if bad:  # before any work: a 0 ended in a ZeroDivisionError or a kernel's ValueError traceback
         print(f"error: {bad[0]}", file=sys.stderr)
         return 2
-    from .bench import run_bench  # heavy: torch (cp_kda.cli must not load it: moonep --help imports this module)
+    from cp_kda.bench import run_bench  # heavy: torch (cp_kda.cli must not load it: moonep --help imports this module)
 
     result = run_bench(quick=args.quick, H=args.heads, K=args.head_dim, V=args.head_dim, chunk_size=args.chunk_size)
     for T, row in result["chunk_vs_recurrent"].items():

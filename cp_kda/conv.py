@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .checks import check_cu_seqlens
+from cp_kda.checks import check_cu_seqlens
 
 
 def _check(x, weight, bias, initial_state, cu_seqlens, activation):

@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import torch
 
-from .checks import check_cu_seqlens, check_kda_inputs, resolve_scale, state_dtype
-from .conv import short_conv
-from .partition import RankPlan, plan_rank
-from .transfer import (
+from cp_kda.checks import check_cu_seqlens, check_kda_inputs, resolve_scale, state_dtype
+from cp_kda.conv import short_conv
+from cp_kda.partition import RankPlan, plan_rank
+from cp_kda.transfer import (
     LocalPass,
     dfinal_to_local,
     finals_to_global,

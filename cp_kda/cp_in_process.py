@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from .checks import check_kda_inputs, resolve_scale
-from .partition import plan_ranks
-from .transfer import (
+from cp_kda.checks import check_kda_inputs, resolve_scale
+from cp_kda.partition import plan_ranks
+from cp_kda.transfer import (
     dfinal_to_local,
     finals_to_global,
     fold,

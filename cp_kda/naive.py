@@ -15,12 +15,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .checks import check_kda_inputs, resolve_scale, state_dtype
-from .conv import _check as _check_conv
-from .conv import _final_states, _finish
-from .gate import _check as _check_gate
-from .gate import _parts
-from .intra import _segsum
+from cp_kda.checks import check_kda_inputs, resolve_scale, state_dtype
+from cp_kda.conv import _check as _check_conv
+from cp_kda.conv import _final_states, _finish
+from cp_kda.gate import _check as _check_gate
+from cp_kda.gate import _parts
+from cp_kda.intra import _segsum
 
 
 def _recurrent_dense(q, k, v, g, beta, scale, h0):

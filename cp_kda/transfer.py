@@ -21,9 +21,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .checks import state_dtype
-from .chunk import chunk_bwd, chunk_fwd
-from .partition import RankPlan
+from cp_kda.checks import state_dtype
+from cp_kda.chunk import chunk_bwd, chunk_fwd
+from cp_kda.partition import RankPlan
 
 
 def transfer_map(q, k, v, g, beta, scale, chunk_size):

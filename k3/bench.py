@@ -25,14 +25,13 @@ import zlib
 import torch
 
 from collectives import launch
+from k3.config import K3Config
+from k3.model import build_model
+from k3.muon import PerHeadMuon, param_groups
+from k3.reference import PerHeadMuonLoop, param_groups_by_name
+from k3.train import TrainConfig, Trainer
 from moonep.parallel import is_expert
 from moonep_base import write_json
-
-from .config import K3Config
-from .model import build_model
-from .muon import PerHeadMuon, param_groups
-from .reference import PerHeadMuonLoop, param_groups_by_name
-from .train import TrainConfig, Trainer
 
 
 def timed_steps(comm, trainer, first: int, steps: int) -> list[float]:

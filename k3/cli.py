@@ -86,8 +86,7 @@ def _register_memory_bench(bench) -> None:
 def _train(args: argparse.Namespace) -> int:
     from collectives.faults import parse_data_delays, parse_link_delay_specs, parse_slowdowns  # heavy: torch
     from collectives.launch import LaunchError  # heavy: torch
-
-    from .train import TrainConfig, train  # heavy: the trainer (torch)
+    from k3.train import TrainConfig, train  # heavy: the trainer (torch)
 
     try:
         tc = TrainConfig(
@@ -156,7 +155,7 @@ def _world_sizes(text: str, flag: str = "--world-sizes", what: str = "world size
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from .bench import run_bench  # heavy: torch
+    from k3.bench import run_bench  # heavy: torch
 
     try:
         sizes = (1, 2) if args.quick else _world_sizes(args.world_sizes)
@@ -178,8 +177,7 @@ def _bench(args: argparse.Namespace) -> int:
 
 def _memory_bench(args: argparse.Namespace) -> int:
     from collectives import launch  # heavy: torch
-
-    from .saved_memory import check_bench_args, format_table, memory_bench_rank  # heavy: torch
+    from k3.saved_memory import check_bench_args, format_table, memory_bench_rank  # heavy: torch
 
     try:
         widths = (1, 2) if args.quick else _world_sizes(args.widths, "--widths", "width")

@@ -238,7 +238,7 @@ class K3Config:
         write_json(path, self.to_dict())
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "K3Config":
+    def from_dict(cls, data: dict[str, Any]) -> K3Config:
         """From an HF config dict (nested ``text_config`` or flat); unknown keys (vision, quantisation) ignored."""
         text = dict(data.get("text_config", data))
         for k in _TOP_LEVEL:  # top-level values win where the release puts them there
@@ -250,12 +250,12 @@ class K3Config:
         return cls(**{k: v for k, v in text.items() if k in names})
 
     @classmethod
-    def from_json(cls, path: str | os.PathLike) -> "K3Config":
+    def from_json(cls, path: str | os.PathLike) -> K3Config:
         with open(path) as f:
             return cls.from_dict(json.load(f))
 
     @classmethod
-    def preset(cls, name: str) -> "K3Config":
+    def preset(cls, name: str) -> K3Config:
         """``full`` (released), ``tiny`` (CPU minutes, every switch kept) or ``small``."""
         if name not in PRESETS:
             raise ValueError(f"preset: expected one of {sorted(PRESETS)}, got {name!r}")

@@ -36,7 +36,7 @@ import warnings
 import torch
 from safetensors import SafetensorError, safe_open
 
-from .moe import LatentMoE
+from k3.moe import LatentMoE
 
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
 GROUP = 32  # MXFP4 block size

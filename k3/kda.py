@@ -19,8 +19,8 @@ import math
 import torch
 from torch import nn
 
-from .config import K3Config
-from .layers import rms_norm
+from k3.config import K3Config
+from k3.layers import rms_norm
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -38,7 +38,7 @@ class KDALayer(nn.Module):
         D, W = self.h * self.K, lin.short_conv_kernel_size
         self.lower_bound, self.eps = lin.gate_lower_bound, cfg.rms_norm_eps
         self.cp_comm = None  # set by the training loop for context parallelism (K3Model.set_parallel)
-        lin_ = lambda i, o: nn.Linear(i, o, bias=False, device=device)  # noqa: E731
+        lin_ = lambda i, o: nn.Linear(i, o, bias=False, device=device)
         self.q_proj, self.k_proj, self.v_proj = lin_(d, D), lin_(d, D), lin_(d, D)
         self.q_conv1d = nn.Parameter(torch.empty(D, W, device=device))
         """[D, W] depthwise causal conv taps of q (oldest tap first)."""

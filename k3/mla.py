@@ -23,8 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.bias import causal_lower_right
 
-from .config import K3Config
-from .layers import RMSNorm
+from k3.config import K3Config
+from k3.layers import RMSNorm
 
 LORA_EPS = 1e-6  # the LoRA norms use the class default, not rms_norm_eps (release modeling code)
 
@@ -88,7 +88,7 @@ class GatedMLA(nn.Module):
         super().__init__()
         d, self.h = cfg.hidden_size, cfg.num_attention_heads
         self.n, self.r, self.v = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
-        lin = lambda i, o: nn.Linear(i, o, bias=False, device=device)  # noqa: E731
+        lin = lambda i, o: nn.Linear(i, o, bias=False, device=device)
         self.q_a_proj = lin(d, cfg.q_lora_rank)
         self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, LORA_EPS, device=device)
         self.q_b_proj = lin(cfg.q_lora_rank, self.h * (self.n + self.r))

@@ -16,12 +16,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attnres import AttnResQuery
-from .config import K3Config
-from .kda import KDALayer
-from .layers import RMSNorm, SiTUMLP
-from .mla import GatedMLA
-from .moe import LatentMoE
+from k3.attnres import AttnResQuery
+from k3.config import K3Config
+from k3.kda import KDALayer
+from k3.layers import RMSNorm, SiTUMLP
+from k3.mla import GatedMLA
+from k3.moe import LatentMoE
 
 
 class DecoderLayer(nn.Module):

@@ -24,12 +24,11 @@ import itertools
 import torch
 from torch import nn
 
+from k3.config import K3Config
+from k3.layers import RMSNorm, SiTUMLP, rms_norm, situ_glu
+from k3.naive import moe_routed_naive
 from moonep.parallel import mark_expert
 from moonep.router import SigmoidTopKRouter
-
-from .config import K3Config
-from .layers import RMSNorm, SiTUMLP, rms_norm, situ_glu
-from .naive import moe_routed_naive
 
 _LAYER_IDS = itertools.count()
 

@@ -30,9 +30,9 @@ import math
 import torch
 from torch import nn
 
-from .kda import KDALayer
-from .mla import GatedMLA
-from .moe import LatentMoE
+from k3.kda import KDALayer
+from k3.mla import GatedMLA
+from k3.moe import LatentMoE
 
 NS_COEFFS = (3.4445, -4.7750, 2.0315)
 CPU_STACK_ELEMS = 1 << 18
@@ -179,7 +179,9 @@ class PerHeadMuon(torch.optim.Optimizer):
         weight_decay: float = 0.1,
         comm=None,
     ) -> None:
-        super().__init__(groups, dict(lr=lr, momentum=momentum, betas=betas, eps=eps, weight_decay=weight_decay))
+        super().__init__(
+            groups, {"lr": lr, "momentum": momentum, "betas": betas, "eps": eps, "weight_decay": weight_decay}
+        )
         self.comm = comm
         self.ns_blocks = 0
         """Blocks this rank ran through Newton-Schulz in the last step (padding included)."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .layers import situ_glu
+from k3.layers import situ_glu
 
 
 def moe_routed_naive(z, topk_idx, topk_w, w1, w3, w2, acts) -> torch.Tensor:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from .muon import PerHeadMuon, param_groups
+from k3.muon import PerHeadMuon, param_groups
 
 
 def build_optimizer(model, kind: str, *, lr: float, weight_decay: float, comm=None) -> PerHeadMuon:

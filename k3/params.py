@@ -7,7 +7,7 @@ experts per MoE layer, but NOT the input embedding (a lookup; the report's Table
 
 from __future__ import annotations
 
-from .config import K3Config
+from k3.config import K3Config
 
 
 def kda_params(c: K3Config) -> int:
@@ -74,7 +74,7 @@ def count_model_parameters(cfg: K3Config) -> dict[str, int]:
     """
     import torch  # heavy: torch; the arithmetic above stays import-light
 
-    from .model import K3Model  # heavy: the model (torch)
+    from k3.model import K3Model  # heavy: the model (torch)
 
     model = K3Model(cfg, device=torch.device("meta"))
     total = routed = 0

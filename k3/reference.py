@@ -22,9 +22,9 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .kda import KDALayer, l2_normalize
-from .mla import GatedMLA
-from .muon import PerHeadMuon
+from k3.kda import KDALayer, l2_normalize
+from k3.mla import GatedMLA
+from k3.muon import PerHeadMuon
 
 
 def qb_histogram_host(scores: torch.Tensor, bias: torch.Tensor, K: int, nb: int) -> torch.Tensor:

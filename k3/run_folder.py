@@ -23,8 +23,8 @@ import socket
 import time
 import uuid
 
-from .checkpoint import CheckpointError, agree, check_run_dir, read_latest, read_run
-from .train_config import TrainConfig
+from k3.checkpoint import CheckpointError, agree, check_run_dir, read_latest, read_run
+from k3.train_config import TrainConfig
 
 IDENTITY_FIELDS = (
     "preset", "optimizer", "seed", "balance", "cp", "schedule_steps", "lr", "warmup", "weight_decay",

@@ -30,9 +30,8 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 import moonep
-
-from .config import K3Config, LinearAttnConfig
-from .model import K3Model, build_model
+from k3.config import K3Config, LinearAttnConfig
+from k3.model import K3Model, build_model
 
 MODULES = ("mla", "kda", "moe", "dense_mlp", "attn_res", "norms")
 K3_WIDTH = 32
@@ -42,7 +41,7 @@ K3_WIDTH = 32
 def scaled_config(m: int, layers: int = 8, block: int = 2) -> K3Config:
     """K3 at ``m / 32`` of every width (see the module docstring); MLA at every 4th layer, layer 0 dense."""
     full = K3Config.preset("full")
-    w = lambda x: x * m // K3_WIDTH  # noqa: E731
+    w = lambda x: x * m // K3_WIDTH
     mla = [i for i in range(1, layers + 1) if i % 4 == 0]
     return dataclasses.replace(
         full,
@@ -189,7 +188,7 @@ class SavedBytes:
     def _leave(self) -> None:  # a forward hook that returns something replaces the module's output
         self._stack.pop()
 
-    def __enter__(self) -> "SavedBytes":
+    def __enter__(self) -> SavedBytes:
         for module, tag in module_tags(self.model).items():
             pre = module.register_forward_pre_hook(lambda mod, args, tag=tag: self._enter(tag, args))
             post = module.register_forward_hook(lambda mod, args, out: self._leave())
@@ -276,7 +275,7 @@ def at_k3(small: dict, large: dict, m_small: int, m_large: int) -> dict[str, flo
     """Bytes per token per layer by module at K3's widths, linear in the width from two ``measure`` results;
     ``attn_res`` averaged over the released 93-layer schedule; ``mla_layer`` / ``kda_layer``: MoE layer totals."""
     grow = (K3_WIDTH - m_small) / (m_large - m_small)
-    line = lambda lo, hi: lo + (hi - lo) * grow  # noqa: E731
+    line = lambda lo, hi: lo + (hi - lo) * grow
     lo, hi = small["bytes_per_token"], large["bytes_per_token"]
     out = {name: line(lo[name], hi[name]) for name in MODULES if name != "attn_res"}
     (a0, b0), (a1, b1) = fit_mixes(small["mixes"]), fit_mixes(large["mixes"])

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 
-from .moe import LatentMoE
+from k3.moe import LatentMoE
 
 
 class PhaseClock:

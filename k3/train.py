@@ -35,11 +35,8 @@ import moonep
 from collectives import launch
 from collectives.faults import LinkDelay, faults_at
 from collectives.launch import external_launcher, rank_device
-from moonep.parallel import is_expert
-from moonep_base import run_package, write_json
-
-from .balance import rows_per_rank, update_router_biases
-from .checkpoint import (
+from k3.balance import rows_per_rank, update_router_biases
+from k3.checkpoint import (
     CheckpointError,
     agree,
     check_tensors,
@@ -49,15 +46,17 @@ from .checkpoint import (
     read_shard,
     save_checkpoint,
 )
-from .cli import register
-from .config import K3Config
-from .data import batch, load_corpus
-from .model import build_model, token_loss_sum
-from .muon import qk_clip
-from .optim import build_optimizer, lr_at
-from .run_folder import RunLock, check_run_lock, identity, lock_run, prepare_run
-from .trace import PhaseClock
-from .train_config import TrainConfig
+from k3.cli import register
+from k3.config import K3Config
+from k3.data import batch, load_corpus
+from k3.model import build_model, token_loss_sum
+from k3.muon import qk_clip
+from k3.optim import build_optimizer, lr_at
+from k3.run_folder import RunLock, check_run_lock, identity, lock_run, prepare_run
+from k3.trace import PhaseClock
+from k3.train_config import TrainConfig
+from moonep.parallel import is_expert
+from moonep_base import run_package, write_json
 
 
 class Trainer:
@@ -350,7 +349,7 @@ def _run_rank(comm, tc: TrainConfig) -> dict:
     trainer.close()
     plots = []
     if rank0:
-        from .plots import write_plots  # heavy: matplotlib, rank 0 only
+        from k3.plots import write_plots  # heavy: matplotlib, rank 0 only
 
         plots = write_plots(tc.run_dir)
     trainer.lock.release()

@@ -13,9 +13,8 @@ from typing import Any
 
 import torch
 
+from moonep.agreement import UNREADABLE, cost_words, dtype_word, int_word
 from planner.slack import check_options, slack_num
-
-from .agreement import UNREADABLE, cost_words, dtype_word, int_word
 
 
 class Problem(enum.IntEnum):

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from .buffer import Buffer
-from .comm_plan import CommPlan
+from moonep.buffer import Buffer
+from moonep.comm_plan import CommPlan
 
 
 class _Dispatch(torch.autograd.Function):

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .expert_math import segments, swiglu_backward, swiglu_forward
+from moonep.expert_math import segments, swiglu_backward, swiglu_forward
 
 
 class _AllToAll(torch.autograd.Function):

@@ -28,16 +28,15 @@ import time
 import torch
 
 from collectives import launch
+from moonep.baseline import classic_combine, classic_dispatch, classic_experts, classic_moe
+from moonep.buffer import Buffer
+from moonep.cost import measure_cost_model
+from moonep.ep_step import ep_combine, ep_dispatch, ep_experts
+from moonep.experts import pools_of, push_replicas
+from moonep.hostreads import CPU_KERNEL_ENTRIES, HostReads
+from moonep.moe import MoE
+from moonep.peak_memory import peak_bytes
 from planner import row_bound
-
-from .baseline import classic_combine, classic_dispatch, classic_experts, classic_moe
-from .buffer import Buffer
-from .cost import measure_cost_model
-from .ep_step import ep_combine, ep_dispatch, ep_experts
-from .experts import pools_of, push_replicas
-from .hostreads import CPU_KERNEL_ENTRIES, HostReads
-from .moe import MoE
-from .peak_memory import peak_bytes
 
 
 def make_routing(rank: int, s: int, K: int, E: int, maxvio: float, seed: int = 1234):
@@ -230,9 +229,9 @@ def run(
 ) -> dict:
     """Launch the sweep on local ranks and return the report."""
     shape = (
-        dict(S=64, H=32, F=32, E=4 * world_size, K=2, iters=1)
+        {"S": 64, "H": 32, "F": 32, "E": 4 * world_size, "K": 2, "iters": 1}
         if quick
-        else dict(S=1024, H=256, F=256, E=8 * world_size, K=2, iters=11)
+        else {"S": 1024, "H": 256, "F": 256, "E": 8 * world_size, "K": 2, "iters": 11}
     )
     report = launch(
         bench_rank,

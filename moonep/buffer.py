@@ -29,15 +29,14 @@ import torch
 
 import planner
 from collectives import Pending
+from moonep import _checks, replica_exchange
+from moonep._checks import Problem
+from moonep.agreement import agree_settings
+from moonep.comm_plan import CommPlan, DispatchLayout, StepRead
+from moonep.geometry import EPGeometry
+from moonep.layout import num_recv_rows, recv_layout, replica_maps, row_sources, send_layout
+from moonep.layout_cpu import HAS_NUMBA, send_layout_cpu
 from planner.tables import raise_error as raise_plan_error
-
-from . import _checks, replica_exchange
-from ._checks import Problem
-from .agreement import agree_settings
-from .comm_plan import CommPlan, DispatchLayout, StepRead
-from .geometry import EPGeometry
-from .layout import num_recv_rows, recv_layout, replica_maps, row_sources, send_layout
-from .layout_cpu import HAS_NUMBA, send_layout_cpu
 
 INT32_MAX = 2**31 - 1
 SAME_BUFFER = "every rank of the EP group must pass the same sizes, dtype, token_padding and balancing"

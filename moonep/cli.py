@@ -53,7 +53,7 @@ def parse_maxvios(text: str) -> list[float]:
 
 
 def handler(args: argparse.Namespace) -> int:
-    from . import bench  # heavy: torch; --help stays light
+    from moonep import bench  # heavy: torch; --help stays light
 
     try:
         if args.world_size < 1:
@@ -71,7 +71,7 @@ def handler(args: argparse.Namespace) -> int:
         f"ours | base; ours push/reduce ms"
     )
     for e in report["results"]:
-        stages = lambda who: "/".join(f"{e[f'{who}_{s}_s'] * 1e3:.1f}" for s in ("dispatch", "expert", "combine"))  # noqa: E731
+        stages = lambda who: "/".join(f"{e[f'{who}_{s}_s'] * 1e3:.1f}" for s in ("dispatch", "expert", "combine"))
         print(
             f"{e['maxvio']:>6g} {e['cap']:>6} {e['ours_max_rows']:>9} {e['baseline_max_rows']:>9} "
             f"{e['ours_slack']:>5.3f} {e['ours_replicas']:>6} {e['ours_layer_s'] * 1e3:>8.2f} "

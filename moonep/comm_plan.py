@@ -43,7 +43,7 @@ class StepRead:
     """[2*epn] this rank's padded segment ends."""
 
     @classmethod
-    def from_flat(cls, flat: list[int], R: int, epn: int) -> "StepRead":
+    def from_flat(cls, flat: list[int], R: int, epn: int) -> StepRead:
         """Cut the one read's flat list (``Buffer._read_step`` concatenates the parts in field order)."""
         sizes = (4 * R, 3, R * R, R * (R + 1), R, R, 2 * epn)
         parts, cut = [], 0

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
-from typing import Sequence
+from collections.abc import Sequence
 
 from moonep_base import build_parser as _build_parser
 from moonep_base import run

@@ -27,9 +27,8 @@ import time
 import torch
 
 import planner
+from moonep.experts import pools_of, push_replicas
 from planner.slack import copies_per_rank
-
-from .experts import pools_of, push_replicas
 
 
 def _sync(device: torch.device) -> None:
@@ -65,7 +64,7 @@ def _routing(tokens: int, E: int, hot: int, device) -> tuple[torch.Tensor, torch
 
 def _layer(comm, H: int, F: int, tokens: int, dtype: torch.dtype, device: torch.device):
     """(an exact-balance MoE layer with 2 experts per rank and top-2, this rank's tokens x [tokens, H])."""
-    from .moe import MoE  # heavy: the layer itself (moe does not import this module)
+    from moonep.moe import MoE  # heavy: the layer itself (moe does not import this module)
 
     layer = MoE(comm, H=H, F=F, E=2 * comm.world_size, K=2, S=tokens, dtype=dtype).to(device)
     x = torch.randn(tokens, H, generator=torch.Generator().manual_seed(comm.rank)).to(device, dtype)

@@ -27,10 +27,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .autograd import combine, dispatch
-from .buffer import Buffer
-from .comm_plan import CommPlan
-from .experts import grouped_experts, start_push
+from moonep.autograd import combine, dispatch
+from moonep.buffer import Buffer
+from moonep.comm_plan import CommPlan
+from moonep.experts import grouped_experts, start_push
 
 
 @dataclass(frozen=True)

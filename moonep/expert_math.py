@@ -13,13 +13,13 @@ both read through per-group views (no copies):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as Fn
 
-from .comm_plan import segments_of
+from moonep.comm_plan import segments_of
 
 
 def segments(cu: torch.Tensor) -> tuple[tuple[int, int, int], ...]:

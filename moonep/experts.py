@@ -24,18 +24,11 @@ import weakref
 
 import torch
 
-from .buffer import Buffer
-from .comm_plan import CommPlan
-from .expert_math import (
-    LAYOUTS,
-    GroupHook,
-    as_activation,
-    check_weights,
-    gated_backward,
-    gated_forward,
-)
+from moonep.buffer import Buffer
+from moonep.comm_plan import CommPlan
+from moonep.expert_math import LAYOUTS, GroupHook, as_activation, check_weights, gated_backward, gated_forward
 
-_POOLS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_POOLS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class ExpertPool:

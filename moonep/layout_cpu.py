@@ -13,9 +13,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from moonep.layout import SendLayout
 from planner._jit import HAS_NUMBA, njit
-
-from .layout import SendLayout
 
 
 @njit(cache=True)

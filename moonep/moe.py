@@ -9,19 +9,19 @@ with data-parallel grads as usual).
 from __future__ import annotations
 
 import itertools
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as Fn
 from torch import nn
 
-from .agreement import agree_settings, dtype_word, int_word
-from .autograd import dispatch
-from .buffer import Buffer
-from .ep_step import routed_experts
-from .geometry import EPGeometry
-from .parallel import check_not_replicated, mark_expert
-from .router import SigmoidTopKRouter
+from moonep.agreement import agree_settings, dtype_word, int_word
+from moonep.autograd import dispatch
+from moonep.buffer import Buffer
+from moonep.ep_step import routed_experts
+from moonep.geometry import EPGeometry
+from moonep.parallel import check_not_replicated, mark_expert
+from moonep.router import SigmoidTopKRouter
 
 _LAYER_IDS = itertools.count()
 

@@ -15,8 +15,7 @@ import math
 import torch
 
 from collectives import Pending
-
-from .comm_plan import CommPlan
+from moonep.comm_plan import CommPlan
 
 
 def push_start(comm, epn: int, plan: CommPlan, local_weights, prefetch_buffers) -> Pending:

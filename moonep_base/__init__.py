@@ -22,7 +22,8 @@ import argparse
 import json
 import os
 import sys
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from moonep_base.lazy import lazy_exports
 

@@ -10,7 +10,7 @@
 from __future__ import annotations
 
 import importlib
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
 
 Target = str | tuple[str, str]
 """Where a public name lives: ``"module"`` (the attribute of the same name) or ``("module", "attribute")``; a

@@ -5,11 +5,11 @@ share; ``verify`` re-derives every guarantee; ``rebalance_experts`` is the DeepS
 balancer. See ``planner/README.md`` for the theorem and its proof.
 """
 
-from .core import Plan, plan
-from .device import TensorPlan
-from .eplb import rebalance_experts
-from .slack import CostModel, row_bound
-from .verify import PlanVerificationError, verify
+from planner.core import Plan, plan
+from planner.device import TensorPlan
+from planner.eplb import rebalance_experts
+from planner.slack import CostModel, row_bound
+from planner.verify import PlanVerificationError, verify
 
 __all__ = [
     "CostModel",

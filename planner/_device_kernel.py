@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from numba import cuda
 
-from .device import NO_ERROR_POS, OVERFLOW
+from planner.device import NO_ERROR_POS, OVERFLOW
 
 # err[0] codes, as in planner._kernel (by value: compiling this file must not compile the CPU kernel)
 OK, NEGATIVE, CAPS_SUM, INFEASIBLE, TOO_MANY_REPLICAS, TOO_LARGE, EXPERT_TOO_LARGE = 0, 1, 2, 3, 4, 5, 7

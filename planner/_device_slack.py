@@ -13,7 +13,7 @@ import types
 
 from numba import cuda
 
-from . import slack
+from planner import slack
 
 _PASS = ("_slack_target", "_pick_receiver", "_slack_pairs", "slack_caps")
 

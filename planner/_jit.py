@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import hashlib
 import os
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 HAS_NUMBA = False
 if os.environ.get("MOONEP_PLANNER_NUMBA", "1") != "0":
@@ -18,7 +19,7 @@ if os.environ.get("MOONEP_PLANNER_NUMBA", "1") != "0":
         pass
 if not HAS_NUMBA:
 
-    def njit(*args, **kwargs):  # noqa: D103 - identity decorator
+    def njit(*args, **kwargs):
         return lambda f: f
 
 

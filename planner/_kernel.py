@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _inputs, _jit, _topology
-from ._inputs import INT32_MAX, TOPOLOGY_CANDIDATES
-from ._jit import HAS_NUMBA, njit, refresh_cache
+from planner import _inputs, _jit, _topology
+from planner._inputs import INT32_MAX, TOPOLOGY_CANDIDATES
+from planner._jit import HAS_NUMBA, njit, refresh_cache
 
 __all__ = ["HAS_NUMBA", "plan_arrays"]
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._jit import njit
+from planner._jit import njit
 
 
 @njit(cache=True)

@@ -10,18 +10,18 @@ import os
 import platform
 import time
 from collections import deque
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 from tqdm import tqdm
 
-from . import _kernel
-from .core import plan
-from .eplb import gpu_loads, rebalance_experts
-from .metrics import EXPERT_BYTES, ROW_BYTES, balance, internode, internode_bound, new_copies
-from .slack import CostModel
-from .synthetic import SYNTHETIC_LOADS, drifting_trace, router_counts, zipf_counts
-from .verify import verify
+from planner import _kernel
+from planner.core import plan
+from planner.eplb import gpu_loads, rebalance_experts
+from planner.metrics import EXPERT_BYTES, ROW_BYTES, balance, internode, internode_bound, new_copies
+from planner.slack import CostModel
+from planner.synthetic import SYNTHETIC_LOADS, drifting_trace, router_counts, zipf_counts
+from planner.verify import verify
 
 FULL_CASES = ((8, 256), (64, 896), (256, 4096), (1024, 16384))
 QUICK_CASES = ((8, 256), (64, 896))
@@ -53,7 +53,7 @@ def latency_case(R: int, E: int, K: int, S: int, skew: float, seed: int, quick: 
     plan_us, plan_min, plan_runs = median_us(lambda: recent.append(plan(T)), 0.3 if quick else 2.0)
     load = T.sum(0)[None, :]
     # same spare memory as the planner: every GPU holds epn own + epn replica slots, one node
-    eplb = lambda: rebalance_experts(load, E + R * epn, R, 1, R)  # noqa: E731
+    eplb = lambda: rebalance_experts(load, E + R * epn, R, 1, R)
     eplb_us, eplb_min, eplb_runs = median_us(eplb, 0.3 if quick else 3.0, min_runs=1 if quick else 3, max_runs=50)
     phy2log, _, logcnt = eplb()
     loads = gpu_loads(load, phy2log, logcnt, R)[0]
@@ -178,7 +178,7 @@ def topology_section(
 
 
 SLACKS = (0.0, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5)
-K3_COST = dict(H=7168, F=2048, weight_bytes=2, flops=400e12, bandwidth=50e9)
+K3_COST = {"H": 7168, "F": 2048, "weight_bytes": 2, "flops": 400e12, "bandwidth": 50e9}
 """A K3-like expert (bf16, H=7168, F=2048) on an H200-class GPU: 400 TFLOP/s achieved, 50 GB/s per GPU across
 nodes (what an expert copy and its gradient cross). The prices ``CostModel.from_shape`` derives from them."""
 

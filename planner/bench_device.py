@@ -14,8 +14,8 @@ import time
 
 import numpy as np
 
-from .core import plan
-from .synthetic import router_counts
+from planner.core import plan
+from planner.synthetic import router_counts
 
 FIELDS = ("alloc", "donor", "experts_to_copy", "send_counts", "cu_seqlens", "flows")
 SHAPES = ((64, 896, 16, 4096), (32, 256, 8, 4096), (8, 64, 8, 1024))

@@ -55,7 +55,7 @@ def _load_counts(args):
     """[R, E] counts from --load or --synthetic; ValueError with the reason otherwise."""
     import numpy as np  # heavy: numpy; --help stays light
 
-    from .synthetic import synthetic_counts  # heavy: numba kernels
+    from planner.synthetic import synthetic_counts  # heavy: numba kernels
 
     if args.load:
         with open(args.load) as f:
@@ -83,8 +83,10 @@ def plan_command(args: argparse.Namespace) -> int:
     """Plan, print a per-rank table, optionally write JSON and a bar chart. Exit code 0, 2 on bad input."""
     import numpy as np  # heavy: numpy; --help stays light
 
-    from .core import plan  # heavy: numba kernels
-    from .metrics import balance, home_loads, internode, min_migration, unplanned_internode_rows  # heavy: numba kernels
+    from planner.core import plan  # heavy: numba kernels
+
+    # heavy: numba kernels
+    from planner.metrics import balance, home_loads, internode, min_migration, unplanned_internode_rows
 
     try:
         T = _load_counts(args)
@@ -160,7 +162,7 @@ def _plot(path: str, before, after) -> None:
 
 def bench_command(args: argparse.Namespace) -> int:
     """Run the planner benchmark, print tables, write JSON."""
-    from .bench import format_report, run  # heavy: numba kernels
+    from planner.bench import format_report, run  # heavy: numba kernels
 
     result = run(quick=args.quick, seed=args.seed)
     print(format_report(result))
@@ -171,7 +173,7 @@ def bench_command(args: argparse.Namespace) -> int:
 
 def device_bench_command(args: argparse.Namespace) -> int:
     """Time the device planner, print a table, write JSON; exit 2 when the device is not there."""
-    from .bench_device import format_report, run  # heavy: torch and the numba kernels
+    from planner.bench_device import format_report, run  # heavy: torch and the numba kernels
 
     try:
         result = run(args.device, quick=args.quick)

@@ -12,10 +12,10 @@ from typing import Any
 
 import numpy as np
 
-from ._inputs import as_counts, check_shape, is_tensor, positive_int, topology_nodes
-from .device import host_plan, plan_tensor
-from .slack import CostModel, check_options
-from .tables import Plan, make_plan, raise_error
+from planner._inputs import as_counts, check_shape, is_tensor, positive_int, topology_nodes
+from planner.device import host_plan, plan_tensor
+from planner.slack import CostModel, check_options
+from planner.tables import Plan, make_plan, raise_error
 
 
 def plan(

@@ -21,9 +21,9 @@ from typing import Any
 
 import numpy as np
 
-from . import _kernel
-from .slack import CostModel, copies_per_rank, slack_caps, slack_num
-from .tables import PlanShape, make_plan, raise_error
+from planner import _kernel
+from planner.slack import CostModel, copies_per_rank, slack_caps, slack_num
+from planner.tables import PlanShape, make_plan, raise_error
 
 INT64_MAX = 2**63 - 1
 OVERFLOW = 6
@@ -157,10 +157,10 @@ def _device_slack(T, slack, prev_donor, prev_copy, slots: int, threads: int):
     """The slack pass on T's CUDA device -> (caps [R], sticky hint [R], prev_copy [R, slots]) as tensors."""
     import torch  # heavy: torch, only for tensor input
 
-    from ._device_slack import slack_kernel  # optional: numba-cuda, compiled on first launch
+    from planner._device_slack import slack_kernel  # optional: numba-cuda, compiled on first launch
 
     R, dev = T.shape[0], T.device
-    i64 = dict(dtype=torch.int64, device=dev)
+    i64 = {"dtype": torch.int64, "device": dev}
     sticky = prev_donor is not None
     if not sticky:
         prev_donor, prev_copy = torch.full((R,), -1, **i64), torch.full((R, slots), -1, **i64)
@@ -312,12 +312,12 @@ def _run_device_kernel(T, caps, slots: int, pad: int, prev_donor, prev_copy, thr
     """Launch ``plan_kernel`` on T's device (CUDA, or the CPU under numba's CUDA simulator)."""
     import torch  # heavy: torch, only for tensor input
 
-    from ._device_kernel import plan_kernel  # optional: compiles for numba's CUDA target on first launch
+    from planner._device_kernel import plan_kernel  # optional: compiles for numba's CUDA target on first launch
 
     R, E = T.shape
     dev = T.device
     out = _empty_tables(torch, dev, R, E, slots, pad, fill=True)
-    i64 = dict(dtype=torch.int64, device=dev)
+    i64 = {"dtype": torch.int64, "device": dev}
     sticky = prev_donor is not None
     if not sticky:
         prev_donor, prev_copy = torch.full((R,), -1, **i64), torch.full((R, slots), -1, **i64)

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from ._inputs import is_tensor, positive_int, to_numpy
+from planner._inputs import is_tensor, positive_int, to_numpy
 
 
 def _torch():

@@ -11,8 +11,8 @@ from typing import Any
 
 import numpy as np
 
-from ._inputs import WEIGHT_ROWS, as_counts, caps_for, check_shape
-from .tables import Plan
+from planner._inputs import WEIGHT_ROWS, as_counts, caps_for, check_shape
+from planner.tables import Plan
 
 ROW_BYTES = 7168 * 2
 """bytes of one routed row (H = 7168, bf16)."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._inputs import INT32_MAX, TOPOLOGY_CANDIDATES, default_caps, expert_total_message
+from planner._inputs import INT32_MAX, TOPOLOGY_CANDIDATES, default_caps, expert_total_message
 
 
 def _pairs(bal: list[int], caps: list[int], prev_donor, node, num_nodes: int, topo_args):

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from ._jit import njit
+from planner._jit import njit
 
 SLACK_DEN = 1 << 16
 """σ is applied as num / SLACK_DEN (num = floor(σ * SLACK_DEN)): integer arithmetic, same on host and device."""
@@ -78,7 +78,7 @@ class CostModel:
             raise ValueError(f"CostModel.candidates must be an int >= 2, got {self.candidates!r}")
 
     @classmethod
-    def from_shape(cls, *, H: int, F: int, weight_bytes: int, flops: float, bandwidth: float, **kwargs) -> "CostModel":
+    def from_shape(cls, *, H: int, F: int, weight_bytes: int, flops: float, bandwidth: float, **kwargs) -> CostModel:
         """A gated MLP expert (three H x F projections): a row costs 18*H*F flops forward and backward; a copy
         moves its weights (``weight_bytes`` each) forward and fp32 grads back at ``bandwidth`` bytes/s."""
         if min(H, F, weight_bytes) < 1 or not flops > 0 or not bandwidth > 0:

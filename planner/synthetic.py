@@ -6,7 +6,7 @@ groups differ in load and the planner has work to do. All generators are seeded 
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 

@@ -13,8 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from . import _kernel
-from ._inputs import expert_total_message, to_numpy
+from planner import _kernel
+from planner._inputs import expert_total_message, to_numpy
 
 
 class PlanShape:

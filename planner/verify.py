@@ -10,9 +10,9 @@ from typing import Any
 
 import numpy as np
 
-from ._inputs import as_counts
-from .slack import row_bound
-from .tables import Plan
+from planner._inputs import as_counts
+from planner.slack import row_bound
+from planner.tables import Plan
 
 
 class PlanVerificationError(AssertionError):

@@ -79,7 +79,7 @@ class CalibrationSizes:
             )
 
     @classmethod
-    def from_model(cls, model, seq_len: int | None = None, micro_batch: int = 1) -> "CalibrationSizes":
+    def from_model(cls, model, seq_len: int | None = None, micro_batch: int = 1) -> CalibrationSizes:
         """Sizes of ``model`` (anything ``load_model`` takes) at ``micro_batch`` sequences of ``seq_len``."""
         spec = load_model(model)
         seq = seq_len or spec.seq_len

@@ -182,7 +182,7 @@ def effective_cores(comm, sizes: CalibrationSizes, rounds: int) -> float:
         blocks(x).sum().backward()
 
     count = _agreed_count(comm, step, PROBE_SECONDS, 1)  # every rank does the same work
-    work = lambda: [step() for _ in range(count)]  # noqa: E731
+    work = lambda: [step() for _ in range(count)]
     ratios = []
     for _ in range(rounds):
         comm.barrier()
@@ -221,7 +221,7 @@ def op_costs(sizes: CalibrationSizes, timer) -> dict:
 def calibrate_host(m: dict) -> dict:
     """The ``host`` block of a CPU profile (fields of ``hardware.HostSpec``) from ``measure_in_group``'s (or a
     one-rank ``calibrate``'s) measurements."""
-    per_mb = lambda key: max(0.0, m.get(f"{key}_big", 0.0) - m.get(f"{key}_small", 0.0)) / (BIG / 1e6)  # noqa: E731
+    per_mb = lambda key: max(0.0, m.get(f"{key}_big", 0.0) - m.get(f"{key}_small", 0.0)) / (BIG / 1e6)
     (tf, tb, tn), (af, ab, _) = m["ops_tiny"], m["ops_act"]
     sizes = m["sizes"]
     return {

@@ -245,7 +245,7 @@ class HardwareSpec:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict, base: "HardwareSpec | None" = None) -> "HardwareSpec":
+    def from_dict(cls, data: dict, base: HardwareSpec | None = None) -> HardwareSpec:
         """A spec from a dict; with ``base``, the dict overrides only the fields it names."""
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)

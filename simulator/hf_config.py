@@ -5,7 +5,8 @@ a missing or ill-typed one named."""
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from simulator.modelspec import MAX_SIZE, ModelSpec
 

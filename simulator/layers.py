@@ -77,18 +77,18 @@ def _attention(spec: ModelSpec, kind: str) -> dict:
         p = nh * d
         mat = 4 * h * p + p * h + h * d + d * p + h * nh  # q, k, v, g, o, f_a, f_b, beta
         vec = 3 * p * spec.kda_conv + p + nh + d
-        return dict(
-            mat=mat,
-            vec=vec,
-            core=0.0,
-            kda=nh * (6 * d * d + 2 * KDA_CHUNK * 2 * d),
-            par=20 * p + 2 * d,
-            fn=8 * p,
-            s2=0.0,
-            kv=0.0,
-            cp_kv=0.0,
-            state=nh * d * 2 * d * 4,
-        )
+        return {
+            "mat": mat,
+            "vec": vec,
+            "core": 0.0,
+            "kda": nh * (6 * d * d + 2 * KDA_CHUNK * 2 * d),
+            "par": 20 * p + 2 * d,
+            "fn": 8 * p,
+            "s2": 0.0,
+            "kv": 0.0,
+            "cp_kv": 0.0,
+            "state": nh * d * 2 * d * 4,
+        }
     nh = spec.num_heads
     if kind == "mla":
         dqk, dv = spec.qk_nope_dim + spec.qk_rope_dim, spec.v_head_dim
@@ -111,9 +111,18 @@ def _attention(spec: ModelSpec, kind: str) -> dict:
     s2 = nh * (5 if spec.dropout else 2)  # softmax out (2) [+ dropout mask (1) + dropout out (2)]
     cp_kv = 2 * nh * (dqk + dv) if kind == "mla" else 2 * 2 * spec.kv_heads * dqk
     del qkv_width
-    return dict(
-        mat=mat, vec=vec, core=2.0 * nh * (dqk + dv), kda=0.0, par=par, fn=0.0, s2=s2, kv=kv, cp_kv=cp_kv, state=0.0
-    )
+    return {
+        "mat": mat,
+        "vec": vec,
+        "core": 2.0 * nh * (dqk + dv),
+        "kda": 0.0,
+        "par": par,
+        "fn": 0.0,
+        "s2": s2,
+        "kv": kv,
+        "cp_kv": cp_kv,
+        "state": 0.0,
+    }
 
 
 def _ffn(spec: ModelSpec, kind: str) -> dict:
@@ -123,7 +132,17 @@ def _ffn(spec: ModelSpec, kind: str) -> dict:
         mat = (3 if spec.gated_ffn else 2) * h * f
         vec = (f + h) if spec.bias else 0
         par = (6 if spec.gated_ffn else 4) * f
-        return dict(mat=mat, vec=vec, experts=0, active_experts=0, grouped=0.0, par=par, fn=2 * f, dim=0, eb=0)
+        return {
+            "mat": mat,
+            "vec": vec,
+            "experts": 0,
+            "active_experts": 0,
+            "grouped": 0.0,
+            "par": par,
+            "fn": 2 * f,
+            "dim": 0,
+            "eb": 0,
+        }
     e, k, fe = spec.num_experts, spec.top_k, spec.moe_ffn_hidden
     de = spec.moe_latent_dim or h
     one = 3 * de * fe
@@ -133,17 +152,17 @@ def _ffn(spec: ModelSpec, kind: str) -> dict:
     routed = k * (2 * de + 4 * fe + 2 * fe + 2 * de)
     latent = 6 * spec.moe_latent_dim if spec.moe_latent_dim else 0
     par = 4 * e + latent + routed + 6 * fs
-    return dict(
-        mat=mat,
-        vec=vec,
-        experts=e * one,
-        active_experts=k * one,
-        grouped=2.0 * k * one,
-        par=par,
-        fn=k * 2 * fe + 2 * fs,
-        dim=de,
-        eb=2 * one,
-    )
+    return {
+        "mat": mat,
+        "vec": vec,
+        "experts": e * one,
+        "active_experts": k * one,
+        "grouped": 2.0 * k * one,
+        "par": par,
+        "fn": k * 2 * fe + 2 * fs,
+        "dim": de,
+        "eb": 2 * one,
+    }
 
 
 def _modules(spec: ModelSpec, kind: tuple[str, str], a: dict, f: dict) -> tuple:

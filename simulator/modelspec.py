@@ -169,7 +169,7 @@ class ModelSpec:
         return d
 
     @classmethod
-    def from_dict(cls, data: dict) -> "ModelSpec":
+    def from_dict(cls, data: dict) -> ModelSpec:
         """A spec from a JSON object; a missing, unknown or ill-typed field is a ``ValueError`` naming it."""
         if not isinstance(data, dict):
             raise ValueError(f"a ModelSpec JSON holds one object, got {type(data).__name__}")
@@ -191,7 +191,7 @@ class ModelSpec:
 _TYPES = {"int": int, "bool": bool, "str": str, "tuple[int, ...]": tuple}
 
 
-def _check_field_types(spec: "ModelSpec") -> None:
+def _check_field_types(spec: ModelSpec) -> None:
     """Each field has its annotated type (``bool`` is not an ``int``) and integer sizes are >= 0."""
     for f in fields(spec):
         v, want = getattr(spec, f.name), _TYPES[f.type]

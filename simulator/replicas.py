@@ -29,7 +29,7 @@ def replicas_per_rank(spec: ModelSpec, par: ParallelConfig) -> int:
 def replica_model() -> str:
     """``planner`` when replica traffic is priced by ``planner.plan``, else ``closed-form``."""
     try:
-        import planner  # noqa: F401  # optional: planner (numba, ~0.3 s); the closed-form bound without it
+        import planner  # optional: planner (numba, ~0.3 s); the closed-form bound without it
     except ImportError:
         return "closed-form"
     return "planner"

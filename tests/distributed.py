@@ -8,7 +8,7 @@ the pytest side asserts on rank 0's copy for every rank.
 from __future__ import annotations
 
 import traceback
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

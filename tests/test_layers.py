@@ -123,9 +123,11 @@ def test_the_checker_sees_function_level_and_relative_imports(tmp_path):
 
 def test_table_covers_every_shipped_package():
     """A new top-level package needs its row here (and in ARCHITECTURE.md) before it ships."""
-    # the one `include = [...]` line of [tool.setuptools.packages.find], read without tomllib (Python >= 3.11)
+    # the `include = [...]` line of [tool.setuptools.packages.find], read without tomllib (Python >= 3.11)
     with open(os.path.join(ROOT, "pyproject.toml")) as f:
-        (line,) = [row for row in f if row.startswith("include = [")]
+        text = f.read()
+    section = text.split("[tool.setuptools.packages.find]", 1)[1].split("\n[", 1)[0]
+    (line,) = [row for row in section.splitlines() if row.startswith("include = [")]
     include = re.findall(r'"([^"]+)"', line.split("#", 1)[0])
     assert include, line
     shipped = {

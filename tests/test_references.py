@@ -55,7 +55,7 @@ def test_architecture_names_modules_that_exist():
     with open(os.path.join(ROOT, "ARCHITECTURE.md"), encoding="utf-8") as f:
         text = f.read()
     packages = ("collectives", "planner", "cp_kda", "moonep", "k3", "simulator", "tools", "moonep_base")
-    cited = set(re.findall(r"`((?:%s)\.\w+)" % "|".join(packages), text))
+    cited = set(re.findall(r"`((?:{})\.\w+)".format("|".join(packages)), text))
     import sys
 
     sys.path.insert(0, ROOT)

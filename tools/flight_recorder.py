@@ -85,7 +85,7 @@ def load_dump(path: str) -> dict:
             doc = unpickler.load()
         except TraceFormatError:
             raise
-        except Exception as exc:  # noqa: BLE001 - any damage in an untrusted pickle is one line, not a traceback
+        except Exception as exc:
             raise TraceFormatError(f"{path}: damaged or truncated pickle ({type(exc).__name__})") from None
     else:
         try:
@@ -317,7 +317,7 @@ def _traces(run, matched, step_of) -> dict[int, RankTrace]:
 def _late(run, matched, step_of, th: Thresholds) -> list[Finding]:
     """Per step, the seconds each rank kept its peers waiting as the last to arrive; a rank far above its peers
     for many steps in a row (the per-rank recipe of ``tools.detect``) is ``late_arrival``."""
-    steps = sorted({s for s in step_of.values()})
+    steps = sorted(set(step_of.values()))
     ranks = sorted(run.calls)
     if len(steps) < th.min_evidence_steps or len(ranks) < 2:
         return []

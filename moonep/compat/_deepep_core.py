@@ -46,11 +46,11 @@ class EventOverlap:
         if release_handle:
             self.event = None
 
-    def __call__(self, release_handle: bool = False) -> "EventOverlap":
+    def __call__(self, release_handle: bool = False) -> EventOverlap:
         self._release = release_handle
         return self
 
-    def __enter__(self) -> "EventOverlap":
+    def __enter__(self) -> EventOverlap:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._deepep_core import (
+from moonep.compat._deepep_core import (
     EventHandle,
     EventOverlap,
     Route,
@@ -41,7 +41,7 @@ from ._deepep_core import (
     plan_route,
     split_fp8,
 )
-from ._group import as_communicator
+from moonep.compat._group import as_communicator
 
 topk_idx_t = torch.int64
 """dtype of ``topk_idx`` (as ``deep_ep.topk_idx_t``)."""
@@ -300,7 +300,8 @@ def _pad_rows(tensors: list, rows: int, fills: tuple) -> list:
 def __getattr__(name: str):
     """``ElasticBuffer`` and ``EPHandle`` live in ``deepep_v2``; reachable here as in ``deep_ep`` 2.x."""
     if name in ("ElasticBuffer", "EPHandle"):
-        from . import deepep_v2  # heavy: only when the V2 names are asked for (deepep_v2 imports this module)
+        # heavy: only when the V2 names are asked for (deepep_v2 imports this module)
+        from moonep.compat import deepep_v2
 
         return getattr(deepep_v2, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

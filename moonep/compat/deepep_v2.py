@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import torch
 
-from ._deepep_core import (
+from moonep.compat._deepep_core import (
     EventHandle,
     EventOverlap,
     Route,
@@ -44,8 +44,8 @@ from ._deepep_core import (
     plan_route,
     split_fp8,
 )
-from ._group import as_communicator
-from .deepep import Buffer
+from moonep.compat._group import as_communicator
+from moonep.compat.deepep import Buffer
 
 __all__ = ["ElasticBuffer", "EPHandle", "EventHandle", "EventOverlap"]
 

@@ -33,11 +33,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .._checks import raise_agreed
-from ..buffer import Buffer
-from ..ep_step import ep_combine, ep_dispatch
-from ..experts import ensure_replicas, pool_for, repush_guard
-from ._group import as_communicator
+from moonep._checks import raise_agreed
+from moonep.buffer import Buffer
+from moonep.compat._group import as_communicator
+from moonep.ep_step import ep_combine, ep_dispatch
+from moonep.experts import ensure_replicas, pool_for, repush_guard
 
 PROBLEMS = {
     1: "hidden_states must be a tensor whose last dimension is config.hidden_size",
@@ -220,7 +220,7 @@ class MoonEPTokenDispatcher:
         A shared Buffer (``buffer=``) is never replaced: too many tokens, another dtype or device is refused by
         its dispatch on every rank."""
         b, need = self.buffer, self.max_tokens or s_max
-        if b is not None and (not self._owns_buffer or (b.dtype == dtype and b.S >= need and b.device == device)):
+        if b is not None and (not self._owns_buffer or (b.dtype == dtype and need <= b.S and b.device == device)):
             return
         S = self.max_tokens or max(s_max, 1, 0 if b is None else b.S)
         self.buffer = Buffer(

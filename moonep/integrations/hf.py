@@ -22,10 +22,10 @@ import types
 import torch
 from torch import nn
 
-from ..buffer import Buffer
-from ..ep_step import routed_experts
-from ..expert_math import SWIGLU, GatedActivation
-from ..parallel import check_not_replicated, mark_expert
+from moonep.buffer import Buffer
+from moonep.ep_step import routed_experts
+from moonep.expert_math import SWIGLU, GatedActivation
+from moonep.parallel import check_not_replicated, mark_expert
 
 FUSED = ("gate_up_proj", "down_proj")
 """The 5.x experts module's parameter names (kept by ``EPExperts``, so state-dict keys do not change)."""

@@ -38,9 +38,9 @@ from torchtitan.config import Configurable
 from torchtitan.models.common.moe import GroupedExperts, RoutedExperts
 from torchtitan.protocols.module import Module
 
-from ..buffer import Buffer
-from ..ep_step import EPRows, ep_combine, ep_dispatch, ep_experts
-from ..parallel import check_not_replicated, mark_expert
+from moonep.buffer import Buffer
+from moonep.ep_step import EPRows, ep_combine, ep_dispatch, ep_experts
+from moonep.parallel import check_not_replicated, mark_expert
 
 WEIGHTS = ("w1_EFD", "w3_EFD", "w2_EDF")
 """torchtitan's expert parameter names, in moonep's "linear" layout order (gate, up, down)."""

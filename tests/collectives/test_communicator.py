@@ -15,7 +15,7 @@ from tests.collectives.conftest import needs_mpi
 JOBS = [("torch", n) for n in (1, 2, 3, 4)] + [("mpi", n) for n in (1, 2, 3, 4)]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def job(backend: str, world_size: int) -> dict:
     return launch(battery.run_battery, world_size, backend=backend, timeout=30, job_timeout=240)
 

@@ -49,7 +49,7 @@ def test_link_delay_slows_only_the_sender(tmp_path, monkeypatch):
         records = read_trace(tmp_path / f"rank{rank}.jsonl")
         a2a = [r for r in records if r["op"] == "all_to_all_single"]
         assert [r["step"] for r in a2a] == [0, 1, 2, 3]
-        own[rank] = [r for r in a2a]
+        own[rank] = list(a2a)
         event = records[-1]
         assert event["op"] == "forward" and event["layer"] == "moe" and event["step"] == 3
     # Rank 1 enters on time but spends the delay inside its op; everyone exits late because of it.

@@ -6,8 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cp_kda import kda_chunk, kda_recurrent
-
-from .helpers import loss_grads, make_inputs, max_abs, rel_rms
+from tests.cp_kda.helpers import loss_grads, make_inputs, max_abs, rel_rms
 
 FP64_CASES = [  # B, T, H, K, V, chunk, lower_bound
     (1, 64, 1, 16, 16, 64, None),

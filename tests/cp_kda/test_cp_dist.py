@@ -8,8 +8,7 @@ import torch
 
 from collectives import launch
 from cp_kda import context_parallel_kda, context_parallel_short_conv, kda_recurrent, short_conv
-
-from .helpers import loss_grads, make_inputs, max_abs, rel_rms
+from tests.cp_kda.helpers import loss_grads, make_inputs, max_abs, rel_rms
 
 T = 48
 H, K, V = 2, 6, 5

@@ -6,8 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cp_kda import kda_gate, kda_gate_naive, short_conv, short_conv_naive
-
-from .helpers import max_abs
+from tests.cp_kda.helpers import max_abs
 
 
 def _gate_inputs(with_A=True, with_bias=True, seed=0):

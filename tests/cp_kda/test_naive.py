@@ -3,8 +3,7 @@
 import torch
 
 from cp_kda import kda_recurrent
-
-from .helpers import make_inputs, max_abs
+from tests.cp_kda.helpers import make_inputs, max_abs
 
 
 def _dplr_reference(q, k, v, g, beta, scale, h0):

@@ -7,8 +7,7 @@ from hypothesis import strategies as st
 
 from cp_kda import fold, kda_chunk, kda_recurrent, plan_rank, plan_ranks, reverse_fold, simulate_context_parallel
 from cp_kda.transfer import transfer_map
-
-from .helpers import loss_grads, make_inputs, max_abs
+from tests.cp_kda.helpers import loss_grads, make_inputs, max_abs
 
 
 def test_plan_matches_fla_example():

@@ -4,8 +4,7 @@ import pytest
 import torch
 
 from cp_kda import context_parallel_kda, kda_chunk, kda_recurrent
-
-from .helpers import make_inputs
+from tests.cp_kda.helpers import make_inputs
 
 OPS = [kda_recurrent, kda_chunk]
 

@@ -20,7 +20,15 @@ from collectives import LaunchError, launch
 from k3 import checkpoint as ck
 from k3.train import TrainConfig, _start, prepare_run
 
-SMALL = dict(steps=1, val_every=1000, ckpt_every=0, progress=False, max_data_bytes=1 << 20, warmup=2, world_size=1)
+SMALL = {
+    "steps": 1,
+    "val_every": 1000,
+    "ckpt_every": 0,
+    "progress": False,
+    "max_data_bytes": 1 << 20,
+    "warmup": 2,
+    "world_size": 1,
+}
 
 
 @pytest.fixture(scope="module")
@@ -132,13 +140,13 @@ def test_intact_checkpoint_restores_every_tensor(saved, tmp_path, comm1):
 @pytest.mark.parametrize(
     "change, words",
     [
-        (dict(optimizer="adamw"), "optimizer 'muon' in the checkpoint, 'adamw' now"),
-        (dict(seed=1), "seed 0 in the checkpoint, 1 now"),
-        (dict(balance="none"), "balance 'qb' in the checkpoint, 'none' now"),
-        (dict(cp=2, world_size=2), "cp 1 in the checkpoint, 2 now"),
-        (dict(world_size=2), "world_size 1 in the checkpoint, 2 now"),
-        (dict(preset="small"), "preset 'tiny' in the checkpoint, 'small' now"),
-        (dict(schedule_steps=50), "schedule_steps 1 in the checkpoint, 50 now"),
+        ({"optimizer": "adamw"}, "optimizer 'muon' in the checkpoint, 'adamw' now"),
+        ({"seed": 1}, "seed 0 in the checkpoint, 1 now"),
+        ({"balance": "none"}, "balance 'qb' in the checkpoint, 'none' now"),
+        ({"cp": 2, "world_size": 2}, "cp 1 in the checkpoint, 2 now"),
+        ({"world_size": 2}, "world_size 1 in the checkpoint, 2 now"),
+        ({"preset": "small"}, "preset 'tiny' in the checkpoint, 'small' now"),
+        ({"schedule_steps": 50}, "schedule_steps 1 in the checkpoint, 50 now"),
     ],
 )
 def test_changed_flags_on_resume_are_named(saved, change, words):

@@ -16,15 +16,15 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 def _cfg(tmp_path, name: str, **kw) -> TrainConfig:
-    base = dict(
-        world_size=1,
-        steps=3,
-        val_every=2,
-        ckpt_every=0,
-        progress=False,
-        max_data_bytes=SMALL_DATA,
-        run_dir=str(tmp_path / name),
-    )
+    base = {
+        "world_size": 1,
+        "steps": 3,
+        "val_every": 2,
+        "ckpt_every": 0,
+        "progress": False,
+        "max_data_bytes": SMALL_DATA,
+        "run_dir": str(tmp_path / name),
+    }
     return TrainConfig(**{**base, **kw})
 
 

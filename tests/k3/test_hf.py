@@ -50,7 +50,7 @@ def _write(model, path, *, mxfp4=True, n_shards=3):
         file = f"model-{s + 1:05d}-of-{n_shards:05d}.safetensors"
         part = {k: tensors[k].contiguous() for k in keys[s::n_shards]}
         save_file(part, str(path / file))
-        weight_map.update({k: file for k in part})
+        weight_map.update(dict.fromkeys(part, file))
     (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
 
 

@@ -36,7 +36,7 @@ def _save(folder, tensors: dict[str, torch.Tensor], weight_map: dict[str, str] |
     for f in os.listdir(folder):
         os.remove(folder / f)
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / SINGLE))
-    index = {"metadata": {}, "weight_map": {k: SINGLE for k in tensors} | (weight_map or {})}
+    index = {"metadata": {}, "weight_map": dict.fromkeys(tensors, SINGLE) | (weight_map or {})}
     (folder / "model.safetensors.index.json").write_text(json.dumps(index))
 
 
@@ -174,5 +174,5 @@ def test_index_pointing_outside_its_folder_is_never_followed(source, tmp_path, e
     if escape == "SYMLINK":
         os.symlink(elsewhere / "x.safetensors", folder / "link.safetensors")
     where = target.get(escape, "link.safetensors")
-    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {k: where for k in tensors}}))
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": dict.fromkeys(tensors, where)}))
     _refused(folder, f"points to {where!r}, outside", "never followed")

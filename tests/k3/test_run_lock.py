@@ -34,7 +34,15 @@ def text(tmp_path_factory) -> str:
 
 
 def _tc(run_dir: str, text: str, **kw) -> TrainConfig:
-    base = dict(steps=1, world_size=1, val_every=1000, ckpt_every=0, progress=False, data=text, run_dir=run_dir)
+    base = {
+        "steps": 1,
+        "world_size": 1,
+        "val_every": 1000,
+        "ckpt_every": 0,
+        "progress": False,
+        "data": text,
+        "run_dir": run_dir,
+    }
     return TrainConfig(**{**base, **kw})
 
 

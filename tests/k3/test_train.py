@@ -14,9 +14,14 @@ SMALL_DATA = 1 << 20  # 1 MB of stdlib text is plenty for a few steps and loads 
 
 
 def _cfg(tmp_path, name: str, **kw) -> TrainConfig:
-    base = dict(
-        steps=5, val_every=1000, ckpt_every=0, progress=False, max_data_bytes=SMALL_DATA, run_dir=str(tmp_path / name)
-    )
+    base = {
+        "steps": 5,
+        "val_every": 1000,
+        "ckpt_every": 0,
+        "progress": False,
+        "max_data_bytes": SMALL_DATA,
+        "run_dir": str(tmp_path / name),
+    }
     base.update(kw)
     return TrainConfig(**base)
 

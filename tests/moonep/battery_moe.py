@@ -15,8 +15,7 @@ import moonep
 from moonep.buffer import Buffer
 from moonep.moe import SharedExpert, SigmoidTopKRouter
 from moonep.reference import dense_moe
-
-from .battery import num_experts, routing
+from tests.moonep.battery import num_experts, routing
 
 H, F, S = 8, 4, 8
 

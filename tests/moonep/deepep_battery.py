@@ -90,13 +90,25 @@ def v1_dispatch_cases(comm) -> str | None:
     for kind, x in (("rand", x_rand), ("rank", x_rank), ("fp8", to_fp8(x_rank))):
         for with_topk in (False, True):
             for previous in (False, True):
-                case = dict(x=x, num_tokens_per_rank=n_rank, is_token_in_rank=in_rank, num_tokens_per_expert=n_expert)
+                case = {
+                    "x": x,
+                    "num_tokens_per_rank": n_rank,
+                    "is_token_in_rank": in_rank,
+                    "num_tokens_per_expert": n_expert,
+                }
                 case.update(config=config, async_finish=previous)
                 if with_topk:
                     case.update(topk_idx=idx, topk_weights=w_rand if kind == "rand" else w_rank)
                 if previous:
                     case["previous_event"] = buf.capture()
-                ctx = dict(buf=buf, r=r, kind=kind, x=x_rand if kind == "rand" else x_rank, idx=idx, in_rank=in_rank)
+                ctx = {
+                    "buf": buf,
+                    "r": r,
+                    "kind": kind,
+                    "x": x_rand if kind == "rand" else x_rank,
+                    "idx": idx,
+                    "in_rank": in_rank,
+                }
                 ctx.update(g_rank=g_rank, g_expert=g_expert, w=case.get("topk_weights"), previous=previous)
                 problem = _v1_case(case, ctx)
                 if problem:
@@ -234,7 +246,7 @@ def v1_layout_and_round_trip(comm) -> str | None:
     return None if torch.allclose(out, want, atol=1e-5) else "weighted expert round trip wrong"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def job(world_size: int) -> dict:
     return launch(_battery, world_size, timeout=30, job_timeout=240)
 

@@ -13,7 +13,7 @@ from collectives import launch
 
 
 def _buffer_rank(comm, case: str) -> str:
-    kw = dict(S=8, H=4, K=2, E=2 * comm.world_size)
+    kw = {"S": 8, "H": 4, "K": 2, "E": 2 * comm.world_size}
     if comm.rank == 1:
         if case == "K":
             kw["K"] = 1

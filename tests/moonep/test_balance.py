@@ -170,9 +170,9 @@ def test_one_rank_prices_rows_and_no_copy():
 @pytest.mark.parametrize(
     "kwargs, words",
     [
-        (dict(slack=-1.0), "slack must be in"),
-        (dict(cost="cheap"), "cost must be a planner.CostModel"),
-        (dict(slack=0.1, cost=planner.CostModel(row_seconds=1, copy_seconds=1)), "not both"),
+        ({"slack": -1.0}, "slack must be in"),
+        ({"cost": "cheap"}, "cost must be a planner.CostModel"),
+        ({"slack": 0.1, "cost": planner.CostModel(row_seconds=1, copy_seconds=1)}, "not both"),
     ],
 )
 def test_bad_balance_options_are_named(kwargs, words):

@@ -100,7 +100,7 @@ def _job(comm) -> dict:
     return run_checks(comm, {k: functools.partial(check_step, comm, *v) for k, v in cases.items()})
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _results() -> dict:
     return launch(_job, 2, backend="torch", timeout=30, job_timeout=180)
 

@@ -23,7 +23,13 @@ TOL = 1e-5
 
 def _configs() -> dict:
     """Tiny configs of four families on the 5.x seam: 8 experts, top-2, 2 layers (DeepSeek: 1 dense + 1 MoE)."""
-    common = dict(vocab_size=V, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=2)
+    common = {
+        "vocab_size": V,
+        "hidden_size": 16,
+        "intermediate_size": 24,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+    }
     common.update(max_position_embeddings=64, tie_word_embeddings=False)
     return {
         "qwen3_moe": transformers.Qwen3MoeConfig(
@@ -116,7 +122,7 @@ def _family_errors(comm, cfg) -> dict[str, float]:
         float((saved[k] - v).abs().max()) if saved[k].shape == v.shape else 1.0 for k, v in original.items()
     )
     prompt = _batch(r)[:, :3]
-    kw = dict(max_new_tokens=2 + r, do_sample=False, pad_token_id=0)  # rank r is done after 2 + r tokens
+    kw = {"max_new_tokens": 2 + r, "do_sample": False, "pad_token_id": 0}  # rank r is done after 2 + r tokens
     got, want = model.generate(prompt, **kw), ref.generate(prompt, **kw)
     err["generate"] = float((got != want).sum()) if got.shape == want.shape else float("inf")
     ref_logits, ref_losses, ref_grads = _reference(ref, R)

@@ -176,7 +176,7 @@ def megatron_checks(comm):
     return verdicts
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def job(world_size):
     return launch(megatron_checks, world_size, timeout=60, job_timeout=240)
 

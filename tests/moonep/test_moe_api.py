@@ -36,7 +36,7 @@ def _own_routing_rank(comm) -> float:
         want = naive_experts(xr, idx, w, w13, w2)
         want.sum().backward()
         errs += [float((y - want).abs().max()), float((x.grad - xr.grad).abs().max())]
-    assert layer.buffer.S == max(17 + 5 * q for q in range(R)), layer.buffer.S
+    assert max(17 + 5 * q for q in range(R)) == layer.buffer.S, layer.buffer.S
     return max(errs)
 
 

@@ -45,7 +45,7 @@ CHECKS = (
 )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def job(backend: str, world_size: int) -> dict:
     return launch(battery.run, world_size, backend=backend, timeout=30, job_timeout=240)
 

@@ -70,7 +70,7 @@ def test_buffers_at_different_dispatch_counts_are_refused():
 
 
 def _layer_error(comm, case: str) -> str:
-    kw = dict(H=4, F=16, E=2 * comm.world_size, K=2, S=6)
+    kw = {"H": 4, "F": 16, "E": 2 * comm.world_size, "K": 2, "S": 6}
     if case == "F" and comm.rank == 1:
         kw["F"] = 32
     if case == "E" and comm.rank == 1:

@@ -21,8 +21,7 @@ from hypothesis import strategies as st
 from planner import TensorPlan, plan
 from planner.device import flow_rows, plan_with_device_kernel
 from planner.synthetic import zipf_counts
-
-from .loads import FAMILIES, Case, cases, make_counts
+from tests.planner.loads import FAMILIES, Case, cases, make_counts
 
 pytestmark = pytest.mark.gpu  # on CPU under numba's CUDA simulator; on the GPU under make gpu-check
 
@@ -48,7 +47,7 @@ def assert_same_plan(host, dev: TensorPlan) -> None:
     end, start, dest, row0 = host._pieces
     pieces = dev.pieces.cpu().numpy()
     P = int(dev.totals[1])
-    assert P == end.size and np.array_equal(pieces[:P], np.stack((end, start, dest, row0), axis=1))
+    assert end.size == P and np.array_equal(pieces[:P], np.stack((end, start, dest, row0), axis=1))
     assert (pieces[P:] == 2**63 - 1).all()  # padding rows sort after every real piece
 
 

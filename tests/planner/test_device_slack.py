@@ -12,9 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from planner import CostModel, plan
-
-from .loads import FAMILIES, Case, cases, make_counts
-from .test_device_plan import assert_same_plan, compile_ptx, device_plan
+from tests.planner.loads import FAMILIES, Case, cases, make_counts
+from tests.planner.test_device_plan import assert_same_plan, compile_ptx, device_plan
 
 pytestmark = pytest.mark.gpu  # on CPU under numba's CUDA simulator; on the GPU under make gpu-check
 

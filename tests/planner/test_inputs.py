@@ -7,8 +7,7 @@ import pytest
 
 from planner import plan
 from planner.synthetic import zipf_counts
-
-from .loads import Topo
+from tests.planner.loads import Topo
 
 T = zipf_counts(4, 8, 2, 10, 1.0, 0)
 

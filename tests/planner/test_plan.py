@@ -13,8 +13,7 @@ from hypothesis import strategies as st
 from planner import plan, verify
 from planner.metrics import min_migration
 from planner.synthetic import zipf_counts, zipf_topk
-
-from .loads import Case, cases
+from tests.planner.loads import Case, cases
 
 
 def check_guarantees(p, T: np.ndarray, tp: int) -> None:
@@ -107,7 +106,7 @@ def test_input_is_not_modified_and_plan_is_read_only():
 @given(st.integers(1, 12), st.integers(1, 4), st.integers(1, 60), st.integers(0, 10**6))
 def test_no_migration_when_every_group_is_at_cap(R: int, epn: int, per_group: int, seed: int):
     """No gratuitous migration: balanced home groups keep every slot home, no replicas."""
-    from .loads import make_counts
+    from tests.planner.loads import make_counts
 
     T = make_counts("balanced_groups", R, epn, per_group, seed)
     p = plan(T)

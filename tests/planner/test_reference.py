@@ -9,8 +9,7 @@ from hypothesis import strategies as st
 
 from planner import _kernel, plan, verify
 from planner.reference import plan_reference
-
-from .loads import Case, Topo, cases
+from tests.planner.loads import Case, Topo, cases
 
 FIELDS = ("caps", "alloc", "donor", "experts_to_copy", "cu_seqlens", "send_counts", "flows")
 
@@ -82,7 +81,7 @@ def test_custom_caps_equal_twin(case: Case):
 def test_compiled_path_is_active():
     """The suite exercises numba when it is installed (otherwise both sides would be Python)."""
     try:
-        import numba  # noqa: F401
+        import numba
     except ImportError:
         return
     assert _kernel.HAS_NUMBA

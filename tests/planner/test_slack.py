@@ -14,8 +14,7 @@ from hypothesis import strategies as st
 from planner import CostModel, plan, row_bound, verify
 from planner.reference import plan_reference, slack_reference
 from planner.slack import SLACK_DEN, _slack_target, slack_caps
-
-from .loads import Case, Topo, cases
+from tests.planner.loads import Case, Topo, cases
 
 FIELDS = ("caps", "alloc", "donor", "experts_to_copy", "cu_seqlens", "send_counts", "flows")
 SLACKS = st.one_of(st.sampled_from([0.0, 1e-9, 0.01, 0.1, 0.25, 1.0, 64.0]), st.floats(0, 3))
@@ -157,13 +156,13 @@ def test_cost_extremes():
 @pytest.mark.parametrize(
     "kwargs, words",
     [
-        (dict(slack=-0.1), "slack must be in"),
-        (dict(slack=float("nan")), "slack must be a finite"),
-        (dict(slack=True), "slack must be a finite"),
-        (dict(slack=65.0), "slack must be in"),
-        (dict(slack=0.1, caps=[4, 4]), "cannot be combined"),
-        (dict(slack=0.1, cost=CostModel(row_seconds=1, copy_seconds=1)), "not both"),
-        (dict(cost="fast"), "cost must be a planner.CostModel"),
+        ({"slack": -0.1}, "slack must be in"),
+        ({"slack": float("nan")}, "slack must be a finite"),
+        ({"slack": True}, "slack must be a finite"),
+        ({"slack": 65.0}, "slack must be in"),
+        ({"slack": 0.1, "caps": [4, 4]}, "cannot be combined"),
+        ({"slack": 0.1, "cost": CostModel(row_seconds=1, copy_seconds=1)}, "not both"),
+        ({"cost": "fast"}, "cost must be a planner.CostModel"),
     ],
 )
 def test_bad_slack_options_are_named(kwargs, words):
@@ -175,10 +174,10 @@ def test_bad_slack_options_are_named(kwargs, words):
 @pytest.mark.parametrize(
     "kwargs, words",
     [
-        (dict(row_seconds=-1, copy_seconds=1), "row_seconds"),
-        (dict(row_seconds=1, copy_seconds=float("inf")), "copy_seconds"),
-        (dict(row_seconds=1, copy_seconds=1, max_slack=-1), "max_slack"),
-        (dict(row_seconds=1, copy_seconds=1, candidates=1), "candidates"),
+        ({"row_seconds": -1, "copy_seconds": 1}, "row_seconds"),
+        ({"row_seconds": 1, "copy_seconds": float("inf")}, "copy_seconds"),
+        ({"row_seconds": 1, "copy_seconds": 1, "max_slack": -1}, "max_slack"),
+        ({"row_seconds": 1, "copy_seconds": 1, "candidates": 1}, "candidates"),
     ],
 )
 def test_bad_cost_models_are_named(kwargs, words):

@@ -19,9 +19,8 @@ from hypothesis import strategies as st
 from planner import plan, verify
 from planner._inputs import INT32_MAX, expert_total_message
 from planner.reference import plan_reference
-
-from .loads import Topo
-from .test_device_plan import device_plan  # the simulator on CPU; the GPU under NUMBA_ENABLE_CUDASIM=0
+from tests.planner.loads import Topo
+from tests.planner.test_device_plan import device_plan  # the simulator on CPU; the GPU under NUMBA_ENABLE_CUDASIM=0
 
 NEAR_LIMIT = (0, 1, 2**29, 2**30 - 1, 2**30, 2**30 + 1, 2**31 - 2, INT32_MAX)
 """counts that fit int32 alone but whose sums over 2-4 ranks straddle 2**31."""

@@ -10,8 +10,7 @@ from hypothesis import strategies as st
 from planner import plan, verify
 from planner.metrics import internode, internode_bound, new_copies
 from planner.synthetic import drifting_trace, zipf_counts
-
-from .loads import Case, Topo, cases
+from tests.planner.loads import Case, Topo, cases
 
 
 @settings(max_examples=40, deadline=None)
@@ -169,8 +168,7 @@ def test_cross_node_pass_localises_routed_rows_with_many_tokens():
 def test_cross_node_pass_equals_twin_on_a_skewed_load():
     """The compiled cross-node pass and its plain-Python twin agree where the pass really acts."""
     from planner.reference import plan_reference
-
-    from .test_reference import assert_same
+    from tests.planner.test_reference import assert_same
 
     for R, rpn, S, seed in ((8, 4, 2048, 3), (16, 8, 4096, 0)):  # the second: slot-sized hand-overs
         T = zipf_counts(R, 8 * R, 8, S, 1.2, seed)

@@ -17,9 +17,9 @@ def test_measurement_is_a_line_through_two_sizes():
     assert m["moe_copy_ns"] == pytest.approx(max(0.0, m["measured_copy_ns"] - m["modelled_copy_ns"]))
 
 
-@pytest.mark.parametrize("kw", [dict(tokens=4), dict(top_k=9), dict(hbm_tbps=0.0)])
+@pytest.mark.parametrize("kw", [{"tokens": 4}, {"top_k": 9}, {"hbm_tbps": 0.0}])
 def test_bad_sizes_raise(kw):
-    args = dict(tokens=64, hidden=8, experts=8, top_k=2, repeats=1, device="cpu", hbm_tbps=1.0) | kw
+    args = {"tokens": 64, "hidden": 8, "experts": 8, "top_k": 2, "repeats": 1, "device": "cpu", "hbm_tbps": 1.0} | kw
     with pytest.raises(ValueError, match="measure_moe_fixed"):
         measure_moe_fixed(**args)
 

@@ -36,7 +36,7 @@ BASE = ParallelConfig(
 def test_uneven_split_covers_every_layer_once(L, chunks, first, last):
     if first + last > L or L - first - last < chunks - bool(first) - bool(last):
         return
-    if chunks - bool(first) - bool(last) == 0 and L != first + last:
+    if chunks - bool(first) - bool(last) == 0 and first + last != L:
         return
     parts = _split(L, chunks, first, last)
     assert len(parts) == chunks and [i for p in parts for i in p] == list(range(L))

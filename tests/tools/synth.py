@@ -39,7 +39,7 @@ def make_records(
     """
     rng = np.random.default_rng(seed)
     out = {r: [] for r in range(ranks)}
-    seq = {r: 0 for r in range(ranks)}
+    seq = dict.fromkeys(range(ranks), 0)
     t = 1000.0
 
     def rec(r, op, t0, t1, step, **extra):
@@ -65,7 +65,7 @@ def make_records(
             t_h = max(now.values()) + latency
             for r in range(ranks):
                 rec(r, "validate", now[r], t_h, step, group=group, bytes=8)
-            now = {r: t_h for r in range(ranks)}
+            now = dict.fromkeys(range(ranks), t_h)
         t_x = max(now.values()) + transfer + extra_transfer
         for r in range(ranks):
             rec(r, op, now[r], t_x + rng.uniform(0, latency), step, group=group, bytes=nbytes)

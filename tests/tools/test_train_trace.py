@@ -60,7 +60,7 @@ def test_every_rank_records_every_phase_of_every_step(trace_dir):
         assert sorted(t.data) == list(range(STEPS)), rank
         assert sorted(t.compute) == list(range(STEPS)), rank
         for step in range(STEPS):
-            assert COMPUTE_PHASES <= set(t.compute_ops[step]), (rank, step)
+            assert set(t.compute_ops[step]) >= COMPUTE_PHASES, (rank, step)
             assert t.compute[step] > 0
         assert "evaluate" in t.compute_ops[STEPS - 1], rank  # the validation loss at the last step is compute
         a2a_steps = {c.step for c in t.collectives if c.op == "all_to_all_single"}
