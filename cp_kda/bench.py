@@ -71,8 +71,8 @@ def _time_each(out, seq_lens, H, K, V, chunk_size, repeats, kda_chunk, kda_recur
     with torch.no_grad():
         for T in seq_lens:
             xs = _inputs(T, H, K, V)
-            chunk, chunk_cpu = _best_wall_cpu(lambda: kda_chunk(*xs, chunk_size=chunk_size), repeats)
-            recurrent, rec_cpu = _best_wall_cpu(lambda: kda_recurrent(*xs), repeats if T <= 8192 else 1)
+            chunk, chunk_cpu = _best_wall_cpu(lambda xs=xs: kda_chunk(*xs, chunk_size=chunk_size), repeats)
+            recurrent, rec_cpu = _best_wall_cpu(lambda xs=xs: kda_recurrent(*xs), repeats if T <= 8192 else 1)
             out[str(T)] = {
                 "chunk": chunk,
                 "recurrent": recurrent,

@@ -14,7 +14,7 @@ def fla_available() -> tuple[bool, str]:
     if not torch.cuda.is_available():
         return False, "no CUDA device"
     try:
-        pass  # optional: flash-linear-attention (the gpu extra)
+        import fla.ops.kda  # noqa: F401  # optional: flash-linear-attention (the gpu extra)
     except Exception as exc:  # ImportError, or triton failing to initialise
         return False, f"flash-linear-attention not importable: {exc}"
     return True, ""

@@ -71,7 +71,10 @@ def handler(args: argparse.Namespace) -> int:
         f"ours | base; ours push/reduce ms"
     )
     for e in report["results"]:
-        stages = lambda who: "/".join(f"{e[f'{who}_{s}_s'] * 1e3:.1f}" for s in ("dispatch", "expert", "combine"))
+
+        def stages(who: str, e: dict = e) -> str:
+            return "/".join(f"{e[f'{who}_{s}_s'] * 1e3:.1f}" for s in ("dispatch", "expert", "combine"))
+
         print(
             f"{e['maxvio']:>6g} {e['cap']:>6} {e['ours_max_rows']:>9} {e['baseline_max_rows']:>9} "
             f"{e['ours_slack']:>5.3f} {e['ours_replicas']:>6} {e['ours_layer_s'] * 1e3:>8.2f} "

@@ -118,10 +118,7 @@ def check_weights(layout: str, weights, epn: int, H: int) -> None:
     if any(t.dim() != 3 or t.shape[0] != epn for t in weights):
         raise ValueError(f"expert weights must be [epn={epn}, ., .], got {[tuple(t.shape) for t in weights]}")
     F = _width(layout, [t.unbind(0) for t in weights])
-    if layout == "fused":
-        want = [(epn, H, 2 * F), (epn, F, H)]
-    else:
-        want = [(epn, F, H), (epn, F, H), (epn, H, F)]
+    want = [(epn, H, 2 * F), (epn, F, H)] if layout == "fused" else [(epn, F, H), (epn, F, H), (epn, H, F)]
     got = [tuple(t.shape) for t in weights]
     if got != want:
         raise ValueError(f"{layout} weights {names} must be {want} for hidden size {H}, got {got}")

@@ -224,10 +224,7 @@ def simulate(
     res.memory_breakdown_gib = {k: v / GIB for k, v in mem.items()}
     tiers = net.cluster_tiers(gpus, hw, cluster or ClusterSpec())
     costs = pipeline_costs(spec, hw, par, tiers, pert)
-    if engine == "event":
-        pipe = simulate_pipeline(par, costs).makespan
-    else:
-        pipe = schedule_time(par, costs)
+    pipe = simulate_pipeline(par, costs).makespan if engine == "event" else schedule_time(par, costs)
     _fill_metrics(res, spec, hw, par, tiers, costs, pipe, pert)
     if total > hw.hbm_gib * GIB:
         res.feasible = False

@@ -158,10 +158,10 @@ def collective_costs(comm, repeats: int, big: int) -> dict:
         inp = torch.ones(rows, 32)
         got = torch.empty_like(inp)
         out[f"a2a_{tag}"] = _per_call_us(
-            comm, lambda: comm.all_to_all_single(got, inp, validate=False, splits_agreed=True), repeats
+            comm, lambda got=got, inp=inp: comm.all_to_all_single(got, inp, validate=False, splits_agreed=True), repeats
         )
         buf = torch.ones(max(1, nbytes // 4))
-        out[f"ar_{tag}"] = _per_call_us(comm, lambda: comm.all_reduce(buf, validate=False), repeats)
+        out[f"ar_{tag}"] = _per_call_us(comm, lambda buf=buf: comm.all_reduce(buf, validate=False), repeats)
     small = torch.ones(256)
     out["checked"] = _per_call_us(comm, lambda: comm.all_reduce(small), repeats)
     counts, gathered = torch.zeros(16, dtype=torch.int64), torch.empty(16 * R, dtype=torch.int64)
@@ -182,7 +182,10 @@ def effective_cores(comm, sizes: CalibrationSizes, rounds: int) -> float:
         blocks(x).sum().backward()
 
     count = _agreed_count(comm, step, PROBE_SECONDS, 1)  # every rank does the same work
-    work = lambda: [step() for _ in range(count)]
+
+    def work():
+        return [step() for _ in range(count)]
+
     ratios = []
     for _ in range(rounds):
         comm.barrier()
@@ -221,7 +224,10 @@ def op_costs(sizes: CalibrationSizes, timer) -> dict:
 def calibrate_host(m: dict) -> dict:
     """The ``host`` block of a CPU profile (fields of ``hardware.HostSpec``) from ``measure_in_group``'s (or a
     one-rank ``calibrate``'s) measurements."""
-    per_mb = lambda key: max(0.0, m.get(f"{key}_big", 0.0) - m.get(f"{key}_small", 0.0)) / (BIG / 1e6)
+
+    def per_mb(key: str) -> float:
+        return max(0.0, m.get(f"{key}_big", 0.0) - m.get(f"{key}_small", 0.0)) / (BIG / 1e6)
+
     (tf, tb, tn), (af, ab, _) = m["ops_tiny"], m["ops_act"]
     sizes = m["sizes"]
     return {

@@ -228,7 +228,7 @@ def _run(args) -> int:
         out["inference_memory_gib"] = {k: (v / GIB if "per_" not in k else v) for k, v in inf.items()}
     print(format_result(res))
     if res.feasible and args.plots:
-        for name, path in write_plots(spec, hw, par, args.gpus, res, args.plots, cluster).items():
+        for path in write_plots(spec, hw, par, args.gpus, res, args.plots, cluster).values():
             print(f"wrote {path}")
     if args.json:
         write_json(args.json, out)

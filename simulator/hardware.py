@@ -268,10 +268,7 @@ class HardwareSpec:
             if missing_h:
                 raise ValueError(f"HostSpec is missing field(s) {missing_h}")
             data["host"] = HostSpec(**data["host"])
-        if base is not None:
-            spec = replace(base, **data)
-        else:
-            spec = cls(**data)
+        spec = replace(base, **data) if base is not None else cls(**data)
         if eff is not None:
             known_e = {f.name for f in fields(Efficiency)}
             if set(eff) - known_e:

@@ -194,7 +194,10 @@ def census(spec: ModelSpec, par: ParallelConfig) -> StepCensus:
         + CLIP_OPS_PER_PARAM * tensors
         + moe_layers * (BALANCE_OPS[0] + BALANCE_OPS[1] * spec.num_experts)
     )
-    avg = lambda d: {k: sum(v) / len(v) for k, v in d.items()}
+
+    def avg(d: dict) -> dict:
+        return {k: sum(v) / len(v) for k, v in d.items()}
+
     (f0, f1), (b0, b1) = ATTN_RES_OPS
     last = sources[-1][1]  # the output mix's sources
     out_mix = (f0 + f1 * last, b0 + b1 * last) if spec.attn_res else (0, 0)

@@ -28,11 +28,9 @@ def replicas_per_rank(spec: ModelSpec, par: ParallelConfig) -> int:
 
 def replica_model() -> str:
     """``planner`` when replica traffic is priced by ``planner.plan``, else ``closed-form``."""
-    try:
-        import planner  # optional: planner (numba, ~0.3 s); the closed-form bound without it
-    except ImportError:
-        return "closed-form"
-    return "planner"
+    import importlib.util  # optional: only to ask whether the planner is installed
+
+    return "planner" if importlib.util.find_spec("planner") is not None else "closed-form"
 
 
 @lru_cache(maxsize=256)

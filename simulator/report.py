@@ -126,7 +126,7 @@ def plot_timeline(model, hardware, par: ParallelConfig, gpus: int, path: str, cl
     fig = _figure(12, 0.35 * par.pp + 1.5)
     ax = fig.add_subplot()
     colors = {"F": "tab:blue", "B": "tab:orange", "FB": "tab:purple", "BF": "tab:purple"}
-    for r, kind, mb, _, s, e in tl.ops:
+    for r, kind, _mb, _, s, e in tl.ops:
         ax.barh(r, e - s, left=s, color=colors.get(kind, "gray"), edgecolor="white", linewidth=0.3)
     ax.set_yticks(range(par.pp))
     ax.invert_yaxis()

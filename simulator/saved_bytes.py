@@ -71,7 +71,10 @@ def _ratio(a, b) -> float | None:
 def format_table(table: dict) -> str:
     """The side-by-side as text: one column per module, a row for the simulator, per measured T and per ratio."""
     mods = table["modules"]
-    cell = lambda v, f: f"{'-':>11}" if v is None else f"{v:>11{f}}"
+
+    def cell(v, f: str) -> str:
+        return f"{'-':>11}" if v is None else f"{v:>11{f}}"
+
     lines = [f"{'bytes/token/layer':<22}" + "".join(f"{m:>11}" for m in mods)]
     lines.append(f"{'simulator ' + table['model']:<22}" + "".join(cell(table["simulator"][m], ",.0f") for m in mods))
     for row in table["measured"]:

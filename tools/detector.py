@@ -208,7 +208,7 @@ class StragglerDetector:
             return
         if self._file is None:
             os.makedirs(self.config.trace_dir, exist_ok=True)
-            self._file = open(os.path.join(self.config.trace_dir, f"rank{self.rank}.jsonl"), "a")
+            self._file = open(os.path.join(self.config.trace_dir, f"rank{self.rank}.jsonl"), "a")  # noqa: SIM115
             now = time.time()
             header = {"op": "header", "kind": "header", "rank": self.rank, "world_size": self.world_size}
             header.update(run_id=self.config.run_id, source="detector", t_enter=now)

@@ -323,7 +323,7 @@ def _late(run, matched, step_of, th: Thresholds) -> list[Finding]:
         return []
     col = {s: j for j, s in enumerate(steps)}
     late = np.zeros((len(ranks), len(steps)))
-    for (pg, group), by_seq in matched.items():
+    for (pg, _group), by_seq in matched.items():
         for seq, calls in by_seq.items():
             if (pg, seq) not in step_of or len(calls) < 2:
                 continue

@@ -19,10 +19,7 @@ def make_inputs(B, T, H, K, V, dtype=torch.float64, seed=0, lower_bound=None, wi
     q = F.normalize(rnd(B, T, H, K), dim=-1)
     k = F.normalize(rnd(B, T, H, K), dim=-1)
     v = rnd(B, T, H, V)
-    if lower_bound is None:
-        g = F.logsigmoid(rnd(B, T, H, K))
-    else:
-        g = lower_bound * torch.sigmoid(3 * rnd(B, T, H, K))
+    g = F.logsigmoid(rnd(B, T, H, K)) if lower_bound is None else lower_bound * torch.sigmoid(3 * rnd(B, T, H, K))
     beta = torch.sigmoid(rnd(B, T, H))
     sdt = torch.float64 if dtype == torch.float64 else torch.float32
     h0 = torch.randn(N or B, H, K, V, generator=gen, dtype=sdt) if with_state else None

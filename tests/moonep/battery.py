@@ -153,7 +153,10 @@ def check_weights(comm, E: int) -> str | None:
     ins = [routing("skew", R, q, 8, 2, E, 3) for q in range(R)]
     x, w, idx = ins[r]
     _, _, _, plan = buf.dispatch(x, topk_idx=idx, topk_weights=w)
-    tag = lambda e: torch.arange(12.0).reshape(3, 4) + 100 * e
+
+    def tag(e: int) -> torch.Tensor:
+        return torch.arange(12.0).reshape(3, 4) + 100 * e
+
     local = torch.stack([tag(r * epn + j) for j in range(epn)])
     slots = torch.full((epn, 3, 4), -7.0)
     buf.prefetch_weight(plan, [local, local * 2], [slots, slots2 := slots.clone()])

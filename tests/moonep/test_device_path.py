@@ -78,7 +78,7 @@ def test_device_layout_equals_numpy_twin(case, device_kernel: bool):
     sent = [check_send_side(host, dev, r, idx[r]) for r in range(R)]
     for q in range(R):  # what rank q receives: each source's chunk for q, in source order
         meta, tables = [], []
-        for r, lay in enumerate(sent):
+        for lay in sent:
             before = int(lay.slot_splits[:q].sum())
             n = int(lay.slot_splits[q])
             meta.append(torch.stack((lay.dest_row[before : before + n], lay.uniq_local[before : before + n]), 1))

@@ -13,6 +13,7 @@ from collectives import launch
 
 if sys.version_info < (3, 11):  # torchtitan 0.3 needs Python >= 3.11; make test installs it there, and only there
     pytest.skip("torchtitan 0.3 requires Python >= 3.11 (make test installs it on 3.11+)", allow_module_level=True)
+import torchtitan.models.qwen3  # noqa: F401 - on 3.11+ a missing install fails instead of skipping
 
 from moonep.integrations import torchtitan as tt
 

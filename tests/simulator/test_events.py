@@ -86,7 +86,7 @@ def test_dependencies_respected():
     par = replace(K3, schedule="dualpipe")
     tl = simulate_pipeline(par, pipeline_costs(spec, hw, par, cluster_tiers(4096, hw, ClusterSpec())))
     by_rank = {}
-    for r, kind, mb, stage, s, e in tl.ops:
+    for r, _kind, _mb, _stage, s, e in tl.ops:
         by_rank.setdefault(r, []).append((s, e))
     for spans in by_rank.values():  # one GPU runs one entry at a time
         spans.sort()

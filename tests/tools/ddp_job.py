@@ -128,7 +128,7 @@ def _loop(args, rank, faulty, model, opt, loader, tracer, det, prof, stop, hogs)
             if faulty and step == args.onset and args.scenario == "skip_collective":
                 continue  # "skip a bad batch", decided on one rank only: its collectives are skipped too
             with det.section("forward"), record_function("forward"):
-                loss = _timed(tracer, "forward", lambda: torch.nn.functional.mse_loss(model(x), y))
+                loss = _timed(tracer, "forward", lambda x=x, y=y: torch.nn.functional.mse_loss(model(x), y))
             with det.section("backward"):
                 _timed(tracer, "backward", loss.backward)
             with det.section("optimizer"):

@@ -5,6 +5,7 @@ against naive twins."""
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
 import os
@@ -144,10 +145,8 @@ def test_mixed_formats_are_incomplete_not_silently_merged(tmp_path, capsys):
 
 
 def test_help_lists_the_formats(capsys):
-    try:
+    with contextlib.suppress(SystemExit):
         main(["diagnose", "--help"], packages=["tools"])
-    except SystemExit:
-        pass
     text = capsys.readouterr().out
     for word in ("rank<N>.jsonl", ".json.gz", "Flight Recorder", "--rank-from"):
         assert word in text

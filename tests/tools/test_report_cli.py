@@ -1,9 +1,11 @@
 """The stable JSON, the probe merge, plots, and the CLI commands (exit codes, --json, bad input)."""
 
+import contextlib
 import json
 import os
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -78,8 +80,8 @@ def test_cli_rejects_bad_injection_naming_the_part(capsys):
 
 def _writer(path, steps, delay):
     recs = make_records(steps=steps, slow=(2, 2.0, 10))
-    files = {r: open(os.path.join(path, f"rank{r}.jsonl"), "w") for r in recs}
-    try:
+    with contextlib.ExitStack() as stack:
+        files = {r: stack.enter_context(open(os.path.join(path, f"rank{r}.jsonl"), "w")) for r in recs}
         for step in range(steps):
             for r, rs in recs.items():
                 lines = [json.dumps(x) for x in rs if x["step"] == step]
@@ -89,9 +91,6 @@ def _writer(path, steps, delay):
                 files[r].seek(files[r].tell() - len('{"op": "half'))  # ...overwritten by the next step
                 files[r].truncate()
             time.sleep(delay)
-    finally:
-        for f in files.values():
-            f.close()
 
 
 def test_follow_alerts_while_the_run_goes(tmp_path, capsys):
@@ -184,9 +183,10 @@ def test_one_damaged_line_no_longer_hides_a_straggler(tmp_path, capsys):
     'no straggler found' (exit 0). Now the line alone is dropped and named; without --partial the verdict is
     refused (exit 2); with it, the 1.5x straggler is still found (exit 1) and the JSON says what was dropped."""
     trace = write_dir(tmp_path / "t", make_records(slow=(2, 1.5, 10)))
-    lines = open(os.path.join(trace, "rank2.jsonl")).read().splitlines()
+    rank2 = Path(trace) / "rank2.jsonl"
+    lines = rank2.read_text().splitlines()
     lines[7] = lines[7].replace('"t_exit": ', '"t_exit": NaN, "was": ')
-    open(os.path.join(trace, "rank2.jsonl"), "w").write("\n".join(lines) + "\n")
+    rank2.write_text("\n".join(lines) + "\n")
     assert main(["diagnose", trace], packages=["tools"]) == 2
     out, err = capsys.readouterr()
     assert "rank2.jsonl:8: t_exit is nan (not finite); line dropped" in out
@@ -207,9 +207,8 @@ def test_missing_rank_file_is_noticed(tmp_path, capsys, how):
     recs = make_records(ranks=4)
     trace = write_dir(tmp_path / "t", {r: v for r, v in recs.items() if r != 3})
     for name in os.listdir(trace):  # groups now only name ranks 0-2: the header / flag is the only evidence
-        p = os.path.join(trace, name)
-        text = open(p).read().replace("[0, 1, 2, 3]", "[0, 1, 2]")
-        open(p, "w").write(text)
+        p = Path(trace) / name
+        p.write_text(p.read_text().replace("[0, 1, 2, 3]", "[0, 1, 2]"))
     extra = ["--world-size", "4"] if how == "--world-size" else []
     if how == "header":
         _with_headers(trace, 4)

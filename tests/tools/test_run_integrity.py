@@ -9,6 +9,7 @@ import json
 import os
 import re
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -136,7 +137,7 @@ def test_real_runs_carry_one_run_id_and_two_runs_in_one_folder_are_refused(tmp_p
     folder = str(tmp_path / "t")
     for _ in range(2):
         launch(_traced_job, 2, timeout=20, job_timeout=60, trace_dir=folder, steps=3)
-    heads = {r: [json.loads(line) for line in open(os.path.join(folder, f"rank{r}.jsonl"))] for r in (0, 1)}
+    heads = {r: [json.loads(line) for line in Path(folder, f"rank{r}.jsonl").read_text().splitlines()] for r in (0, 1)}
     ids = {r: [h["run_id"] for h in recs if h.get("kind") == "header"] for r, recs in heads.items()}
     assert ids[0] == ids[1] and len(set(ids[0])) == 2 and all(ids[0]), ids  # per job: the same on both ranks
     code, text, _ = _diagnose(folder, tmp_path, capsys)
