@@ -20,7 +20,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 if TYPE_CHECKING:
-    from simulator.calibrate import CalibrationSizes
+    from simulator.calibration_sizes import CalibrationSizes
 
 
 def timed(fn, repeats: int, clock=time.perf_counter) -> float:

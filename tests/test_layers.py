@@ -145,3 +145,73 @@ def test_architecture_md_has_the_same_table():
     rows = re.findall(r"^\| `([\w.]+)` \| (.*?) \|$", text, re.M)
     table = {package: frozenset(re.findall(r"`([\w.]+)`", cell)) for package, cell in rows}
     assert table == ALLOWED
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """``module -> modules of the same package it imports`` (module level, function level and ``TYPE_CHECKING``
+    alike: an import anywhere ties the two modules together for a reader, and a lazy import that closes a circle
+    is still a circle)."""
+    modules = {_module_name(p): p for p in toolkit_files()}
+
+    def resolve(name: str) -> str | None:
+        parts = name.split(".")
+        return next((m for k in range(len(parts), 0, -1) if (m := ".".join(parts[:k])) in modules), None)
+
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    for module, path in modules.items():
+        for _, name in imports(path):
+            target = resolve(name)
+            if target and target != module and target.split(".")[0] == module.split(".")[0]:
+                graph[module].add(target)
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Each group of modules that import one another round a circle (Tarjan's strongly connected components of
+    two or more), sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                out.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(out)
+
+
+def test_no_import_cycle_inside_a_package():
+    """Modules of one package form no circle of imports (``deepep`` <-> ``deepep_v2`` and ``calibrate`` <->
+    ``calibrate_host`` were two): a circle means neither module can be read, tested or moved alone."""
+    cycles = import_cycles(_module_graph())
+    assert not cycles, "modules that import one another in a circle:\n" + "\n".join(
+        "  " + " -> ".join(c + [c[0]]) for c in cycles
+    )
+
+
+def test_the_cycle_finder_finds_cycles():
+    graph = {"p.a": {"p.b"}, "p.b": {"p.c"}, "p.c": {"p.a"}, "p.d": {"p.a"}, "p.e": {"p.e"}}
+    assert import_cycles(graph) == [["p.a", "p.b", "p.c"]]
+    assert import_cycles({"p.a": {"p.b"}, "p.b": set()}) == []

@@ -44,8 +44,8 @@ from moonep.compat._deepep_core import (
     plan_route,
     split_fp8,
 )
+from moonep.compat._deepep_v1 import Buffer
 from moonep.compat._group import as_communicator
-from moonep.compat.deepep import Buffer
 
 __all__ = ["ElasticBuffer", "EPHandle", "EventHandle", "EventOverlap"]
 
