@@ -1,67 +1,39 @@
-"""The ``Communicator``: one face over torch.distributed, mpi4py and NVSHMEM.
+"""The ``Communicator``: one face over torch.distributed, mpi4py and NVSHMEM (the facade: the interface, its
+public calls and the hooks a backend overrides).
 
-Every public call takes and returns torch tensors, checks its arguments before any data moves, records itself in
-the per-rank trace when tracing is on, and gives up after ``timeout`` seconds with a ``CollectiveError`` instead
-of hanging. Backends implement the underscored primitives only (``_all_to_all_single``, ``_all_gather``, ...),
-which receive arguments that were already checked.
-
-With ``validate=True`` (the default) each collective first all-gathers a small integer header (operation, dtype,
-row size, split sizes, any local problem) so that a bad argument on one rank is reported on *every* rank as a
-``ValueError`` naming the rank and the problem, rather than as a hang or garbage on the others. Hot paths whose
-splits are consistent by construction (the EP layer, whose splits come from one shared plan) pass
-``validate=False`` to skip that header, except an all-to-all on host-waited tensors, which still agrees it
-(``peer_checks`` says why and what is left unchecked). ``send``/``recv`` are unchecked unless both sides pass
-``validate=True``.
+Every public call takes and returns torch tensors, checks its arguments before any data moves (the header
+agreement of ``collectives.agreement``: with ``validate=True``, the default, a bad argument on one rank is the same
+``ValueError`` on *every* rank, naming the rank and the problem), records itself in the per-rank trace when tracing
+is on, and gives up after ``timeout`` seconds with a ``CollectiveError`` instead of hanging (``collectives.timing``).
+Backends implement the underscored primitives only (``_all_to_all_single``, ``_all_gather``, ...), which receive
+arguments that were already checked. ``send``/``recv`` are unchecked unless both sides pass ``validate=True``.
 """
 
 from __future__ import annotations
 
 import abc
 import time
-from collections.abc import Sequence
-from datetime import timedelta
+from collections.abc import Callable, Sequence
 
 import torch
 
-from collectives import peer_checks
+from collectives import agreement
+from collectives.agreement import op_problem, pair_problem, shape_problem, tensor_problem
+from collectives.errors import CollectiveError
 from collectives.faults import link_delays_from_env
-from collectives.peer_checks import DTYPE_CODE, REDUCE_OPS
+from collectives.peer_checks import REDUCE_OPS
 from collectives.peer_checks import rows as _rows
+from collectives.timing import as_timedelta, call_timeout, link_delay, timed, traced_finish
 from collectives.trace import Tracer, tracer_from_env
 
-
-class CollectiveError(RuntimeError):
-    """A collective failed on this rank: it timed out, or a peer died or reported an error."""
-
-    def __init__(self, message: str, *, op: str = "", failed_ranks: Sequence[int] = ()):
-        super().__init__(message)
-        self.op = op
-        self.failed_ranks = tuple(failed_ranks)
-
-
-def _check_splits(name: str, splits, world: int, rows: int) -> list[int] | str:
-    """Returns the split list, or a message saying what is wrong with it."""
-    splits = [int(s) for s in splits]
-    if len(splits) != world:
-        return f"{name} has {len(splits)} entries, expected world_size={world}"
-    if any(s < 0 for s in splits):
-        return f"{name} has a negative size: {splits}"
-    if sum(splits) != rows:
-        return f"{name} sums to {sum(splits)} but the tensor has {rows} rows along dim 0"
-    return splits
-
-
-def _even_splits(name: str, world: int, rows: int) -> list[int] | str:
-    if rows % world:
-        return f"{name} is None, so dim 0 ({rows} rows) must divide evenly by world_size={world}"
-    return [rows // world] * world
+__all__ = ["REDUCE_OPS", "CollectiveError", "Communicator", "Pending", "as_timedelta"]
 
 
 class Pending:
     """A started collective (``Communicator.all_to_all_single_start``): ``wait()`` finishes it; later calls do
     nothing. Until then its output is undefined and its input must stay untouched."""
 
-    def __init__(self, finish=None) -> None:
+    def __init__(self, finish: Callable[[], None] | None = None) -> None:
         self._finish = finish
 
     def wait(self) -> None:
@@ -79,6 +51,9 @@ class Communicator(abc.ABC):
         group_ranks: global (world) rank of each member, indexed by group rank.
         timeout: default seconds any call may take before it raises ``CollectiveError``.
         validate: exchange a small header before each collective so bad input fails on every rank.
+
+    Every collective also takes keyword-only ``timeout`` (seconds this call may take) and ``validate`` (whether it
+    exchanges the argument header); None, their default, means the communicator's.
     """
 
     backend: str = "abstract"
@@ -137,33 +112,34 @@ class Communicator(abc.ABC):
     def _recv(self, tensor, src: int, timeout: float): ...
 
     @abc.abstractmethod
-    def _new_group(self, members: list[int], color: int) -> Communicator:
+    def _new_group(self, members: list[int], color: int) -> Communicator | None:
         """Sub-communicator over ``members`` (group ranks of self, in new-rank order).
 
         Called on every rank of ``self``; ranks that are not members get ``members == []`` and return ``None``.
         """
 
+    # ---------------------------------------------------------------- backend hooks with defaults
+    def _start_all_to_all_single(
+        self, out, inp, out_splits: list[int], in_splits: list[int], timeout: float
+    ) -> Callable[[], None] | None:
+        """Backend hook: start the exchange, return a callable that finishes it (None: already done)."""
+        self._all_to_all_single(out, inp, out_splits, in_splits, timeout)
+        return None
+
     def _header_device(self) -> torch.device:
         """Where the validation header lives (a backend whose group only moves CUDA tensors overrides this)."""
         return torch.device("cpu")
 
-    @property
-    def device(self) -> torch.device:
-        """Where this group's data lives by default: the device an EP ``Buffer`` over it allocates on.
+    def _sizes_agreed_on_host(self, t: torch.Tensor | None) -> bool:
+        """Whether an unchecked all-to-all of ``t`` agrees its split sizes first: where the host waits for the
+        exchange anyway (not CUDA), so that costs one small round trip and no device read."""
+        device = t.device if isinstance(t, torch.Tensor) else self.device
+        return self.world_size > 1 and device.type != "cuda"
 
-        CPU unless the backend moves CUDA tensors (NCCL in the group, NVSHMEM): then the current CUDA device.
-        """
-        return torch.device("cpu")
-
-    def close(self) -> None:
-        """Release backend resources of this communicator (collective over the group where the backend needs it)."""
-        if self.tracer is not None:
-            self.tracer.close()
-
-    def report_failure(self, message: str) -> None:
+    def report_failure(self, message: str) -> None:  # noqa: B027  # optional hook: a no-op is a correct default
         """Tell peers that this rank failed, so their timeouts can name it. Best effort; backends may ignore."""
 
-    def _mark_arrival(self, count: int) -> None:
+    def _mark_arrival(self, count: int) -> None:  # noqa: B027  # optional hook: a no-op is a correct default
         """Record that this rank entered its ``count``-th validated call on this group (where peers can read it
         after a timeout). Best effort; backends without a shared store ignore it."""
 
@@ -171,25 +147,16 @@ class Communicator(abc.ABC):
         """``{group rank: validated calls entered}`` as recorded by ``_mark_arrival``; None when unknown."""
         return None
 
-    def _absent_ranks(self) -> list[int]:
-        """Global ranks whose arrival count is behind ours: they never reached this rank's current validated call
-        ([] when unknown)."""
-        seen = self._arrivals()
-        if not seen:
-            return []
-        return [self.group_ranks[r] for r in range(self.world_size) if seen.get(r, 0) < self._validated]
+    @property
+    def device(self) -> torch.device:
+        """Where this group's data lives by default (where an EP ``Buffer`` over it allocates): the CPU unless the
+        backend moves CUDA tensors (NCCL in the group, NVSHMEM), then the current CUDA device."""
+        return torch.device("cpu")
 
-    def _name_absent(self, exc: CollectiveError, op: str) -> CollectiveError:
-        """``exc`` with the ranks that never reached this call named (their arrival count is behind ours)."""
-        absent = self._absent_ranks()
-        if not absent:
-            return exc
-        return CollectiveError(
-            f"{op} on rank {self.global_rank}: rank(s) {absent} never reached it (stuck or busy before it, or "
-            f"dead); the argument header's exchange said: {exc}",
-            op=exc.op,
-            failed_ranks=sorted(set(exc.failed_ranks) | set(absent)),
-        )
+    def close(self) -> None:
+        """Release backend resources of this communicator (collective over the group where the backend needs it)."""
+        if self.tracer is not None:
+            self.tracer.close()
 
     # ---------------------------------------------------------------- public API
     def all_to_all_single(
@@ -205,36 +172,32 @@ class Communicator(abc.ABC):
     ) -> torch.Tensor:
         """Exchange rows among ranks; unchecked on CUDA over NCCL/NVSHMEM, a peer's different splits go UNDETECTED.
 
-        ``inp[rows for peer j]`` goes to peer j, peer i's rows land in ``out`` in rank order.
-        ``inp [sum(in_splits), ...]``, ``out [sum(out_splits), ...]``; splits count rows along dim 0 and default
-        to equal parts. ``in_splits[j]`` on rank i must equal ``out_splits[i]`` on rank j. Returns ``out``.
-        ``timeout`` and ``validate`` override the communicator's defaults for this call (every collective).
-        Unchecked (``validate=False``), the header is still exchanged wherever the host waits for the exchange
-        anyway (CPU tensors, and every tensor under MPI), only without the arrival count and its trace record: a
-        peer's different split sizes, dtype or row size is then the same ``ValueError`` on every rank instead of
-        garbage or a gloo abort (``peer_checks``). On CUDA tensors over NCCL or NVSHMEM that would put a host round
-        trip on the hot path, so nothing is checked there: a mismatch gives garbage or a hang until the timeout.
-        ``splits_agreed=True`` (with ``validate=False``): the caller's split sizes come from data every rank already
-        agreed on (a shared plan, counts this exchange's peers sent), so they cannot disagree: that round trip is
-        skipped too (the EP layer's exchanges; on gloo it costs about 0.35 ms a call).
+        ``inp[rows for peer j]`` goes to peer j, peer i's rows land in ``out`` in rank order. ``in_splits[j]`` on
+        rank i must equal ``out_splits[i]`` on rank j. Unchecked (``validate=False``), the sizes are still agreed
+        wherever the host waits for the exchange anyway (CPU tensors, every tensor under MPI): a peer's different
+        split sizes, dtype or row size is the same ``ValueError`` on every rank (``collectives.agreement``). On CUDA
+        over NCCL or NVSHMEM nothing is checked then: a mismatch gives garbage or a hang until the timeout.
+
+        Args:
+            out: receive buffer ``[sum(out_splits), ...]``, any supported dtype (``peer_checks.DTYPES``), contiguous.
+            inp: send buffer ``[sum(in_splits), ...]``, the same dtype, device and row shape as ``out``.
+            out_splits: rows received from each rank, ``world_size`` ints (None: equal parts of ``out``).
+            in_splits: rows sent to each rank, ``world_size`` ints (None: equal parts of ``inp``).
+            splits_agreed: with ``validate=False``, the split sizes come from data every rank already agreed on (a
+                shared plan, counts this exchange's peers sent), so they cannot disagree: the host round trip is
+                skipped too (the EP layer's exchanges; on gloo it costs about 0.35 ms a call).
+
+        Returns:
+            ``out``.
         """
-        problem, ins, outs = self._local_a2a_problem(out, inp, out_splits, in_splits)
-        self._agree(
-            "all_to_all_single", problem, out, inp, splits=(ins, outs), validate=validate, timeout=timeout,
+        problem, ins, outs = agreement.a2a_problem(self.world_size, out, inp, out_splits, in_splits)
+        agreement.agree(
+            self, "all_to_all_single", problem, out, inp, splits=(ins, outs), validate=validate, timeout=timeout,
             agreed=splits_agreed,
         )  # fmt: skip
-        delay = self._link_delay(j for j, n in enumerate(ins) if n) if self.link_delays else 0.0
-        return self._timed(
-            "all_to_all_single",
-            inp.numel() * inp.element_size(),
-            self._all_to_all_single,
-            out,
-            inp,
-            outs,
-            ins,
-            timeout,
-            delay=delay,
-        )
+        delay = link_delay(self, (j for j, n in enumerate(ins) if n))
+        nbytes, fn = inp.numel() * inp.element_size(), self._all_to_all_single
+        return timed(self, "all_to_all_single", nbytes, fn, out, inp, outs, ins, timeout, delay=delay)
 
     def all_to_all_single_start(
         self,
@@ -252,54 +215,63 @@ class Communicator(abc.ABC):
         except on CUDA over NCCL or NVSHMEM). The caller can start another exchange or compute before ``wait()``.
         Every rank must start the same collectives in the same order. Backends without asynchronous collectives
         run it here and return a finished ``Pending``; torch.distributed (gloo, NCCL) and MPI overlap it.
-        ``timeout`` bounds the size agreement and the wait; ``splits_agreed``: as in ``all_to_all_single``."""
-        problem, ins, outs = self._local_a2a_problem(out, inp, out_splits, in_splits)
-        self._agree(
-            "all_to_all_single", problem, out, inp, splits=(ins, outs), validate=False, timeout=timeout,
+
+        Args:
+            out: receive buffer ``[sum(out_splits), ...]``; undefined until ``wait()``.
+            inp: send buffer ``[sum(in_splits), ...]``, same dtype, device and row shape; untouched until ``wait()``.
+            out_splits: rows received from each rank (``world_size`` ints).
+            in_splits: rows sent to each rank (``world_size`` ints).
+            timeout: bounds the size agreement and the wait (None: the communicator's).
+            splits_agreed: as in ``all_to_all_single``.
+
+        Returns:
+            A ``Pending`` whose ``wait()`` finishes the exchange.
+        """
+        problem, ins, outs = agreement.a2a_problem(self.world_size, out, inp, out_splits, in_splits)
+        agreement.agree(
+            self, "all_to_all_single", problem, out, inp, splits=(ins, outs), validate=False, timeout=timeout,
             agreed=splits_agreed,
         )  # fmt: skip
-        timeout = self.timeout if timeout is None else float(timeout)
+        timeout = call_timeout(self, timeout)
         nbytes, t_enter = inp.numel() * inp.element_size(), time.time()
-        delay = self._link_delay(j for j, n in enumerate(ins) if n) if self.link_delays else 0.0
+        delay = link_delay(self, (j for j, n in enumerate(ins) if n))
         finish = self._start_all_to_all_single(out, inp, outs, ins, timeout)
-        if self.tracer is None and not delay:
-            return Pending(finish)
-
-        def traced() -> None:
-            ok = False
-            try:
-                time.sleep(delay)  # an injected slow link delays the exchange's completion
-                if finish is not None:
-                    finish()
-                ok = True
-            finally:
-                if self.tracer is not None:
-                    self.tracer.record("all_to_all_single", nbytes, self.group_ranks, t_enter, time.time(), ok)
-
-        return Pending(traced)
-
-    def _start_all_to_all_single(self, out, inp, out_splits: list[int], in_splits: list[int], timeout: float):
-        """Backend hook: start the exchange, return a callable that finishes it (None: already done)."""
-        self._all_to_all_single(out, inp, out_splits, in_splits, timeout)
-        return None
+        return Pending(traced_finish(self, "all_to_all_single", nbytes, t_enter, finish, delay))
 
     def all_gather(
         self, out: torch.Tensor, inp: torch.Tensor, *, timeout: float | None = None, validate: bool | None = None
     ) -> torch.Tensor:
-        """Concatenate every rank's ``inp [n, ...]`` into ``out [world_size * n, ...]`` in rank order."""
-        problem = self._pair_problem(out, inp) or self._shape_problem(
+        """Concatenate every rank's ``inp`` into ``out`` in rank order.
+
+        Args:
+            out: ``[world_size * n, ...]``, the same dtype, device and row shape as ``inp``.
+            inp: ``[n, ...]``, any supported dtype, contiguous; ``n`` the same on every rank.
+
+        Returns:
+            ``out``.
+        """
+        problem = pair_problem(out, inp) or shape_problem(
             out, (_rows(inp) * self.world_size, *inp.shape[1:]), "out", "world_size * inp rows"
         )
-        self._agree("all_gather", problem, out, inp, validate=validate, timeout=timeout)
-        return self._timed("all_gather", out.numel() * out.element_size(), self._all_gather, out, inp, timeout)
+        agreement.agree(self, "all_gather", problem, out, inp, validate=validate, timeout=timeout)
+        return timed(self, "all_gather", out.numel() * out.element_size(), self._all_gather, out, inp, timeout)
 
     def all_reduce(
         self, tensor: torch.Tensor, op: str = "sum", *, timeout: float | None = None, validate: bool | None = None
     ) -> torch.Tensor:
-        """Reduce ``tensor`` over all ranks in place (``op`` in sum, max, min, prod) and return it."""
-        problem = self._tensor_problem(tensor, "tensor") or self._op_problem(op)
-        self._agree("all_reduce", problem, tensor, tensor, reduce_op=op, validate=validate, timeout=timeout)
-        return self._timed("all_reduce", tensor.numel() * tensor.element_size(), self._all_reduce, tensor, op, timeout)
+        """Reduce ``tensor`` over all ranks in place.
+
+        Args:
+            tensor: ``[...]``, the same shape and dtype on every rank (not bool; bf16/fp16 reduce in fp32 on CPU).
+            op: ``sum``, ``max``, ``min`` or ``prod``.
+
+        Returns:
+            ``tensor``, now holding the reduction.
+        """
+        problem = tensor_problem(tensor, "tensor") or op_problem(op)
+        agreement.agree(self, "all_reduce", problem, tensor, tensor, reduce_op=op, validate=validate, timeout=timeout)
+        nbytes = tensor.numel() * tensor.element_size()
+        return timed(self, "all_reduce", nbytes, self._all_reduce, tensor, op, timeout)
 
     def reduce_scatter(
         self,
@@ -310,32 +282,49 @@ class Communicator(abc.ABC):
         timeout: float | None = None,
         validate: bool | None = None,
     ) -> torch.Tensor:
-        """Reduce ``inp [world_size * n, ...]`` over ranks; rank r keeps rows ``[r*n, (r+1)*n)`` in ``out [n, ...]``."""
+        """Reduce ``inp`` over ranks; rank r keeps rows ``[r*n, (r+1)*n)`` of the result in ``out``.
+
+        Args:
+            out: ``[n, ...]``, the same dtype, device and row shape as ``inp``.
+            inp: ``[world_size * n, ...]``, any supported dtype but bool, contiguous.
+            op: ``sum``, ``max``, ``min`` or ``prod``.
+
+        Returns:
+            ``out``.
+        """
         problem = (
-            self._pair_problem(out, inp)
-            or self._op_problem(op)
-            or self._shape_problem(inp, (_rows(out) * self.world_size, *out.shape[1:]), "inp", "world_size * out rows")
+            pair_problem(out, inp)
+            or op_problem(op)
+            or shape_problem(inp, (_rows(out) * self.world_size, *out.shape[1:]), "inp", "world_size * out rows")
         )
-        self._agree("reduce_scatter", problem, out, inp, reduce_op=op, validate=validate, timeout=timeout)
-        return self._timed(
-            "reduce_scatter", inp.numel() * inp.element_size(), self._reduce_scatter, out, inp, op, timeout
-        )
+        agreement.agree(self, "reduce_scatter", problem, out, inp, reduce_op=op, validate=validate, timeout=timeout)
+        nbytes = inp.numel() * inp.element_size()
+        return timed(self, "reduce_scatter", nbytes, self._reduce_scatter, out, inp, op, timeout)
 
     def broadcast(
         self, tensor: torch.Tensor, src: int = 0, *, timeout: float | None = None, validate: bool | None = None
     ) -> torch.Tensor:
-        """Copy rank ``src``'s ``tensor`` into every rank's ``tensor`` (in place) and return it."""
-        problem = self._tensor_problem(tensor, "tensor")
+        """Copy rank ``src``'s ``tensor`` into every rank's ``tensor`` (in place).
+
+        Args:
+            tensor: ``[...]``, the same shape and dtype on every rank, any supported dtype, contiguous.
+            src: the group rank whose tensor is copied.
+
+        Returns:
+            ``tensor``.
+        """
+        problem = tensor_problem(tensor, "tensor")
         if not 0 <= src < self.world_size:
             problem = problem or f"src={src} is not a rank of this group (world_size={self.world_size})"
-        self._agree("broadcast", problem, tensor, tensor, src=src, validate=validate, timeout=timeout)
-        return self._timed("broadcast", tensor.numel() * tensor.element_size(), self._broadcast, tensor, src, timeout)
+        agreement.agree(self, "broadcast", problem, tensor, tensor, src=src, validate=validate, timeout=timeout)
+        nbytes = tensor.numel() * tensor.element_size()
+        return timed(self, "broadcast", nbytes, self._broadcast, tensor, src, timeout)
 
     def barrier(self, *, timeout: float | None = None, validate: bool | None = None) -> None:
         """Wait until every rank of the group has arrived. Validated like every collective: a rank that calls
         another collective meanwhile is named on every rank, and so is a rank that never arrives."""
-        self._agree("barrier", None, None, None, validate=validate, timeout=timeout)
-        self._timed("barrier", 0, self._barrier, timeout)
+        agreement.agree(self, "barrier", None, None, None, validate=validate, timeout=timeout)
+        timed(self, "barrier", 0, self._barrier, timeout)
 
     def send(self, tensor: torch.Tensor, dst: int, *, timeout: float | None = None, validate: bool = False) -> None:
         """Send ``tensor`` to group rank ``dst``; UNCHECKED unless both sides pass ``validate=True``.
@@ -345,12 +334,17 @@ class Communicator(abc.ABC):
         it expects. ``validate=True`` first swaps a small header (dtype, shape) with the peer, so a difference is the
         same ``ValueError`` on both ranks before any data moves. ``validate`` must be the same on both sides: an
         unchecked peer would take the header for data.
+
+        Args:
+            tensor: ``[...]``, any supported dtype, contiguous; the receiver's has the same shape and dtype.
+            dst: the receiving group rank (not this rank).
+            timeout: seconds this call may take (None: the communicator's).
+            validate: swap headers with the peer first (both sides must agree on it).
         """
-        self._p2p_check(tensor, dst, "dst", validate, timeout)
-        delay = self._link_delay([dst]) if self.link_delays else 0.0
-        self._timed(
-            "send", tensor.numel() * tensor.element_size(), self._send, tensor, dst, timeout, delay=delay, peer=dst
-        )
+        agreement.p2p_check(self, tensor, dst, "dst", validate, timeout)
+        delay = link_delay(self, [dst])
+        nbytes = tensor.numel() * tensor.element_size()
+        timed(self, "send", nbytes, self._send, tensor, dst, timeout, delay=delay, peer=dst)
 
     def recv(
         self, tensor: torch.Tensor, src: int, *, timeout: float | None = None, validate: bool = False
@@ -358,30 +352,34 @@ class Communicator(abc.ABC):
         """Receive into ``tensor`` from group rank ``src`` and return it; UNCHECKED unless both pass ``validate=True``.
 
         The pair of ``send``: see there what goes undetected without ``validate=True``.
+
+        Args:
+            tensor: ``[...]`` receive buffer, the sender's shape and dtype, contiguous.
+            src: the sending group rank (not this rank).
+            timeout: seconds this call may take (None: the communicator's).
+            validate: swap headers with the peer first (both sides must agree on it).
+
+        Returns:
+            ``tensor``.
         """
-        self._p2p_check(tensor, src, "src", validate, timeout)
-        self._timed("recv", tensor.numel() * tensor.element_size(), self._recv, tensor, src, timeout, peer=src)
+        agreement.p2p_check(self, tensor, src, "src", validate, timeout)
+        nbytes = tensor.numel() * tensor.element_size()
+        timed(self, "recv", nbytes, self._recv, tensor, src, timeout, peer=src)
         return tensor
 
     def split(self, color: int | None, key: int | None = None) -> Communicator | None:
         """Sub-groups by ``color`` (like ``MPI_Comm_split``): ranks with equal color form a group ordered by
-        ``(key, rank)``. Collective over this group; a rank passing ``color=None`` joins none and gets ``None``.
+        ``(key, rank)``. Collective over this group (its headers are always exchanged).
+
+        Args:
+            color: the sub-group to join (>= 0), or None to join none.
+            key: order within the sub-group (None: this rank).
+
+        Returns:
+            This rank's sub-group, or None for ``color=None``.
         """
-        problem = None if color is None or int(color) >= 0 else f"color must be >= 0 or None, got {color}"
-        key = self.rank if key is None else int(key)
-        table = self._agree("split", problem, None, None, src=-1 if color is None else int(color), extra=key)
-        colors, keys = [row[6] for row in table], [row[7] for row in table]
-        groups = {
-            c: [r for _, r in sorted((k, r) for r, (cc, k) in enumerate(zip(colors, keys)) if cc == c)]
-            for c in set(colors)
-            if c >= 0
-        }
-        if not self.split_can_reorder and any(m != sorted(m) for m in groups.values()):
-            raise ValueError(
-                f"split on rank {self.rank}: the {self.backend} backend orders a sub-group by parent "
-                f"rank; a key that reorders ranks is not supported (keys: {keys})"
-            )
-        return self._new_group(groups.get(-1 if color is None else int(color), []), -1 if color is None else int(color))
+        members, code = agreement.split_members(self, color, self.rank if key is None else int(key))
+        return self._new_group(members, code)
 
     def inject_link_delay(self, src: int, dst: int, ms: float) -> None:
         """Fault injection: data this rank sends from global rank ``src`` to ``dst`` arrives ``ms`` later."""
@@ -389,13 +387,10 @@ class Communicator(abc.ABC):
             raise ValueError(f"inject_link_delay needs two different ranks and ms >= 0, got {src}->{dst} {ms} ms")
         self.link_delays[(int(src), int(dst))] = ms / 1000.0
 
-    def _link_delay(self, peers) -> float:
-        return max((self.link_delays.get((self.global_rank, self.group_ranks[j]), 0.0) for j in peers), default=0.0)
-
     def __enter__(self) -> Communicator:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def __repr__(self) -> str:
@@ -403,166 +398,3 @@ class Communicator(abc.ABC):
             f"{type(self).__name__}(rank={self.rank}, world_size={self.world_size}, "
             f"group_ranks={list(self.group_ranks)})"
         )
-
-    # ---------------------------------------------------------------- checks
-    def _tensor_problem(self, t, name: str) -> str | None:
-        if not isinstance(t, torch.Tensor):
-            return f"{name} must be a torch.Tensor, got {type(t).__name__}"
-        if t.dtype not in DTYPE_CODE:
-            return f"{name} has unsupported dtype {t.dtype}"
-        if not t.is_contiguous():
-            return f"{name} must be contiguous"
-        return None
-
-    def _pair_problem(self, out, inp) -> str | None:
-        problem = self._tensor_problem(inp, "inp") or self._tensor_problem(out, "out")
-        if problem:
-            return problem
-        if out.dtype != inp.dtype:
-            return f"dtype mismatch: out is {out.dtype}, inp is {inp.dtype}"
-        if out.device != inp.device:
-            return f"device mismatch: out is on {out.device}, inp is on {inp.device}"
-        if out.shape[1:] != inp.shape[1:]:
-            return f"row shape mismatch: out rows are {tuple(out.shape[1:])}, inp rows are {tuple(inp.shape[1:])}"
-        return None
-
-    @staticmethod
-    def _shape_problem(t, expected: tuple, name: str, rule: str) -> str | None:
-        if tuple(t.shape) != tuple(expected):
-            return f"{name} has shape {tuple(t.shape)}, expected {tuple(expected)} ({rule})"
-        return None
-
-    @staticmethod
-    def _op_problem(op: str) -> str | None:
-        return None if op in REDUCE_OPS else f"op must be one of {REDUCE_OPS}, got {op!r}"
-
-    def _local_a2a_problem(self, out, inp, out_splits, in_splits):
-        problem = self._pair_problem(out, inp)
-        if problem:
-            return problem, [0] * self.world_size, [0] * self.world_size
-        w = self.world_size
-        ins = (
-            _even_splits("in_splits", w, _rows(inp))
-            if in_splits is None
-            else _check_splits("in_splits", in_splits, w, _rows(inp))
-        )
-        outs = (
-            _even_splits("out_splits", w, _rows(out))
-            if out_splits is None
-            else _check_splits("out_splits", out_splits, w, _rows(out))
-        )
-        for bad in (ins, outs):
-            if isinstance(bad, str):
-                return bad, [0] * w, [0] * w
-        return None, ins, outs
-
-    def _p2p_check(self, tensor, peer: int, name: str, validate: bool, timeout: float | None) -> None:
-        op = "send" if name == "dst" else "recv"
-        problem = self._tensor_problem(tensor, "tensor")
-        if not 0 <= peer < self.world_size or peer == self.rank:  # no partner to tell: fail here, alone
-            where = (
-                "this rank itself" if peer == self.rank else f"not a rank of this group (world_size={self.world_size})"
-            )
-            raise ValueError(f"{op} on rank {self.rank}: {name}={peer} is {where}")
-        if validate:
-            timeout = self.timeout if timeout is None else float(timeout)
-            header = peer_checks.swap_p2p_headers(self, peer_checks.p2p_header(op, tensor, problem), peer, timeout)
-            problem = problem or peer_checks.p2p_problem(header, (min(self.rank, peer), max(self.rank, peer)))
-        if problem:
-            raise ValueError(f"{op} on rank {self.rank}: {problem}")
-
-    def _agree(
-        self,
-        op: str,
-        problem: str | None,
-        out,
-        inp,
-        *,
-        splits=None,
-        src: int = 0,
-        reduce_op: str = "sum",
-        extra: int = 0,
-        validate: bool | None = None,
-        timeout: float | None = None,
-        agreed: bool = False,
-    ) -> torch.Tensor | None:
-        """Check the call on every rank; raise the same ``ValueError`` everywhere if any rank's call is bad.
-
-        Returns every rank's header (``world_size`` lists of ``8 + 2*world_size`` ints) when they were exchanged.
-        An unchecked all-to-all still exchanges them where the host waits for it anyway (``peer_checks``: gloo
-        would abort), through host memory and without arrival count or trace record.
-        """
-        checked = (self.validate if validate is None else validate) or op == "split"
-        on_host = not checked and not agreed and op == "all_to_all_single" and self._sizes_agreed_on_host(inp)
-        if not checked and not on_host:
-            if problem:
-                raise ValueError(f"{op} on rank {self.rank}: {problem}")
-            return None
-        mine = peer_checks.call_header(op, problem, out, inp, self.world_size, splits, src, reduce_op, extra)
-        self._header_of = op
-        try:
-            if on_host:
-                table = peer_checks.gather_on_host(self, mine, self.timeout if timeout is None else float(timeout))
-            else:
-                table = self._gather_validated(mine, timeout)
-        except CollectiveError as exc:
-            raise self._name_absent(exc, op) from exc
-        finally:
-            self._header_of = ""
-        if problem:
-            raise ValueError(f"{op} on rank {self.rank}: {problem}")
-        disagreement = peer_checks.header_problem(op, table)
-        if disagreement:
-            raise ValueError(f"{op} on rank {self.rank}: {disagreement}")
-        return table
-
-    def _gather_validated(self, mine: list[int], timeout: float | None) -> list[list[int]]:
-        """A validated call's header exchange: after the arrival count that names a rank which never comes; traced."""
-        self._validated += 1
-        self._mark_arrival(self._validated)
-        device = self._header_device()
-        header = torch.empty(self.world_size, len(mine), dtype=torch.int64, device=device)
-        row = torch.tensor(mine, dtype=torch.int64).view(1, -1).to(device)
-        self._timed("validate", header.numel() * 8, self._all_gather, header, row, timeout)
-        return header.cpu().tolist()
-
-    def _sizes_agreed_on_host(self, t) -> bool:
-        """Whether an unchecked all-to-all of ``t`` agrees its split sizes first: where the host waits for the
-        exchange anyway (not CUDA), so that costs one small round trip and no device read."""
-        device = t.device if isinstance(t, torch.Tensor) else self.device
-        return self.world_size > 1 and device.type != "cuda"
-
-    # ---------------------------------------------------------------- tracing and timeouts
-    def _timed(self, op: str, nbytes: int, fn, *args, delay: float = 0.0, peer: int | None = None):
-        """Run a primitive with this call's timeout (the last arg), recording it when tracing is on.
-
-        ``delay`` (injected link delay, seconds) is spent inside the op, as a slow link would spend it.
-        """
-        *head, timeout = args
-        timeout = self.timeout if timeout is None else float(timeout)
-        if self.tracer is None:
-            if delay:
-                time.sleep(delay)
-            return fn(*head, timeout)
-        t_enter = time.time()
-        ok = False
-        try:
-            if delay:
-                time.sleep(delay)
-            result = fn(*head, timeout)
-            ok = True
-            return result
-        finally:
-            self.tracer.record(
-                op,
-                nbytes,
-                self.group_ranks,
-                t_enter,
-                time.time(),
-                ok,
-                peer=None if peer is None else self.group_ranks[peer],
-            )
-
-
-def as_timedelta(seconds: float) -> timedelta:
-    return timedelta(seconds=seconds)

@@ -22,6 +22,7 @@ import uuid
 import numpy as np
 import torch
 
+from collectives import agreement
 from collectives.base import CollectiveError, Communicator
 from collectives.peer_checks import row_numel as _row_numel
 
@@ -276,7 +277,7 @@ class _Watchdog:
             if deadline is not None and time.monotonic() > deadline:
                 comm, op, timeout = self._what
                 op = comm._header_of or op  # a validated call times out in its header's exchange: name the call
-                absent = comm._absent_ranks()
+                absent = agreement.absent_ranks(comm)
                 who = (
                     f"rank(s) {absent} never reached it (stuck or busy before it, or dead)"
                     if absent

@@ -6,7 +6,7 @@ rows in, rows out, src, reduce op, then split sizes per peer (collectives) or th
 headers of the ranks involved are exchanged and compared, so that every one of them raises the same
 ``ValueError`` naming the difference. Three exchanges carry them:
 
-- a validated collective (``validate=True``) all-gathers them over the group (``Communicator._agree``), after
+- a validated collective (``validate=True``) all-gathers them over the group (``agreement.agree``), after
   writing the arrival count that names a rank which never came;
 - an unchecked all-to-all (``validate=False``) on tensors whose exchange the host waits for anyway (CPU: gloo, MPI)
   exchanges them too, through host memory and without arrival count or trace record (``gather_on_host``): gloo
@@ -22,8 +22,12 @@ from __future__ import annotations
 
 import math
 from array import array
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:  # the facade imports this module: a runtime import back would be a cycle
+    from collectives.base import Communicator
 
 REDUCE_OPS = ("sum", "max", "min", "prod")
 OPS = (
@@ -73,7 +77,7 @@ def call_header(op: str, problem, out, inp, world: int, splits, src: int, reduce
     return [0 if problem is None else 1, OP_CODE[op], 0, 0, 0, 0, src, extra] + [0] * (2 * world)
 
 
-def gather_on_host(comm, mine: list[int], timeout: float) -> list[list[int]]:
+def gather_on_host(comm: Communicator, mine: list[int], timeout: float) -> list[list[int]]:
     """Every rank's header, for an unchecked all-to-all of host tensors: an all-to-all that sends ``mine`` to each
     peer (an all-gather in effect; gloo's all-to-all is the cheaper of the two), through two host buffers held
     here. The tensors are views lent to the backend and the answer is read from the buffer, not through a tensor:
@@ -178,7 +182,7 @@ def p2p_problem(header: torch.Tensor, ranks: tuple[int, int]) -> str | None:
     return None
 
 
-def swap_p2p_headers(comm, mine: torch.Tensor, peer: int, timeout: float) -> torch.Tensor:
+def swap_p2p_headers(comm: Communicator, mine: torch.Tensor, peer: int, timeout: float) -> torch.Tensor:
     """Both headers ``[2, ...]``, lower rank's first, swapped over the pair with the backend's own send/recv.
 
     The lower rank sends first and the higher one receives first, whatever each of them called, so the swap ends
