@@ -8,17 +8,24 @@ trust. Their measured pass rates are in tools/README.md and simulator/README.md.
 
 Without a GPU, numba-cuda kernels run under numba's CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``, set below).
 
+``MOONEP_TEST_FAST=1`` (set by ``make test-fast``): the edit-loop tier. Tests marked ``@pytest.mark.spawns`` (they
+start processes: local ranks, torchrun, a command line in a subprocess) are deselected, and any other test that
+starts a process fails, naming itself, so the tier stays fast and the marks stay true. ``make test`` runs both.
+
 ``MOONEP_GPU_CHECK=1`` (set by ``make gpu-check``): every skip is turned into a failure carrying the skip reason.
 The GPU checks skip wherever their GPU, library or driver is missing, so on the machine meant to run them a skip
 means a check silently did not happen.
 """
 
+import multiprocessing.process
 import os
+import subprocess
 
 import pytest
 
 HOST_NOISE_ENV = "MOONEP_HOST_NOISE_TESTS"
 GPU_CHECK_ENV = "MOONEP_GPU_CHECK"
+FAST_ENV = "MOONEP_TEST_FAST"
 
 # The device planner's numba-cuda kernel runs under numba's CUDA simulator unless a run asks for the real GPU
 # (`make gpu-check` sets NUMBA_ENABLE_CUDASIM=0). numba reads this once, at import: set it before any test
@@ -27,12 +34,32 @@ os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
 
 
 def pytest_collection_modifyitems(config, items):
+    if os.environ.get(FAST_ENV) == "1":
+        spawning = [item for item in items if "spawns" in item.keywords]
+        items[:] = [item for item in items if "spawns" not in item.keywords]
+        config.hook.pytest_deselected(items=spawning)
     if os.environ.get(HOST_NOISE_ENV) == "1":
         return
     skip = pytest.mark.skip(reason=f"depends on a quiet host; set {HOST_NOISE_ENV}=1 to run")
     for item in items:
         if "host_noise" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _no_process_in_the_fast_tier(request, monkeypatch):
+    """Under ``MOONEP_TEST_FAST=1``, starting a process fails the test that does it (mark it ``spawns``)."""
+    if os.environ.get(FAST_ENV) != "1":
+        return
+
+    def refuse(*args, **kwargs):
+        pytest.fail(
+            f"{request.node.nodeid} starts a process: mark it @pytest.mark.spawns (make test-fast leaves those out)",
+            pytrace=False,
+        )
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse)
 
 
 def _skip_reason(longrepr) -> str:

@@ -64,6 +64,7 @@ def run_blocked(tmp_path, blocked: list[str], *argv: str) -> tuple[subprocess.Co
     return proc, tried
 
 
+@pytest.mark.spawns
 def test_python_m_planner_help_without_moonep_collectives_torch(tmp_path):
     proc, tried = run_blocked(tmp_path, ["moonep", "collectives", "torch"], "-m", "planner", "--help")
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -71,6 +72,7 @@ def test_python_m_planner_help_without_moonep_collectives_torch(tmp_path):
     assert not tried, f"python -m planner --help tried to import {tried}"
 
 
+@pytest.mark.spawns
 def test_python_m_collectives_help_without_moonep(tmp_path):
     proc, tried = run_blocked(tmp_path, ["moonep"], "-m", "collectives", "--help")
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -78,12 +80,14 @@ def test_python_m_collectives_help_without_moonep(tmp_path):
     assert not tried, f"python -m collectives --help tried to import {tried}"
 
 
+@pytest.mark.spawns
 def test_blocker_blocks(tmp_path):
     """The harness itself: a blocked import fails and is logged."""
     proc, tried = run_blocked(tmp_path, ["moonep"], "-c", "import moonep")
     assert proc.returncode == 1 and "ModuleNotFoundError" in proc.stderr and tried == ["moonep"]
 
 
+@pytest.mark.spawns
 @pytest.mark.parametrize("package", [p for p in PACKAGES if p not in ("planner", "collectives")])
 def test_python_m_package_runs_without_the_packages_above_it(tmp_path, package):
     blocked = blocked_for(package)
@@ -120,6 +124,7 @@ def _required(command: str) -> list[str]:
     return {"plan": ["--synthetic", "zipf:1"], "diagnose": ["somewhere"]}.get(command, [])
 
 
+@pytest.mark.spawns
 def test_console_script_help(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "moonep.console", "--help"],

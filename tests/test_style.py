@@ -163,6 +163,7 @@ def test_the_checkers_see_what_they_should(tmp_path):
     assert sorted(reasons) == [False, False, True]
 
 
+@pytest.mark.spawns
 @pytest.mark.parametrize("package", [p for p in PACKAGES if os.path.exists(os.path.join(ROOT, p, "cli.py"))])
 def test_cli_module_loads_nothing_its_package_does_not(package):
     """``moonep --help`` imports every ``<package>.cli``: module-level imports there may only be what ``import

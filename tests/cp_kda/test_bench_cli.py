@@ -9,6 +9,7 @@ import pytest
 from moonep.console import main
 
 
+@pytest.mark.spawns
 def test_quick_bench_writes_the_stable_schema(tmp_path):
     out = tmp_path / "kda.json"
     assert main(["bench", "kda", "--quick", "--json", str(out)], packages=["cp_kda"]) == 0
@@ -24,6 +25,7 @@ def test_quick_bench_writes_the_stable_schema(tmp_path):
     assert result["cp"][0]["bytes_per_rank"] == 4 * cfg["H"] * cfg["K"] * (cfg["K"] + cfg["V"])
 
 
+@pytest.mark.spawns
 def test_cli_module_is_light():
     """``moonep --help`` imports every package's cli module: ours must not pull in torch."""
     code = "import sys, cp_kda.cli; print('torch' in sys.modules)"

@@ -10,6 +10,8 @@ from collectives import launch
 from cp_kda import context_parallel_kda, context_parallel_short_conv, kda_recurrent, short_conv
 from tests.cp_kda.helpers import loss_grads, make_inputs, max_abs, rel_rms
 
+pytestmark = pytest.mark.spawns  # every test here starts processes: make test-fast leaves them out
+
 T = 48
 H, K, V = 2, 6, 5
 CASES = [  # (name, B, cu_seqlens) over T = 48 global tokens

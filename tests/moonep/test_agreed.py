@@ -11,6 +11,8 @@ import moonep
 import planner
 from collectives import launch
 
+pytestmark = pytest.mark.spawns  # every test here starts processes: make test-fast leaves them out
+
 
 def _buffer_rank(comm, case: str) -> str:
     kw = {"S": 8, "H": 4, "K": 2, "E": 2 * comm.world_size}

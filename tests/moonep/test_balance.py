@@ -13,6 +13,8 @@ from collectives import launch
 from moonep import expert_math
 from moonep.hostreads import CPU_KERNEL_ENTRIES, HostReads
 
+pytestmark = pytest.mark.spawns  # every test here starts processes: make test-fast leaves them out
+
 H, F, K, S = 8, 8, 2, 32
 
 

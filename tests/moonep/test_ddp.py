@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 from torch import nn
 
 import moonep
 from collectives import launch
 from moonep.reference import naive_experts
+
+pytestmark = pytest.mark.spawns  # every test here starts processes: make test-fast leaves them out
 
 H, F, K, S, LR, STEPS = 8, 4, 2, 6, 0.1, 2
 

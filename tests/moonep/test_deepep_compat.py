@@ -9,6 +9,7 @@ from tests.moonep.deepep_battery import job
 V1 = ["v1_layout_and_round_trip", "v1_dispatch", "v1_surface"]
 
 
+@pytest.mark.spawns
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 @pytest.mark.parametrize("check", V1)
 def test_deepep_v1(world_size, check):

@@ -8,6 +8,7 @@ from tests.moonep.deepep_battery import job
 from tests.moonep.deepep_v2_checks import CHECKS
 
 
+@pytest.mark.spawns
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 @pytest.mark.parametrize("check", sorted(CHECKS))
 def test_deepep_v2(world_size, check):

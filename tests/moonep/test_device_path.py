@@ -147,6 +147,7 @@ def _moe_step(comm, layers: int) -> tuple[list, int]:
     return reads.where, replicas
 
 
+@pytest.mark.spawns
 @pytest.mark.parametrize("world_size,layers", [(2, 1), (2, 2), (3, 1)])
 def test_one_host_read_per_moe_layer(world_size: int, layers: int):
     """The budget: one read of the split table per layer forward; the backward and the rest read nothing."""
@@ -163,6 +164,7 @@ def _device_rank(comm) -> list[str]:
     ]
 
 
+@pytest.mark.spawns
 def test_buffer_device_follows_its_communicator():
     """device=None takes the communicator's device; an explicit device wins; 'cuda' names the current GPU."""
     assert launch(_device_rank, 2, timeout=20, job_timeout=60) == ["cpu", "meta"]

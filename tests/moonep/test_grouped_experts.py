@@ -105,6 +105,7 @@ def _results() -> dict:
     return launch(_job, 2, backend="torch", timeout=30, job_timeout=180)
 
 
+@pytest.mark.spawns
 @pytest.mark.parametrize("case", ["fused_swiglu", "fused_situ_recompute", "linear_situ", "linear_swiglu_recompute"])
 def test_grouped_experts_equals_dense_twin_on_two_ranks(case):
     assert _results()[case] is None, _results()[case]

@@ -181,6 +181,7 @@ def job(world_size):
     return launch(megatron_checks, world_size, timeout=60, job_timeout=240)
 
 
+@pytest.mark.spawns
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 @pytest.mark.parametrize("check", [*CASES, *BAD, "recovers", "grew", "foreign_layout"])
 def test_megatron_dispatcher(world_size, check):
@@ -317,6 +318,7 @@ def _have_megatron() -> bool:
         return False
 
 
+@pytest.mark.spawns
 @pytest.mark.skipif(not _have_megatron(), reason="megatron-core is not installed (CPU wheel: pip install --no-deps)")
 @pytest.mark.parametrize("check", ["numerics", "replicas"])
 def test_inside_megatron_moe_layer(check):

@@ -3,11 +3,14 @@ per-rank token counts without total_num_tokens, and clear errors on every rank f
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import moonep
 from collectives import launch
 from moonep.reference import naive_experts
+
+pytestmark = pytest.mark.spawns  # every test here starts processes: make test-fast leaves them out
 
 H, F, K = 8, 4, 2
 

@@ -50,6 +50,7 @@ def job(backend: str, world_size: int) -> dict:
     return launch(battery.run, world_size, backend=backend, timeout=30, job_timeout=240)
 
 
+@pytest.mark.spawns
 @pytest.mark.parametrize("backend,world_size", JOBS, ids=[f"{b}-{n}" for b, n in JOBS])
 @pytest.mark.parametrize("check", CHECKS)
 def test_moonep(backend, world_size, check):
@@ -60,10 +61,12 @@ def test_moonep(backend, world_size, check):
     assert results[check] is None, results[check]
 
 
+@pytest.mark.spawns
 def test_battery_runs_exactly_the_listed_checks():
     assert set(job("torch", 2)) == set(CHECKS)
 
 
+@pytest.mark.spawns
 def test_import_is_lazy():
     code = "import sys, moonep, moonep.cli; assert 'torch' not in sys.modules, 'torch imported'; print('ok')"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
@@ -128,6 +131,7 @@ def test_bench_ep_refuses_bad_arguments_in_one_line(capsys, extra, named):
     assert err.startswith(f"moonep bench ep: {named}") and "Traceback" not in err, err
 
 
+@pytest.mark.spawns
 def test_bench_quick_schema(tmp_path):
     """`moonep bench ep --quick` writes the stable JSON schema and a plot; ours (cost-aware, the default) stays
     inside its row bound and never computes more rows than the classic dispatcher's hottest rank."""

@@ -12,6 +12,8 @@ import torch
 import moonep
 from collectives import launch
 
+pytestmark = pytest.mark.spawns  # every test here starts processes: make test-fast leaves them out
+
 
 def _routing(comm, seed: int, s: int = 6, K: int = 2):
     g = torch.Generator().manual_seed(seed * 10 + comm.rank)

@@ -146,6 +146,7 @@ def _tt_rank(comm) -> dict:
     return worst
 
 
+@pytest.mark.spawns
 def test_torchtitan_qwen3_moe_expert_parallel_equals_the_unmodified_model():
     worst = launch(_tt_rank, 4, timeout=60, job_timeout=300)  # EP 4: every rank holds 2 of the 8 experts
     assert worst["bf16"]["stock_bf16_logits"] < 2e-2, worst["bf16"]  # stock torchtitan: bf16 expert GEMMs

@@ -17,6 +17,8 @@ import torchtitan.models.qwen3  # noqa: F401 - on 3.11+ a missing install fails 
 
 from moonep.integrations import torchtitan as tt
 
+pytestmark = pytest.mark.spawns  # every test here starts processes: make test-fast leaves them out
+
 E, LAYERS, SEED = 64, 2, 0
 
 

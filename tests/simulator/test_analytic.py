@@ -178,6 +178,7 @@ def test_k3_step_is_fast():
     assert t1 - t0 < 1.0 and time.perf_counter() - t1 < 10.0
 
 
+@pytest.mark.spawns
 def test_pure_model_imports_no_torch_or_collectives():
     """Design rule: the cost model is numbers in, numbers out (no torch.distributed, no collectives)."""
     import subprocess

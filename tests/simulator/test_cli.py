@@ -396,6 +396,7 @@ def test_whatif_cli(tmp_path):
     assert alone == sorted(alone, reverse=True) and alone[-1] >= 1.0 and alone[0] <= data["slowdown"]
 
 
+@pytest.mark.spawns
 def test_calibrate_writes_usable_profile(tmp_path):
     """Measures through collectives.launch (2 local ranks) and the profile drives a simulation."""
     prof = tmp_path / "hw.json"

@@ -102,6 +102,7 @@ def _count_step(comm):
         return fwd, bwd, Count.n
 
 
+@pytest.mark.spawns
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_census_matches_the_k3_implementation(ranks):
     """The constants in simulator.host were counted on k3's code; a change there shows up here."""

@@ -43,6 +43,7 @@ def test_slowdown_1_2x_found_on_right_rank_within_10_steps(tmp_path):
     assert slow[0]["what_if_step_time_s"] < after
 
 
+@pytest.mark.spawns
 def test_link_delay_attributed_to_its_pair(tmp_path):
     """Catches: a slow link blamed on a rank's compute, or on the wrong pair."""
     spec = "src=1,dst=3,ms=80,from_step=4"  # well above this shared host's step jitter (30 ms is found 3 in 4)
@@ -65,12 +66,14 @@ def test_100_clean_steps_raise_no_alarm(tmp_path):
     assert report["findings"] == [], kinds(report)
 
 
+@pytest.mark.spawns
 def test_skewed_router_blamed_on_routing_not_hardware(tmp_path):
     report = diagnose_run(tmp_path, steps=24, skew=0.5, hot_rank=1)
     assert ("routing_imbalance", [1]) in kinds(report)
     assert not [f for f in report["findings"] if f["kind"] in ("slow_compute", "slow_link")], kinds(report)
 
 
+@pytest.mark.spawns
 def test_clean_probe_has_no_slow_pair(tmp_path, capsys):
     """Through the issue's spelling `moonep diagnose probe --world-size N` (alias of `moonep probe`)."""
     rc = main(
@@ -82,6 +85,7 @@ def test_clean_probe_has_no_slow_pair(tmp_path, capsys):
     assert "no slow pair" in capsys.readouterr().out
 
 
+@pytest.mark.spawns
 def test_demo_command_finds_a_slow_data_loader(tmp_path, capsys):
     rc = main(
         [
@@ -104,6 +108,7 @@ def test_demo_command_finds_a_slow_data_loader(tmp_path, capsys):
     assert "data_loader" in capsys.readouterr().out
 
 
+@pytest.mark.spawns
 def test_telemetry_benchmark_reports_ratio(tmp_path):
     result = bench_telemetry(world_size=2, steps=24, blocks=4, interval_s=0.05)
     assert len(result["pair_ratios"]) == 2

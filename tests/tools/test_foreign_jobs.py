@@ -18,6 +18,8 @@ import pytest
 
 from moonep.console import main
 
+pytestmark = pytest.mark.spawns  # every test here starts processes: make test-fast leaves them out
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 ONSET, STEPS, SLOW_RANK = 10, 30, 1

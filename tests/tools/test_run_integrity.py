@@ -131,6 +131,7 @@ def _traced_job(comm, steps: int) -> None:
         comm.all_reduce(x)
 
 
+@pytest.mark.spawns
 def test_real_runs_carry_one_run_id_and_two_runs_in_one_folder_are_refused(tmp_path, capsys):
     """Two real 2-rank gloo jobs traced into one folder append to the same rank files: one run id per job in
     every rank's header, and ``diagnose`` refuses the folder naming both runs."""
