@@ -24,18 +24,15 @@ Checked ``send``/``recv`` (both sides ``validate=True``) swap their headers betw
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import torch
 
 from collectives import peer_checks
+from collectives.core import CommunicatorCore
 from collectives.errors import CollectiveError
 from collectives.peer_checks import DTYPE_CODE, REDUCE_OPS
 from collectives.peer_checks import rows as _rows
 from collectives.timing import call_timeout, timed
-
-if TYPE_CHECKING:  # the facade imports this module: a runtime import back would be a cycle
-    from collectives.base import Communicator
 
 
 # ------------------------------------------------------------------------------------------- local checks
@@ -130,7 +127,7 @@ def a2a_problem(
 
 # ------------------------------------------------------------------------------------------- the exchange
 def agree(
-    comm: Communicator,
+    comm: CommunicatorCore,
     op: str,
     problem: str | None,
     out: torch.Tensor | None,
@@ -174,7 +171,7 @@ def agree(
 
 
 def exchange(
-    comm: Communicator,
+    comm: CommunicatorCore,
     op: str,
     problem: str | None,
     out: torch.Tensor | None,
@@ -212,7 +209,7 @@ def exchange(
     return table
 
 
-def gather_validated(comm: Communicator, mine: list[int], timeout: float | None) -> list[list[int]]:
+def gather_validated(comm: CommunicatorCore, mine: list[int], timeout: float | None) -> list[list[int]]:
     """A validated call's header exchange: after the arrival count that names a rank which never comes; traced."""
     comm._validated += 1
     comm._mark_arrival(comm._validated)
@@ -223,7 +220,7 @@ def gather_validated(comm: Communicator, mine: list[int], timeout: float | None)
     return header.cpu().tolist()
 
 
-def split_members(comm: Communicator, color: int | None, key: int) -> tuple[list[int], int]:
+def split_members(comm: CommunicatorCore, color: int | None, key: int) -> tuple[list[int], int]:
     """A ``split``'s agreement: every rank's color and key travel in its header (always exchanged).
 
     Returns:
@@ -248,7 +245,7 @@ def split_members(comm: Communicator, color: int | None, key: int) -> tuple[list
 
 
 def p2p_check(
-    comm: Communicator, tensor: torch.Tensor, peer: int, name: str, validate: bool, timeout: float | None
+    comm: CommunicatorCore, tensor: torch.Tensor, peer: int, name: str, validate: bool, timeout: float | None
 ) -> None:
     """Check a ``send`` (``name="dst"``) or ``recv`` (``name="src"``) of ``tensor`` with group rank ``peer``.
 
@@ -269,7 +266,7 @@ def p2p_check(
 
 
 # ------------------------------------------------------------------------------------------- naming absentees
-def absent_ranks(comm: Communicator) -> list[int]:
+def absent_ranks(comm: CommunicatorCore) -> list[int]:
     """Global ranks whose arrival count is behind ours: they never reached this rank's current validated call
     ([] when the backend keeps no counts)."""
     seen = comm._arrivals()
@@ -278,7 +275,7 @@ def absent_ranks(comm: Communicator) -> list[int]:
     return [comm.group_ranks[r] for r in range(comm.world_size) if seen.get(r, 0) < comm._validated]
 
 
-def name_absent(comm: Communicator, exc: CollectiveError, op: str) -> CollectiveError:
+def name_absent(comm: CommunicatorCore, exc: CollectiveError, op: str) -> CollectiveError:
     """``exc`` with the ranks that never reached this call named (their arrival count is behind ours)."""
     absent = absent_ranks(comm)
     if not absent:

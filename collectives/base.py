@@ -1,5 +1,5 @@
-"""The ``Communicator``: one face over torch.distributed, mpi4py and NVSHMEM (the facade: the interface, its
-public calls and the hooks a backend overrides).
+"""The ``Communicator``: one face over torch.distributed, mpi4py and NVSHMEM (the facade: the public calls over
+the state and backend contract of ``collectives.core``).
 
 Every public call takes and returns torch tensors, checks its arguments before any data moves (the header
 agreement of ``collectives.agreement``: with ``validate=True``, the default, a bad argument on one rank is the same
@@ -19,12 +19,11 @@ import torch
 
 from collectives import agreement
 from collectives.agreement import op_problem, pair_problem, shape_problem, tensor_problem
+from collectives.core import CommunicatorCore
 from collectives.errors import CollectiveError
-from collectives.faults import link_delays_from_env
 from collectives.peer_checks import REDUCE_OPS
 from collectives.peer_checks import rows as _rows
 from collectives.timing import as_timedelta, call_timeout, link_delay, timed, traced_finish
-from collectives.trace import Tracer, tracer_from_env
 
 __all__ = ["REDUCE_OPS", "CollectiveError", "Communicator", "Pending", "as_timedelta"]
 
@@ -42,10 +41,10 @@ class Pending:
             finish()
 
 
-class Communicator(abc.ABC):
-    """A group of ranks that exchange torch tensors.
+class Communicator(CommunicatorCore):
+    """A group of ranks that exchange torch tensors: the public calls over a backend's primitives.
 
-    Attributes:
+    Attributes (set by ``CommunicatorCore``, which lists them all):
         rank: this process's index in the group, ``0 <= rank < world_size``.
         world_size: number of ranks in the group.
         group_ranks: global (world) rank of each member, indexed by group rank.
@@ -56,107 +55,12 @@ class Communicator(abc.ABC):
     exchanges the argument header); None, their default, means the communicator's.
     """
 
-    backend: str = "abstract"
-    split_can_reorder: bool = True
-    """Whether ``split``'s ``key`` may order a sub-group differently from parent rank order."""
-
-    def __init__(
-        self,
-        rank: int,
-        world_size: int,
-        group_ranks: Sequence[int],
-        *,
-        timeout: float = 60.0,
-        validate: bool = True,
-        tracer: Tracer | None = None,
-        global_rank: int | None = None,
-    ):
-        if timeout <= 0:
-            raise ValueError(f"timeout must be positive seconds, got {timeout}")
-        self.rank = rank
-        self.world_size = world_size
-        self.group_ranks = tuple(int(r) for r in group_ranks)
-        self.timeout = float(timeout)
-        self.validate = validate
-        self.global_rank = self.group_ranks[rank] if global_rank is None else global_rank
-        self.tracer = tracer if tracer is not None else tracer_from_env(self.global_rank)
-        if self.tracer is not None and self.tracer.world_size is None and self.group_ranks == tuple(range(world_size)):
-            self.tracer.world_size = world_size  # the world communicator comes first; sub-groups never set it
-        self.link_delays = link_delays_from_env()  # {(src, dst) global ranks: seconds}; empty = no injection
-        self._validated = 0  # validated calls entered on this group (``_mark_arrival``)
-        self._header_of = ""  # the op whose argument header is being exchanged (names it in a backend's timeout)
-
-    # ---------------------------------------------------------------- backend primitives (checked input)
-    @abc.abstractmethod
-    def _all_to_all_single(self, out, inp, out_splits: list[int], in_splits: list[int], timeout: float): ...
-
-    @abc.abstractmethod
-    def _all_gather(self, out, inp, timeout: float): ...
-
-    @abc.abstractmethod
-    def _all_reduce(self, tensor, op: str, timeout: float): ...
-
-    @abc.abstractmethod
-    def _reduce_scatter(self, out, inp, op: str, timeout: float): ...
-
-    @abc.abstractmethod
-    def _broadcast(self, tensor, src: int, timeout: float): ...
-
-    @abc.abstractmethod
-    def _barrier(self, timeout: float): ...
-
-    @abc.abstractmethod
-    def _send(self, tensor, dst: int, timeout: float): ...
-
-    @abc.abstractmethod
-    def _recv(self, tensor, src: int, timeout: float): ...
-
     @abc.abstractmethod
     def _new_group(self, members: list[int], color: int) -> Communicator | None:
         """Sub-communicator over ``members`` (group ranks of self, in new-rank order).
 
         Called on every rank of ``self``; ranks that are not members get ``members == []`` and return ``None``.
         """
-
-    # ---------------------------------------------------------------- backend hooks with defaults
-    def _start_all_to_all_single(
-        self, out, inp, out_splits: list[int], in_splits: list[int], timeout: float
-    ) -> Callable[[], None] | None:
-        """Backend hook: start the exchange, return a callable that finishes it (None: already done)."""
-        self._all_to_all_single(out, inp, out_splits, in_splits, timeout)
-        return None
-
-    def _header_device(self) -> torch.device:
-        """Where the validation header lives (a backend whose group only moves CUDA tensors overrides this)."""
-        return torch.device("cpu")
-
-    def _sizes_agreed_on_host(self, t: torch.Tensor | None) -> bool:
-        """Whether an unchecked all-to-all of ``t`` agrees its split sizes first: where the host waits for the
-        exchange anyway (not CUDA), so that costs one small round trip and no device read."""
-        device = t.device if isinstance(t, torch.Tensor) else self.device
-        return self.world_size > 1 and device.type != "cuda"
-
-    def report_failure(self, message: str) -> None:  # noqa: B027  # optional hook: a no-op is a correct default
-        """Tell peers that this rank failed, so their timeouts can name it. Best effort; backends may ignore."""
-
-    def _mark_arrival(self, count: int) -> None:  # noqa: B027  # optional hook: a no-op is a correct default
-        """Record that this rank entered its ``count``-th validated call on this group (where peers can read it
-        after a timeout). Best effort; backends without a shared store ignore it."""
-
-    def _arrivals(self) -> dict[int, int] | None:
-        """``{group rank: validated calls entered}`` as recorded by ``_mark_arrival``; None when unknown."""
-        return None
-
-    @property
-    def device(self) -> torch.device:
-        """Where this group's data lives by default (where an EP ``Buffer`` over it allocates): the CPU unless the
-        backend moves CUDA tensors (NCCL in the group, NVSHMEM), then the current CUDA device."""
-        return torch.device("cpu")
-
-    def close(self) -> None:
-        """Release backend resources of this communicator (collective over the group where the backend needs it)."""
-        if self.tracer is not None:
-            self.tracer.close()
 
     # ---------------------------------------------------------------- public API
     def all_to_all_single(

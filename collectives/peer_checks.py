@@ -22,12 +22,10 @@ from __future__ import annotations
 
 import math
 from array import array
-from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:  # the facade imports this module: a runtime import back would be a cycle
-    from collectives.base import Communicator
+from collectives.core import CommunicatorCore
 
 REDUCE_OPS = ("sum", "max", "min", "prod")
 OPS = (
@@ -77,7 +75,7 @@ def call_header(op: str, problem, out, inp, world: int, splits, src: int, reduce
     return [0 if problem is None else 1, OP_CODE[op], 0, 0, 0, 0, src, extra] + [0] * (2 * world)
 
 
-def gather_on_host(comm: Communicator, mine: list[int], timeout: float) -> list[list[int]]:
+def gather_on_host(comm: CommunicatorCore, mine: list[int], timeout: float) -> list[list[int]]:
     """Every rank's header, for an unchecked all-to-all of host tensors: an all-to-all that sends ``mine`` to each
     peer (an all-gather in effect; gloo's all-to-all is the cheaper of the two), through two host buffers held
     here. The tensors are views lent to the backend and the answer is read from the buffer, not through a tensor:
@@ -182,7 +180,7 @@ def p2p_problem(header: torch.Tensor, ranks: tuple[int, int]) -> str | None:
     return None
 
 
-def swap_p2p_headers(comm: Communicator, mine: torch.Tensor, peer: int, timeout: float) -> torch.Tensor:
+def swap_p2p_headers(comm: CommunicatorCore, mine: torch.Tensor, peer: int, timeout: float) -> torch.Tensor:
     """Both headers ``[2, ...]``, lower rank's first, swapped over the pair with the backend's own send/recv.
 
     The lower rank sends first and the higher one receives first, whatever each of them called, so the swap ends

@@ -13,18 +13,17 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:  # the facade imports this module: a runtime import back would be a cycle
-    from collectives.base import Communicator
+from collectives.core import CommunicatorCore
 
 
-def call_timeout(comm: Communicator, timeout: float | None) -> float:
+def call_timeout(comm: CommunicatorCore, timeout: float | None) -> float:
     """Seconds this call may take: ``timeout`` when given, else the communicator's default."""
     return comm.timeout if timeout is None else float(timeout)
 
 
-def link_delay(comm: Communicator, peers: Iterable[int]) -> float:
+def link_delay(comm: CommunicatorCore, peers: Iterable[int]) -> float:
     """Seconds the slowest injected link from this rank to ``peers`` (group ranks) adds; 0.0 when none."""
     if not comm.link_delays:
         return 0.0
@@ -32,7 +31,7 @@ def link_delay(comm: Communicator, peers: Iterable[int]) -> float:
 
 
 def timed(
-    comm: Communicator,
+    comm: CommunicatorCore,
     op: str,
     nbytes: int,
     fn: Callable[..., Any],
@@ -75,7 +74,7 @@ def timed(
 
 
 def traced_finish(
-    comm: Communicator,
+    comm: CommunicatorCore,
     op: str,
     nbytes: int,
     t_enter: float,
