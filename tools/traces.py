@@ -27,17 +27,8 @@ from dataclasses import dataclass, field
 from tools.intervals import clip, length
 
 COLLECTIVE_OPS = frozenset(
-    {
-        "all_to_all_single",
-        "all_gather",
-        "all_reduce",
-        "reduce_scatter",
-        "broadcast",
-        "barrier",
-        "send",
-        "recv",
-        "validate",
-    }
+    ("all_to_all_single", "all_gather", "all_reduce", "reduce_scatter", "broadcast", "barrier", "send", "recv")
+    + ("validate",)
 )
 _RANK_FILE = re.compile(r"^rank(\d+)\.jsonl$")
 WARN_LINES = 5
