@@ -183,3 +183,43 @@ def test_cli_module_loads_nothing_its_package_does_not(package):
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[]", f"import {package}.cli also loads {out.stdout.strip()}"
+
+
+MAX_MODULE_LINES = 400
+
+
+def _long_modules() -> dict[str, int]:
+    """``path -> lines`` of every Python file of the toolkit and its tests over ``MAX_MODULE_LINES``."""
+    found = {}
+    for top in (*PACKAGES, "tests"):
+        for folder, dirs, names in os.walk(os.path.join(ROOT, top)):
+            dirs[:] = [d for d in dirs if d != "__pycache__"]
+            for name in names:
+                if name.endswith(".py"):
+                    path = os.path.join(folder, name)
+                    with open(path) as f:
+                        n = sum(1 for _ in f)
+                    if n > MAX_MODULE_LINES:
+                        found[_rel(path)] = n
+    return found
+
+
+def _named_long_modules() -> dict[str, str]:
+    """``path -> why`` from ARCHITECTURE.md's "Modules over 400 lines" list (``- `path`: why``)."""
+    with open(os.path.join(ROOT, "ARCHITECTURE.md")) as f:
+        text = f.read()
+    section = text.split("## Modules over 400 lines", 1)[1].split("\n## ", 1)[0] if "## Modules over" in text else ""
+    return dict(re.findall(r"^- `([\w/.]+\.py)`: (.+)$", section, re.M))
+
+
+def test_no_module_over_400_lines_unless_architecture_md_says_why():
+    """A module does one job; one that must stay longer is named in ARCHITECTURE.md with its reason, and the
+    name goes when the module shrinks."""
+    long, named = _long_modules(), _named_long_modules()
+    unnamed = {p: n for p, n in long.items() if p not in named}
+    assert not unnamed, (
+        f"modules over {MAX_MODULE_LINES} lines: split them by job, or name them in ARCHITECTURE.md's "
+        f"'Modules over 400 lines' with the reason: {unnamed}"
+    )
+    stale = sorted(p for p in named if p not in long)
+    assert not stale, f"now at most {MAX_MODULE_LINES} lines (or gone): drop them from ARCHITECTURE.md: {stale}"
