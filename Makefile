@@ -1,6 +1,6 @@
 # make demo: the main job, K3 (tiny) trained on 4 local CPU ranks with MoonEP (no server, no download).
-# make test: ruff (lint + format check), then the whole test suite. Both create .venv in the repo root when it is
-# missing.
+# make test: ruff (lint + format check), pyright, then the whole test suite; make test-fast: ruff, then the tests
+# that start no process (the edit loop). All three create .venv in the repo root when it is missing.
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 # A CPU build of torch that installs offline on our machines. GPU users: put your own CUDA build of torch
@@ -8,7 +8,7 @@ PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
 PYTHON ?= python3
 
-.PHONY: test demo roundtrip bench gpu-check gpu-bench clean
+.PHONY: test test-fast demo roundtrip bench gpu-check gpu-bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -43,7 +43,15 @@ roundtrip: $(VENV)/.core
 test: $(VENV)/.dev
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/pyright
 	TQDM_DISABLE=1 MPLBACKEND=Agg $(PY) -m pytest -q
+
+# The edit loop: lint, then every test that starts no process (tests/conftest.py: @pytest.mark.spawns is left out,
+# and a test that starts a process unmarked fails). make test runs everything, these included.
+test-fast: $(VENV)/.dev
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	MOONEP_TEST_FAST=1 TQDM_DISABLE=1 MPLBACKEND=Agg $(PY) -m pytest -q
 
 bench: $(VENV)/.dev
 	$(VENV)/bin/moonep bench collectives --world-size 4 --json out/bench_collectives.json
