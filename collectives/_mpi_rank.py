@@ -20,7 +20,7 @@ from multiprocessing import spawn
 
 import torch
 
-from collectives.launch import _record_failure, _write_result
+from collectives.launch_reports import record_failure, write_result
 from collectives.mpi_backend import _WATCHDOG, MPICommunicator
 from collectives.trace import tracer_from_env
 
@@ -78,10 +78,10 @@ def main(folder: str) -> None:
         )
         result = job["fn"](comm, **job["kwargs"])
         if rank == 0:
-            _write_result(folder, result)
+            write_result(folder, result)
         comm.close()
     except BaseException as exc:
-        _record_failure(folder, rank, exc, comm)
+        record_failure(folder, rank, exc, comm)
         sys.stderr.flush()
         MPI.COMM_WORLD.Abort(1)
 
