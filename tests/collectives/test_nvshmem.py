@@ -11,7 +11,7 @@ import socket
 import pytest
 import torch
 
-from collectives import launch, nvshmem_backend
+from collectives import launch, nvshmem_backend, nvshmem_mps
 from collectives.nvshmem_backend import (
     NVSHMEMCommunicator,
     mps_control_path,
@@ -146,11 +146,11 @@ class _EchoBootstrap:
 
 def test_require_mps_if_shared_raises_before_init(tmp_path, monkeypatch):
     monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path))
-    monkeypatch.setattr(nvshmem_backend, "_gpu_key", lambda device: 1234)
+    monkeypatch.setattr(nvshmem_mps, "_gpu_key", lambda device: 1234)  # where the check looks it up
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
     with pytest.raises(RuntimeError, match=r"2 PEs \(ranks 0, 1\) share GPU cuda:0 \(NVIDIA H200"):
         require_mps_if_shared(_EchoBootstrap(), 0)
-    monkeypatch.setattr(nvshmem_backend, "mps_control", _control())
+    monkeypatch.setattr(nvshmem_mps, "mps_control", _control())
     monkeypatch.setenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "50")
     with _daemon(tmp_path):
         require_mps_if_shared(_EchoBootstrap(), 0)  # MPS running, 2 x 50%: no error
