@@ -179,7 +179,10 @@ def _sources(path: str, shards: dict[str, str], wanted: list[str], allow_extra: 
             f"{_listed(extra)} (a checkpoint of another model size or layout; allow_extra=True drops the extra ones)"
         )
     if extra:
-        warnings.warn(f"{path}: allow_extra: dropping {len(extra)} tensor(s) this model does not have: {extra}")
+        # stacklevel 3: the warning names the caller of load_hf_checkpoint (which calls this function)
+        warnings.warn(
+            f"{path}: allow_extra: dropping {len(extra)} tensor(s) this model does not have: {extra}", stacklevel=3
+        )
     return found
 
 
@@ -235,7 +238,9 @@ def _stage(path: str, shards: dict, targets: dict, found: dict) -> list[tuple[to
             src = _float(path, name, tensors[0], shape, dst.dtype, cast)
         staged.append((dst, row, src))
     if cast:
-        warnings.warn(f"{path}: {len(cast)} float tensor(s) cast to the model's dtype: {_listed(cast)}")
+        warnings.warn(  # stacklevel 3: the caller of load_hf_checkpoint (which calls this function)
+            f"{path}: {len(cast)} float tensor(s) cast to the model's dtype: {_listed(cast)}", stacklevel=3
+        )
     return staged
 
 

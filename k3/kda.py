@@ -37,8 +37,11 @@ class KDALayer(nn.Module):
         d, self.h, self.K = cfg.hidden_size, lin.num_heads, lin.head_dim
         D, W = self.h * self.K, lin.short_conv_kernel_size
         self.lower_bound, self.eps = lin.gate_lower_bound, cfg.rms_norm_eps
-        self.cp_comm = None  # set by the training loop for context parallelism (K3Model.set_parallel)
-        lin_ = lambda i, o: nn.Linear(i, o, bias=False, device=device)
+        self.cp_comm = None  # set for context parallelism by k3.parallelize.apply_cp
+
+        def lin_(i: int, o: int) -> nn.Linear:
+            return nn.Linear(i, o, bias=False, device=device)
+
         self.q_proj, self.k_proj, self.v_proj = lin_(d, D), lin_(d, D), lin_(d, D)
         self.q_conv1d = nn.Parameter(torch.empty(D, W, device=device))
         """[D, W] depthwise causal conv taps of q (oldest tap first)."""

@@ -88,7 +88,10 @@ class GatedMLA(nn.Module):
         super().__init__()
         d, self.h = cfg.hidden_size, cfg.num_attention_heads
         self.n, self.r, self.v = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
-        lin = lambda i, o: nn.Linear(i, o, bias=False, device=device)
+
+        def lin(i: int, o: int) -> nn.Linear:
+            return nn.Linear(i, o, bias=False, device=device)
+
         self.q_a_proj = lin(d, cfg.q_lora_rank)
         self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, LORA_EPS, device=device)
         self.q_b_proj = lin(cfg.q_lora_rank, self.h * (self.n + self.r))
@@ -101,7 +104,7 @@ class GatedMLA(nn.Module):
         self.last_max_logit: torch.Tensor | None = None
         """[h] max pre-softmax logit per head of the last forward when ``track_logits`` (for QK-Clip)."""
         self.track_logits = False
-        self.cp_comm = None  # set by K3Model.set_parallel for context parallelism
+        self.cp_comm = None  # set for context parallelism by k3.parallelize.apply_cp
 
     def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [B, T, d] -> q, k [B, h, T, n + r], v [B, h, T, v]."""

@@ -1,8 +1,9 @@
 """``K3Model``: the Kimi K3 text decoder, single-device code (k3_architecture.md 2.1).
 
-Axes: ``B`` sequences, ``T`` tokens, ``d`` hidden, ``V`` vocabulary. Parallelism is applied from outside:
-``set_parallel`` attaches a ``moonep.Buffer`` to the MoE layers (EP) and a CP communicator to the attention layers;
-nothing here imports ``collectives``. Building on ``device="meta"`` allocates nothing and touches neither.
+Axes: ``B`` sequences, ``T`` tokens, ``d`` hidden, ``V`` vocabulary. Parallelism is applied from outside
+(``k3.parallelize``: ``apply_ep`` attaches a ``moonep.Buffer`` to the MoE layers, ``apply_cp`` a CP communicator to
+the attention layers); nothing here imports ``collectives``. Building on ``device="meta"`` allocates nothing and
+touches neither.
 
 There is no ordinary residual add: every sublayer reads a depth-softmax mix (Block AttnRes) of the completed
 block sums and the running partial sum of the current block.
@@ -74,13 +75,6 @@ class K3Model(nn.Module):
 
     def moe_layers(self) -> list[LatentMoE]:
         return [layer.mlp for layer in self.layers if isinstance(layer.mlp, LatentMoE)]
-
-    def set_parallel(self, *, ep_buffer=None, cp_comm=None) -> None:
-        """Attach EP (a ``moonep.Buffer`` over the latent width, shared by every MoE layer) and CP (a comm)."""
-        for moe in self.moe_layers():
-            moe.attach(ep_buffer)
-        for layer in self.layers:
-            layer.self_attn.cp_comm = cp_comm
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         partial = self.embed_tokens(tokens)

@@ -12,11 +12,11 @@ One step orthogonalises all blocks at once, as nanochat and modded-nanogpt do: b
 one matrix and same-shape blocks of other parameters) are stacked into one [B, rows, cols] tensor and NS5 runs
 batched. With a communicator of world size W > 1 the blocks of replicated parameters are split over the ranks:
 rank r orthogonalises its 1/W of every stack (padded with zero blocks to a multiple of W; NS5(0) = 0) and ONE
-all-gather returns the rest. Routed experts are already
-split by EP (each rank holds different ones), so their owner orthogonalises them locally. The trainer sums the
-DP grads with one all-reduce before the step (``Trainer._sync_grads``), so every rank holds the same summed
-gradient and keeps the full momentum; only Newton-Schulz, the expensive part, is divided. Each block's update
-still depends only on that block, so one rank or many give the same numbers.
+all-gather returns the rest. Routed experts are already split by EP (each rank holds different ones), so their
+owner orthogonalises them locally. The trainer sums the DP grads with one all-reduce before the step
+(``k3.parallelize.DataParallel.sync_grads``), so every rank holds the same summed gradient and keeps the full
+momentum; only Newton-Schulz, the expensive part, is divided. Each block's update still depends only on that
+block, so one rank or many give the same numbers.
 
 QK-Clip (K2): after the step, for each MLA head whose max pre-softmax logit S_h over the global batch exceeds
 tau, gamma = tau / S_h scales that head's q_nope and k_nope rows by sqrt(gamma) and its q_rope rows by gamma;

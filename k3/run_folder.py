@@ -45,6 +45,18 @@ def prepare_run(tc: TrainConfig, world_size: int) -> tuple[TrainConfig, dict | N
     return tc, run
 
 
+def metrics_file(run_dir: str, start: int) -> str:
+    """metrics.jsonl with every line of steps >= start dropped (a resumed run rewrites them)."""
+    path = os.path.join(run_dir, "metrics.jsonl")
+    keep = []
+    if os.path.exists(path):
+        with open(path) as f:
+            keep = [line for line in f if line.strip() and json.loads(line)["step"] < start]
+    with open(path, "w") as f:
+        f.writelines(keep)
+    return path
+
+
 def identity(tc: TrainConfig, world_size: int) -> dict:
     """What a checkpoint must agree on to be resumed by ``tc`` (``IDENTITY_FIELDS`` and the world size)."""
     return {"world_size": world_size, **{k: getattr(tc, k) for k in IDENTITY_FIELDS}}

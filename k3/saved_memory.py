@@ -29,9 +29,9 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-import moonep
 from k3.config import K3Config, LinearAttnConfig
 from k3.model import K3Model, build_model
+from k3.parallelize import apply_ep
 
 MODULES = ("mla", "kda", "moe", "dense_mlp", "attn_res", "norms")
 K3_WIDTH = 32
@@ -41,7 +41,10 @@ K3_WIDTH = 32
 def scaled_config(m: int, layers: int = 8, block: int = 2) -> K3Config:
     """K3 at ``m / 32`` of every width (see the module docstring); MLA at every 4th layer, layer 0 dense."""
     full = K3Config.preset("full")
-    w = lambda x: x * m // K3_WIDTH
+
+    def w(x: int) -> int:
+        return x * m // K3_WIDTH
+
     mla = [i for i in range(1, layers + 1) if i % 4 == 0]
     return dataclasses.replace(
         full,
@@ -229,8 +232,7 @@ def build(cfg: K3Config, dtype: torch.dtype, comm=None, tokens: int = 0) -> K3Mo
     ``tokens`` rows (what training runs, at any world size), else the all-local loop (``k3.naive``)."""
     model = build_model(cfg, seed=0, dtype=dtype)
     if comm is not None:
-        L, K, E = cfg.routed_expert_hidden_size, cfg.num_experts_per_token, cfg.num_experts
-        model.set_parallel(ep_buffer=moonep.Buffer(comm, S=tokens, H=L, K=K, E=E, dtype=dtype))
+        apply_ep(model, comm, tokens=tokens, dtype=dtype)
     return model
 
 
@@ -275,7 +277,10 @@ def at_k3(small: dict, large: dict, m_small: int, m_large: int) -> dict[str, flo
     """Bytes per token per layer by module at K3's widths, linear in the width from two ``measure`` results;
     ``attn_res`` averaged over the released 93-layer schedule; ``mla_layer`` / ``kda_layer``: MoE layer totals."""
     grow = (K3_WIDTH - m_small) / (m_large - m_small)
-    line = lambda lo, hi: lo + (hi - lo) * grow
+
+    def line(lo: float, hi: float) -> float:
+        return lo + (hi - lo) * grow
+
     lo, hi = small["bytes_per_token"], large["bytes_per_token"]
     out = {name: line(lo[name], hi[name]) for name in MODULES if name != "attn_res"}
     (a0, b0), (a1, b1) = fit_mixes(small["mixes"]), fit_mixes(large["mixes"])

@@ -21,20 +21,21 @@ loss) whose ``t_enter``/``t_exit`` span the whole phase. Injected faults (``slow
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import dataclasses
 import json
 import os
 import sys
 import time
-import traceback
+from typing import TYPE_CHECKING
 
 import torch
 from tqdm import tqdm
 
-import moonep
 from collectives import launch
 from collectives.faults import LinkDelay, faults_at
-from collectives.launch import external_launcher, rank_device
+from collectives.launch import LaunchError, external_launcher, rank_device
 from k3.balance import rows_per_rank, update_router_biases
 from k3.checkpoint import (
     CheckpointError,
@@ -46,23 +47,32 @@ from k3.checkpoint import (
     read_shard,
     save_checkpoint,
 )
-from k3.cli import register
 from k3.config import K3Config
 from k3.data import batch, load_corpus
 from k3.model import build_model, token_loss_sum
 from k3.muon import qk_clip
 from k3.optim import build_optimizer, lr_at
-from k3.run_folder import RunLock, check_run_lock, identity, lock_run, prepare_run
+from k3.parallelize import ParallelDims, parallelize_k3, shard_batch
+from k3.rank_errors import rank_error, record_error
+from k3.run_folder import RunLock, check_run_lock, identity, lock_run, metrics_file, prepare_run
 from k3.trace import PhaseClock
 from k3.train_config import TrainConfig
-from moonep.parallel import is_expert
-from moonep_base import run_package, write_json
+from k3.train_flags import add_train_flags, config_fields
+from moonep_base import run, write_json
+
+if TYPE_CHECKING:
+    from collectives.base import Communicator
 
 
 class Trainer:
-    """State of one rank: model, optimizer, data; ``step()`` runs one global step."""
+    """State of one rank: model, optimizer, data; ``step()`` runs one global step.
 
-    def __init__(self, comm, tc: TrainConfig) -> None:
+    Args:
+        comm: the world communicator (every rank: EP and DP span it; CP groups are split from it).
+        tc: the run.
+    """
+
+    def __init__(self, comm: Communicator, tc: TrainConfig) -> None:
         self.comm, self.tc = comm, tc
         self.cfg = K3Config.preset(tc.preset)
         R = comm.world_size
@@ -71,29 +81,16 @@ class Trainer:
         if R % tc.cp or tc.global_batch % (R // tc.cp):  # torchrun/mpiexec decide R: check again
             raise ValueError(f"cp: {tc.cp} and global_batch {tc.global_batch} do not fit world size {R}")
         tc.check_fault_ranks(R)
-        self.cp_rank, self.dp_rank = comm.rank % tc.cp, comm.rank // tc.cp
         self.rows, self.T_l = tc.global_batch // (R // tc.cp), tc.seq_len // tc.cp
         self.device = rank_device(comm, tc.device)  # before any sub-group, so NCCL binds the right GPU
-        self.cp_comm = comm.split(self.dp_rank) if tc.cp > 1 else None
-        # built on the host (the seeded init is the same on any device), then moved
+        self.dims = ParallelDims.build(comm, tc.cp)
+        # built on the host (the seeded init is the same on any device), then moved; single-device code, its
+        # experts built for this EP rank; parallelism is applied from outside (k3.parallelize)
         self.model = build_model(self.cfg, seed=tc.seed, ep_size=R, ep_rank=comm.rank).to(self.device)
-        c = self.cfg
-        self.buffer = moonep.Buffer(
-            comm,
-            S=self.rows * self.T_l,
-            H=c.routed_expert_hidden_size,
-            K=c.num_experts_per_token,
-            E=c.num_experts,
-            dtype=torch.float32,
-            device=self.device,
-        )
-        self.model.set_parallel(ep_buffer=self.buffer, cp_comm=self.cp_comm)
-        params = dict(self.model.named_parameters())
-        self.experts = {n: p for n, p in params.items() if is_expert(p)}  # marked by LatentMoE (mark_expert)
-        self.replicated = {n: p for n, p in params.items() if n not in self.experts}
-        # comm: replicated grads are all-reduced over the world (_sync_grads), so NS5 is split over it
+        self.dp = parallelize_k3(self.model, self.dims, tokens=self.rows * self.T_l, device=self.device)
+        # comm: replicated grads are all-reduced over the world (DataParallel.sync_grads), so NS5 is split over it
         self.opt = build_optimizer(self.model, tc.optimizer, lr=tc.lr, weight_decay=tc.weight_decay, comm=comm)
-        self.names = {id(p): n for n, p in params.items()}
+        self.names = {id(p): n for n, p in self.dp.params.items()}
         self.opt_steps = 0
         for layer in self.model.layers:
             if hasattr(layer.self_attn, "track_logits"):
@@ -110,40 +107,8 @@ class Trainer:
 
     def local(self, full: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Global batch [G, seq_len + 1] -> this rank's (inputs, targets) [rows, T_l]: its data-parallel rows
-        and its context-parallel token slice."""
-        rows = full[self.dp_rank * self.rows : (self.dp_rank + 1) * self.rows].to(self.device)
-        a = self.cp_rank * self.T_l
-        return rows[:, a : a + self.T_l], rows[:, a + 1 : a + 1 + self.T_l]
-
-    def _sync_grads(self, loss_sum: torch.Tensor) -> float:
-        """One all-reduce of the replicated grads and the loss; returns the global loss sum."""
-        flat = [loss_sum.detach().reshape(1)]
-        for p in self.replicated.values():
-            flat.append(torch.zeros(p.numel(), device=p.device) if p.grad is None else p.grad.reshape(-1))
-        packed = torch.cat(flat)
-        if self.comm.world_size > 1:
-            self.comm.all_reduce(packed)
-        offset = 1
-        for p in self.replicated.values():
-            n = p.numel()
-            p.grad = packed[offset : offset + n].view_as(p).clone()
-            offset += n
-        return float(packed[0])
-
-    def _clip(self) -> float:
-        sq = torch.zeros(1, dtype=torch.float64, device=self.device)
-        for p in self.experts.values():
-            if p.grad is not None:
-                sq += p.grad.double().pow(2).sum()
-        if self.comm.world_size > 1:
-            self.comm.all_reduce(sq)
-        sq += sum(p.grad.double().pow(2).sum() for p in self.replicated.values())
-        norm = float(sq.sqrt())
-        if self.tc.grad_clip and norm > self.tc.grad_clip:
-            for p in self.model.parameters():
-                if p.grad is not None:
-                    p.grad.mul_(self.tc.grad_clip / norm)
-        return norm
+        and its context-parallel token slice (``k3.parallelize.shard_batch``)."""
+        return shard_batch(full, self.dims, self.rows, self.T_l, self.device)
 
     def _inject(self, step: int) -> float:
         """Start this step's injected faults; returns the data-loading delay in ms."""
@@ -151,11 +116,19 @@ class Trainer:
         for d in links:
             if d not in self.links_done:  # a resumed run starts past from_step: apply at its first step
                 self.links_done.add(d)
-                for comm in filter(None, (self.comm, self.cp_comm)):  # a sub-group keeps its own delay table
+                for comm in self.dims.comms():  # a sub-group keeps its own delay table
                     comm.inject_link_delay(d.src, d.dst, d.ms)
         return data_ms
 
     def step(self, step: int) -> dict:
+        """One global step: forward, backward, gradient sync and clip, optimizer, QK-Clip, router balancing.
+
+        Args:
+            step: the 0-based step (picks the batch, the learning rate and the injected faults).
+
+        Returns:
+            the step's metrics row (``metrics.jsonl``): loss, lr, grad_norm, tokens_per_s, balance figures.
+        """
         tc, clock = self.tc, self.clock
         if self.comm.tracer is not None:
             self.comm.tracer.step = step
@@ -169,23 +142,15 @@ class Trainer:
         with clock.phase("backward"):
             (loss_sum / count).backward()
         with clock.phase("grad_sync"):
-            loss = self._sync_grads(loss_sum) / count
-            grad_norm = self._clip()
+            loss = self.dp.sync_grads(loss_sum) / count
+            grad_norm = self.dp.clip_grad_norm_(tc.grad_clip)
         with clock.phase("optimizer"):
             lr = lr_at(step, tc.schedule_steps or tc.steps, tc.lr, tc.warmup)
             self.opt.set_lr(lr)
             self.opt.step()
             self.opt_steps += 1
             max_logits = qk_clip(self.model, self.comm, tc.qk_clip_tau) if tc.qk_clip_tau else []
-            # The bias computed from this step's batch steers the NEXT step's routing (never its own batch).
-            # update_router_biases never reads the device; the log row is where its [Lm] result is read back.
-            moes = self.model.moe_layers()
-            violations = update_router_biases(moes, self.comm, tc.balance)
-            counts = torch.stack([m.gate.last_global_counts for m in moes])
-            # one read for the log row: violations, then per layer the busiest rank's rows (ours, classic)
-            logged = torch.cat((violations.double(), rows_per_rank(counts, self.comm.world_size).double().flatten()))
-            logged = logged.tolist()
-            violations, rows = logged[: len(moes)], logged[len(moes) :]
+            violations, rows = self._balance()
         seconds = time.perf_counter() - t0
         return {
             "step": step,
@@ -200,14 +165,25 @@ class Trainer:
             "max_logit": max(max_logits, default=None),
         }
 
+    def _balance(self) -> tuple[list[float], list[float]]:
+        """Update the router biases; returns (per-layer max violation, per layer the busiest rank's rows: ours and
+        classic, interleaved). The bias computed from this step's batch steers the NEXT step's routing (never its
+        own batch); update_router_biases never reads the device: this is where its [Lm] result is read back."""
+        moes = self.model.moe_layers()
+        violations = update_router_biases(moes, self.comm, self.tc.balance)
+        counts = torch.stack([m.gate.last_global_counts for m in moes])
+        # one read for the log row: violations, then per layer the busiest rank's rows (ours, classic)
+        logged = torch.cat((violations.double(), rows_per_rank(counts, self.comm.world_size).double().flatten()))
+        logged = logged.tolist()
+        return logged[: len(moes)], logged[len(moes) :]
+
     def close(self) -> None:
         """Explicit teardown of what this rank created (the CP sub-group); the world comm is the launcher's."""
-        if self.cp_comm is not None:
-            self.cp_comm.close()
-            self.cp_comm = None
+        self.dims.close()
 
     @torch.no_grad()
     def validate(self) -> float:
+        """Validation loss: the global token mean over ``val_batches`` held-out global batches (collective)."""
         tc, total = self.tc, torch.zeros(1, dtype=torch.float64, device=self.device)
         with self.clock.phase("evaluate"):
             for i in range(tc.val_batches):
@@ -226,7 +202,8 @@ class Trainer:
     def expected_tensors(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """Name -> (shape, dtype) of every tensor a checkpoint of this rank must hold: the model's state dict and,
         for every parameter, its full optimizer state (Muon: momentum; AdamW: step, exp_avg, exp_avg_sq). Every
-        parameter gets a gradient each step (``_sync_grads`` fills missing ones), so a saved state is complete."""
+        parameter gets a gradient each step (``DataParallel.sync_grads`` fills missing ones), so a saved state is
+        complete."""
         out = {f"model.{k}": (tuple(v.shape), v.dtype) for k, v in self.model.state_dict().items()}
         for group in self.opt.param_groups:
             keys = ("momentum",) if group["kind"] == "muon" else ("step", "exp_avg", "exp_avg_sq")
@@ -265,44 +242,26 @@ class Trainer:
         return state["step"]
 
 
-def _metrics_file(run_dir: str, start: int) -> str:
-    """metrics.jsonl with every line of steps >= start dropped (a resumed run rewrites them)."""
-    path = os.path.join(run_dir, "metrics.jsonl")
-    keep = []
-    if os.path.exists(path):
-        with open(path) as f:
-            keep = [line for line in f if line.strip() and json.loads(line)["step"] < start]
-    with open(path, "w") as f:
-        f.writelines(keep)
-    return path
+def run_rank(comm: Communicator, train: dict) -> dict:
+    """Body of every rank (module level for ``collectives.launch``). An exception leaves its traceback in
+    ``<run_dir>/errors/rank<R>.traceback`` (``k3.rank_errors``; ``moonep train`` prints that path).
 
+    Args:
+        comm: the world communicator.
+        train: the run, as ``dataclasses.asdict(TrainConfig)``.
 
-def run_rank(comm, train: dict) -> dict:
-    """Body of every rank (module level for ``collectives.launch``). Returns rank 0's summary. An exception
-    leaves its traceback in ``<run_dir>/errors/rank<R>.traceback`` (``moonep train`` prints that path)."""
+    Returns:
+        this rank's summary (losses, val_loss, start, run_dir, plots, rank).
+    """
     try:
         return _run_rank(comm, TrainConfig(**train))
     except Exception as exc:
-        try:
+        with contextlib.suppress(OSError):  # an unwritable run folder must not hide the rank's own error
             record_error(train.get("run_dir") or ".", comm.rank, exc)
-        except OSError:  # an unwritable run folder must not hide the rank's own error
-            pass
         raise
 
 
-def record_error(run_dir: str, rank: int, exc: BaseException) -> str:
-    """Write this rank's traceback (and a one-line JSON summary) under ``run_dir/errors``; returns the path."""
-    folder = os.path.join(run_dir, "errors")
-    os.makedirs(folder, exist_ok=True)
-    path = os.path.join(folder, f"rank{rank}.traceback")
-    with open(path, "w") as f:
-        f.write(traceback.format_exc())
-    summary = {"type": type(exc).__name__, "message": str(exc).splitlines()[0] if str(exc) else ""}
-    write_json(os.path.join(folder, f"rank{rank}.json"), {**summary, "bad_input": isinstance(exc, ValueError)})
-    return path
-
-
-def _start(comm, tc: TrainConfig) -> tuple[TrainConfig, Trainer, int]:
+def _start(comm: Communicator, tc: TrainConfig) -> tuple[TrainConfig, Trainer, int]:
     """Check the run folder, lock it (rank 0, for the run's life: ``trainer.lock``; a folder another run holds
     fails every rank, naming that run), build the trainer, claim or resume the run: (tc, trainer, first step)."""
     tc, run = prepare_run(tc, comm.world_size)
@@ -321,7 +280,7 @@ def _start(comm, tc: TrainConfig) -> tuple[TrainConfig, Trainer, int]:
         raise
 
 
-def _run_rank(comm, tc: TrainConfig) -> dict:
+def _run_rank(comm: Communicator, tc: TrainConfig) -> dict:
     torch.set_num_threads(1)
     tc, trainer, start = _start(comm, tc)
     rank0 = comm.rank == 0
@@ -329,7 +288,7 @@ def _run_rank(comm, tc: TrainConfig) -> dict:
         os.makedirs(tc.run_dir, exist_ok=True)
         trainer.cfg.to_json(os.path.join(tc.run_dir, "config.json"))
         write_json(os.path.join(tc.run_dir, "train.json"), dataclasses.asdict(tc))
-        metrics_path = _metrics_file(tc.run_dir, start)
+        metrics_path = metrics_file(tc.run_dir, start)
     losses, val_loss = [], None
     bar = tqdm(range(start, tc.steps), disable=not (rank0 and tc.progress), desc="k3 train", unit="step")
     for step in bar:
@@ -372,9 +331,51 @@ def train(tc: TrainConfig, *, timeout: float = 300.0) -> dict:
     return launch(run_rank, tc.world_size, timeout=timeout, trace_dir=tc.trace_dir, train=dataclasses.asdict(tc))
 
 
-def main(argv=None) -> int:
-    """``python -m k3.train ...``: the ``train`` command of k3's command line."""
-    return run_package(register, "python -m k3.train", ["train", *(sys.argv[1:] if argv is None else argv)])
+def train_command(args: argparse.Namespace) -> int:
+    """The ``train`` command (``moonep train``, ``python -m k3 train``, ``python -m k3.train``): flags
+    (``k3.train_flags``) -> ``TrainConfig`` -> ``train``; bad flags or run folder, or a failed rank, print one line.
+
+    Args:
+        args: the parsed flags of ``k3.train_flags.add_train_flags``.
+
+    Returns:
+        the exit status: 0, 2 for bad input (flags, run folder, a rank that rejected its input), 1 otherwise.
+    """
+    try:
+        tc = TrainConfig(**config_fields(args))
+        started = time.time()
+        out = train(tc)
+    except ValueError as exc:  # bad flags or run folder: one line naming the problem, no traceback
+        print(f"error: {str(exc).splitlines()[0]}", file=sys.stderr)
+        return 2
+    except LaunchError as exc:  # a rank failed: its one line, and where its own traceback is
+        line, code = rank_error(tc.run_dir, exc, started)
+        print(line, file=sys.stderr)
+        return code
+    if out["rank"] != 0:  # under torchrun/mpiexec every rank returns here; rank 0 speaks
+        return 0
+    print(f"final train loss {out['losses'][-1]:.4f}" if out["losses"] else "nothing to do (already at --steps)")
+    if out["val_loss"] is not None:
+        print(f"validation loss {out['val_loss']:.4f}")
+    for path in out["plots"]:
+        print(f"plot: {path}")
+    print(f"run folder: {out['run_dir']}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m k3.train ...`` (what torchrun and mpiexec run): the ``train`` command alone.
+
+    Args:
+        argv: the flags (default ``sys.argv[1:]``).
+
+    Returns:
+        the exit status (``train_command``'s; 2 for unparsable flags).
+    """
+    parser = argparse.ArgumentParser(prog="python -m k3.train", description="train Kimi K3 (moonep train)")
+    add_train_flags(parser)
+    parser.set_defaults(func=train_command)
+    return run(parser, argv)
 
 
 if __name__ == "__main__":

@@ -134,7 +134,10 @@ def test_quantile_balancing_histogram_vs_exact():
     est = qb_bias(qb_histogram(scores, bias, K), bias, K)
     exact = qb_exact(scores, bias, K)
     assert float((est - exact).abs().max()) < 3 * 2 / 1000
-    load = lambda b: torch.bincount(torch.topk(scores + b, K, -1).indices.flatten(), minlength=E)[None]
+
+    def load(b: torch.Tensor) -> torch.Tensor:
+        return torch.bincount(torch.topk(scores + b, K, -1).indices.flatten(), minlength=E)[None]
+
     assert max_violation(load(est))[0] < 0.5 * max_violation(load(bias))[0]
     for _ in range(5):  # coordinate steps on the dual: a few iterations on the same batch nearly balance it
         est = qb_bias(qb_histogram(scores, est, K), est, K)
