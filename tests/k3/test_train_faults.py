@@ -86,7 +86,7 @@ def test_slowdown_stretches_the_phase_in_thread_cpu_time(tmp_path):
     with clock.data(delay_ms=30):
         pass
     tracer.flush()
-    recs = {r["op"]: r for r in map(json.loads, open(tmp_path / "rank0.jsonl"))}
+    recs = {r["op"]: r for r in map(json.loads, (tmp_path / "rank0.jsonl").read_text().splitlines())}
     assert 2 * work <= recs["optimizer"]["cpu_s"] <= 2 * work + 0.01
     assert plain <= recs["grad_sync"]["cpu_s"] <= plain + 0.01
     assert recs["optimizer"]["kind"] == "compute" and recs["optimizer"]["step"] == 0
@@ -117,7 +117,7 @@ def test_sublayer_records_partition_each_phase(tmp_path):
         spent[name] = time.thread_time() - c0
     token_loss_sum(model, tokens[:, :-1], tokens[:, 1:])  # outside any phase: hooks record nothing
     tracer.flush()
-    recs = [json.loads(line) for line in open(tmp_path / "rank0.jsonl")]
+    recs = [json.loads(line) for line in (tmp_path / "rank0.jsonl").read_text().splitlines()]
     for name in spent:
         mine = [r for r in recs if r["op"] == name]
         assert {r["layer"] for r in mine} == {"kda", "mla", "moe", "dense", "other"}, name
