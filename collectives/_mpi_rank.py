@@ -61,12 +61,13 @@ def main(folder: str) -> None:
     rank = MPI.COMM_WORLD.Get_rank()
     with open(os.path.join(folder, f"rank{rank}.pid"), "w") as f:  # mpiexec names a dead rank by its PID
         f.write(str(os.getpid()))
-    comm = None
+    comm: MPICommunicator | None = None
     try:
         main_file = os.path.join(folder, "main_path.txt")
         if os.path.exists(main_file):  # fn lives in the user's script: import it as spawn would
             with open(main_file) as f:
-                spawn._fixup_main_from_path(f.read())
+                # a private CPython helper (absent from typeshed): imports the script as __mp_main__, as spawn does
+                spawn._fixup_main_from_path(f.read())  # pyright: ignore[reportAttributeAccessIssue]
         with open(os.path.join(folder, "job.pkl"), "rb") as f:
             job = pickle.load(f)
         opts = job["opts"]

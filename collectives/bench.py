@@ -15,33 +15,41 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
 from collectives.base import Communicator
-from collectives.torch_backend import _all_gather_single
+from collectives.mpi_backend import MPICommunicator
+from collectives.torch_backend import TorchCommunicator, _all_gather_single
+
+RawCall = Callable[[torch.Tensor, torch.Tensor], object]
+"""A backend's own collective on ``(out, inp)`` uint8 buffers, bypassing the ``Communicator``."""
 
 KiB, MiB = 1024, 1024 * 1024
 FULL_SIZES = tuple(4 * KiB * 4**i for i in range(8))  # 4 KiB, 16 KiB, ..., 64 MiB
 QUICK_SIZES = (4 * KiB, 64 * KiB, 1 * MiB)
 
 
-def _raw_calls(comm: Communicator):
+def _raw_calls(comm: Communicator) -> tuple[RawCall, RawCall]:
     """The backend's own all-to-all and all-gather on the same group, bypassing our layer."""
-    if comm.backend == "torch":
+    if isinstance(comm, TorchCommunicator):
+        group = comm.group
         return (
-            lambda out, inp: dist.all_to_all_single(out, inp, group=comm.group),
-            lambda out, inp: _all_gather_single(out, inp, group=comm.group),
+            lambda out, inp: dist.all_to_all_single(out, inp, group=group),
+            lambda out, inp: _all_gather_single(out, inp, group=group),
         )
-    if comm.backend == "mpi":
+    if isinstance(comm, MPICommunicator):
         from mpi4py import MPI  # optional: mpi4py (the mpi extra); importing it initialises MPI
 
-        def a2a(out, inp):
-            comm.comm.Alltoall([inp.numpy(), MPI.BYTE], [out.numpy(), MPI.BYTE])
+        mpi_comm = comm.comm
 
-        def gather(out, inp):
-            comm.comm.Allgather([inp.numpy(), MPI.BYTE], [out.numpy(), MPI.BYTE])
+        def a2a(out: torch.Tensor, inp: torch.Tensor) -> None:
+            mpi_comm.Alltoall([inp.numpy(), MPI.BYTE], [out.numpy(), MPI.BYTE])
+
+        def gather(out: torch.Tensor, inp: torch.Tensor) -> None:
+            mpi_comm.Allgather([inp.numpy(), MPI.BYTE], [out.numpy(), MPI.BYTE])
 
         return a2a, gather
     raise ValueError(f"no raw baseline for backend {comm.backend!r}")
@@ -73,29 +81,11 @@ def bench_collectives(comm: Communicator, sizes=FULL_SIZES, quick: bool = False,
     rows = []
     # Only rank 0 builds a bar: tqdm's lock is a named semaphore that other ranks would leave behind.
     for nbytes in tqdm(sizes, desc="sizes") if progress and comm.rank == 0 else sizes:
-        per_peer = max(1, nbytes // w)
-        inp = torch.randint(0, 255, (per_peer * w,), dtype=torch.uint8)
-        out = torch.empty_like(inp)
-        g_inp = torch.randint(0, 255, (max(1, nbytes // w),), dtype=torch.uint8)
-        g_out = torch.empty(g_inp.numel() * w, dtype=torch.uint8)
-        cases = {
-            "all_to_all": (
-                lambda: raw_a2a(out, inp),
-                lambda: comm.all_to_all_single(out, inp, validate=False, splits_agreed=True),
-                lambda: comm.all_to_all_single(out, inp),
-                inp.numel(),
-            ),
-            "all_gather": (
-                lambda: raw_gather(g_out, g_inp),
-                lambda: comm.all_gather(g_out, g_inp, validate=False),
-                lambda: comm.all_gather(g_out, g_inp),
-                g_out.numel(),
-            ),
-        }
-        for op, (raw, ours, checked, moved) in cases.items():
+        for op, (raw, ours, checked, moved) in _cases(comm, nbytes, raw_a2a, raw_gather).items():
             times = {"raw": [], "ours": [], "ours_validated": []}
             for _ in range(2):  # warm-up: first calls set up connections and buffers
-                raw(), ours(), checked()
+                for fn in (raw, ours, checked):
+                    fn()
             variants = [("raw", raw), ("ours", ours), ("ours_validated", checked)]
             for i in range(_iterations(moved, quick)):
                 # Rotate the order so no variant always runs first (warm caches, a just-woken rank).
@@ -103,6 +93,32 @@ def bench_collectives(comm: Communicator, sizes=FULL_SIZES, quick: bool = False,
                     times[name].append(_time(fn, comm, raw_barrier))
             rows.append(_summarise(comm, op, moved, times))
     return _report(comm, rows)
+
+
+def _cases(comm: Communicator, nbytes: int, raw_a2a: RawCall, raw_gather: RawCall) -> dict[str, tuple]:
+    """``{op: (raw, ours, ours validated, bytes moved)}`` for one message size: the three variants are closures
+    over this call's own uint8 buffers (``[nbytes // world * world]`` for the all-to-all, ``[nbytes // world]``
+    in and ``[world * that]`` out for the all-gather), so each size's closures keep their own."""
+    w = comm.world_size
+    per_peer = max(1, nbytes // w)
+    inp = torch.randint(0, 255, (per_peer * w,), dtype=torch.uint8)
+    out = torch.empty_like(inp)
+    g_inp = torch.randint(0, 255, (max(1, nbytes // w),), dtype=torch.uint8)
+    g_out = torch.empty(g_inp.numel() * w, dtype=torch.uint8)
+    return {
+        "all_to_all": (
+            lambda: raw_a2a(out, inp),
+            lambda: comm.all_to_all_single(out, inp, validate=False, splits_agreed=True),
+            lambda: comm.all_to_all_single(out, inp),
+            inp.numel(),
+        ),
+        "all_gather": (
+            lambda: raw_gather(g_out, g_inp),
+            lambda: comm.all_gather(g_out, g_inp, validate=False),
+            lambda: comm.all_gather(g_out, g_inp),
+            g_out.numel(),
+        ),
+    }
 
 
 def _summarise(comm: Communicator, op: str, moved: int, times: dict) -> dict:

@@ -24,6 +24,7 @@ Applying a slowdown or data delay is the job's business (time-based: see ``tools
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -168,6 +169,11 @@ def _checked(part: str, what: str, build):
         raise ValueError(f"{what} {part!r}: {exc}") from None
 
 
+def _build(cls, part: str, what: str, fields: dict[str, str], kinds: dict[str, type]):
+    """``cls`` from one spec's ``fields``, each converted to its kind (a range error names ``part``)."""
+    return cls(**{k: _number(part, what, fields, k, t) for k, t in kinds.items()})
+
+
 def _parse_specs(spec: str, what: str, cls, kinds: dict[str, type]) -> list:
     """``spec`` ("k=v,...;...") -> list of ``cls``: ``kinds`` are the required keys with their types, plus an
     optional ``from_step`` (default 0)."""
@@ -176,7 +182,7 @@ def _parse_specs(spec: str, what: str, cls, kinds: dict[str, type]) -> list:
     for part in _parts(spec):
         f = _fields(part, what, set(kinds) - {"from_step"}, {"from_step"})
         f.setdefault("from_step", "0")
-        out.append(_checked(part, what, lambda: cls(**{k: _number(part, what, f, k, t) for k, t in kinds.items()})))
+        out.append(_checked(part, what, functools.partial(_build, cls, part, what, f, kinds)))
     return out
 
 

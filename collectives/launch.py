@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed import FileStore  # pyright: ignore[reportPrivateImportUsage]  # public API; torch re-exports it without `as`
 
 from collectives.base import Communicator
 from collectives.launch_reports import LaunchError
@@ -183,7 +184,7 @@ def _init_torch_from(launcher: str | None, timeout: float, validate: bool, trace
     return init_torch(
         0,
         1,
-        store=dist.FileStore(os.path.join(tmp, "store"), 1),
+        store=FileStore(os.path.join(tmp, "store"), 1),
         timeout=timeout,
         validate=validate,
         trace_dir=trace_dir,

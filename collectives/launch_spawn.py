@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
+from torch.distributed import FileStore  # pyright: ignore[reportPrivateImportUsage]  # public API; torch re-exports it without `as`
 
 from collectives.base import Communicator
 from collectives.launch_reports import LaunchError, failure, mpi_failure, read_result, record_failure, write_result
@@ -126,7 +126,7 @@ def _spawned_rank(rank: int, world_size: int, tmp: str, fn, kwargs: dict, opts: 
 
 
 def _rank_communicator(rank: int, world_size: int, tmp: str, opts: LaunchOptions) -> Communicator:
-    store = dist.FileStore(os.path.join(tmp, "store"), world_size)
+    store = FileStore(os.path.join(tmp, "store"), world_size)
     comm = init_torch(
         rank, world_size, store=store, timeout=opts.timeout, validate=opts.validate, trace_dir=opts.trace_dir
     )

@@ -309,7 +309,7 @@ def _arrival_array(comm):
         n = comm.Get_size()
         win = MPI.Win.Allocate_shared(8 * n if node.Get_rank() == 0 else 0, 8, comm=node)
         buf, _ = win.Shared_query(0)
-        counts = np.ndarray(buffer=buf, dtype=np.int64, shape=(n,))
+        counts = np.ndarray(buffer=buf.cast("B"), dtype=np.int64, shape=(n,))  # a memoryview of the shared bytes
         if node.Get_rank() == 0:
             counts[:] = 0
         node.Barrier()

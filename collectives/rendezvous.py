@@ -17,13 +17,19 @@ import socket
 import threading
 from collections.abc import Callable
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
-import torch.distributed as dist
+from torch.distributed import TCPStore  # pyright: ignore[reportPrivateImportUsage]  # public API; torch re-exports it without `as`
+from torch.distributed.distributed_c10d import Store
+from torch.distributed.rendezvous import rendezvous
 
-from collectives.base import CollectiveError
+from collectives.errors import CollectiveError
+
+if TYPE_CHECKING:  # optional: mpi4py (the mpi extra), for its type only; importing it at run time initialises MPI
+    from mpi4py import MPI
 
 
-def bounded_store(make: Callable[[], dist.Store], host: str, port, rank: int, timeout: float) -> dist.Store:
+def bounded_store(make: Callable[[], Store], host: str, port: int | str, rank: int, timeout: float) -> Store:
     """``make()``'s store if it is up within ``timeout`` seconds, else a ``CollectiveError`` naming the address."""
     made: dict = {}
 
@@ -50,29 +56,28 @@ def bounded_store(make: Callable[[], dist.Store], host: str, port, rank: int, ti
     )
 
 
-def env_store(rank: int, world_size: int, timeout: float) -> dist.Store:
+def env_store(rank: int, world_size: int, timeout: float) -> Store:
     """The store of torch's ``env://`` rendezvous (``MASTER_ADDR``/``MASTER_PORT``, torchrun's agent store where
     torchrun says so), made within ``timeout`` seconds."""
     host, port = os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]
 
-    def make() -> dist.Store:
-        store, _, _ = next(dist.rendezvous("env://", rank, world_size, timeout=timedelta(seconds=timeout)))
+    def make() -> Store:
+        store, _, _ = next(rendezvous("env://", rank, world_size, timeout=timedelta(seconds=timeout)))
         return store
 
     return bounded_store(make, host, port, rank, timeout)
 
 
-def mpi_store(world, timeout: float) -> dist.Store:
+def mpi_store(world: MPI.Intracomm, timeout: float) -> Store:
     """A store for torch.distributed under mpiexec (``world``: mpi4py's ``COMM_WORLD``): rank 0 serves one on a
     port the OS picks and broadcasts where; the others connect within ``timeout`` seconds."""
     rank, size = world.Get_rank(), world.Get_size()
-    store = None
     if rank == 0:  # port 0: the OS picks a free port, which rank 0 then tells everyone
-        store = dist.TCPStore(
+        store = TCPStore(
             socket.gethostname(), 0, size, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout)
         )
-    host, port = world.bcast((socket.gethostname(), store.port) if rank == 0 else None, root=0)
-    if rank == 0:
+        world.bcast((socket.gethostname(), store.port), root=0)
         return store
-    client = functools.partial(dist.TCPStore, host, port, size, is_master=False, timeout=timedelta(seconds=timeout))
+    host, port = world.bcast(None, root=0)
+    client = functools.partial(TCPStore, host, port, size, is_master=False, timeout=timedelta(seconds=timeout))
     return bounded_store(client, host, port, rank, timeout)

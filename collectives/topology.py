@@ -171,7 +171,7 @@ class Topology:
 def _nvml_gpus() -> dict | None:
     """GPU count, name and NVLink links of GPU 0, or None when NVML is unavailable."""
     try:
-        import pynvml  # optional: nvidia-ml-py (the gpu extra); without NVML the CPU defaults apply
+        import pynvml  # pyright: ignore[reportMissingImports]  # optional: nvidia-ml-py (the gpu extra); else CPU defaults
     except ImportError:
         return None
     try:

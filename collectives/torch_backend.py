@@ -32,6 +32,7 @@ unwind, and the unwind through a ``noexcept`` C++ frame calls ``std::terminate``
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import uuid
 from datetime import timedelta
@@ -79,10 +80,9 @@ _exit_hook_registered = False
 def _destroy_groups_at_exit() -> None:
     """atexit: destroy every torch.distributed group still alive, before interpreter finalisation (module doc)."""
     if dist.is_available() and dist.is_initialized():
-        try:
+        # exiting anyway; a half-torn-down group must not turn a clean exit into an error
+        with contextlib.suppress(Exception):
             dist.destroy_process_group()
-        except Exception:  # exiting anyway; a half-torn-down group must not turn a clean exit into an error
-            pass
 
 
 def _register_exit_hook() -> None:
@@ -182,10 +182,9 @@ class TorchCommunicator(Communicator):
 
     def _mark_arrival(self, count: int) -> None:
         if self.store is not None and self.world_size > 1:
-            try:
+            # naming a late rank is best effort; the collective itself decides the outcome
+            with contextlib.suppress(Exception):
                 self.store.set(f"{self._arrival_prefix}{self.rank}", str(count))
-            except Exception:  # naming a late rank is best effort; the collective itself decides the outcome
-                pass
 
     def _arrivals(self) -> dict[int, int] | None:
         if self.store is None:
@@ -201,10 +200,8 @@ class TorchCommunicator(Communicator):
 
     def report_failure(self, message: str) -> None:
         if self.store is not None:
-            try:
+            with contextlib.suppress(Exception):  # best effort: the store may be gone with rank 0
                 self.store.set(FAILED_KEY.format(self.global_rank), message[-2000:])
-            except Exception:
-                pass
 
     # ---------------------------------------------------------------- primitives
     def _all_to_all_single(self, out, inp, out_splits, in_splits, timeout):

@@ -12,6 +12,7 @@ its timeout (or give the right result), never in garbage, a hang, or a process k
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import pickle
@@ -124,6 +125,14 @@ A2A_WANT = {
 }
 
 
+def _blocking_a2a(comm, out, inp, outs, ins) -> None:
+    comm.all_to_all_single(out, inp, outs, ins, validate=False, timeout=10)
+
+
+def _started_a2a(comm, out, inp, outs, ins) -> None:
+    comm.all_to_all_single_start(out, inp, outs, ins, timeout=10).wait()
+
+
 def a2a_job(comm) -> dict[str, list[str]]:
     results = {}
     for case, per_rank in A2A_CASES.items():
@@ -131,10 +140,8 @@ def a2a_job(comm) -> dict[str, list[str]]:
         inp = torch.arange(sum(ins) * width, dtype=torch.float32).reshape(-1, width)
         for form in ("blocking", "start"):
             out = torch.zeros(sum(outs), width)
-            if form == "blocking":
-                msg = _outcome(lambda: comm.all_to_all_single(out, inp, outs, ins, validate=False, timeout=10))
-            else:
-                msg = _outcome(lambda: comm.all_to_all_single_start(out, inp, outs, ins, timeout=10).wait())
+            call = _blocking_a2a if form == "blocking" else _started_a2a
+            msg = _outcome(functools.partial(call, comm, out, inp, outs, ins))
             results[f"{case}/{form}"] = _gather_text(comm, msg)
     return results
 
