@@ -9,10 +9,12 @@ failing rank and the problem, before any row moves.
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
+from collectives.base import Communicator
 from moonep.agreement import UNREADABLE, cost_words, dtype_word, int_word
 from planner.slack import check_options, slack_num
 
@@ -155,7 +157,7 @@ def data_detail(buf, topk_idx, topk_weights) -> str:
 
 
 def raise_agreed(
-    op: str, rank: int, codes: list[int], detail: str, problems: dict = PROBLEMS, prefix: str = "moonep."
+    op: str, rank: int, codes: Sequence[int], detail: str, problems: dict = PROBLEMS, prefix: str = "moonep."
 ) -> None:
     """Raise the same ValueError on every rank when any rank reported a problem (first failing rank wins):
     ``"{prefix}{op}: rank r: what"``.
@@ -237,7 +239,9 @@ def combine_problem(buf, plan, expert_out, recv_weights, any_step: bool = False)
         return Problem.EXPERT_OUT, f"could not inspect the arguments: {type(exc).__name__}: {exc}"
 
 
-def buffer_settings(comm, S, H, K, E, token_padding, dtype, slack, cost, grow) -> tuple[dict, tuple | None]:
+def buffer_settings(
+    comm: Communicator, S, H, K, E, token_padding, dtype, slack, cost, grow
+) -> tuple[dict, tuple[str, str] | None]:
     """(settings words, this rank's own problem or None) of a ``Buffer``'s arguments: every size, dtype and
     balancing option that one plan per step depends on. Never raises (``agreement.agree_settings`` does)."""
     sizes = {"S": S, "H": H, "K": K, "E": E, "token_padding": token_padding}

@@ -1,5 +1,9 @@
 """``Buffer``: MoonEP dispatch / combine / prefetch_weight / reduce_grad over a ``collectives.Communicator``.
 
+This module plans and runs a fresh dispatch (the layout step, its one host read, the side table); the Buffer's
+construction, buffers and replica exchanges are ``moonep.buffer_core``, the row movement along a saved plan
+(``redispatch``, ``combine``) ``moonep.buffer_rows``.
+
 Axes: ``s`` tokens on this rank (``s <= S``), ``H`` hidden, ``K`` top-k, ``E`` experts, ``R`` ranks,
 ``epn = E / R`` experts owned per rank (rank r owns ``[r*epn, (r+1)*epn)``) = replica slots per rank,
 ``recv_rows`` receive rows of a step: this rank's padded layout (the plan's ``cu_seqlens[rank][-1]``, from the
@@ -23,36 +27,27 @@ that bad input on any rank fails on every rank before any row moves. Its four co
 
 from __future__ import annotations
 
-from typing import Any
+from typing import cast
 
+import numpy as np
 import torch
 
 import planner
 from collectives import Pending
-from moonep import _checks, replica_exchange
-from moonep._checks import Problem
-from moonep.agreement import agree_settings
+from moonep import _checks
+from moonep.buffer_core import INT32_MAX, SAME_BUFFER, resolve_device
+from moonep.buffer_rows import BufferRows
 from moonep.comm_plan import CommPlan, DispatchLayout, StepRead
-from moonep.geometry import EPGeometry
-from moonep.layout import num_recv_rows, recv_layout, replica_maps, row_sources, send_layout
+from moonep.layout import SendLayout, num_recv_rows, recv_layout, replica_maps, row_sources, send_layout
 from moonep.layout_cpu import HAS_NUMBA, send_layout_cpu
 from planner.tables import raise_error as raise_plan_error
 
-INT32_MAX = 2**31 - 1
-SAME_BUFFER = "every rank of the EP group must pass the same sizes, dtype, token_padding and balancing"
+# Shape suffixes (as torchtitan's models/common/moe.py): T tokens on this rank (s), H hidden, K top-k, E experts,
+# R ranks, N receive rows of the step (recv_rows), P routed slots this rank sends, Q routed slots it receives,
+# U unique (token, destination) rows it sends, V unique rows it receives; C = E + 4 words of a rank's counts.
 
 
-def resolve_device(comm, device: Any) -> torch.device:
-    """The Buffer's device: ``device`` ("cuda" = the current CUDA device), else the communicator's, else CPU."""
-    if device is None:
-        device = getattr(comm, "device", None) or "cpu"
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    return device
-
-
-class Buffer:
+class Buffer(BufferRows):
     """Capacity-sized receive and wire buffers for one EP group, allocated once.
 
     comm: a ``collectives.Communicator`` over the EP ranks (R = comm.world_size, E % R == 0).
@@ -76,60 +71,6 @@ class Buffer:
     combine, their backward) runs over its empty tail.
     """
 
-    def __init__(
-        self,
-        comm,
-        *,
-        S: int,
-        H: int,
-        K: int,
-        E: int,
-        token_padding: int = 1,
-        dtype: torch.dtype = torch.float32,
-        device: Any = None,
-        check_reuse: bool = True,
-        slack: float | None = None,
-        cost: planner.CostModel | None = None,
-        grow: bool = False,
-        static_rows: bool = False,
-    ) -> None:
-        # compared across ranks BEFORE any rank raises on its own: a bad value on one rank is the same error on all
-        words, problem = _checks.buffer_settings(comm, S, H, K, E, token_padding, dtype, slack, cost, grow)
-        agree_settings(comm, "Buffer", words, problem, hint=SAME_BUFFER)
-        self.geometry = EPGeometry(S=S, H=H, K=K, E=E, token_padding=token_padding)
-        self.comm, self.S, self.H, self.K, self.E, self.R = comm, S, H, K, E, comm.world_size
-        self.rank, self.epn, self.token_padding, self.dtype = comm.rank, E // self.R, token_padding, dtype
-        self.device = resolve_device(comm, device)
-        self.check_reuse = check_reuse
-        self.slack, self.cost, self.max_slack = _checks.balance_options(slack, cost)
-        self.grow = bool(grow)
-        self.static_rows = bool(static_rows)
-        self.generation = 0
-        """dispatches made so far (agreed across ranks by each dispatch); a plan is valid until the next one."""
-        self._allocate(S)
-
-    def _allocate(self, S: int) -> None:
-        """(Re)allocate every buffer for capacity S: their sizes never depend on the routing."""
-        R, K, H, dtype, dev = self.R, self.K, self.H, self.dtype, self.device
-        self.S, self.geometry = S, EPGeometry(S=S, H=H, K=K, E=self.E, token_padding=self.token_padding)
-        self.max_recv_rows = num_recv_rows(R * S, K, R, self.epn, self.token_padding, self.max_slack)
-        max_slots = planner.row_bound(R * S * K, R, self.max_slack)  # routed slots one rank may receive
-        if max(self.max_recv_rows, S * K) > INT32_MAX:
-            raise ValueError(f"receive rows {self.max_recv_rows} or slots S*K={S * K} exceed the int32 side table")
-        # receive rows (expert-grouped) and the two wire buffers
-        self._recv = torch.zeros(self.max_recv_rows, H, dtype=dtype, device=dev)
-        self._recv_w = torch.zeros(self.max_recv_rows, dtype=torch.float32, device=dev)
-        self._wire_out = torch.empty(S * min(K, R), H, dtype=dtype, device=dev)
-        self._wire_in = torch.zeros(1 + max_slots, H, dtype=dtype, device=dev)  # row 0: the zero row (row_sources)
-        self._meta_out = torch.empty(S * K, 3, dtype=torch.int32, device=dev)
-        self._meta_in = torch.empty(max_slots, 3, dtype=torch.int32, device=dev)
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes held by this Buffer (static)."""
-        ts = (self._recv, self._recv_w, self._wire_out, self._wire_in, self._meta_out, self._meta_in)
-        return sum(t.numel() * t.element_size() for t in ts)
-
     # ------------------------------------------------------------------------------------------ dispatch
     def get_dispatch_layout(
         self,
@@ -143,41 +84,52 @@ class Buffer:
         """Plan a dispatch before any row moves (DeepEP's layout step): checks, the count all-gather, the plan,
         the unique-row all-gather and the step's one host read; bad input on any rank fails on every rank here.
 
-        Arguments as ``dispatch``. Returns the ``DispatchLayout`` that ``dispatch(..., layout=)`` moves the rows
-        along; its replica maps let the replica weight push start first (``moonep.experts.start_push``).
+        Args:
+            hidden, topk_idx, topk_weights, slots_per_expert, total_num_tokens: as ``dispatch``.
+
+        Returns:
+            The ``DispatchLayout`` that ``dispatch(..., layout=)`` moves the rows along; its replica maps let the
+            replica weight push start first (``moonep.experts.start_push``).
         """
         code, detail, s = _checks.dispatch_problem(
             self, hidden, topk_weights, topk_idx, slots_per_expert, total_num_tokens, reuse=False
         )
         self.generation += 1  # on every rank, even when this call raises: the ranks raise together
-        idx = _checks.routed_ids(self, topk_idx) if code == 0 else torch.full((0, self.K), -1, device=self.device)
-        counts = torch.zeros(self.E + 5, dtype=torch.int64, device=self.device)  # the last entry takes -1 ids
-        counts.scatter_add_(0, torch.where(idx >= 0, idx, self.E + 4).reshape(-1), torch.ones_like(idx).reshape(-1))
-        counts = counts[: self.E + 4]
-        if code == 0:
-            counts[self.E] = _checks.data_code(self, topk_idx, topk_weights, slots_per_expert, counts[: self.E])
-        else:
-            counts[self.E] = code
-        counts[self.E + 1] = s
-        counts[self.E + 2] = -1 if total_num_tokens is None or code else total_num_tokens
-        counts[self.E + 3] = self.generation
-        gathered = torch.empty(self.R * (self.E + 4), dtype=torch.int64, device=self.device)
-        self.comm.all_gather(gathered, counts, validate=False)
-        g = gathered.view(self.R, self.E + 4)
-        global_plan = planner.plan(
-            g[:, : self.E], token_padding=self.token_padding, slack=self.slack, cost=self.cost, defer_errors=True
+        E, R = self.E, self.R
+        idx_TK = _checks.routed_ids(self, topk_idx) if code == 0 else torch.full((0, self.K), -1, device=self.device)
+        counts_C = torch.zeros(E + 5, dtype=torch.int64, device=self.device)  # the last entry takes -1 ids
+        counts_C.scatter_add_(
+            0, torch.where(idx_TK >= 0, idx_TK, E + 4).reshape(-1), torch.ones_like(idx_TK).reshape(-1)
         )
-        compiled = HAS_NUMBA and idx.device.type == "cpu"  # one compiled pass instead of a dozen tensor ops
-        lay = (send_layout_cpu if compiled else send_layout)(global_plan, self.rank, idx)
-        mismatch = (lay.slot_splits != global_plan.send_counts[self.rank]).any().long()
+        counts_C = counts_C[: E + 4]
+        if code == 0:
+            counts_C[E] = _checks.data_code(self, topk_idx, topk_weights, slots_per_expert, counts_C[:E])
+        else:
+            counts_C[E] = code
+        counts_C[E + 1] = s
+        counts_C[E + 2] = -1 if total_num_tokens is None or code else total_num_tokens
+        counts_C[E + 3] = self.generation
+        gathered = torch.empty(R * (E + 4), dtype=torch.int64, device=self.device)
+        self.comm.all_gather(gathered, counts_C, validate=False)
+        g_RC = gathered.view(R, E + 4)
+        # tensor counts make a TensorPlan (planner.plan is annotated with the host Plan it returns for numpy)
+        global_plan = cast(
+            planner.TensorPlan,
+            planner.plan(
+                g_RC[:, :E], token_padding=self.token_padding, slack=self.slack, cost=self.cost, defer_errors=True
+            ),
+        )
+        compiled = HAS_NUMBA and idx_TK.device.type == "cpu"  # one compiled pass instead of a dozen tensor ops
+        lay: SendLayout = (send_layout_cpu if compiled else send_layout)(global_plan, self.rank, idx_TK)
+        mismatch = torch.ne(lay.slot_splits, global_plan.send_counts[self.rank]).any().long()
         mine = torch.cat((lay.uniq_splits, mismatch[None]))
-        uniq = torch.empty(self.R * (self.R + 1), dtype=torch.int64, device=self.device)
+        uniq = torch.empty(R * (R + 1), dtype=torch.int64, device=self.device)
         self.comm.all_gather(uniq, mine, validate=False)
-        uniq = uniq.view(self.R, self.R + 1)
-        step = self._read_step(g, global_plan, uniq)  # the one host read
+        uniq_R1 = uniq.view(R, R + 1)  # per rank: unique rows to each rank, then its layout check
+        step = self._read_step(g_RC, global_plan, uniq_R1)  # the one host read
         code_detail = detail or (_checks.data_detail(self, topk_idx, topk_weights) if step.codes[self.rank] else "")
         total = self._check_step(step, code_detail)
-        return self._layout(global_plan, lay, step, uniq[:, self.rank], s, total)
+        return self._layout(global_plan, lay, step, uniq_R1[:, self.rank], s, total)
 
     def _check_step(self, step: StepRead, code_detail: str) -> int:
         """Raise, on every rank alike, what the step's read says is wrong; returns the agreed total tokens."""
@@ -185,7 +137,7 @@ class Buffer:
         _checks.check_generations(step.generations)
         total = _checks.check_totals(self.rank, step.s, step.totals)
         if step.err[0]:
-            raise_plan_error(step.err, self.epn)
+            raise_plan_error(np.asarray(step.err), self.epn)
         if self.grow and max(step.s) > self.S:
             self._allocate(max(step.s))
         if any(step.mismatch):
@@ -195,7 +147,15 @@ class Buffer:
             )
         return total
 
-    def _layout(self, global_plan, lay, step: StepRead, recv_uniq_t, s: int, total: int) -> DispatchLayout:
+    def _layout(
+        self,
+        global_plan: planner.TensorPlan,
+        lay: SendLayout,
+        step: StepRead,
+        recv_uniq_R: torch.Tensor,
+        s: int,
+        total: int,
+    ) -> DispatchLayout:
         r, R = self.rank, self.R
         push_rows, my_slots = replica_maps(global_plan, r)
         push = [step.replicas[d] if step.donor[d] == r else 0 for d in range(R)]
@@ -209,7 +169,7 @@ class Buffer:
             step=step,
             num_tokens=s,
             total_num_tokens=total,
-            recv_uniq=recv_uniq_t,
+            recv_uniq=recv_uniq_R,
             push_rows=push_rows[: sum(push)],
             push_splits=push,
             my_slots=my_slots[: sum(mine)],
@@ -227,17 +187,31 @@ class Buffer:
         total_num_tokens: int | None = None,
         layout: DispatchLayout | None = None,
         zero_copy: bool = False,
-    ):
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, CommPlan]:
         """Send every routed (token, expert) slot to the rank and row the balanced plan gives it.
 
-        hidden [s, H] (dtype of the Buffer); keyword-only, in DeepEP's order: topk_idx [s, K] int expert ids
-        (-1 = no expert), topk_weights [s, K] float (optional), slots_per_expert [E] (optional, checked against
-        topk_idx). total_num_tokens: sum of s over ranks when ranks pass different s (same value on every rank).
-        layout: this call's ``get_dispatch_layout`` of the same arguments (None: planned here).
-        Returns (recv_hidden [recv_rows, H], recv_weights [recv_rows] fp32 | None, cu_seqlens [2*epn] int64,
-        plan: the step's CommPlan).
-        Rows are grouped by (local expert, then replica slot) and padded per segment; padding and tail rows
-        are zero. zero_copy=True returns views of the Buffer (overwritten by the next dispatch).
+        Collective: every rank of the EP group calls it; bad input on any rank raises the same ValueError on all.
+        Keyword arguments in DeepEP's order.
+
+        Args:
+            hidden: [T, H] activations in the Buffer's dtype (bf16/fp32/...), on its device; T <= S (or any T
+                with ``grow``).
+            topk_idx: [T, K] integer expert ids in [0, E), -1 = no expert.
+            topk_weights: [T, K] float routing weights (optional; travel per slot, NaN/inf on a routed slot is an
+                error).
+            slots_per_expert: [E] integer histogram of topk_idx (optional; checked against it).
+            total_num_tokens: sum of T over the ranks, the same int on every rank (None: inferred from the count
+                all-gather).
+            layout: this call's ``get_dispatch_layout`` of the same arguments (None: planned here).
+            zero_copy: return views of the Buffer (overwritten by the next dispatch) instead of fresh tensors.
+
+        Returns:
+            ``(recv_hidden, recv_weights, cu_seqlens, plan)``:
+            recv_hidden: [N, H] rows in the Buffer's dtype, N = ``plan.recv_rows``, grouped by (own expert, then
+                replica slot) and padded per segment to ``token_padding``; padding and tail rows are zero.
+            recv_weights: [N] fp32 routing weight of each row (0 on padding), or None without topk_weights.
+            cu_seqlens: [2*epn] int64 padded segment ends (host copy: ``plan.cu_host``).
+            plan: the step's ``CommPlan`` (combine, redispatch and the replica exchanges reuse it).
         """
         if layout is None:
             layout = self.get_dispatch_layout(
@@ -257,48 +231,50 @@ class Buffer:
                 f"planned #{self.generation} since"
             )
         plan, rows = self._exchange_meta(layout, hidden, topk_weights)
-        return self._expand(plan, rows, topk_weights is not None, zero_copy) + (plan.cu_seqlens, plan)
+        rows_NH, w_N = self._expand(plan, rows, topk_weights is not None, zero_copy)
+        return rows_NH, w_N, plan.cu_seqlens, plan
 
-    def _read_step(self, g: torch.Tensor, global_plan, uniq: torch.Tensor) -> StepRead:
+    def _read_step(self, g_RC: torch.Tensor, global_plan: planner.TensorPlan, uniq_R1: torch.Tensor) -> StepRead:
         """THE host read of a dispatch: every rank's (code, s, total), the plan's error and send counts, the
         unique-row counts, donors, replica counts and this rank's segment ends, in one transfer."""
-        R = self.R
         parts = (
-            g[:, self.E :].reshape(-1),
+            g_RC[:, self.E :].reshape(-1),
             global_plan.err,
             global_plan.send_counts.reshape(-1),
-            uniq.reshape(-1),
+            uniq_R1.reshape(-1),
             global_plan.donor,
             (global_plan.experts_to_copy >= 0).sum(1),
             global_plan.cu_seqlens[self.rank],
         )
-        return StepRead.from_flat(torch.cat(parts).tolist(), R, self.epn)
+        return StepRead.from_flat(torch.cat(parts).tolist(), self.R, self.epn)
 
-    def _exchange_meta(self, layout: DispatchLayout, hidden, weights):
+    def _exchange_meta(
+        self, layout: DispatchLayout, x_TH: torch.Tensor, w_TK: torch.Tensor | None
+    ) -> tuple[CommPlan, Pending]:
         """Side-table all-to-all (exact plan counts) -> the receive maps; fills the receive weights. The token
         rows' all-to-all starts beside the side table's (its splits are known from the step's read too).
         Returns (plan, the rows' Pending)."""
         r, R, step, lay, global_plan = self.rank, self.R, layout.step, layout.send, layout.global_plan
         send_slots, recv_slots = list(step.send[r]), [step.send[q][r] for q in range(R)]
         send_uniq, recv_uniq = list(step.uniq[r]), [step.uniq[q][r] for q in range(R)]
-        n, U = sum(send_slots), sum(send_uniq)
-        meta = self._meta_out[:n]
-        meta[:, 0] = lay.dest_row[:n]
-        meta[:, 1] = lay.uniq_local[:n]
-        pos = lay.slot_pos[:n]
-        if weights is None:
-            meta[:, 2] = 0
+        P, U = sum(send_slots), sum(send_uniq)
+        meta_P3 = self._meta_out[:P]
+        meta_P3[:, 0] = lay.dest_row[:P]
+        meta_P3[:, 1] = lay.uniq_local[:P]
+        pos_P = lay.slot_pos[:P]
+        if w_TK is None:
+            meta_P3[:, 2] = 0
         else:  # fp32 bits in an int32 column: integer tables travel as integers, weights exactly
-            meta[:, 2] = weights.detach().reshape(-1).index_select(0, pos).float().view(torch.int32)
-        got = self._meta_in[: sum(recv_slots)]
-        side = self.comm.all_to_all_single_start(got, meta, recv_slots, send_slots, splits_agreed=True)
-        rows = self._start_rows(hidden, lay.uniq_token[:U], send_uniq, recv_uniq)
+            meta_P3[:, 2] = w_TK.detach().reshape(-1).index_select(0, pos_P).float().view(torch.int32)
+        got_Q3 = self._meta_in[: sum(recv_slots)]
+        side = self.comm.all_to_all_single_start(got_Q3, meta_P3, recv_slots, send_slots, splits_agreed=True)
+        rows = self._start_rows(x_TH, lay.uniq_token[:U], send_uniq, recv_uniq)
         side.wait()
-        row, uniq = recv_layout(got[:, 0], got[:, 1], global_plan.send_counts[:, r], layout.recv_uniq)
+        row_Q, uniq_Q = recv_layout(got_Q3[:, 0], got_Q3[:, 1], global_plan.send_counts[:, r], layout.recv_uniq)
         if self.static_rows:
-            recv_rows = num_recv_rows(layout.total_num_tokens, self.K, R, self.epn, self.token_padding, self.max_slack)
+            N = num_recv_rows(layout.total_num_tokens, self.K, R, self.epn, self.token_padding, self.max_slack)
         else:
-            recv_rows = step.cu[-1]
+            N = step.cu[-1]
         plan = CommPlan(
             global_plan=global_plan,
             rank=r,
@@ -306,195 +282,23 @@ class Buffer:
             generation=layout.generation,
             num_tokens=layout.num_tokens,
             total_num_tokens=layout.total_num_tokens,
-            recv_rows=recv_rows,
+            recv_rows=N,
             cu_seqlens=global_plan.cu_seqlens[r],
-            row_source=row_sources(row, uniq, recv_rows),
+            row_source=row_sources(row_Q, uniq_Q, N),
             cu_host=step.cu,
-            slot_pos=pos,
+            slot_pos=pos_P,
             send_slot_splits=send_slots,
             uniq_token=lay.uniq_token[:U],
             send_uniq_splits=send_uniq,
-            recv_slot_row=row,
-            recv_slot_uniq=uniq,
+            recv_slot_row=row_Q,
+            recv_slot_uniq=uniq_Q,
             recv_slot_splits=recv_slots,
             recv_uniq_splits=recv_uniq,
             layout=layout,
         )
-        if weights is not None:
-            self._weights_from(plan, got[:, 2].contiguous().view(torch.float32))
+        if w_TK is not None:
+            self._weights_from(plan, got_Q3[:, 2].contiguous().view(torch.float32))
         return plan, rows
 
-    def _zero_unwritten(self, view: torch.Tensor, plan: CommPlan) -> None:
-        """Zero the receive rows no slot writes: unpadded, the slots fill a prefix; padded, padding interleaves."""
-        if self.token_padding == 1:
-            view[plan.recv_slot_row.numel() :].zero_()
-        else:
-            view.zero_()
 
-    def _weights_from(self, plan: CommPlan, per_slot: torch.Tensor | None) -> None:
-        """Scatter received per-slot weights [n_recv] into the [recv_rows] weight rows (empty rows zero)."""
-        if per_slot is None:
-            return
-        w = self._recv_w[: plan.recv_rows]
-        self._zero_unwritten(w, plan)
-        w.index_copy_(0, plan.recv_slot_row, per_slot.to(torch.float32))
-
-    def _start_rows(self, hidden: torch.Tensor, uniq_token: torch.Tensor, send_uniq: list, recv_uniq: list):
-        """Start the all-to-all of one row per (token, destination) into the wire buffer (behind its zero row)."""
-        src = self._wire_out[: uniq_token.numel()]
-        torch.index_select(hidden, 0, uniq_token, out=src)
-        got = self._wire_in[1 : 1 + sum(recv_uniq)]
-        return self.comm.all_to_all_single_start(got, src, recv_uniq, send_uniq, splits_agreed=True)
-
-    def _expand(self, plan: CommPlan, rows, with_weights: bool, zero_copy: bool):
-        """The rows landed, expanded into the expert-grouped receive rows."""
-        rows.wait()
-        wire = self._wire_in[: 1 + sum(plan.recv_uniq_splits)]
-        weights = self._recv_w[: plan.recv_rows] if with_weights else None
-        if not zero_copy:  # the epilogue in one pass, straight into the caller's own tensor
-            return wire.index_select(0, plan.row_source), None if weights is None else weights.clone()
-        out = self._recv[: plan.recv_rows]
-        torch.index_select(wire, 0, plan.row_source, out=out)
-        return out, weights
-
-    def _send_rows(self, plan: CommPlan, hidden: torch.Tensor, with_weights: bool, zero_copy: bool):
-        """One row per (token, destination) over the wire, expanded into the expert-grouped receive rows."""
-        rows = self._start_rows(hidden, plan.uniq_token, plan.send_uniq_splits, plan.recv_uniq_splits)
-        return self._expand(plan, rows, with_weights, zero_copy)
-
-    def redispatch(
-        self,
-        plan: CommPlan,
-        hidden: torch.Tensor,
-        *,
-        topk_weights: torch.Tensor | None = None,
-        zero_copy: bool = False,
-        any_step: bool = False,
-    ):
-        """Dispatch ``hidden`` [s, H] (and ``topk_weights`` [s, K] if given) along a saved plan: no planning, no
-        side table, no host read (combine's backward). Returns what ``dispatch`` returns.
-        any_step: accept a plan of an earlier dispatch of this Buffer (a backward after later dispatches);
-        otherwise, with ``check_reuse``, only the latest dispatch's plan is accepted."""
-        if self.check_reuse:  # plan-reuse calls carry no count exchange: checking costs one all-reduce
-            code, detail = _checks.plan_problem(self, plan, any_step)
-            if code == 0:
-                code, detail, _ = _checks.dispatch_problem(self, hidden, topk_weights, None, None, None, reuse=True)
-            if code == 0 and hidden.shape[0] != plan.num_tokens:
-                code = Problem.FOREIGN_PLAN
-                detail = f"hidden has {hidden.shape[0]} tokens but the plan was made for s={plan.num_tokens}"
-            self._agree("redispatch", code, detail)
-        if topk_weights is not None:
-            per_slot = self._slots_forward(
-                plan, topk_weights.detach().reshape(-1).index_select(0, plan.slot_pos).float()
-            )
-            self._weights_from(plan, per_slot)
-        return self._send_rows(plan, hidden, topk_weights is not None, zero_copy) + (plan.cu_seqlens, plan)
-
-    def _slots_forward(self, plan: CommPlan, per_slot: torch.Tensor) -> torch.Tensor:
-        """[n] values in send order -> [n_recv] in receive order (exact plan counts)."""
-        got = torch.empty(sum(plan.recv_slot_splits), dtype=per_slot.dtype, device=self.device)
-        self.comm.all_to_all_single(
-            got, per_slot.contiguous(), plan.recv_slot_splits, plan.send_slot_splits, validate=False, splits_agreed=True
-        )
-        return got
-
-    def _check_owner(self, op: str, plan) -> None:
-        """A plan-taking call refuses a plan (or layout) that this Buffer did not make on this rank (a plan is one
-        rank's view of one Buffer's step; another's splits would exchange the wrong rows)."""
-        ours = isinstance(plan, (CommPlan, DispatchLayout))
-        if not ours or plan.buffer_id != id(self) or plan.rank != self.rank:
-            where = "another Buffer or rank" if ours else type(plan).__name__
-            raise ValueError(
-                f"moonep.{op}: rank {self.rank}: plan must be the CommPlan this Buffer's dispatch returned on this "
-                f"rank, got one from {where}"
-            )
-
-    def _agree(self, op: str, code: int, detail: str) -> None:
-        """One small all-reduce of the error code so that every rank raises together (or none does)."""
-        flags = torch.zeros(self.R, dtype=torch.int64, device=self.device)
-        flags[self.rank] = code
-        self.comm.all_reduce(flags, "sum", validate=False)
-        _checks.raise_agreed(op, self.rank, flags.tolist(), detail)
-
-    # ------------------------------------------------------------------------------------------- combine
-    def combine(
-        self,
-        plan: CommPlan,
-        expert_out: torch.Tensor,
-        recv_weights: torch.Tensor | None = None,
-        *,
-        any_step: bool = False,
-    ):
-        """Bring every slot's expert output home and sum a token's K copies (UNWEIGHTED).
-
-        expert_out [recv_rows, H]: rows in the dispatch layout (the expert side already applied routing weights).
-        recv_weights [recv_rows] (optional): also gathered per slot -> gathered_weights [s, K] (masked slots 0).
-        any_step: accept a plan of an earlier dispatch of this Buffer (dispatch's backward after later
-        dispatches); otherwise, with ``check_reuse``, a plan other than the latest dispatch's is an error on
-        every rank (checked on the all-reduce that ``check_reuse`` costs anyway).
-        Returns (out [s, H], gathered_weights [s, K] fp32 | None). Rows outside routed slots are ignored.
-        """
-        if self.check_reuse:
-            code, detail = _checks.combine_problem(self, plan, expert_out, recv_weights, any_step)
-            self._agree("combine", code, detail)
-        # prologue: a token's slots on this rank are summed into its one unique row before it travels home;
-        # unfilled rows sum into the zero row, which is zeroed again for the next dispatch
-        ext = self._wire_in[: 1 + sum(plan.recv_uniq_splits)]
-        ext.zero_()
-        ext.index_add_(0, plan.row_source, expert_out)
-        back = self._wire_out[: plan.uniq_token.numel()]
-        rows = self.comm.all_to_all_single_start(
-            back, ext[1:], plan.send_uniq_splits, plan.recv_uniq_splits, splits_agreed=True
-        )
-        if recv_weights is not None:  # the per-slot values travel beside the rows
-            per_slot = recv_weights.detach().index_select(0, plan.recv_slot_row).float().contiguous()
-            home = torch.empty(plan.slot_pos.numel(), dtype=torch.float32, device=self.device)
-            slots = self.comm.all_to_all_single_start(
-                home, per_slot, plan.send_slot_splits, plan.recv_slot_splits, splits_agreed=True
-            )
-        rows.wait()
-        ext[0].zero_()
-        out = torch.zeros(plan.num_tokens, self.H, dtype=self.dtype, device=self.device)
-        out.index_add_(0, plan.uniq_token, back)
-        if recv_weights is None:
-            return out, None
-        slots.wait()
-        gathered = torch.zeros(plan.num_tokens * self.K, dtype=torch.float32, device=self.device)
-        gathered.index_copy_(0, plan.slot_pos, home)
-        return out, gathered.view(plan.num_tokens, self.K)
-
-    # ------------------------------------------------------------------------------ weights and grads
-    def prefetch_weight(self, plan: CommPlan, local_weights, prefetch_buffers) -> None:
-        """Copy the replicated experts' weights into the replica slots of the ranks that compute them.
-
-        local_weights: [epn, ...] tensor (or a sequence of them, one per projection) = this rank's experts.
-        prefetch_buffers: [epn, ...] replica slots (same structure); slot b of rank d receives expert
-        ``plan.global_plan.experts_to_copy[d, b]`` (unused slots are left untouched). Collective: every rank calls it.
-        """
-        self.prefetch_weight_start(plan, local_weights, prefetch_buffers).wait()
-
-    def prefetch_weight_start(self, plan: CommPlan, local_weights, prefetch_buffers) -> Pending:
-        """``prefetch_weight`` started (one asynchronous all-to-all for all projections of one dtype: a copy's
-        rows side by side); ``wait()`` lands the slots. Until then the slots are undefined and the local weights
-        must not change."""
-        self._check_owner("prefetch_weight", plan)
-        return replica_exchange.push_start(self.comm, self.epn, plan, local_weights, prefetch_buffers)
-
-    def reduce_grad(self, plan: CommPlan, local_grads, reduce_buffers) -> None:
-        """Sum the replica slots' weight-gradients into their home experts' grads; zero the consumed slots.
-
-        local_grads: [epn, ...] (or a sequence); reduce_buffers: [epn, ...] slot grads (same structure).
-        Collective: every rank calls it, after every rank wrote its slot grads. One all-to-all for all
-        projections of one dtype.
-        """
-        self._check_owner("reduce_grad", plan)
-        replica_exchange.reduce(self.comm, self.epn, plan, local_grads, reduce_buffers)
-
-    def reduce_grad_start(self, plan: CommPlan, reduce_buffers) -> replica_exchange.GradsInFlight:
-        """``reduce_grad`` started before the home grads exist (the EP step's backward computes its own experts
-        meanwhile): sends the slots' grads and zeros them; ``.finish(epn, local_grads)`` adds them home."""
-        self._check_owner("reduce_grad", plan)
-        return replica_exchange.reduce_start(self.comm, plan, reduce_buffers)
-
-
-__all__ = ["Buffer", "CommPlan", "resolve_device"]
+__all__ = ["INT32_MAX", "SAME_BUFFER", "Buffer", "CommPlan", "resolve_device"]

@@ -15,10 +15,14 @@ import math
 import torch
 
 from collectives import Pending
-from moonep.comm_plan import CommPlan
+from collectives.base import Communicator
+from moonep.comm_plan import CommPlan, DispatchLayout
+
+StepPlan = CommPlan | DispatchLayout
+"""a step's ``CommPlan``, or its ``DispatchLayout`` before the rows move: both carry the replica maps."""
 
 
-def push_start(comm, epn: int, plan: CommPlan, local_weights, prefetch_buffers) -> Pending:
+def push_start(comm: Communicator, epn: int, plan: StepPlan, local_weights, prefetch_buffers) -> Pending:
     """Start sending this rank's replicated experts (``local_weights``: [epn, ...] or a sequence, one per
     projection) into the replica slots (``prefetch_buffers``, same structure) of the ranks that compute them;
     ``wait()`` lands them (unused slots untouched)."""
@@ -45,7 +49,7 @@ def push_start(comm, epn: int, plan: CommPlan, local_weights, prefetch_buffers) 
     return Pending(land)
 
 
-def reduce(comm, epn: int, plan: CommPlan, local_grads, reduce_buffers) -> None:
+def reduce(comm: Communicator, epn: int, plan: StepPlan, local_grads, reduce_buffers) -> None:
     """Sum the occupied replica slots' grads (``reduce_buffers``: [epn, ...] or a sequence) into their home
     experts' grads (``local_grads``, same structure) and zero the consumed slots."""
     _one_per_projection(local_grads, reduce_buffers)  # names a count mismatch before anything moves
@@ -55,7 +59,7 @@ def reduce(comm, epn: int, plan: CommPlan, local_grads, reduce_buffers) -> None:
 class GradsInFlight:
     """The replica grads on their way home (``reduce_start``); ``finish`` adds them into the home grads."""
 
-    def __init__(self, plan: CommPlan, started: list) -> None:
+    def __init__(self, plan: StepPlan, started: list) -> None:
         self.plan, self._started = plan, started
 
     def finish(self, epn: int, local_grads) -> None:
@@ -69,7 +73,7 @@ class GradsInFlight:
                     grads[i].view(epn, -1).index_add_(0, self.plan.push_rows, part.to(grads[i].dtype))
 
 
-def reduce_start(comm, plan: CommPlan, reduce_buffers) -> GradsInFlight:
+def reduce_start(comm: Communicator, plan: StepPlan, reduce_buffers) -> GradsInFlight:
     """Start sending the occupied replica slots' grads (``reduce_buffers``: [epn, ...] or a sequence) home (one
     asynchronous all-to-all per dtype) and zero the consumed slots; ``finish`` lands them."""
     if not plan.num_replicas:
