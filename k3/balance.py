@@ -18,7 +18,12 @@ equal to, bit for bit.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:
+    from collectives.base import Communicator
 
 NUM_BINS = 1000  # the report's histogram resolution
 
@@ -82,7 +87,7 @@ def qb_bias(hist: torch.Tensor, bias: torch.Tensor, K: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def update_router_biases(moes, comm, method: str = "qb", rate: float = 1e-3) -> torch.Tensor:
+def update_router_biases(moes, comm: Communicator | None, method: str = "qb", rate: float = 1e-3) -> torch.Tensor:
     """Update every MoE layer's ``e_score_correction_bias`` from its last scores; one all-reduce in total.
 
     Returns [Lm] fp64, on the routers' device: the per-layer max violation of the step just taken (global

@@ -21,6 +21,7 @@ import statistics
 import tempfile
 import time
 import zlib
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -33,8 +34,11 @@ from k3.train import TrainConfig, Trainer
 from moonep.parallel import is_expert
 from moonep_base import write_json
 
+if TYPE_CHECKING:
+    from collectives.base import Communicator
 
-def timed_steps(comm, trainer, first: int, steps: int) -> list[float]:
+
+def timed_steps(comm: Communicator, trainer: Trainer, first: int, steps: int) -> list[float]:
     """Seconds of ``trainer.step(first)`` ... ``trainer.step(first + steps - 1)``, each started after a barrier,
     the slowest rank's time per step (the same list on every rank)."""
     times = []
@@ -49,7 +53,7 @@ def timed_steps(comm, trainer, first: int, steps: int) -> list[float]:
     return times
 
 
-def bench_rank(comm, train: dict, steps: int) -> dict:
+def bench_rank(comm: Communicator, train: dict, steps: int) -> dict:
     torch.set_num_threads(1)
     tc = TrainConfig(**train)
     trainer = Trainer(comm, tc)
@@ -92,7 +96,7 @@ def run_bench(preset: str = "tiny", world_sizes=(1, 2, 4), steps: int = 5, max_d
     }
 
 
-def _timed_opt_step(comm, opt) -> float:
+def _timed_opt_step(comm: Communicator, opt: torch.optim.Optimizer) -> float:
     """Seconds of one ``opt.step()`` started after a barrier, the slowest rank's (the same on every rank)."""
     comm.barrier()
     t0 = time.perf_counter()
@@ -103,7 +107,7 @@ def _timed_opt_step(comm, opt) -> float:
     return float(dt)
 
 
-def muon_bench_rank(comm, preset: str, steps: int) -> dict:
+def muon_bench_rank(comm: Communicator, preset: str, steps: int) -> dict:
     """One rank: the preset at EP = world size, random grads (replicated ones equal on every rank, experts
     local), the loop twin and the new optimizer stepping twin copies of the model, one warm-up step each."""
     torch.set_num_threads(1)

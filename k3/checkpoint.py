@@ -31,12 +31,16 @@ import os
 import re
 import shutil
 import uuid
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import load as load_bytes
 from safetensors.torch import save as save_bytes
 
 from moonep_base import write_json
+
+if TYPE_CHECKING:
+    from collectives.base import Communicator
 
 FORMAT = 1
 """Manifest format version (a manifest of another version is refused, not guessed at)."""
@@ -212,7 +216,9 @@ def _write_shard(folder: str, rank: int, tensors: dict[str, torch.Tensor]) -> by
     return hashlib.sha256(data).digest() + len(data).to_bytes(8, "little")
 
 
-def save_checkpoint(comm, run_dir: str, step: int, tensors: dict[str, torch.Tensor], state: dict, run: dict) -> str:
+def save_checkpoint(
+    comm: Communicator, run_dir: str, step: int, tensors: dict[str, torch.Tensor], state: dict, run: dict
+) -> str:
     """Collective: publish step ``step`` (every rank's ``tensors``, rank 0's ``state``) for ``run`` (``run.json``).
 
     Returns the published folder. The sequence and its crash guarantees are in the module docstring.
@@ -318,7 +324,7 @@ def check_tensors(path: str, tensors: dict[str, torch.Tensor], expected: dict[st
             raise CheckpointError(f"{path}: {name} is {t.dtype} {list(t.shape)}, expected {dtype} {list(shape)}")
 
 
-def agree(comm, problem: str | None, width: int = 480) -> None:
+def agree(comm: Communicator, problem: str | None, width: int = 480) -> None:
     """Collective: raise the same CheckpointError on every rank when any rank has a problem (the lowest rank's,
     named), so a fault in one rank's shard never leaves its peers training or waiting."""
     mine = torch.zeros(1, width, dtype=torch.uint8)

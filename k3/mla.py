@@ -18,6 +18,8 @@ causal path.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -26,6 +28,9 @@ from torch.nn.attention.bias import causal_lower_right
 from k3.config import K3Config
 from k3.layers import RMSNorm
 
+if TYPE_CHECKING:
+    from collectives.base import Communicator
+
 LORA_EPS = 1e-6  # the LoRA norms use the class default, not rms_norm_eps (release modeling code)
 
 
@@ -33,7 +38,7 @@ class _GatherTokens(torch.autograd.Function):
     """x [B, h, T_l, c] on each rank of ``comm`` -> [B, h, world*T_l, c] in rank order (differentiable)."""
 
     @staticmethod
-    def forward(ctx, x, comm):
+    def forward(ctx, x: torch.Tensor, comm: Communicator) -> torch.Tensor:
         ctx.comm, ctx.T_l = comm, x.shape[2]
         inp = x.permute(2, 0, 1, 3).contiguous()  # [T_l, B, h, c]
         out = inp.new_empty(comm.world_size * inp.shape[0], *inp.shape[1:])

@@ -26,6 +26,7 @@ the shared k_rope slice is untouched.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -33,6 +34,9 @@ from torch import nn
 from k3.kda import KDALayer
 from k3.mla import GatedMLA
 from k3.moe import LatentMoE
+
+if TYPE_CHECKING:
+    from collectives.base import Communicator
 
 NS_COEFFS = (3.4445, -4.7750, 2.0315)
 CPU_STACK_ELEMS = 1 << 18
@@ -115,7 +119,7 @@ def _share(X: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     return torch.cat([mine, pad])
 
 
-def _all_gather_shares(shares: list[torch.Tensor], comm) -> list[torch.Tensor]:
+def _all_gather_shares(shares: list[torch.Tensor], comm: Communicator) -> list[torch.Tensor]:
     """Every rank's ``shares`` (one [per_k, r_k, c_k] per stack k, the same shapes on every rank) -> the stacks
     [W * per_k, r_k, c_k] in rank order, with ONE all-gather of the flattened shares."""
     flat = torch.cat([s.reshape(-1) for s in shares])
@@ -129,7 +133,7 @@ def _all_gather_shares(shares: list[torch.Tensor], comm) -> list[torch.Tensor]:
     return stacks
 
 
-def orthogonalize_all(items, comm=None) -> tuple[list[torch.Tensor], int]:
+def orthogonalize_all(items, comm: Communicator | None = None) -> tuple[list[torch.Tensor], int]:
     """``orthogonalize`` of many updates at once: items are (U, heads, axis, replicated), U [r, c] or [E, r, c].
 
     Same-shape blocks run as one batched NS5. With ``comm`` (world size W > 1) replicated items must be equal on
@@ -177,7 +181,7 @@ class PerHeadMuon(torch.optim.Optimizer):
         betas=(0.9, 0.95),
         eps: float = 1e-8,
         weight_decay: float = 0.1,
-        comm=None,
+        comm: Communicator | None = None,
     ) -> None:
         super().__init__(
             groups, {"lr": lr, "momentum": momentum, "betas": betas, "eps": eps, "weight_decay": weight_decay}
@@ -295,7 +299,7 @@ def param_groups(model) -> list[dict]:
 
 
 @torch.no_grad()
-def qk_clip(model, comm, tau: float) -> list[float]:
+def qk_clip(model, comm: Communicator | None, tau: float) -> list[float]:
     """Rescale MLA heads whose global max logit (from the last forward, ``track_logits``) exceeds tau.
 
     One all-reduce (max) over all MLA layers; returns the max logit of each layer.

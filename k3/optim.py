@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 from k3.muon import PerHeadMuon, param_groups
 
+if TYPE_CHECKING:
+    from collectives.base import Communicator
 
-def build_optimizer(model, kind: str, *, lr: float, weight_decay: float, comm=None) -> PerHeadMuon:
+
+def build_optimizer(
+    model, kind: str, *, lr: float, weight_decay: float, comm: Communicator | None = None
+) -> PerHeadMuon:
     """``kind="muon"``: Per-Head Muon for matrices, AdamW for the rest; ``"adamw"``: AdamW for everything.
 
     ``comm``: the ranks whose replicated grads are already summed (the trainer's world); Newton-Schulz of the

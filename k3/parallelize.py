@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-import moonep
+from moonep.buffer import Buffer
 from moonep.parallel import is_expert
 
 if TYPE_CHECKING:
@@ -109,7 +109,7 @@ def apply_ep(
     tokens: int,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str | None = None,
-) -> moonep.Buffer:
+) -> Buffer:
     """Expert parallelism over ``comm``: one ``moonep.Buffer`` (over the latent width L) shared by every MoE layer.
 
     The model must have been built for this EP group (``build_model(..., ep_size=R, ep_rank=rank)``: each
@@ -124,7 +124,7 @@ def apply_ep(
         device: where the Buffer's tables live (None: moonep's default for ``comm``).
 
     Returns:
-        the Buffer attached to every MoE layer (None of them when the model has no MoE layer).
+        the Buffer, attached to every MoE layer of the model.
     """
     cfg, moes = model.cfg, model.moe_layers()
     for moe in moes:
@@ -133,7 +133,7 @@ def apply_ep(
                 f"apply_ep: the model holds {moe.epn} marked experts per rank, EP over {comm.world_size} ranks "
                 f"needs {cfg.num_experts // comm.world_size}: build it with ep_size={comm.world_size}"
             )
-    buffer = moonep.Buffer(
+    buffer = Buffer(
         comm,
         S=tokens,
         H=cfg.routed_expert_hidden_size,
@@ -162,7 +162,12 @@ def apply_cp(model: K3Model, cp_comm: Communicator | None) -> None:
 class DataParallel:
     """Data parallelism of one rank over ``comm``: the replicated parameters' gradients summed (one all-reduce),
     expert gradients left as they are (already complete after the EP backward: moonep's contract), and the
-    gradient norm clipped over every rank's experts and the replicated parameters."""
+    gradient norm clipped over every rank's experts and the replicated parameters.
+
+    Args:
+        model: the K3 model (its experts marked by ``LatentMoE``: ``moonep.parallel.mark_expert``).
+        comm: the data-parallel group (the world).
+    """
 
     def __init__(self, model: K3Model, comm: Communicator) -> None:
         self.comm = comm

@@ -22,9 +22,13 @@ import os
 import socket
 import time
 import uuid
+from typing import TYPE_CHECKING
 
 from k3.checkpoint import CheckpointError, agree, check_run_dir, read_latest, read_run
 from k3.train_config import TrainConfig
+
+if TYPE_CHECKING:
+    from collectives.base import Communicator
 
 IDENTITY_FIELDS = (
     "preset", "optimizer", "seed", "balance", "cp", "schedule_steps", "lr", "warmup", "weight_decay",
@@ -158,7 +162,7 @@ def acquire_run_lock(run_dir: str, run_id: str | None = None) -> RunLock:
     return RunLock(file, run_id)
 
 
-def lock_run(comm, run_dir: str, run_id: str | None) -> RunLock:
+def lock_run(comm: Communicator, run_dir: str, run_id: str | None) -> RunLock:
     """Collective: rank 0 takes the run folder's lock; when it cannot, every rank raises rank 0's error."""
     lock, problem = RunLock(), None
     if comm.rank == 0:

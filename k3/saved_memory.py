@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -32,6 +33,9 @@ from torch.overrides import TorchFunctionMode
 from k3.config import K3Config, LinearAttnConfig
 from k3.model import K3Model, build_model
 from k3.parallelize import apply_ep
+
+if TYPE_CHECKING:
+    from collectives.base import Communicator
 
 MODULES = ("mla", "kda", "moe", "dense_mlp", "attn_res", "norms")
 K3_WIDTH = 32
@@ -227,7 +231,7 @@ class SavedBytes:
         return out
 
 
-def build(cfg: K3Config, dtype: torch.dtype, comm=None, tokens: int = 0) -> K3Model:
+def build(cfg: K3Config, dtype: torch.dtype, comm: Communicator | None = None, tokens: int = 0) -> K3Model:
     """``build_model(cfg)`` in ``dtype``; with ``comm`` its MoE layers run moonep's EP step over a Buffer of
     ``tokens`` rows (what training runs, at any world size), else the all-local loop (``k3.naive``)."""
     model = build_model(cfg, seed=0, dtype=dtype)
@@ -301,7 +305,9 @@ def check_bench_args(widths, seq_lens) -> None:
         raise ValueError(f"--seq-lens: every sequence length must be >= 2, got {','.join(map(str, seq_lens))}")
 
 
-def run_memory_bench(comm=None, widths=(2, 4), seq_lens=(120, 240), dtype: str = "bfloat16") -> dict:
+def run_memory_bench(
+    comm: Communicator | None = None, widths=(2, 4), seq_lens=(120, 240), dtype: str = "bfloat16"
+) -> dict:
     """``measure`` at every width and sequence length (a fresh model each), then ``at_k3`` per sequence length
     from the two smallest widths."""
     check_bench_args(widths, seq_lens)
@@ -318,7 +324,7 @@ def run_memory_bench(comm=None, widths=(2, 4), seq_lens=(120, 240), dtype: str =
     return {"config": config, "runs": runs, "k3": k3}
 
 
-def memory_bench_rank(comm, **kwargs) -> dict:
+def memory_bench_rank(comm: Communicator, **kwargs) -> dict:
     """``run_memory_bench`` on one launched rank (world size 1: the EP step with every expert local)."""
     torch.set_num_threads(1)
     return run_memory_bench(comm, **kwargs)

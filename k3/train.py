@@ -37,16 +37,7 @@ from collectives import launch
 from collectives.faults import LinkDelay, faults_at
 from collectives.launch import LaunchError, external_launcher, rank_device
 from k3.balance import rows_per_rank, update_router_biases
-from k3.checkpoint import (
-    CheckpointError,
-    agree,
-    check_tensors,
-    claim_run,
-    clean_run_dir,
-    read_manifest,
-    read_shard,
-    save_checkpoint,
-)
+from k3.checkpoint import claim_run, clean_run_dir
 from k3.config import K3Config
 from k3.data import batch, load_corpus
 from k3.model import build_model, token_loss_sum
@@ -56,6 +47,7 @@ from k3.parallelize import ParallelDims, parallelize_k3, shard_batch
 from k3.rank_errors import rank_error, record_error
 from k3.run_folder import RunLock, check_run_lock, identity, lock_run, metrics_file, prepare_run
 from k3.trace import PhaseClock
+from k3.train_checkpoint import Checkpointing
 from k3.train_config import TrainConfig
 from k3.train_flags import add_train_flags, config_fields
 from moonep_base import run, write_json
@@ -64,7 +56,7 @@ if TYPE_CHECKING:
     from collectives.base import Communicator
 
 
-class Trainer:
+class Trainer(Checkpointing):
     """State of one rank: model, optimizer, data; ``step()`` runs one global step.
 
     Args:
@@ -106,8 +98,14 @@ class Trainer:
         """The run folder's lock (held on rank 0 from ``_start`` until the run ends)."""
 
     def local(self, full: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Global batch [G, seq_len + 1] -> this rank's (inputs, targets) [rows, T_l]: its data-parallel rows
-        and its context-parallel token slice (``k3.parallelize.shard_batch``)."""
+        """This rank's data-parallel rows and context-parallel token slice (``k3.parallelize.shard_batch``).
+
+        Args:
+            full: [G, seq_len + 1] int64, the global batch.
+
+        Returns:
+            (inputs, targets), each [rows, T_l] int64 on the rank's device.
+        """
         return shard_batch(full, self.dims, self.rows, self.T_l, self.device)
 
     def _inject(self, step: int) -> float:
@@ -183,7 +181,11 @@ class Trainer:
 
     @torch.no_grad()
     def validate(self) -> float:
-        """Validation loss: the global token mean over ``val_batches`` held-out global batches (collective)."""
+        """Collective: the validation loss over ``val_batches`` held-out global batches.
+
+        Returns:
+            the global token mean of the cross-entropy (the same on every rank).
+        """
         tc, total = self.tc, torch.zeros(1, dtype=torch.float64, device=self.device)
         with self.clock.phase("evaluate"):
             for i in range(tc.val_batches):
@@ -192,54 +194,6 @@ class Trainer:
         if self.comm.world_size > 1:
             self.comm.all_reduce(total)
         return float(total) / (tc.val_batches * tc.global_batch * tc.seq_len)
-
-    # -------------------------------------------------------------- checkpoints
-    def state_tensors(self) -> dict[str, torch.Tensor]:
-        out = {f"model.{k}": v for k, v in self.model.state_dict().items()}
-        out.update({f"optim.{k}": v for k, v in self.opt.state_tensors(self.names).items()})
-        return out
-
-    def expected_tensors(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        """Name -> (shape, dtype) of every tensor a checkpoint of this rank must hold: the model's state dict and,
-        for every parameter, its full optimizer state (Muon: momentum; AdamW: step, exp_avg, exp_avg_sq). Every
-        parameter gets a gradient each step (``DataParallel.sync_grads`` fills missing ones), so a saved state is
-        complete."""
-        out = {f"model.{k}": (tuple(v.shape), v.dtype) for k, v in self.model.state_dict().items()}
-        for group in self.opt.param_groups:
-            keys = ("momentum",) if group["kind"] == "muon" else ("step", "exp_avg", "exp_avg_sq")
-            for p in group["params"]:
-                for k in keys:
-                    shape, dtype = ((), torch.float64) if k == "step" else (tuple(p.shape), torch.float32)
-                    out[f"optim.{self.names[id(p)]}.{k}"] = (shape, dtype)
-        return out
-
-    def save(self, step: int) -> None:
-        state = {"step": step, "optimizer_steps": self.opt_steps}
-        save_checkpoint(self.comm, self.tc.run_dir, step, self.state_tensors(), state, self.run)
-
-    def restore(self) -> int:
-        """Collective: load the latest checkpoint, every tensor checked by name, shape and dtype (nothing loads
-        loosely); a fault on any rank raises the same CheckpointError on all. Returns the first step to run."""
-        problem, found = None, None
-        try:
-            found = read_manifest(self.tc.run_dir)
-            if found is not None and not isinstance(found[1]["state"].get("optimizer_steps"), int):
-                raise CheckpointError(f"{found[0]}: the manifest's state lacks optimizer_steps")
-            if found is not None:
-                tensors = read_shard(*found, self.comm.rank)
-                shard = os.path.join(found[0], f"rank_{self.comm.rank}.safetensors")
-                check_tensors(shard, tensors, self.expected_tensors())
-                self.model.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("model.")})
-                optim = {k[6:]: v for k, v in tensors.items() if k.startswith("optim.")}
-                self.opt.load_state_tensors(optim, self.names)
-        except CheckpointError as exc:
-            problem = str(exc)
-        agree(self.comm, problem)
-        if found is None:
-            return 0
-        state = found[1]["state"]
-        self.opt_steps = state["optimizer_steps"]
-        return state["step"]
 
 
 def run_rank(comm: Communicator, train: dict) -> dict:
@@ -323,7 +277,16 @@ def _run_rank(comm: Communicator, tc: TrainConfig) -> dict:
 
 
 def train(tc: TrainConfig, *, timeout: float = 300.0) -> dict:
-    """Launch ``tc.world_size`` local ranks (or join torchrun/mpiexec) and train; returns rank 0's summary."""
+    """Launch ``tc.world_size`` local ranks (or join torchrun/mpiexec) and train.
+
+    Args:
+        tc: the run.
+        timeout: seconds a collective may wait for a peer before the job fails.
+
+    Returns:
+        rank 0's summary (``losses``: train loss per step run, ``val_loss``, ``start``, ``run_dir``, ``plots``,
+        ``rank``); under torchrun/mpiexec each rank's own.
+    """
     if external_launcher() is None:  # under torchrun/mpiexec the launcher's size counts: Trainer checks it
         tc.check_fault_ranks(tc.world_size)
         tc = prepare_run(tc, tc.world_size)[0]  # a bad run folder fails here, before any rank starts
