@@ -7,6 +7,7 @@ import os
 import sys
 
 from collectives import launch
+from collectives.base import Communicator
 from collectives.bench import FULL_SIZES, QUICK_SIZES, bench_collectives, format_round_trip, format_table, round_trip
 from moonep_base import write_json
 
@@ -41,11 +42,11 @@ def _job_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
 
 
-def _bench_rank(comm, quick: bool):
+def _bench_rank(comm: Communicator, quick: bool) -> dict:
     return bench_collectives(comm, QUICK_SIZES if quick else FULL_SIZES, quick=quick)
 
 
-def _round_trip_rank(comm, hidden: int):
+def _round_trip_rank(comm: Communicator, hidden: int) -> dict:
     return round_trip(comm, hidden=hidden)
 
 

@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 import uuid
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import torch
@@ -25,6 +26,10 @@ import torch
 from collectives import agreement
 from collectives.base import CollectiveError, Communicator
 from collectives.peer_checks import row_numel as _row_numel
+from collectives.trace import Tracer
+
+if TYPE_CHECKING:  # optional: mpi4py (the mpi extra), for its types only; importing it at run time initialises MPI
+    from mpi4py import MPI
 
 
 def _mpi():
@@ -94,10 +99,18 @@ class MPICommunicator(Communicator):
 
     backend = "mpi"
 
-    def __init__(self, comm=None, *, timeout: float = 60.0, validate: bool = True, tracer=None, blocking: bool = True):
+    def __init__(
+        self,
+        comm: MPI.Comm | None = None,
+        *,
+        timeout: float = 60.0,
+        validate: bool = True,
+        tracer: Tracer | None = None,
+        blocking: bool = True,
+    ):
         MPI = _mpi()
         self.blocking = blocking
-        self.comm = MPI.COMM_WORLD if comm is None else comm
+        self.comm: MPI.Comm = MPI.COMM_WORLD if comm is None else comm  # mpi4py's, not a Communicator
         world_group = MPI.COMM_WORLD.Get_group()
         group_ranks = MPI.Group.Translate_ranks(self.comm.Get_group(), list(range(self.comm.Get_size())), world_group)
         super().__init__(
@@ -298,11 +311,11 @@ class _Watchdog:
 _WATCHDOG = _Watchdog()
 
 
-def _arrival_array(comm):
+def _arrival_array(comm: MPI.Comm) -> tuple[MPI.Win, np.ndarray] | tuple[None, None]:
     """(window, int64 [size] view) of the group's validated-call counts in node-shared memory; (None, None) when
     the group spans nodes (then nobody is named). Collective over ``comm``, like its creation."""
     MPI = _mpi()
-    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    node = cast("MPI.Intracomm", comm.Split_type(MPI.COMM_TYPE_SHARED))  # an intracomm's split is one (mpi4py: Comm)
     try:
         if node.Get_size() != comm.Get_size():
             return None, None

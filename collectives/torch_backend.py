@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from collectives.base import CollectiveError, Communicator
 from collectives.peer_checks import row_numel as _row_numel
-from collectives.trace import tracer_from_env
+from collectives.trace import Tracer, tracer_from_env
 
 _REDUCE = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN, "prod": dist.ReduceOp.PRODUCT}
 # torch >= 2.13 renamed the tensor collectives; keep one spelling for both.
@@ -102,7 +102,9 @@ class TorchCommunicator(Communicator):
     backend = "torch"
     split_can_reorder = False  # torch.distributed.new_group numbers members in ascending global rank
 
-    def __init__(self, group=None, *, store=None, timeout: float = 60.0, validate: bool = True, tracer=None):
+    def __init__(
+        self, group=None, *, store=None, timeout: float = 60.0, validate: bool = True, tracer: Tracer | None = None
+    ):
         if not dist.is_initialized():
             raise RuntimeError(
                 "TorchCommunicator needs torch.distributed.init_process_group() first; "
