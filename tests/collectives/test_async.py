@@ -11,6 +11,8 @@ import torch
 from collectives import Pending, launch
 from tests.collectives.conftest import needs_mpi
 
+pytestmark = pytest.mark.spawns  # every test here starts rank processes: make test-fast leaves them out
+
 
 def _splits(R: int, rank: int, salt: int) -> tuple[list[int], list[int]]:
     """(in_splits of this rank, out_splits of this rank) for a deterministic uneven pattern."""

@@ -39,6 +39,7 @@ def test_bad_job_arguments_are_one_line_before_any_rank_starts(capsys, argv, nam
     assert err == f"error: {named}\n", err
 
 
+@pytest.mark.spawns
 def test_bench_collectives_quick_writes_stable_json(tmp_path):
     out = tmp_path / "bench.json"
     assert main(["bench", "collectives", "--quick", "--world-size", "2", "--json", str(out)]) == 0
@@ -76,6 +77,7 @@ def test_bench_collectives_quick_writes_stable_json(tmp_path):
     assert s["met"] == (s["median_overhead_ge_1MiB"] <= s["goal_overhead_ge_1MiB"])
 
 
+@pytest.mark.spawns
 def test_roundtrip_demo_via_python_m(tmp_path):
     out = tmp_path / "rt.json"
     proc = subprocess.run(

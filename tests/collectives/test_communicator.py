@@ -12,6 +12,8 @@ from collectives import launch
 from tests.collectives import battery
 from tests.collectives.conftest import needs_mpi
 
+pytestmark = pytest.mark.spawns  # every test here starts rank processes: make test-fast leaves them out
+
 JOBS = [("torch", n) for n in (1, 2, 3, 4)] + [("mpi", n) for n in (1, 2, 3, 4)]
 
 

@@ -43,6 +43,7 @@ def survivor_names_failed_peer(comm):
 
 
 @pytest.mark.parametrize("backend", ["torch", "mpi"])
+@pytest.mark.spawns
 def test_rank_that_raises_is_named(backend):
     if backend == "mpi":
         needs_mpi()
@@ -55,6 +56,7 @@ def test_rank_that_raises_is_named(backend):
 
 
 @pytest.mark.parametrize("backend", ["torch", "mpi"])
+@pytest.mark.spawns
 def test_killed_rank_is_named(backend):
     if backend == "mpi":
         needs_mpi()
@@ -67,6 +69,7 @@ def test_killed_rank_is_named(backend):
     assert time.monotonic() - t0 < 20
 
 
+@pytest.mark.spawns
 def test_survivor_timeout_names_failed_rank():
     message, failed = launch(survivor_names_failed_peer, 2, timeout=20, job_timeout=60)
     assert failed == [1]
@@ -91,6 +94,7 @@ def stalled_rank_1(comm):
 
 
 @pytest.mark.parametrize("backend", ["torch", "mpi"])
+@pytest.mark.spawns
 def test_stalled_peer_times_out_with_named_op(backend):
     """A collective whose peer never arrives ends at its timeout (torch: CollectiveError; MPI: the watchdog
     aborts the job), with a message naming the op: never a hang."""
@@ -105,6 +109,7 @@ def test_stalled_peer_times_out_with_named_op(backend):
     assert ("within its 1s timeout" in details) or ("no answer within its 1s timeout" in details), details
 
 
+@pytest.mark.spawns
 def test_sigterm_to_the_launcher_leaves_no_ranks_behind(tmp_path):
     """Killing the launching process with SIGTERM must take its spawned ranks down with it."""
     import subprocess
@@ -142,6 +147,7 @@ def test_sigterm_to_the_launcher_leaves_no_ranks_behind(tmp_path):
     assert not alive, f"ranks {alive} outlived their launcher"
 
 
+@pytest.mark.spawns
 def test_script_without_main_guard_gets_a_hint(tmp_path):
     import subprocess
     import sys

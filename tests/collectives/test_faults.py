@@ -41,6 +41,7 @@ def delayed_exchange(comm, steps: int):
     return sorted(comm.link_delays.items())
 
 
+@pytest.mark.spawns
 def test_link_delay_slows_only_the_sender(tmp_path, monkeypatch):
     monkeypatch.setenv("MOONEP_INJECT_LINK_DELAY", "src=1,dst=2,ms=60")
     assert launch(delayed_exchange, 3, trace_dir=str(tmp_path), steps=4) == [((1, 2), 0.06)]

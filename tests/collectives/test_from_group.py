@@ -8,6 +8,10 @@ import os
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.spawns  # every test here starts processes (ranks, torchrun): make test-fast leaves them out
+
 SCRIPT = os.path.join(os.path.dirname(__file__), "wrapped_group_script.py")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RUNS = 2  # without the exit hook 2 to 8 runs in 10 aborted; 20 consecutive runs were clean with it

@@ -10,6 +10,8 @@ import pytest
 from collectives.launch import mpiexec_path
 from tests.collectives.conftest import needs_mpi
 
+pytestmark = pytest.mark.spawns  # every test here starts rank processes: make test-fast leaves them out
+
 SCRIPT = os.path.join(os.path.dirname(__file__), "launched_script.py")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

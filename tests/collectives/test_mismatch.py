@@ -80,6 +80,7 @@ def _gather_text(comm, text: str) -> list[str]:
 
 
 @pytest.mark.parametrize("backend", ["torch", "mpi"])
+@pytest.mark.spawns
 def test_checked_send_recv_names_a_mismatch_on_both_ranks(backend):
     """Unchecked, a 6-element send into a 4-element recv and float bits into int32 passed without a word."""
     if backend == "mpi":
@@ -147,6 +148,7 @@ def a2a_job(comm) -> dict[str, list[str]]:
 
 
 @pytest.mark.parametrize("backend", ["torch", "mpi"])
+@pytest.mark.spawns
 def test_unchecked_all_to_all_names_disagreeing_sizes_on_every_rank(backend):
     if backend == "mpi":
         needs_mpi()
@@ -202,6 +204,7 @@ def _rank_env(rank: int, port: int) -> dict:
 
 
 @pytest.mark.parametrize("accept", [True, False], ids=["accepts-never-answers", "listens-never-accepts"])
+@pytest.mark.spawns
 def test_rendezvous_on_a_held_port_fails_within_the_timeout_on_every_rank(accept):
     """Rank 1's store client waited for the squatter's first answer without limit (>100 s for timeout=8)."""
     timeout, squatter = 3.0, Squatter(accept)
@@ -246,6 +249,7 @@ def _run_helper(folder: str) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
 
 
+@pytest.mark.spawns
 def test_mpi_rank_helper_refuses_a_job_folder_outside_its_private_one(tmp_path):
     """The helper unpickled whatever ``<folder>/job.pkl`` its argument named (and wrote pid files there)."""
     outside = tmp_path / "moonep-mpi-forged"

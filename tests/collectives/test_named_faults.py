@@ -13,6 +13,8 @@ import torch
 from collectives import CollectiveError, LaunchError, launch
 from tests.collectives.conftest import needs_mpi
 
+pytestmark = pytest.mark.spawns  # every test here starts rank processes: make test-fast leaves them out
+
 
 def _outcome(fn) -> str:
     try:

@@ -91,6 +91,7 @@ def test_client_percentage_wins_and_missing_control_tool_is_inactive(tmp_path):
     assert not idle.active and "no MPS server" in idle.found
 
 
+@pytest.mark.spawns
 def test_mps_control_pipes_the_command_as_nvshmem_does(tmp_path):
     tool = tmp_path / "nvidia-cuda-mps-control"
     tool.write_text('#!/bin/sh\nread cmd\n[ "$cmd" = get_server_list ] && echo 4242\n')
@@ -177,5 +178,6 @@ def gpu_all_to_all(comm):
 @pytest.mark.gpu
 @pytest.mark.skipif(not AVAILABLE, reason=REASON or "NVSHMEM unavailable")
 @pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.spawns
 def test_nvshmem_all_to_all_on_gpu(world_size):
     assert launch(gpu_all_to_all, world_size, backend="nvshmem", timeout=60, job_timeout=300)

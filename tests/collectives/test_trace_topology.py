@@ -25,6 +25,7 @@ def untraced_work(comm):
     return comm.tracer is None
 
 
+@pytest.mark.spawns
 def test_trace_records_every_op_per_rank(tmp_path):
     assert launch(traced_work, 2, trace_dir=str(tmp_path)) is True
     files = sorted(os.listdir(tmp_path))
@@ -42,12 +43,14 @@ def test_trace_records_every_op_per_rank(tmp_path):
         assert a2a["bytes"] == 2 * 2 * 4 * 4
 
 
+@pytest.mark.spawns
 def test_trace_from_environment(tmp_path, monkeypatch):
     monkeypatch.setenv("MOONEP_TRACE_DIR", str(tmp_path / "env"))
     launch(untraced_work, 2)  # the env turns tracing on in every spawned rank
     assert sorted(os.listdir(tmp_path / "env")) == ["rank0.jsonl", "rank1.jsonl"]
 
 
+@pytest.mark.spawns
 def test_trace_off_by_default(monkeypatch):
     monkeypatch.delenv("MOONEP_TRACE_DIR", raising=False)
     assert launch(untraced_work, 1) is True
