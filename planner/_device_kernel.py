@@ -1,9 +1,11 @@
 """The planner as one numba-cuda kernel: one launch, one block, the CPU kernel's algorithm (plain and sticky plans).
 
 Written in the subset of Python that numba's CUDA target compiles: no allocation (every table and scratch
-array is passed in, sized by the caller from (R, E, slots) alone), integer loops, ``cuda.atomic``. The same
-stage names as ``planner._kernel``; each stage gives the CPU kernel's result, tie-breaks included (the tests
-compare every field under numba's CUDA simulator and compile this file to PTX for sm_90):
+array is passed in, sized by the caller from (R, E, slots) alone), integer loops, ``cuda.atomic``. The steps
+it shares with the CPU kernel (``planner._kernel``) are ``planner._stages``'s, re-bound as device functions
+(``planner._cuda``): one source, so each stage gives the CPU kernel's result, tie-breaks included (the tests
+compare every field under numba's CUDA simulator and compile this file to PTX for sm_90). This module is the
+device's driver: which threads run which step, and the barriers between them.
 
   A. totals (all threads: experts, then (rank, home) pairs, strided over the block);
   B. pairing (thread 0: the sticky pass and the global pass are sequential by nature, O(R) per step);
@@ -21,11 +23,14 @@ from __future__ import annotations
 
 from numba import cuda
 
-from planner.device import NO_ERROR_POS, OVERFLOW
+from planner import _stages
+from planner._cuda import device_functions
+from planner._errors import NEGATIVE, NO_ERROR_POS, OK, OVERFLOW, TOO_LARGE, TOO_MANY_REPLICAS
+from planner._inputs import INT32_MAX
 
-# err[0] codes, as in planner._kernel (by value: compiling this file must not compile the CPU kernel)
-OK, NEGATIVE, CAPS_SUM, INFEASIBLE, TOO_MANY_REPLICAS, TOO_LARGE, EXPERT_TOO_LARGE = 0, 1, 2, 3, 4, 5, 7
-INT32_MAX = 2**31 - 1
+_step = device_functions(_stages)  # the shared steps as device functions (the CPU kernel's compiled ones stay)
+fill_caps, start_balance, pair, sticky_pass = (_step[k] for k in ("fill_caps", "start_balance", "pair", "sticky_pass"))
+extremes, split_donor, layout_rank, report = (_step[k] for k in ("extremes", "split_donor", "layout_rank", "report"))
 
 
 @cuda.jit(device=True)
@@ -55,167 +60,15 @@ def _totals(T, keep, send, cnt, errpos, epn, tid, nt):
 
 
 @cuda.jit(device=True)
-def _caps(cnt, caps_in, has_caps, caps, err):
-    """caps [R]: caps_in when given (CAPS_SUM unless it sums to the total), else floor/ceil of total / R; an
-    expert total beyond int32 is refused first, as by the CPU kernel (a wrapped alloc entry spins stage C)."""
-    R = caps.shape[0]
-    total = 0
-    for e in range(cnt.shape[0]):
-        total += cnt[e]
-        if cnt[e] > INT32_MAX and err[0] == OK:
-            err[0] = EXPERT_TOO_LARGE
-            err[1] = e
-            err[2] = cnt[e]
-    if has_caps:
-        s = 0
-        for r in range(R):
-            caps[r] = caps_in[r]
-            s += caps_in[r]
-        if s != total and err[0] == OK:
-            err[0] = CAPS_SUM
-            err[1] = s
-            err[2] = total
-    else:
-        for r in range(R):
-            caps[r] = total // R + (1 if r < total % R else 0)
-    for r in range(R):
-        if caps[r] > INT32_MAX and err[0] == OK:
-            err[0] = TOO_LARGE
-            err[1] = r
-            err[2] = -1
-
-
-@cuda.jit(device=True)
-def _pair(h, u, bal, caps, donor, gift, err):
-    """Donor h fills receiver u completely; False (and err) when h does not hold enough own rows."""
-    amount = -bal[u]
-    if caps[h] + bal[h] < amount:
-        err[0] = INFEASIBLE
-        err[1] = h
-        err[2] = u
-        return False
-    donor[u] = h
-    gift[u] = amount
-    bal[h] += bal[u]
-    bal[u] = 0
-    return True
-
-
-@cuda.jit(device=True)
 def _pairing(bal, caps, prev_donor, sticky, donor, gift, err):
-    """Stage B: the sticky pass (largest donor balance first), then the global pass (largest deficit first,
-    filled by the largest donor; lowest index on ties)."""
-    R = bal.shape[0]
-    while sticky:
-        best = -1
-        for u in range(R):
-            h = prev_donor[u]
-            if h >= 0 and bal[u] < 0 and bal[h] > 0 and (best < 0 or bal[h] > bal[prev_donor[best]]):
-                best = u
-        if best < 0:
-            break
-        if not _pair(prev_donor[best], best, bal, caps, donor, gift, err):
-            return
-    while True:
-        h = -1
-        u = -1
-        for r in range(R):
-            if bal[r] > 0 and (h < 0 or bal[r] > bal[h]):
-                h = r
-            if bal[r] < 0 and (u < 0 or bal[r] < bal[u]):
-                u = r
-        if h < 0 or u < 0:
-            return
-        if not _pair(h, u, bal, caps, donor, gift, err):
-            return
-
-
-@cuda.jit(device=True)
-def _split(h, epn, donor, gift, prev_copy, sticky, alloc, rem, recv):
-    """Stage C for donor h: gift[u] slots of h's experts to each receiver u (rem [R, epn], recv [R, R] scratch
-    rows of h). Sticky plans first refill the slots a receiver already holds; then the largest receiver quota
-    takes the largest remaining expert (lowest index on ties)."""
-    R = donor.shape[0]
-    n = 0
-    for u in range(R):
-        if donor[u] == h:
-            recv[h, n] = u
-            n += 1
-    if n == 0:
+    """Stage B: the sticky pass, then the global pass (largest deficit first, filled by the largest donor;
+    lowest index on ties): the CPU kernel's passes without a topology."""
+    if sticky and not sticky_pass(bal, caps, prev_donor, donor, gift, err):
         return
-    for j in range(epn):
-        rem[h, j] = alloc[h * epn + j, h]
-    # the quotas are gift's entries of h's receivers: a receiver has one donor, so they are h's to consume
-    if sticky:
-        for i in range(n):
-            u = recv[h, i]
-            for b in range(prev_copy.shape[1]):
-                e = prev_copy[u, b]
-                if e >= h * epn and e < (h + 1) * epn:
-                    t = min(rem[h, e - h * epn], gift[u])
-                    alloc[e, u] += t
-                    alloc[e, h] -= t
-                    rem[h, e - h * epn] -= t
-                    gift[u] -= t
     while True:
-        u = recv[h, 0]
-        for i in range(1, n):
-            if gift[recv[h, i]] > gift[u]:
-                u = recv[h, i]
-        if gift[u] <= 0:
+        h, u = extremes(bal)
+        if h < 0 or u < 0 or not pair(h, u, bal, caps, donor, gift, err):
             return
-        j = 0
-        for jj in range(1, epn):
-            if rem[h, jj] > rem[h, j]:
-                j = jj
-        t = min(rem[h, j], gift[u])
-        alloc[h * epn + j, u] += t
-        alloc[h * epn + j, h] -= t
-        rem[h, j] -= t
-        gift[u] -= t
-
-
-@cuda.jit(device=True)
-def _layout(d, alloc, epn, pad, donor, prev_copy, sticky, copy, cu, lay_err):
-    """Stage D for rank d: experts_to_copy[d] (-1 = empty) and padded cu_seqlens[d]; lay_err[d] = the replica
-    count at d's last slot overflow (0 = none), so that thread 0 can report what the CPU kernel reports."""
-    slots = copy.shape[1]
-    h = donor[d]
-    if h >= 0:
-        n = 0
-        if sticky:
-            for b in range(slots):
-                e = prev_copy[d, b]
-                if e >= h * epn and e < (h + 1) * epn and alloc[e, d] > 0:
-                    copy[d, b] = e
-                    n += 1
-        b = 0
-        for e in range(h * epn, (h + 1) * epn):
-            if alloc[e, d] <= 0:
-                continue
-            held = False
-            if sticky:
-                for bb in range(slots):
-                    if copy[d, bb] == e:
-                        held = True
-            if held:
-                continue
-            while b < slots and copy[d, b] >= 0:
-                b += 1
-            n += 1
-            if b >= slots:
-                lay_err[d] = n
-                continue
-            copy[d, b] = e
-    off = 0
-    for g in range(epn + slots):
-        c = 0  # int(): under the simulator an int32 entry stays int32 and wraps when padded up near 2**31
-        if g < epn:
-            c = int(alloc[d * epn + g, d])
-        elif copy[d, g - epn] >= 0:
-            c = int(alloc[copy[d, g - epn], d])
-        off += (c + pad - 1) // pad * pad
-        cu[d, g] = off
 
 
 @cuda.jit(device=True)
@@ -367,27 +220,19 @@ def plan_kernel(
     if tid == 0:
         if errpos[0] != NO_ERROR_POS:
             r = errpos[0] // E
-            err[0] = NEGATIVE if T[r, errpos[0] - r * E] < 0 else TOO_LARGE
-            err[1] = r
-            err[2] = errpos[0] - r * E
-        _caps(cnt, caps_in, has_caps, caps, err)
+            report(err, NEGATIVE if T[r, errpos[0] - r * E] < 0 else TOO_LARGE, r, errpos[0] - r * E)
+        fill_caps(cnt, caps_in, has_caps, caps, err)
         if err[0] == OK:
-            for h in range(R):
-                g = 0
-                for j in range(epn):
-                    g += cnt[h * epn + j]
-                bal[h] = g - caps[h]
-            for e in range(E):
-                alloc[e, e // epn] = cnt[e]
+            start_balance(cnt, caps, epn, bal, alloc)
             _pairing(bal, caps, prev_donor, sticky, donor, gift, err)
     cuda.syncthreads()
     if err[0] != OK:
         return  # every thread sees thread 0's verdict after the barrier
     for h in range(tid, R, nt):
-        _split(h, epn, donor, gift, prev_copy, sticky, alloc, rem, recv)
+        split_donor(h, epn, donor, gift, prev_copy, sticky, alloc, rem[h], recv[h])
     cuda.syncthreads()
     for d in range(tid, R, nt):
-        _layout(d, alloc, epn, pad, donor, prev_copy, sticky, copy, cu, lay_err)
+        lay_err[d] = layout_rank(d, alloc, epn, pad, donor, prev_copy, sticky, copy, cu)
     for e in range(tid, E, nt):
         split[e] = 1 if alloc[e, e // epn] != cnt[e] else 0
         if split[e]:
@@ -395,10 +240,8 @@ def plan_kernel(
     cuda.syncthreads()
     if tid == 0:
         for d in range(R - 1, -1, -1):  # the CPU kernel's sequential loop leaves the last overflow's report
-            if lay_err[d] > 0 and err[0] == OK:
-                err[0] = TOO_MANY_REPLICAS
-                err[1] = d
-                err[2] = lay_err[d]
+            if lay_err[d] > 0:
+                report(err, TOO_MANY_REPLICAS, d, lay_err[d])
         _prefix(E, split, nflow, base, foff, poff, cnt, totals)
         if totals[0] > flows.shape[0]:
             err[0] = OVERFLOW

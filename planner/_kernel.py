@@ -1,7 +1,9 @@
 """Fast path of the planner: stages A–D and the send matrix, compiled with numba.
 
 Every function here is written in the subset of Python that numba compiles; without numba (or with
-``MOONEP_PLANNER_NUMBA=0``) the same functions run as plain Python, correct but slow. The plain-Python twin
+``MOONEP_PLANNER_NUMBA=0``) the same functions run as plain Python, correct but slow. The steps this kernel
+shares with the CUDA kernel (``planner._device_kernel``) are written once in ``planner._stages``; this module is
+the CPU's driver: its loops, its allocations, the topology passes and stage E's sort. The plain-Python twin
 that the tests compare against is ``planner.reference`` (a separate, list-based implementation).
 
 Stages (names follow ``planner/README.md``):
@@ -10,27 +12,20 @@ Stages (names follow ``planner/README.md``):
   C. split: each donor hands ``gift[u]`` slots of its experts to each receiver u -> ``alloc [E, R]``;
   D. layout: ``experts_to_copy [R, slots]`` and padded ``cu_seqlens [R, epn + slots]``;
   E. flows: which source's slots of each split expert go where, ``flows [F, 4]``, ``send_counts [R, R]``.
-Errors are reported through ``err [3]`` = (code, a, b) so that the caller raises a ValueError with context.
+Errors are reported through ``err [3]`` = (code, a, b) (``planner._errors``) so that the caller raises a
+ValueError with context.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from planner import _inputs, _jit, _topology
+from planner import _errors, _inputs, _jit, _stages, _topology
+from planner._errors import NEGATIVE, OK, TOO_LARGE, TOO_MANY_REPLICAS
 from planner._inputs import INT32_MAX, TOPOLOGY_CANDIDATES
 from planner._jit import HAS_NUMBA, njit, refresh_cache
 
 __all__ = ["HAS_NUMBA", "plan_arrays"]
-
-# error codes written into err[0]
-OK = 0
-NEGATIVE = 1  # (r, e): a negative count
-CAPS_SUM = 2  # (sum caps, total)
-INFEASIBLE = 3  # (h, u): donor h cannot fill receiver u alone (caps too uneven)
-TOO_MANY_REPLICAS = 4  # (d, n): rank d needs n replica slots, more than slots_per_rank
-TOO_LARGE = 5  # (r, e): a count or a rank's rows do not fit the int32 plan tables
-EXPERT_TOO_LARGE = 7  # (e, total): an expert's slots over all ranks do not fit alloc (6: device.OVERFLOW)
 
 
 @njit(cache=True)
@@ -45,54 +40,16 @@ def _totals(T, epn, err, keep, send):
             s = 0
             for j in range(epn):
                 v = T[r, h * epn + j]
-                if v < 0 and err[0] == OK:
-                    err[0] = NEGATIVE
-                    err[1] = r
-                    err[2] = h * epn + j
+                if v < 0:
+                    _stages.report(err, NEGATIVE, r, h * epn + j)
                 if v > INT32_MAX:
-                    if err[0] == OK:
-                        err[0] = TOO_LARGE
-                        err[1] = r
-                        err[2] = h * epn + j
+                    _stages.report(err, TOO_LARGE, r, h * epn + j)
                     v = 0  # the plan is refused anyway; keep the int32 store in range
                 keep[r, h * epn + j] = v
                 s += v
                 cnt[h * epn + j] += v
             send[r, h] = s
     return cnt
-
-
-@njit(cache=True)
-def _pair(h, u, bal, caps, donor, gift, err):
-    """Donor h fills receiver u completely; False (and err) when h does not hold enough own rows."""
-    amount = -bal[u]
-    if caps[h] + bal[h] < amount:  # caps[h] + bal[h] = rows h still holds of its own experts
-        err[0] = INFEASIBLE
-        err[1] = h
-        err[2] = u
-        return False
-    donor[u] = h
-    gift[u] = amount
-    bal[h] += bal[u]
-    bal[u] = 0
-    return True
-
-
-@njit(cache=True)
-def _sticky_pairs(bal, caps, prev_donor, donor, gift, err):
-    """Stage B, pass (1): re-pair last plan's (donor, receiver) pairs while both still qualify, the pair with
-    the largest donor balance first (lowest receiver on ties). False (and err) on an infeasible step."""
-    R = bal.shape[0]
-    while True:
-        best = -1
-        for u in range(R):
-            h = prev_donor[u]
-            if h >= 0 and bal[u] < 0 and bal[h] > 0 and (best < 0 or bal[h] > bal[prev_donor[best]]):
-                best = u
-        if best < 0:
-            return True
-        if not _pair(prev_donor[best], best, bal, caps, donor, gift, err):
-            return False
 
 
 @njit(cache=True)
@@ -113,7 +70,7 @@ def _local_pass(bal, caps, node, n, donor, gift, err):
                 u = r
         if h < 0 or u < 0:
             return True
-        if not _pair(h, u, bal, caps, donor, gift, err):
+        if not _stages.pair(h, u, bal, caps, donor, gift, err):
             return False
 
 
@@ -127,13 +84,7 @@ def _global_pass(bal, caps, node, num_nodes, state, donor, gift, err):
     """
     R = bal.shape[0]
     while True:
-        h = -1
-        u = -1
-        for r in range(R):
-            if bal[r] > 0 and (h < 0 or bal[r] > bal[h]):
-                h = r
-            if bal[r] < 0 and (u < 0 or bal[r] < bal[u]):
-                u = r
+        h, u = _stages.extremes(bal)
         if h < 0 or u < 0:
             return
         if num_nodes > 0:
@@ -142,7 +93,7 @@ def _global_pass(bal, caps, node, num_nodes, state, donor, gift, err):
                     h = r
         if num_nodes > 1 and node[h] != node[u] and _topology.cross_fill(u, bal, caps, state, donor, gift):
             continue
-        if not _pair(h, u, bal, caps, donor, gift, err):
+        if not _stages.pair(h, u, bal, caps, donor, gift, err):
             return
 
 
@@ -152,7 +103,7 @@ def _pairing(bal, caps, node, num_nodes, state, donor, gift, err):
 
     Every pass uses the proof's step (a donor holding enough own rows fills the receiver completely), so the
     balance proof holds for each. Passes (1) sticky, (G) topology gathering and (2) topology cross-node run
-    before (``_sticky_pairs``, ``_topology.concentrate``, ``_topology.cross_pass``); (3) pairs inside each
+    before (``_stages.sticky_pass``, ``_topology.concentrate``, ``_topology.cross_pass``); (3) pairs inside each
     node; (4) topology: ``_topology.concentrate`` gathers each node's leftover deficits on few ranks; (5) the
     global pass. state: ``_topology.cross_state``.
     """
@@ -216,105 +167,29 @@ def _topology_pairing(T, alloc, epn, bal, caps, node, num_nodes, weight_rows, do
 
 
 @njit(cache=True)
-def _split(cnt, epn, donor, gift, prev_copy, alloc):
-    """Stage C. Fill alloc [E, R] (diagonal blocks preset to cnt): donor h gives gift[u] slots to each receiver u.
-
-    Sticky plans first refill the slots a receiver already holds; then the largest receiver quota takes the
-    largest remaining expert (lowest index on ties), so most (donor, receiver) pairs are one expert segment.
-    """
+def _split(epn, donor, gift, prev_copy, alloc):
+    """Stage C. Fill alloc [E, R] (diagonal blocks preset to cnt): donor h gives gift[u] slots to each receiver
+    u (``_stages.split_donor``; consumes gift)."""
     R = donor.shape[0]
-    q = gift.copy()
     rem = np.empty(epn, np.int64)
     recv = np.empty(R, np.int64)
     for h in range(R):
-        n = 0
-        for u in range(R):
-            if donor[u] == h:
-                recv[n] = u
-                n += 1
-        if n == 0:
-            continue
-        for j in range(epn):
-            rem[j] = alloc[h * epn + j, h]  # = cnt unless the topology pass already handed some over
-        if prev_copy.shape[0] == R:
-            for i in range(n):
-                u = recv[i]
-                for b in range(prev_copy.shape[1]):
-                    e = prev_copy[u, b]
-                    if e >= h * epn and e < (h + 1) * epn:
-                        t = min(rem[e - h * epn], q[u])
-                        alloc[e, u] += t
-                        alloc[e, h] -= t
-                        rem[e - h * epn] -= t
-                        q[u] -= t
-        while True:
-            u = recv[0]
-            for i in range(1, n):
-                if q[recv[i]] > q[u]:
-                    u = recv[i]
-            if q[u] <= 0:
-                break
-            j = 0
-            for jj in range(1, epn):
-                if rem[jj] > rem[j]:
-                    j = jj
-            t = min(rem[j], q[u])  # rem[j] > 0: a donor never gives more than it holds (proof, step 3)
-            alloc[h * epn + j, u] += t
-            alloc[h * epn + j, h] -= t
-            rem[j] -= t
-            q[u] -= t
+        _stages.split_donor(h, epn, donor, gift, prev_copy, prev_copy.shape[0] == R, alloc, rem, recv)
 
 
 @njit(cache=True)
 def _layout(alloc, epn, slots, pad, donor, prev_copy, err):
-    """Stage D. -> experts_to_copy [R, slots] (-1 = empty), cu_seqlens [R, epn + slots] (padded segment ends).
-
-    Segments: rank d's epn own experts in id order, then its slots. Fresh plans fill slots in ascending expert
-    id; sticky plans keep a replica in the slot it held last step (its weights are already there).
-    """
+    """Stage D (``_stages.layout_rank``). -> experts_to_copy [R, slots] (-1 = empty), cu_seqlens [R, epn + slots]
+    (padded segment ends); err TOO_MANY_REPLICAS names the last slot overflow."""
     R = donor.shape[0]
     copy = np.full((R, slots), -1, np.int64)
     cu = np.zeros((R, epn + slots), np.int64)
-    sticky = prev_copy.shape[0] == R
     for d in range(R):
-        h = donor[d]
-        if h >= 0:
-            n = 0
-            if sticky:
-                for b in range(slots):
-                    e = prev_copy[d, b]
-                    if e >= h * epn and e < (h + 1) * epn and alloc[e, d] > 0:
-                        copy[d, b] = e
-                        n += 1
-            b = 0
-            for e in range(h * epn, (h + 1) * epn):
-                if alloc[e, d] <= 0:
-                    continue
-                held = False
-                if sticky:
-                    for bb in range(slots):
-                        if copy[d, bb] == e:
-                            held = True
-                if held:
-                    continue
-                while b < slots and copy[d, b] >= 0:
-                    b += 1
-                n += 1
-                if b >= slots:
-                    err[0] = TOO_MANY_REPLICAS
-                    err[1] = d
-                    err[2] = n
-                    continue
-                copy[d, b] = e
-        off = 0
-        for g in range(epn + slots):
-            c = 0
-            if g < epn:
-                c = alloc[d * epn + g, d]
-            elif copy[d, g - epn] >= 0:
-                c = alloc[copy[d, g - epn], d]
-            off += (c + pad - 1) // pad * pad
-            cu[d, g] = off
+        over = _stages.layout_rank(d, alloc, epn, pad, donor, prev_copy, prev_copy.shape[0] == R, copy, cu)
+        if over > 0:
+            err[0] = TOO_MANY_REPLICAS
+            err[1] = d
+            err[2] = over
     return copy, cu
 
 
@@ -403,40 +278,6 @@ def _flows(T, alloc, cnt, epn, send, node, num_nodes):
 
 
 @njit(cache=True)
-def _caps(cnt, caps_in, R, err):
-    """caps [R]: caps_in when given (err CAPS_SUM unless it sums to the total), else floor/ceil of total/R.
-
-    Also refuses an expert whose total does not fit int32 (EXPERT_TOO_LARGE), although each count does: the
-    kernel presets alloc[e, home] = cnt[e] before stage B, and a wrapped (negative) entry spins stage C forever."""
-    total = 0
-    for e in range(cnt.shape[0]):
-        total += cnt[e]
-        if cnt[e] > INT32_MAX and err[0] == OK:
-            err[0] = EXPERT_TOO_LARGE
-            err[1] = e
-            err[2] = cnt[e]
-    caps = np.empty(R, np.int64)
-    if caps_in.shape[0] == R:
-        s = 0
-        for r in range(R):
-            caps[r] = caps_in[r]
-            s += caps_in[r]
-        if s != total and err[0] == OK:
-            err[0] = CAPS_SUM
-            err[1] = s
-            err[2] = total
-    else:
-        for r in range(R):
-            caps[r] = total // R + (1 if r < total % R else 0)
-    for r in range(R):
-        if caps[r] > INT32_MAX and err[0] == OK:  # alloc entries are bounded by caps: int32 tables suffice
-            err[0] = TOO_LARGE
-            err[1] = r
-            err[2] = -1
-    return caps
-
-
-@njit(cache=True)
 def plan_arrays(T, keep, alloc, send, caps_in, slots, pad, prev_donor, prev_copy, node, num_nodes, weight_rows):
     """All stages. T [R, E] int64; keep [R, E] int32 (filled with T's copy), alloc [E, R] int32 zeros and
     send [R, R] int64 are the output tables, allocated by the caller (numpy maps such large arrays with
@@ -449,7 +290,8 @@ def plan_arrays(T, keep, alloc, send, caps_in, slots, pad, prev_donor, prev_copy
     err = np.zeros(3, np.int64)
     cnt = _totals(T, epn, err, keep, send)
     T = keep
-    caps = _caps(cnt, caps_in, R, err)
+    caps = np.empty(R, np.int64)
+    _stages.fill_caps(cnt, caps_in, caps_in.shape[0] == R, caps, err)
     donor = np.full(R, -1, np.int64)
     gift = np.zeros(R, np.int64)
     copy = np.full((R, slots), -1, np.int64)
@@ -458,15 +300,9 @@ def plan_arrays(T, keep, alloc, send, caps_in, slots, pad, prev_donor, prev_copy
     if err[0] != OK:
         return T, caps, alloc, donor, copy, cu, send, flows, err
     bal = np.empty(R, np.int64)
-    for h in range(R):
-        g = 0
-        for j in range(epn):
-            g += cnt[h * epn + j]
-        bal[h] = g - caps[h]
-    for e in range(E):
-        alloc[e, e // epn] = cnt[e]
+    _stages.start_balance(cnt, caps, epn, bal, alloc)
     if prev_donor.shape[0] == R:
-        _sticky_pairs(bal, caps, prev_donor, donor, gift, err)
+        _stages.sticky_pass(bal, caps, prev_donor, donor, gift, err)
     if num_nodes > 1 and err[0] == OK:
         _topology_pairing(T, alloc, epn, bal, caps, node, num_nodes, weight_rows, donor, gift, err)
     elif err[0] == OK:
@@ -475,13 +311,13 @@ def plan_arrays(T, keep, alloc, send, caps_in, slots, pad, prev_donor, prev_copy
         )
     if err[0] != OK:
         return T, caps, alloc, donor, copy, cu, send, flows, err
-    _split(cnt, epn, donor, gift, prev_copy, alloc)
+    _split(epn, donor, gift, prev_copy, alloc)
     copy, cu = _layout(alloc, epn, slots, pad, donor, prev_copy, err)
     flows = _flows(T, alloc, cnt, epn, send, node, num_nodes)
     return T, caps, alloc, donor, copy, cu, send, flows, err
 
 
-# plan_arrays and _pairing contain _topology's compiled code, but numba's cache only watches this file
-refresh_cache(
-    globals(), [__file__, _topology.__file__, _jit.__file__, _inputs.__file__], "_kernel.sources.sha256"
-)  # _inputs: TOPOLOGY_CANDIDATES is compiled in
+# plan_arrays contains _topology's and _stages's compiled code, but numba's cache only watches this file;
+# _inputs and _errors: TOPOLOGY_CANDIDATES, INT32_MAX and the error codes are compiled in
+_SOURCES = (__file__, _topology.__file__, _stages.__file__, _jit.__file__, _inputs.__file__, _errors.__file__)
+refresh_cache(globals(), _SOURCES, "_kernel.sources.sha256")

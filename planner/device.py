@@ -22,14 +22,11 @@ from typing import Any
 import numpy as np
 
 from planner import _kernel
+from planner._errors import INFEASIBLE, NO_ERROR_POS, OVERFLOW
 from planner.slack import CostModel, copies_per_rank, slack_caps, slack_num
 from planner.tables import PlanShape, make_plan, raise_error
 
 INT64_MAX = 2**63 - 1
-OVERFLOW = 6
-"""err[0] of a flow table too small for the plan (impossible within ``flow_rows``; the kernel checks anyway)."""
-NO_ERROR_POS = 2**62
-"""the kernel's first-bad-count position before any bad count was seen."""
 SIM_THREADS = 4  # threads per block under numba's CUDA simulator (Python threads: few, but more than one)
 GPU_THREADS = 256
 
@@ -254,7 +251,7 @@ def _plan_arrays(T, caps_in, slots, pad, prev_donor, prev_copy, node, num_nodes,
     # the three large tables come from numpy: it maps big arrays with huge pages (far fewer page faults)
     keep, alloc, send = np.empty((R, E), np.int32), np.zeros((E, R), np.int32), np.zeros((R, R), np.int64)
     out = _kernel.plan_arrays(T, keep, alloc, send, cap_in, slots, pad, donor_in, copy_in, node, num_nodes, weight_rows)
-    if slack is not None and out[-1][0] == _kernel.INFEASIBLE:
+    if slack is not None and out[-1][0] == INFEASIBLE:
         return _plan_arrays(T, caps_in, slots, pad, prev_donor, prev_copy, node, num_nodes, weight_rows, None)
     return out
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from planner import _kernel
+from planner import _errors
 from planner._inputs import expert_total_message, to_numpy
 
 
@@ -153,20 +153,20 @@ class Plan(PlanShape):
 def raise_error(err: np.ndarray, slots: int) -> None:
     """Turn the kernel's error triple into a ValueError that names the problem."""
     code, a, b = (int(v) for v in err)
-    if code == _kernel.NEGATIVE:
+    if code == _errors.NEGATIVE:
         raise ValueError(f"slots_per_expert must be non-negative, got a negative count at ({a}, {b})")
-    if code == _kernel.CAPS_SUM:
+    if code == _errors.CAPS_SUM:
         raise ValueError(f"caps must sum to the total routed slots: sum(caps)={a}, total={b}")
-    if code == _kernel.INFEASIBLE:
+    if code == _errors.INFEASIBLE:
         raise ValueError(
             f"caps are too uneven for a one-donor plan: receiver rank {b} needs more rows than "
             f"its donor rank {a} holds (the guarantee needs max(caps) - min(caps) <= 1)"
         )
-    if code == _kernel.TOO_LARGE:
+    if code == _errors.TOO_LARGE:
         raise ValueError(f"counts too large for int32 plan tables (count or caps >= 2**31) at ({a}, {b})")
-    if code == _kernel.EXPERT_TOO_LARGE:
+    if code == _errors.EXPERT_TOO_LARGE:
         raise ValueError(expert_total_message(a, b))
-    if code == _kernel.TOO_MANY_REPLICAS:
+    if code == _errors.TOO_MANY_REPLICAS:
         raise ValueError(f"rank {a} needs {b} replica slots but slots_per_rank={slots}")
 
 
