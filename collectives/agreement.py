@@ -11,8 +11,8 @@ Which calls exchange headers (``agree``):
 - a validated collective (``validate=True``, the default; ``split`` always): all-gathered over the group
   (``exchange``), after writing this rank's arrival count, so a timeout in the exchange names the ranks whose
   count is behind, the ones that never reached the call (``name_absent``); traced as ``validate``;
-- an unchecked all-to-all (``validate=False``) whose exchange the host waits for anyway (``Communicator.
-  _sizes_agreed_on_host``: CPU tensors, every tensor under MPI): through host memory, without arrival count or
+- an unchecked all-to-all (``validate=False``) whose exchange the host waits for anyway (CPU tensors, every
+  tensor under MPI: the backend's ``_sizes_agreed_on_host``): through host memory, without arrival count or
   trace record (``peer_checks.gather_on_host`` says why gloo needs it), unless the caller's splits are agreed
   by construction (``splits_agreed=True``);
 - everything else unchecked: only this rank's own problem is raised, on this rank alone.
