@@ -35,7 +35,7 @@ _LAZY = {
     "scale_expert_grads": ("moonep.parallel", "scale_expert_grads"),
 }
 
-__all__ = ["__version__", *_LAZY]
+__all__ = ["__version__", *_LAZY]  # pyright: ignore[reportUnsupportedDunderAll]  # the lazy table's names
 
 # PEP 562: the public names resolve on first use (torch is imported only then)
 __getattr__, __dir__ = lazy_exports("moonep", _LAZY, globals())

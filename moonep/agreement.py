@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from collectives.base import Communicator
 from planner.slack import slack_num
 
 DTYPES = (
@@ -61,7 +62,9 @@ def _shown(name: str, word: int) -> str:
     return str(word)
 
 
-def agree_settings(comm, op: str, settings: dict[str, int], problem: tuple[str, str] | None, hint: str) -> None:
+def agree_settings(
+    comm: Communicator, op: str, settings: dict[str, int], problem: tuple[str, str] | None, hint: str
+) -> None:
     """Raise the same ValueError on every rank of ``comm`` when any rank's settings are invalid or differ.
 
     settings: name -> int64 word (``int_word``, ``dtype_word``; a multi-word setting as ``name#i`` entries, shown
@@ -80,7 +83,7 @@ def agree_settings(comm, op: str, settings: dict[str, int], problem: tuple[str, 
     bad = [r for r, row in enumerate(rows) if row[0]]
     if bad:
         first, f = bad[0], rows[bad[0]][0]
-        if first == comm.rank:
+        if problem is not None and first == comm.rank:  # its field is non-zero only with a problem
             what = problem[1]
         elif f <= len(names):
             name = names[f - 1]

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from collectives.base import Communicator
 from moonep.expert_math import segments, swiglu_backward, swiglu_forward
 
 
@@ -19,7 +20,7 @@ class _AllToAll(torch.autograd.Function):
     """Differentiable all_to_all_single; backward = the reverse exchange."""
 
     @staticmethod
-    def forward(ctx, comm, x, out_splits: list[int], in_splits: list[int]):
+    def forward(ctx, comm: Communicator, x, out_splits: list[int], in_splits: list[int]):
         ctx.comm, ctx.splits = comm, (out_splits, in_splits)
         out = x.new_empty(sum(out_splits), *x.shape[1:])
         comm.all_to_all_single(out, x.contiguous(), out_splits, in_splits, validate=False, splits_agreed=True)
@@ -65,7 +66,7 @@ class ClassicRoute:
     """Bytes of token rows this rank sent."""
 
 
-def classic_dispatch(comm, x, *, topk_idx, topk_weights, E: int):
+def classic_dispatch(comm: Communicator, x, *, topk_idx, topk_weights, E: int):
     """Permute, exchange counts, all-to-all, sort by local expert.
 
     x [s, H], topk_idx [s, K] (no -1), topk_weights [s, K] -> (rows [n, H], weights [n], cu [epn], route).
@@ -98,14 +99,14 @@ def classic_experts(rows, weights, cu, w13, w2):
     return _LocalExperts.apply(rows, w13, w2, cu) * weights[:, None]
 
 
-def classic_combine(comm, z, route: ClassicRoute, x):
+def classic_combine(comm: Communicator, z, route: ClassicRoute, x):
     """Reverse the local sort, all-to-all back, sum each token's K copies: z [n, H] -> [s, H] (like x)."""
     unsorted = torch.zeros_like(z).index_add(0, route.by_expert, z)
     back = _AllToAll.apply(comm, unsorted, route.in_splits, route.out_splits)
     return torch.zeros_like(x).index_add(0, route.tok, back)
 
 
-def classic_moe(comm, x, *, topk_idx, topk_weights, w13, w2, E: int, stats: dict | None = None):
+def classic_moe(comm: Communicator, x, *, topk_idx, topk_weights, w13, w2, E: int, stats: dict | None = None):
     """x [s, H], topk_idx [s, K] (no -1), topk_weights [s, K], w13 [epn, H, 2F], w2 [epn, F, H] -> [s, H]."""
     rows, weights, cu, route = classic_dispatch(comm, x, topk_idx=topk_idx, topk_weights=topk_weights, E=E)
     out = classic_combine(comm, classic_experts(rows, weights, cu, w13, w2), route, x)

@@ -28,8 +28,10 @@ import time
 import torch
 
 from collectives import launch
+from collectives.base import Communicator
 from moonep.baseline import classic_combine, classic_dispatch, classic_experts, classic_moe
 from moonep.buffer import Buffer
+from moonep.comm_plan import CommPlan
 from moonep.cost import measure_cost_model
 from moonep.ep_step import ep_combine, ep_dispatch, ep_experts
 from moonep.experts import pools_of, push_replicas
@@ -50,7 +52,7 @@ def make_routing(rank: int, s: int, K: int, E: int, maxvio: float, seed: int = 1
     return idx, torch.rand(s, K, generator=g) + 0.5
 
 
-def _median_times(comm, fns, iters: int) -> list[tuple[float, float]]:
+def _median_times(comm: Communicator, fns, iters: int) -> list[tuple[float, float]]:
     """Per callable of ``fns``: (wall, busy) medians over ``iters`` calls, each the max over ranks. The callables
     alternate, their order flipping every round, so that drift on a shared host hits them alike."""
     walls, busys = [[] for _ in fns], [[] for _ in fns]
@@ -66,7 +68,7 @@ def _median_times(comm, fns, iters: int) -> list[tuple[float, float]]:
     return [(statistics.median(w), statistics.median(b)) for w, b in zip(walls, busys)]
 
 
-def _stage_times(comm, stages, iters: int) -> list[float]:
+def _stage_times(comm: Communicator, stages, iters: int) -> list[float]:
     """Forward stage by stage: ``stages`` are callables, each taking the previous one's result (the first
     takes None). Returns per stage the median over iters of the slowest rank's wall seconds."""
     per = [[] for _ in stages]
@@ -95,7 +97,7 @@ def _our_stages(moe, x, idx, w):
     return [disp, experts, lambda e: ep_combine(*e)]
 
 
-def _classic_stages(comm, moe, x, idx, w, E):
+def _classic_stages(comm: Communicator, moe, x, idx, w, E):
     def experts(d):
         rows, weights, cu, route = d
         return classic_experts(rows, weights, cu, moe.w13, moe.w2), route
@@ -107,10 +109,17 @@ def _classic_stages(comm, moe, x, idx, w, E):
     ]
 
 
-def _replica_times(comm, moe: MoE, iters: int) -> tuple[float, float]:
+def _last_plan(moe: MoE) -> CommPlan:
+    """The plan of the layer's last step (the bench reads it after running one)."""
+    if moe.last_plan is None:
+        raise RuntimeError("moonep bench: the layer has not run a step yet, so it has no plan to measure")
+    return moe.last_plan
+
+
+def _replica_times(comm: Communicator, moe: MoE, iters: int) -> tuple[float, float]:
     """(push, reduce) seconds of the last step's replica exchanges alone, each between barriers (the median of
     the slowest rank): the weight push of the forward and the grad reduce of the backward (0 without replicas)."""
-    plan, buf, weights = moe.last_plan, moe.buffer, (moe.w13, moe.w2)
+    plan, buf, weights = _last_plan(moe), moe.buffer, (moe.w13, moe.w2)
     pools = pools_of(buf, weights, "fused")
     grads = [torch.zeros(t.shape, dtype=torch.float32) for t in weights]
     calls = (
@@ -143,7 +152,15 @@ def parse_balance(text: str, max_slack: float) -> dict:
 
 
 def bench_rank(
-    comm, maxvios: list[float], S: int, H: int, F: int, E: int, K: int, iters: int, balance: dict | None = None
+    comm: Communicator,
+    maxvios: list[float],
+    S: int,
+    H: int,
+    F: int,
+    E: int,
+    K: int,
+    iters: int,
+    balance: dict | None = None,
 ) -> dict:
     """Run on every rank; returns {"results": [...], ...} (rank 0's is the report)."""
     torch.set_num_threads(1)
@@ -164,7 +181,7 @@ def bench_rank(
     return {"results": results, "config": config}
 
 
-def _bench_maxvio(comm, moe: MoE, x: torch.Tensor, v: float, iters: int) -> dict:
+def _bench_maxvio(comm: Communicator, moe: MoE, x: torch.Tensor, v: float, iters: int) -> dict:
     """One row of the sweep: both layers on the same routing aiming at maxvio ``v``."""
     r, E, K, H, F, S = comm.rank, moe.E, moe.K, moe.H, moe.F, x.shape[0]
     idx, w = make_routing(r, S, K, E, v)
@@ -182,14 +199,16 @@ def _bench_maxvio(comm, moe: MoE, x: torch.Tensor, v: float, iters: int) -> dict
             comm, x, topk_idx=idx, topk_weights=w.clone().requires_grad_(), w13=moe.w13, w2=moe.w2, E=E, stats=stats
         ).sum().backward()
 
-    ours(), base()  # warm-up (and fills stats / last_plan)
+    ours()  # warm-up (and fills last_plan)
+    base()  # warm-up (and fills stats)
     with HostReads(exempt=CPU_KERNEL_ENTRIES) as reads:  # one layer fwd+bwd: the budget is 1
         ours()
     (t_ours, busy_ours), (t_base, busy_base) = _median_times(comm, (ours, base), iters)
     st_ours = _stage_times(comm, _our_stages(moe, x, idx, w), iters)
     st_base = _stage_times(comm, _classic_stages(comm, moe, x, idx, w, E), iters)
     push_s, reduce_s = _replica_times(comm, moe, iters)
-    plan = moe.last_plan.global_plan
+    last = _last_plan(moe)
+    plan = last.global_plan
     rows = comm.all_reduce(torch.tensor([stats["rows"]]), "max")
     weights_per_copy = (H * 2 * F + F * H) * 4
     static = moe.buffer.nbytes + 2 * moe.epn * weights_per_copy  # Buffer + replica slot pools (weights, grads)
@@ -219,7 +238,7 @@ def _bench_maxvio(comm, moe: MoE, x: torch.Tensor, v: float, iters: int) -> dict
         "ours_host_reads_per_layer": int(peaks[2]),
         "ours_replicas": plan.num_replicas,
         "ours_weight_bytes": 2 * plan.num_replicas * weights_per_copy,  # push fwd + grad reduce bwd
-        "ours_token_bytes": sum(moe.last_plan.send_uniq_splits) * H * 4,
+        "ours_token_bytes": sum(last.send_uniq_splits) * H * 4,
         "baseline_token_bytes": stats["token_bytes"],
     }
 
@@ -228,11 +247,7 @@ def run(
     world_size: int, maxvios: list[float], *, quick: bool = False, backend: str = "torch", balance: dict | None = None
 ) -> dict:
     """Launch the sweep on local ranks and return the report."""
-    shape = (
-        {"S": 64, "H": 32, "F": 32, "E": 4 * world_size, "K": 2, "iters": 1}
-        if quick
-        else {"S": 1024, "H": 256, "F": 256, "E": 8 * world_size, "K": 2, "iters": 11}
-    )
+    S, H, F, E, iters = (64, 32, 32, 4 * world_size, 1) if quick else (1024, 256, 256, 8 * world_size, 11)
     report = launch(
         bench_rank,
         world_size,
@@ -241,7 +256,12 @@ def run(
         job_timeout=3600,
         maxvios=maxvios,
         balance=balance,
-        **shape,
+        S=S,
+        H=H,
+        F=F,
+        E=E,
+        K=2,
+        iters=iters,
     )
     flat = next((e["baseline_layer_s"] for e in report["results"] if e["maxvio"] == 0), None)
     for e in report["results"]:

@@ -27,6 +27,7 @@ import time
 import torch
 
 import planner
+from collectives.base import Communicator
 from moonep.experts import pools_of, push_replicas
 from planner.slack import copies_per_rank
 
@@ -36,7 +37,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _median_times(comm, fns, reps: int, device: torch.device) -> list[float]:
+def _median_times(comm: Communicator, fns, reps: int, device: torch.device) -> list[float]:
     """Median wall seconds of each of ``fns`` over ``reps`` rounds (after one warm-up round), the callables
     alternating with their order flipped every round so that drift hits them alike; each call starts after a
     barrier (collective: the same calls on every rank)."""
@@ -62,7 +63,7 @@ def _routing(tokens: int, E: int, hot: int, device) -> tuple[torch.Tensor, torch
     return idx, torch.full((tokens, 2), 0.5, device=device)
 
 
-def _layer(comm, H: int, F: int, tokens: int, dtype: torch.dtype, device: torch.device):
+def _layer(comm: Communicator, H: int, F: int, tokens: int, dtype: torch.dtype, device: torch.device):
     """(an exact-balance MoE layer with 2 experts per rank and top-2, this rank's tokens x [tokens, H])."""
     from moonep.moe import MoE  # heavy: the layer itself (moe does not import this module)
 
@@ -109,7 +110,7 @@ def _copy_exchanges(layer, x, device):
 
 
 def measure_cost_model(
-    comm,
+    comm: Communicator,
     *,
     H: int,
     F: int,

@@ -232,6 +232,7 @@ class HostReads:
     def __exit__(self, *exc) -> bool:
         self._entered -= 1
         if self._entered == 0:
+            assert self._mode is not None  # set by __enter__ whenever _entered reached 1
             try:
                 self._mode.__exit__(*exc)
             finally:

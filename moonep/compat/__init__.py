@@ -17,7 +17,7 @@ _LAZY = {
     "SequentialExperts": ("moonep.compat.megatron", "SequentialExperts"),
 }
 
-__all__ = list(_LAZY)
+__all__ = list(_LAZY)  # pyright: ignore[reportUnsupportedDunderAll]  # the lazy table's names
 
 # PEP 562: the adapter names resolve on first use
 __getattr__, __dir__ = lazy_exports("moonep.compat", _LAZY, globals())

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from collectives.base import Communicator
+
 _WIRE_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int32, torch.int64, torch.int16)
 _WIRE_DTYPES += (torch.int8, torch.uint8, torch.bool)
 
@@ -118,19 +120,19 @@ class Route:
     def num_received(self) -> int:
         return int(self.recv_counts.sum())
 
-    def forward(self, comm, t: torch.Tensor) -> torch.Tensor:
+    def forward(self, comm: Communicator, t: torch.Tensor) -> torch.Tensor:
         """t [T, ...] -> [N, ...]: each token's row to every rank it visits."""
         if t.shape[0] != self.num_tokens:
             raise ValueError(f"expected {self.num_tokens} rows (the handle's tokens), got {t.shape[0]}")
         return exchange(comm, t[self.send_order], self.send_counts, self.recv_counts)
 
-    def backward(self, comm, t: torch.Tensor) -> torch.Tensor:
+    def backward(self, comm: Communicator, t: torch.Tensor) -> torch.Tensor:
         """t [N, ...] -> [T, ...] fp32: rows back to their sources, summed per token (zero for unsent tokens)."""
         back = exchange(comm, t.contiguous(), self.recv_counts, self.send_counts)
         out = torch.zeros(self.num_tokens, *t.shape[1:], dtype=torch.float32, device=t.device)
         return out.index_add_(0, self.send_order, back.float())
 
-    def localise(self, comm, topk_idx, topk_weights, experts_per_rank: int):
+    def localise(self, comm: Communicator, topk_idx, topk_weights, experts_per_rank: int):
         """Received top-k ids as local expert ids (-1 elsewhere) and fp32 weights zeroed where the id is -1."""
         if topk_idx.shape[0] != self.num_tokens:
             raise ValueError(f"topk_idx has {topk_idx.shape[0]} rows, x has {self.num_tokens}")
@@ -145,7 +147,7 @@ class Route:
         return recv_idx, torch.where(mine, recv_w, torch.zeros_like(recv_w))
 
 
-def plan_route(comm, num_tokens: int, in_rank, per_rank, per_expert, extra: torch.Tensor | None = None):
+def plan_route(comm: Communicator, num_tokens: int, in_rank, per_rank, per_expert, extra: torch.Tensor | None = None):
     """Agree on one dispatch's layout: one all-gather of each rank's [send counts R | tokens per expert E | extra |
     ok flag], so a rank whose layout is inconsistent makes every rank raise the same ValueError.
 
@@ -185,7 +187,7 @@ def plan_route(comm, num_tokens: int, in_rank, per_rank, per_expert, extra: torc
     return route, matrix, totals, (gathered[:, R + E : -1] if extra is not None else None)
 
 
-def exchange(comm, rows: torch.Tensor, send_counts, recv_counts) -> torch.Tensor:
+def exchange(comm: Communicator, rows: torch.Tensor, send_counts, recv_counts) -> torch.Tensor:
     """all_to_all_single of ``rows`` by counts; dtypes the Communicator does not carry (FP8) move as bytes."""
     rows = rows.contiguous()
     wire = rows if rows.dtype in _WIRE_DTYPES else rows.view(torch.uint8).reshape(rows.shape[0], -1)
@@ -210,7 +212,7 @@ def check_bias(bias, num_tokens: int, x: torch.Tensor) -> list:
     return biases
 
 
-def combine_rows(comm, route: Route, x: torch.Tensor, topk_weights, biases: list, out_dtype=None):
+def combine_rows(comm: Communicator, route: Route, x: torch.Tensor, topk_weights, biases: list, out_dtype=None):
     """x [N, H] -> (out [T, H] in ``out_dtype`` (default x's): the fp32 sum of the rows sent back, plus biases;
     weights [T, K] fp32 or None)."""
     if x.shape[0] != route.num_received:

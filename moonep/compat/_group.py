@@ -8,7 +8,7 @@ from collectives import Communicator
 from collectives.torch_backend import TorchCommunicator
 
 
-def as_communicator(group):
+def as_communicator(group: object) -> Communicator:
     """A Communicator for ``group`` (returned as is when it already is one)."""
     if isinstance(group, Communicator):
         return group

@@ -85,14 +85,22 @@ class EPHandle:
         rows = torch.arange(N, dtype=torch.int64, device=slot.device)
         self.recv_src_metadata = torch.cat([src_global.view(-1, 1), rows.view(-1, 1), slot], dim=1)
 
+    def expanded(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(pairs [P, 2] (row, k), expanded row [P]) of each expanded row; only a ``do_expand`` dispatch has them."""
+        if self._slot_pairs is None or self._slot_rows is None:
+            raise ValueError("this handle's dispatch ran with do_expand=False: it has no expanded rows")
+        return self._slot_pairs, self._slot_rows
+
     def expand(self, t: torch.Tensor, total: int) -> torch.Tensor:
         """Compact rows [N, ...] -> expanded rows [total, ...] (zero padding rows)."""
-        return _scatter_rows(t, self._slot_pairs[:, 0], self._slot_rows, total)
+        pairs, slots = self.expanded()
+        return _scatter_rows(t, pairs[:, 0], slots, total)
 
     def expand_weights(self, w: torch.Tensor) -> torch.Tensor:
         """Compact weights [N, K] -> one weight per expanded row [total] fp32."""
+        pairs, slots = self.expanded()
         out = torch.zeros(self.num_expanded_tokens, dtype=torch.float32, device=w.device)
-        out[self._slot_rows] = w[self._slot_pairs[:, 0], self._slot_pairs[:, 1]].float()
+        out[slots] = w[pairs[:, 0], pairs[:, 1]].float()
         return out
 
 
@@ -233,6 +241,7 @@ class ElasticBuffer:
         per_rank, per_expert, in_rank = dispatch_layout(topk_idx, num_experts, R)
         tokens = torch.tensor([T], device=rows.device)
         route, _, _, gathered = plan_route(self.comm, T, in_rank, per_rank, per_expert, extra=tokens)
+        assert gathered is not None  # plan_route gathers the extra column it is given
         cap = cap or self.num_max_tokens_per_rank or int(gathered.max())
         if int(gathered.max()) > cap:
             raise ValueError(f"a rank has {int(gathered.max())} tokens, more than num_max_tokens_per_rank={cap}")
@@ -300,7 +309,7 @@ def _fold_expanded(handle: EPHandle, x: torch.Tensor, topk_weights):
     """Expanded rows [rows, H] and weights [rows] -> per received token: rows [N, H] fp32 and weights [N, K]."""
     if x.shape[0] < handle.num_expanded_tokens:
         raise ValueError(f"combine got {x.shape[0]} rows, the expanded dispatch made {handle.num_expanded_tokens}")
-    pairs, slots = handle._slot_pairs, handle._slot_rows
+    pairs, slots = handle.expanded()
     N, K = handle._recv_topk_idx.shape
     rows = torch.zeros(N, *x.shape[1:], dtype=torch.float32, device=x.device)
     rows.index_add_(0, pairs[:, 0], x[slots].float())

@@ -29,14 +29,16 @@ run on it unchanged; ``SequentialExperts`` wraps a ``SequentialMLP``-like module
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import nn
 
 from moonep._checks import raise_agreed
 from moonep.buffer import Buffer
+from moonep.comm_plan import CommPlan
 from moonep.compat._group import as_communicator
-from moonep.ep_step import ep_combine, ep_dispatch
+from moonep.ep_step import EPRows, ep_combine, ep_dispatch
 from moonep.experts import ensure_replicas, pool_for, repush_guard
 
 PROBLEMS = {
@@ -114,10 +116,16 @@ class MoonEPTokenDispatcher:
         self.max_tokens, self.token_padding, self.buffer = max_tokens, token_padding, buffer
         self._owns_buffer = buffer is None
         self.shared_experts = None
-        self.plan = None
+        self.plan: CommPlan | None = None
         """CommPlan of the micro-batch in flight (set by token_dispatch)."""
-        self.rows = None
+        self.rows: EPRows | None = None
         """``moonep.ep_step.EPRows`` of the micro-batch in flight (token_combine brings them home)."""
+
+    def _in_flight(self, op: str) -> EPRows:
+        """The rows of the micro-batch in flight, or the ValueError that says to call token_dispatch first."""
+        if self.rows is None:
+            raise ValueError(f"{op} needs this micro-batch's plan: call it after token_dispatch")
+        return self.rows
 
     # ------------------------------------------------------------------------------------------ dispatch
     def dispatch_preprocess(self, hidden_states: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor):
@@ -158,18 +166,18 @@ class MoonEPTokenDispatcher:
         # the failing rank names the generic problem and its own detail; the others the generic one
         mine = f"{PROBLEMS[self._code]} ({self._detail})" if self._code and self._detail else ""
         raise_agreed("MoonEPTokenDispatcher", self.comm.rank, codes, mine, problems=PROBLEMS, prefix="")
-        self._ensure_buffer(max(sizes), hidden_states.dtype, hidden_states.device)
-        self.rows = ep_dispatch(
-            self.buffer, hidden_states, topk_idx=self.topk_idx, topk_weights=probs, total_num_tokens=sum(sizes)
+        buffer = self._ensure_buffer(max(sizes), hidden_states.dtype, hidden_states.device)
+        self.rows = rows = ep_dispatch(
+            buffer, hidden_states, topk_idx=self.topk_idx, topk_weights=probs, total_num_tokens=sum(sizes)
         )
-        self.plan = self.rows.plan
-        self.cu_seqlens, self.num_rows = self.rows.cu_seqlens, self.plan.cu_host[-1]  # host copy: dispatch's read
-        return self.rows.rows, self.rows.weights
+        self.plan = rows.plan
+        self.cu_seqlens, self.num_rows = rows.cu_seqlens, rows.plan.cu_host[-1]  # host copy: dispatch's read
+        return rows.rows, rows.weights
 
     def dispatch_postprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor):
         """Local: -> (tokens [n, H] grouped by the 2*epn local groups, tokens_per_expert [2*epn] int64 on CPU,
         permuted_probs [n] fp32); n = rows up to the last segment (padding rows have zero tokens and probs)."""
-        cu = torch.tensor(self.plan.cu_host, dtype=torch.int64)  # Megatron wants these on the CPU
+        cu = torch.tensor(self._in_flight("dispatch_postprocess").plan.cu_host, dtype=torch.int64)  # on the CPU
         tokens_per_expert = torch.diff(cu, prepend=cu.new_zeros(1))
         return hidden_states[: self.num_rows], tokens_per_expert, probs[: self.num_rows]
 
@@ -180,9 +188,8 @@ class MoonEPTokenDispatcher:
         pushed from their home ranks; unused slots zero). Backward sums the slots' grads into the home experts'.
         Use the returned tokens: they tie the replica-grad reduction to run after the experts' backward and
         before the dispatch's, the same order on every rank."""
-        if self.plan is None:
-            raise ValueError("expert_weights needs this micro-batch's plan: call it after token_dispatch")
-        buf, plan, epn, key = self.buffer, self.plan, self.epn, ("megatron-stacked", id(self))
+        rows = self._in_flight("expert_weights")
+        buf, plan, epn, key = rows.buffer, rows.plan, self.epn, ("megatron-stacked", id(self))
         pools = [
             pool_for(buf, f"megatron-stacked:{i}", tuple(w.shape[1:]), w.dtype) for i, w in enumerate(local_weights)
         ]
@@ -196,24 +203,27 @@ class MoonEPTokenDispatcher:
     # ------------------------------------------------------------------------------------------- combine
     def combine_preprocess(self, hidden_states: torch.Tensor):
         """Local: expert output [n, H] -> [recv_rows, H] (zero rows appended; a wrong shape is refused by combine)."""
-        n, H = self.num_rows, self.buffer.H
+        rows = self._in_flight("combine_preprocess")
+        n, H = self.num_rows, rows.buffer.H
         if hidden_states.dim() == 2 and tuple(hidden_states.shape) == (n, H):
-            hidden_states = nn.functional.pad(hidden_states, (0, 0, 0, self.plan.recv_rows - n))
+            hidden_states = nn.functional.pad(hidden_states, (0, 0, 0, rows.plan.recv_rows - n))
         return hidden_states
 
     def token_combine(self, hidden_states: torch.Tensor):
         """Collective: [recv_rows, H] -> [s, H], the unweighted sum of each token's expert outputs."""
-        return ep_combine(self.rows, hidden_states)
+        return ep_combine(self._in_flight("token_combine"), hidden_states)
 
     def combine_postprocess(self, hidden_states: torch.Tensor):
         """Local: [s, H] -> the shape of the hidden_states given to dispatch_preprocess."""
+        if self.hidden_shape is None:  # dispatch_preprocess refused it, and token_dispatch raised on every rank
+            raise ValueError("combine_postprocess needs the shape dispatch_preprocess saw: call that first")
         return hidden_states.view(self.hidden_shape)
 
     def set_shared_experts(self, shared_experts) -> None:
         """Megatron's shared-expert overlap hook: not provided (run the shared expert beside the layer)."""
         raise ValueError("MoonEPTokenDispatcher does not overlap shared experts; set moe_shared_expert_overlap=False")
 
-    def _ensure_buffer(self, s_max: int, dtype: torch.dtype, device: torch.device) -> None:
+    def _ensure_buffer(self, s_max: int, dtype: torch.dtype, device: torch.device) -> Buffer:
         """Build (or grow, or move) an owned Buffer on the tokens' device; every rank sees the same s_max, so
         they all decide alike.
 
@@ -221,9 +231,9 @@ class MoonEPTokenDispatcher:
         its dispatch on every rank."""
         b, need = self.buffer, self.max_tokens or s_max
         if b is not None and (not self._owns_buffer or (b.dtype == dtype and need <= b.S and b.device == device)):
-            return
+            return b
         S = self.max_tokens or max(s_max, 1, 0 if b is None else b.S)
-        self.buffer = Buffer(
+        self.buffer = b = Buffer(
             self.comm,
             S=S,
             H=self.hidden_size,
@@ -233,6 +243,7 @@ class MoonEPTokenDispatcher:
             dtype=dtype,
             device=device,
         )
+        return b
 
 
 class _PooledSlots(torch.autograd.Function):
@@ -272,18 +283,22 @@ class SequentialExperts(nn.Module):
     def __init__(self, experts: nn.Module, dispatcher: MoonEPTokenDispatcher) -> None:
         super().__init__()
         self.experts, self.dispatcher = experts, dispatcher
-        if len(experts.local_experts) != dispatcher.epn:
-            raise ValueError(f"experts has {len(experts.local_experts)} local experts, the dispatcher {dispatcher.epn}")
+        if len(self._local_experts) != dispatcher.epn:
+            raise ValueError(f"experts has {len(self._local_experts)} local experts, the dispatcher {dispatcher.epn}")
+
+    @property
+    def _local_experts(self) -> nn.ModuleList:
+        """The wrapped module's epn expert modules (``SequentialMLP.local_experts``)."""
+        return cast(nn.ModuleList, self.experts.local_experts)
 
     def forward(self, tokens: torch.Tensor, tokens_per_expert: torch.Tensor, permuted_probs: torch.Tensor):
         if getattr(getattr(self.experts, "config", None), "moe_apply_probs_on_input", False):  # as SequentialMLP does
             tokens, permuted_probs = tokens * permuted_probs[:, None].to(tokens.dtype), torch.ones_like(permuted_probs)
-        d, local = self.dispatcher, self.experts.local_experts
-        if d.plan is None:
-            raise ValueError("SequentialExperts needs this micro-batch's plan: call it after token_dispatch")
+        d, local = self.dispatcher, self._local_experts
+        rows = d._in_flight("SequentialExperts")
         names = [n for n, _ in local[0].named_parameters()]
         own = [[dict(e.named_parameters())[n] for e in local] for n in names]
-        buf, plan, key = d.buffer, d.plan, ("megatron", id(self))
+        buf, plan, key = rows.buffer, rows.plan, ("megatron", id(self))
         pools = [pool_for(buf, f"megatron:{n}", tuple(ps[0].shape), ps[0].dtype) for n, ps in zip(names, own)]
 
         def stacked():  # send buffers for a push (the own params are read in place otherwise)
@@ -295,7 +310,9 @@ class SequentialExperts(nn.Module):
         for g, (x, p) in enumerate(zip(torch.split(tokens, sizes), torch.split(permuted_probs, sizes))):
             if not x.shape[0]:
                 continue
-            params = {n: (ps[g] if g < d.epn else sl[g - d.epn]) for n, ps, sl in zip(names, own, slots)}
+            params: dict[str, torch.Tensor] = {
+                n: (ps[g] if g < d.epn else sl[g - d.epn]) for n, ps, sl in zip(names, own, slots)
+            }
             out, bias = torch.func.functional_call(local[0], params, (x, p.to(x.dtype)))
             outs.append(out if bias is None else out + bias)
         out = torch.cat(outs) if outs else tokens.new_zeros(0, tokens.shape[1])

@@ -18,10 +18,13 @@ Expert gradients follow moonep's contract (the gradient of the SUM of every EP r
 from __future__ import annotations
 
 import types
+from collections.abc import Callable
+from typing import cast
 
 import torch
 from torch import nn
 
+from collectives.base import Communicator
 from moonep.buffer import Buffer
 from moonep.ep_step import routed_experts
 from moonep.expert_math import SWIGLU, GatedActivation
@@ -31,21 +34,32 @@ FUSED = ("gate_up_proj", "down_proj")
 """The 5.x experts module's parameter names (kept by ``EPExperts``, so state-dict keys do not change)."""
 
 
-def gated_activation(act_fn) -> GatedActivation:
+def _experts_of(block: nn.Module) -> nn.Module:
+    """A MoE block's ``experts`` child (a module: ``_is_seam`` picked the block for it)."""
+    return cast(nn.Module, block.experts)
+
+
+def _tensor(module: nn.Module, name: str) -> torch.Tensor:
+    """The ``gate_up_proj`` / ``down_proj`` weight of an experts module (a tensor on the 5.x seam)."""
+    return cast(torch.Tensor, getattr(module, name))
+
+
+def gated_activation(act_fn: object) -> GatedActivation:
     """The experts' ``act_fn`` as moonep's gated activation ``act(gate, up) = act_fn(gate) * up`` (SiLU gets the
     closed-form SwiGLU derivative; anything else is differentiated by autograd, elementwise)."""
     if isinstance(act_fn, nn.SiLU) or type(act_fn).__name__ == "SiLUActivation":
         return SWIGLU
     if not callable(act_fn):
         raise TypeError(f"experts.act_fn must be callable, got {type(act_fn).__name__}")
-    return GatedActivation(lambda gate, up: act_fn(gate) * up)
+    fn = cast(Callable[[torch.Tensor], torch.Tensor], act_fn)  # an elementwise activation: a tensor to a tensor
+    return GatedActivation(lambda gate, up: fn(gate) * up)
 
 
 class _SharedBuffer:
     """One Buffer per parallelized model (every MoE block has the same H, K, E), built on the first forward with
     the hidden states' dtype and device, growing to the largest token count (``S=None``)."""
 
-    def __init__(self, comm, H: int, K: int, E: int, S: int | None) -> None:
+    def __init__(self, comm: Communicator, H: int, K: int, E: int, S: int | None) -> None:
         self.comm, self.H, self.K, self.E, self.S = comm, H, K, E, S
         self.buffer: Buffer | None = None
 
@@ -73,12 +87,12 @@ class EPExperts(nn.Module):
     (sum over k of weight * expert(h)), computed expert-parallel. Holds this rank's experts only:
     ``gate_up_proj [epn, 2F, H]`` and ``down_proj [epn, H, F]`` (the original names and layout, sliced)."""
 
-    def __init__(self, experts: nn.Module, comm, shared: _SharedBuffer, first: int, epn: int) -> None:
+    def __init__(self, experts: nn.Module, comm: Communicator, shared: _SharedBuffer, first: int, epn: int) -> None:
         super().__init__()
         mine = slice(first, first + epn)
         with torch.no_grad():  # the slice is copied, so the full [E, ...] tensors can be freed with the old module
-            self.gate_up_proj = nn.Parameter(experts.gate_up_proj[mine].clone())
-            self.down_proj = nn.Parameter(experts.down_proj[mine].clone())
+            self.gate_up_proj = nn.Parameter(_tensor(experts, "gate_up_proj")[mine].clone())
+            self.down_proj = nn.Parameter(_tensor(experts, "down_proj")[mine].clone())
         mark_expert(self.gate_up_proj, self.down_proj)
         self.act_fn = experts.act_fn
         self.activation = gated_activation(experts.act_fn)
@@ -111,7 +125,7 @@ def _is_seam(module: nn.Module) -> bool:
 
 def _check_block(name: str, block: nn.Module, R: int) -> None:
     """One-line errors for MoE blocks off the 5.x seam or with experts not divisible over R ranks."""
-    experts, name = block.experts, f"{name}.experts"
+    experts, name = _experts_of(block), f"{name}.experts"
     kind = type(experts).__name__
     extra = sorted(n for n, _ in experts.named_parameters(recurse=False) if n not in FUSED)
     if extra or not hasattr(experts, "down_proj") or not hasattr(experts, "act_fn") or not hasattr(block, "gate"):
@@ -119,7 +133,7 @@ def _check_block(name: str, block: nn.Module, R: int) -> None:
             f"moonep.integrations.hf: {name} ({kind}) is not on the 5.x fused seam (gate_up_proj [E, 2F, H], "
             f"down_proj [E, H, F], act_fn, a sibling gate; extra parameters: {extra})"
         )
-    gu, dn = experts.gate_up_proj, experts.down_proj
+    gu, dn = _tensor(experts, "gate_up_proj"), _tensor(experts, "down_proj")
     E, twoF, H = gu.shape
     if tuple(dn.shape) != (E, H, twoF // 2) or twoF % 2:
         raise ValueError(
@@ -130,7 +144,7 @@ def _check_block(name: str, block: nn.Module, R: int) -> None:
         raise ValueError(f"moonep.integrations.hf: {name} has E={E} experts, not a multiple of the EP size R={R}")
 
 
-def parallelize(model: nn.Module, comm, *, S: int | None = None) -> nn.Module:
+def parallelize(model: nn.Module, comm: Communicator, *, S: int | None = None) -> nn.Module:
     """Make ``model`` (a transformers 5.x MoE model, the same weights on every rank) expert-parallel over ``comm``
     in place and return it. Every ``experts`` module on the seam becomes an ``EPExperts`` with this rank's slice
     (the full tensors go with the old module); ``S``: tokens per rank per call to size the Buffer for (None: it
@@ -148,7 +162,7 @@ def parallelize(model: nn.Module, comm, *, S: int | None = None) -> nn.Module:
     for name, block in blocks:
         _check_block(name, block, R)
     for name, block in blocks:
-        E, _, H = block.experts.gate_up_proj.shape
+        E, _, H = _tensor(_experts_of(block), "gate_up_proj").shape
         K = _top_k(name, block)
         if shared is None:
             shared = _SharedBuffer(comm, H, K, E, S)
@@ -158,19 +172,21 @@ def parallelize(model: nn.Module, comm, *, S: int | None = None) -> nn.Module:
                 f"{(shared.H, shared.K, shared.E)}; one model, one geometry"
             )
         epn = E // R
-        block.experts = EPExperts(block.experts, comm, shared, comm.rank * epn, epn)
+        block.experts = EPExperts(_experts_of(block), comm, shared, comm.rank * epn, epn)
     _sync_generate(model, comm)
     return model
 
 
-def _sync_generate(model: nn.Module, comm) -> None:
+def _sync_generate(model: nn.Module, comm: Communicator) -> None:
     """``model.generate`` in synced mode with the finished check over ``comm`` (bound methods on the instance:
     ``copy.deepcopy`` rebinds them to the copy)."""
     if not callable(getattr(type(model), "generate", None)):
         return
-    model._moonep_comm = comm
-    model.generate = types.MethodType(_generate_synced, model)
-    model._has_unfinished_sequences = types.MethodType(_unfinished_on_any_rank, model)
+    # plain attributes (not parameters, buffers or modules): set as ``model.x = ...`` would, which nn.Module's
+    # typed __setattr__ does not describe
+    setattr(model, "_moonep_comm", comm)  # noqa: B010
+    setattr(model, "generate", types.MethodType(_generate_synced, model))  # noqa: B010
+    setattr(model, "_has_unfinished_sequences", types.MethodType(_unfinished_on_any_rank, model))  # noqa: B010
 
 
 def _generate_synced(self, *args, **kwargs):
@@ -199,7 +215,7 @@ def _top_k(name: str, block: nn.Module) -> int:
 
 
 @torch.no_grad()
-def gather_state_dict(model: nn.Module, comm) -> dict[str, torch.Tensor]:
+def gather_state_dict(model: nn.Module, comm: Communicator) -> dict[str, torch.Tensor]:
     """The original HF state dict of a parallelized ``model`` (collective): every ``EPExperts``'s
     ``gate_up_proj [E, 2F, H]`` and ``down_proj [E, H, F]`` gathered from all ranks (rank order = expert order),
     under the original names; other entries as ``model.state_dict()``. Same on every rank: save it on one."""

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
@@ -38,6 +37,7 @@ from torchtitan.config import Configurable
 from torchtitan.models.common.moe import GroupedExperts, RoutedExperts
 from torchtitan.protocols.module import Module
 
+from collectives.base import Communicator
 from moonep.buffer import Buffer
 from moonep.ep_step import EPRows, ep_combine, ep_dispatch, ep_experts
 from moonep.parallel import check_not_replicated, mark_expert
@@ -60,7 +60,7 @@ class MoonEPTokenDispatcher(Configurable):
         """E, every expert of the layer."""
         top_k: int
         """K, experts per token."""
-        comm: Any = None
+        comm: Communicator | None = None
         """moonep communicator of the EP group; None: taken from torchtitan's ep mesh in ``wire_meshes``."""
         max_tokens: int | None = None
         """tokens per rank per call to size the Buffer for; None: it grows to the largest call."""
@@ -122,7 +122,7 @@ class MoonEPGroupedExperts(Module):
         """F, one expert's FFN width."""
         num_experts: int
         """E, every expert of the layer (this rank holds E / R)."""
-        comm: Any = None
+        comm: Communicator | None = None
         """moonep communicator of the EP group (its world size and rank pick the slice)."""
 
     def __init__(self, config: Config) -> None:
@@ -163,7 +163,8 @@ class MoonEPGroupedExperts(Module):
                 with torch.no_grad():
                     for j in range(self.epn):
                         gen.manual_seed(_expert_seed(base, name, self.first_expert + j))
-                        self._init_param(name, param[j : j + 1])
+                        # one expert's view: torchtitan's initialisers take any tensor (annotated Parameter)
+                        self._init_param(name, param[j : j + 1])  # pyright: ignore[reportArgumentType]
             finally:
                 gen.set_state(state)
 
@@ -197,7 +198,7 @@ def _expert_seed(base: int, weight: str, expert: int) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
-def use_moonep(model_config, comm, *, max_tokens: int | None = None) -> int:
+def use_moonep(model_config, comm: Communicator, *, max_tokens: int | None = None) -> int:
     """Swap every ``RoutedExperts.Config`` inside ``model_config`` (any torchtitan config tree) to moonep's
     dispatcher and experts, before ``build()``; returns how many were swapped (0 raises). ``init_states`` then
     seeds each expert from its global index: EP = n gives EP = 1's experts."""
@@ -220,7 +221,7 @@ def use_moonep(model_config, comm, *, max_tokens: int | None = None) -> int:
     return n
 
 
-def parallelize(model: nn.Module, comm, *, max_tokens: int | None = None) -> nn.Module:
+def parallelize(model: nn.Module, comm: Communicator, *, max_tokens: int | None = None) -> nn.Module:
     """Make a built torchtitan model (the same weights on every rank) expert-parallel in place: every
     ``RoutedExperts`` gets moonep's dispatcher and inner experts holding this rank's slice of its weights."""
     found = [m for m in model.modules() if isinstance(m, RoutedExperts)]
