@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from moonep.buffer import Buffer
-from moonep.comm_plan import CommPlan
+from moonep.comm_plan import CommPlan, DispatchLayout
 
 
 class _Dispatch(torch.autograd.Function):
@@ -66,13 +66,24 @@ def dispatch(
     topk_weights: torch.Tensor | None = None,
     slots_per_expert: torch.Tensor | None = None,
     total_num_tokens: int | None = None,
-    layout=None,
-):
-    """Differentiable ``Buffer.dispatch`` (``layout``: this call's ``Buffer.get_dispatch_layout``, or None).
+    layout: DispatchLayout | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, CommPlan]:
+    """Differentiable ``Buffer.dispatch``: its backward combines the rows' grads home (a token's K copies
+    summed) and gathers the routing weights' grads per slot. Collective: every rank of the EP group calls it.
 
-    hidden [s, H]; keyword-only, in DeepEP's order: topk_idx [s, K] (-1 = no expert), topk_weights [s, K]
-    (or None).
-    Returns (recv_hidden [recv_rows, H], recv_weights [recv_rows] | None, cu_seqlens [2*epn], plan).
+    Args:
+        buffer: the EP group's ``Buffer``.
+        hidden: [T, H] activations in the Buffer's dtype (bf16/fp32/...), on its device.
+        topk_idx: [T, K] integer expert ids in [0, E), -1 = no expert (no gradient).
+        topk_weights: [T, K] float routing weights, or None (then recv_weights is None).
+        slots_per_expert: [E] integer histogram of topk_idx (optional; checked against it).
+        total_num_tokens: sum of T over the ranks (None: inferred).
+        layout: this call's ``Buffer.get_dispatch_layout`` of the same arguments, or None (planned here).
+
+    Returns:
+        ``(recv_hidden, recv_weights, cu_seqlens, plan)``: recv_hidden [N, H] (Buffer dtype, N =
+        ``plan.recv_rows``) grouped by (own expert, then replica slot) and padded per segment; recv_weights [N]
+        fp32 or None; cu_seqlens [2*epn] int64 segment ends (not differentiable); plan: the step's ``CommPlan``.
     """
     holder: list = []
     recv, recv_w, cu = _Dispatch.apply(
@@ -82,5 +93,15 @@ def dispatch(
 
 
 def combine(buffer: Buffer, plan: CommPlan, expert_out: torch.Tensor) -> torch.Tensor:
-    """Differentiable ``Buffer.combine``: expert_out [recv_rows, H] -> out [s, H], the UNWEIGHTED sum of K copies."""
+    """Differentiable ``Buffer.combine``: every row home, a token's K copies summed UNWEIGHTED (the expert side
+    applied the routing weights); its backward re-dispatches the output grad along the saved plan.
+
+    Args:
+        buffer: the Buffer that dispatched the rows.
+        plan: that dispatch's ``CommPlan``.
+        expert_out: [N, H] rows in the dispatch layout (N = ``plan.recv_rows``), in the Buffer's dtype.
+
+    Returns:
+        out: [T, H] in the Buffer's dtype, T = ``plan.num_tokens``.
+    """
     return _Combine.apply(buffer, plan, expert_out)

@@ -1,7 +1,7 @@
 """The EP step: the one implementation of push -> dispatch -> grouped expert step -> combine -> grad reduce.
 
-Axes: ``s`` tokens on this rank, ``H`` the rows' width, ``K`` top-k, ``n`` = recv_rows receive rows, ``epn``
-experts per rank.
+Axes: ``T`` tokens on this rank (s), ``H`` the rows' width, ``K`` top-k, ``N`` = recv_rows receive rows,
+``epn`` experts per rank; local tensors carry them as suffixes (``x_TH``, ``z_NH``).
 
 ``routed_experts`` runs a whole MoE layer's routed part: every caller with the whole step in one place
 (``moonep.MoE``, k3's ``LatentMoE``, the Hugging Face integration) calls it. Frameworks that put their own code
@@ -42,9 +42,9 @@ class EPRows:
     plan: CommPlan
     """the step's plan (combine, the expert step and the backward reuse it)."""
     rows: torch.Tensor
-    """[n, H] received rows, grouped by (own expert, then replica slot), padded per segment."""
+    """[N, H] received rows, grouped by (own expert, then replica slot), padded per segment."""
     weights: torch.Tensor | None
-    """[n] fp32 routing weight of each received row (0 on padding); None when dispatched without weights."""
+    """[N] fp32 routing weight of each received row (0 on padding); None when dispatched without weights."""
     cu_seqlens: torch.Tensor
     """[2*epn] int64 padded segment ends (``plan.cu_host`` holds the host copy)."""
 
@@ -60,12 +60,23 @@ def ep_dispatch(
     key=None,
     total_num_tokens: int | None = None,
 ) -> EPRows:
-    """Dispatch x [s, H] by topk_idx [s, K] (-1 = no expert) with topk_weights [s, K] (or None).
+    """Phase 1 of the EP step: plan the dispatch (its one host read), move the rows, start the replica push.
 
-    weights: this rank's experts in ``layout`` ([epn, ...] tensors), to start the replica push once the token
-    rows landed, so that it flies while the expert step computes this rank's own experts (measured: rows
-    first pays more than the push first on the op timer: the rows are what the expert step needs first);
-    None: ``ep_experts`` pushes them when it needs them. key: the layer's owner key for the shared pools.
+    Args:
+        buffer: the EP group's ``Buffer``.
+        x: [T, H] activations in the Buffer's dtype, on its device.
+        topk_idx: [T, K] integer expert ids in [0, E), -1 = no expert.
+        topk_weights: [T, K] float routing weights, or None.
+        weights: this rank's experts in ``layout`` ([epn, ...] tensors), to start the replica push once the
+            token rows landed, so that it flies while the expert step computes this rank's own experts
+            (measured: rows first pays more than the push first on the op timer: the rows are what the expert
+            step needs first); None: ``ep_experts`` pushes them when it needs them.
+        layout: ``"fused"`` or ``"linear"`` (``routed_experts``).
+        key: the layer's owner key for the shared replica pools.
+        total_num_tokens: sum of T over the ranks (None: inferred).
+
+    Returns:
+        ``EPRows``: rows [N, H] (Buffer dtype), weights [N] fp32 or None, cu_seqlens [2*epn] int64, the plan.
     """
     planned = buffer.get_dispatch_layout(
         x, topk_idx=topk_idx, topk_weights=topk_weights, total_num_tokens=total_num_tokens
@@ -86,9 +97,19 @@ def ep_experts(
     key=None,
     recompute: bool = False,
 ) -> torch.Tensor:
-    """The grouped expert step on ``rows``: z [n, H] = expert(rows) * row weight (``moonep.grouped_experts``).
+    """Phase 2 of the EP step: the grouped expert step on ``rows`` (``moonep.grouped_experts``).
 
-    x: the received rows as a framework hands them to its experts (default ``rows.rows``)."""
+    Args:
+        rows: ``ep_dispatch``'s result.
+        weights: this rank's experts in ``layout`` ([epn, ...] tensors, see ``routed_experts``).
+        x: [N, H] the received rows as a framework hands them to its experts (default ``rows.rows``).
+        layout, activation, key, recompute: as ``routed_experts``.
+
+    Returns:
+        z: [N, H] = expert(rows) * row weight, in the rows' dtype (padding rows 0).
+    """
+    if rows.weights is None:  # the expert side applies the routing weights: it needs them
+        raise ValueError("ep_experts: the rows were dispatched without topk_weights; pass them to ep_dispatch")
     return grouped_experts(
         rows.buffer,
         rows.plan,
@@ -103,7 +124,15 @@ def ep_experts(
 
 
 def ep_combine(rows: EPRows, z: torch.Tensor) -> torch.Tensor:
-    """z [n, H] (rows in ``rows``' layout, already weighted) -> y [s, H], each token's K copies summed."""
+    """Phase 3 of the EP step: the rows home, each token's K copies summed.
+
+    Args:
+        rows: ``ep_dispatch``'s result.
+        z: [N, H] expert output in ``rows``' layout, already weighted.
+
+    Returns:
+        y: [T, H] in the Buffer's dtype.
+    """
     return combine(rows.buffer, rows.plan, z)
 
 
@@ -120,14 +149,24 @@ def routed_experts(
     recompute: bool = False,
     total_num_tokens: int | None = None,
 ) -> tuple[torch.Tensor, CommPlan]:
-    """One MoE layer's routed experts, expert-parallel: y [s, H] = sum over k of topk_weights[:, k] *
-    expert_{topk_idx[:, k]}(x), and the step's plan.
+    """One MoE layer's routed experts, expert-parallel (differentiable; collective: every rank calls it).
 
-    x [s, H]; keyword-only: topk_idx [s, K] int (-1 = no expert), topk_weights [s, K] float, weights: this
-    rank's experts in ``layout`` (``"fused"``: w13 [epn, H, 2F], w2 [epn, F, H]; ``"linear"``: w1 [epn, F, H],
-    w3 [epn, F, H], w2 [epn, H, F]); activation: act(gate, up) (default SwiGLU); key: the layer's owner key for
-    the shared replica pools (default: the weights' identities); recompute: save only the rows for the expert
-    backward.
+    Args:
+        buffer: the EP group's ``Buffer``.
+        x: [T, H] activations in the Buffer's dtype, on its device.
+        topk_idx: [T, K] integer expert ids in [0, E), -1 = no expert.
+        topk_weights: [T, K] float routing weights (fp32 recommended).
+        weights: this rank's experts in ``layout``: ``"fused"``: w13 [epn, H, 2F], w2 [epn, F, H];
+            ``"linear"``: w1 [epn, F, H], w3 [epn, F, H], w2 [epn, H, F].
+        layout: ``"fused"`` or ``"linear"``.
+        activation: act(gate, up) -> h on [N, F] (a ``GatedActivation`` or any callable; default SwiGLU).
+        key: the layer's owner key for the shared replica pools (default: the weights' identities).
+        recompute: save only the rows for the expert backward (recompute the rest there).
+        total_num_tokens: sum of T over the ranks (None: inferred).
+
+    Returns:
+        ``(y, plan)``: y [T, H] in the Buffer's dtype = sum over k of topk_weights[:, k] *
+        expert_{topk_idx[:, k]}(x); plan: the step's ``CommPlan``.
     """
     weights = tuple(weights)
     rows = ep_dispatch(
@@ -140,8 +179,8 @@ def routed_experts(
         key=key,
         total_num_tokens=total_num_tokens,
     )
-    z = ep_experts(rows, weights, layout=layout, activation=activation, key=key, recompute=recompute)
-    return ep_combine(rows, z), rows.plan
+    z_NH = ep_experts(rows, weights, layout=layout, activation=activation, key=key, recompute=recompute)
+    return ep_combine(rows, z_NH), rows.plan
 
 
 __all__ = ["EPRows", "ep_combine", "ep_dispatch", "ep_experts", "routed_experts"]

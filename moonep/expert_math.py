@@ -29,11 +29,15 @@ def segments(cu: torch.Tensor) -> tuple[tuple[int, int, int], ...]:
 
 
 # ----------------------------------------------------------------------------------------- gated activations
+Activation = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+"""act(gate [n, F], up [n, F]) -> h [n, F], elementwise."""
+
+
 @dataclass(frozen=True)
 class GatedActivation:
     """A gated activation ``h = fn(gate, up)`` on [n, F] tensors, with an optional explicit derivative."""
 
-    fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    fn: Activation
     """(gate [n, F], up [n, F]) -> h [n, F], elementwise."""
     grad: Callable | None = None
     """(gate, up, dh, out [n, 2F]) -> h, writing (dgate, dup) into out's two halves; None: autograd through
@@ -76,7 +80,7 @@ SWIGLU = GatedActivation(lambda gate, up: Fn.silu(gate) * up, _swiglu_grad)
 """silu(gate) * up with its closed-form derivative (moonep.MoE's experts)."""
 
 
-def as_activation(act) -> GatedActivation:
+def as_activation(act: GatedActivation | Activation | None) -> GatedActivation:
     """``act`` as a GatedActivation (a plain callable gets the autograd derivative); None means SwiGLU."""
     if act is None:
         return SWIGLU
@@ -164,14 +168,14 @@ def gated_forward(
         if hook is not None and g in hook.groups:
             hook.fn()
             hook = None
-        pg = pre[a:b] if keep else x.new_empty(b - a, 2 * F)
+        pg = pre[a:b] if pre is not None else x.new_empty(b - a, 2 * F)  # pre is None unless keep
         _project_in(layout, ws, g, F, x[a:b], pg)
         torch.mm(act(pg[:, :F], pg[:, F:]), _down(layout, ws, g), out=y[a:b])
         end = b
     if hook is not None:
         hook.fn()
     y[end:].zero_()
-    if keep:
+    if pre is not None:
         pre[end:].zero_()
     return y, pre
 
@@ -250,7 +254,10 @@ def gated_backward(
             _project_in(layout, ws, g, F, x[a:b], pg)
         else:
             pg = pre[a:b]
-        w_g, y_g, dw_g = (None,) * 3 if row_w is None else (row_w[a:b], None if y is None else y[a:b], dw_rows[a:b])
+        if row_w is None or dw_rows is None:  # dw_rows exists exactly when row_w is given
+            w_g, y_g, dw_g = None, None, None
+        else:
+            w_g, y_g, dw_g = row_w[a:b], None if y is None else y[a:b], dw_rows[a:b]
         _segment_backward(layout, act, ws, dws, g, x[a:b], pg, dy[a:b], dx[a:b], w_g, y_g, dw_g)
         end = max(end, b)
         if left:

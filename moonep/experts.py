@@ -1,6 +1,6 @@
 """Expert compute on the dispatch layout: shared replica pools and one grouped gated MLP over the [2*epn] groups.
 
-Axes: ``n`` = recv_rows receive rows, ``H`` hidden, ``F`` expert FFN size, ``epn`` experts per rank. The math
+Axes: ``N`` = recv_rows receive rows, ``H`` hidden, ``F`` expert FFN size, ``epn`` experts per rank. The math
 (gated activations, the ``"fused"`` and ``"linear"`` weight layouts, the grouped forward and backward) is
 ``moonep.expert_math``; this module runs it between the step's collectives and applies the routing weights on
 the expert side.
@@ -21,12 +21,23 @@ the grad reduce last; the expert math in between is pure compute (see the autogr
 from __future__ import annotations
 
 import weakref
+from collections.abc import Sequence
 
 import torch
 
+from collectives import Pending
 from moonep.buffer import Buffer
 from moonep.comm_plan import CommPlan
-from moonep.expert_math import LAYOUTS, GroupHook, as_activation, check_weights, gated_backward, gated_forward
+from moonep.expert_math import (
+    LAYOUTS,
+    Activation,
+    GatedActivation,
+    GroupHook,
+    as_activation,
+    check_weights,
+    gated_backward,
+    gated_forward,
+)
 
 _POOLS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -42,7 +53,7 @@ class ExpertPool:
         """[epn, ...] fp32 grads of the replica slots, overwritten by each layer's backward and reduced home."""
         self.owner: object = None
         """(layer key, plan) of the last push; decides whether a backward must re-push."""
-        self.pending = None
+        self.pending: Pending | None = None
         """the push in flight into ``weights`` (``start_push``), or None."""
 
     def wait(self) -> None:
@@ -144,26 +155,37 @@ class _ReplicaGradsHome(torch.autograd.Function):
         return (None, None, None) + tuple(o.to(dt) for o, dt in zip(own, ctx.dtypes))
 
 
+# Shape suffixes of the step's tensors (as torchtitan's models/common/moe.py): N receive rows (recv_rows),
+# H hidden, F expert FFN size; the weights are [epn, ...] per projection (their layout in ``expert_math``).
+
+
 class _GatedCompute(torch.autograd.Function):
-    """z [n, H] = gated MLP(recv rows) * recv_weights[:, None] over own weights then the pools' replica slots;
+    """z [N, H] = gated MLP(recv rows) * recv_weights[:, None] over own weights then the pools' replica slots;
     slot grads go into the pools. The replica weights land, and their grads leave, at group boundaries."""
 
     @staticmethod
-    def forward(ctx, buffer: Buffer, link: _GradsHome, plan: CommPlan, pools, layout: str, act, recompute, x, w, *ws):
+    def forward(
+        ctx, buffer: Buffer, link: _GradsHome, plan: CommPlan, pools, layout: str, act, recompute, x_NH, w_N, *ws
+    ):
         views = [group_view(t.detach(), p.weights) for t, p in zip(ws, pools)]
         slots = frozenset(range(buffer.epn, 2 * buffer.epn))
-        land = GroupHook(slots, lambda: [p.wait() for p in pools])  # the push in flight, if any
-        y, pre = gated_forward(x, views, plan.segments, layout, act, keep=not recompute, hook=land)
+
+        def land() -> None:  # the push in flight, if any
+            for p in pools:
+                p.wait()
+
+        hook = GroupHook(slots, land)
+        y_NH, pre_N2F = gated_forward(x_NH, views, plan.segments, layout, act, keep=not recompute, hook=hook)
         ctx.buffer, ctx.link, ctx.plan, ctx.pools, ctx.slots = buffer, link, plan, pools, slots
         ctx.layout, ctx.act, ctx.recompute = layout, act, recompute
-        ctx.save_for_backward(x, w, *(() if recompute else (pre, y)), *ws)
-        return y * w[:, None].to(y.dtype)
+        ctx.save_for_backward(x_NH, w_N, *(() if recompute else (pre_N2F, y_NH)), *ws)
+        return y_NH * w_N[:, None].to(y_NH.dtype)
 
     @staticmethod
-    def backward(ctx, dz):
+    def backward(ctx, dz_NH):
         pools, plan = ctx.pools, ctx.plan
-        x, w, *rest = ctx.saved_tensors
-        pre, y, weights = (None, None, rest) if ctx.recompute else (rest[0], rest[1], rest[2:])
+        x_NH, w_N, *rest = ctx.saved_tensors
+        pre_N2F, y_NH, weights = (None, None, rest) if ctx.recompute else (rest[0], rest[1], rest[2:])
         own = [torch.empty(t.shape, dtype=torch.float32, device=t.device) for t in weights]
         views = [group_view(t.detach(), p.weights) for t, p in zip(weights, pools)]
         grads = [group_view(o, p.grads) for o, p in zip(own, pools)]
@@ -175,11 +197,11 @@ class _GatedCompute(torch.autograd.Function):
         hook = GroupHook(ctx.slots, send_home)
         # the slot grads stay 0 between steps (created 0, each reduce zeroes what it sent, and only occupied slots
         # get rows): an empty slot needs no zeroing (7 of 8 slots here: 1.3 ms a step on the bench's layer)
-        dx, _, dw = gated_backward(
-            x, views, plan.segments, pre, dz.contiguous(), grads, ctx.layout, ctx.act, row_w=w, y=y, hook=hook,
-            zeroed=ctx.slots,
+        dx_NH, _, dw_N = gated_backward(
+            x_NH, views, plan.segments, pre_N2F, dz_NH.contiguous(), grads, ctx.layout, ctx.act, row_w=w_N, y=y_NH,
+            hook=hook, zeroed=ctx.slots,
         )  # fmt: skip
-        return (None,) * 7 + (dx, dw) + tuple(o.to(t.dtype) for o, t in zip(own, weights))
+        return (None,) * 7 + (dx_NH, dw_N) + tuple(o.to(t.dtype) for o, t in zip(own, weights))
 
 
 class _RepushGuard(torch.autograd.Function):
@@ -230,34 +252,47 @@ def _key(key, weights) -> object:
 def grouped_experts(
     buffer: Buffer,
     plan: CommPlan,
-    x,
-    recv_weights,
-    weights,
+    x: torch.Tensor,
+    recv_weights: torch.Tensor,
+    weights: Sequence[torch.Tensor],
     *,
     layout: str = "fused",
-    activation=None,
-    key=None,
+    activation: GatedActivation | Activation | None = None,
+    key: object = None,
     recompute: bool = False,
 ) -> torch.Tensor:
     """The EP expert step on a dispatch's receive layout (differentiable; collective: call it on every rank).
 
-    x [recv_rows, H] and recv_weights [recv_rows] from ``moonep.dispatch``; ``weights``: this rank's experts in
-    ``layout`` (module docstring); ``activation``: act(gate, up) -> h (a ``GatedActivation`` or any callable;
-    default SwiGLU). ``key``: the layer's owner key for the shared pools (default: the weights' identities,
-    which are alive until this step's backward). ``recompute``: keep only x for the backward and recompute the
-    [n, 2F] pre-activations and y there (the forward GEMMs once more, for n*(2F+H) fewer saved elements).
-    Returns z [recv_rows, H] = expert(x) * recv_weights[:, None], ready for ``moonep.combine``.
     The replicas' weights come from ``start_push`` (started after the token exchange) or, if the layer did not
     start it, are pushed here; the backward re-pushes them if another layer used the pools since, and reduces
     their grads home (the three autograd nodes above).
+
+    Args:
+        buffer: the Buffer that dispatched the rows.
+        plan: that dispatch's ``CommPlan``.
+        x: [N, H] received rows (N = ``plan.recv_rows``), from ``moonep.dispatch``, in the weights' dtype.
+        recv_weights: [N] fp32 routing weight of each row (0 on padding), from ``moonep.dispatch``.
+        weights: this rank's experts in ``layout`` (module docstring): ``"fused"``: w13 [epn, H, 2F],
+            w2 [epn, F, H]; ``"linear"``: w1 [epn, F, H], w3 [epn, F, H], w2 [epn, H, F].
+        layout: ``"fused"`` or ``"linear"``.
+        activation: act(gate, up) -> h on [N, F] (a ``GatedActivation`` or any callable; default SwiGLU).
+        key: the layer's owner key for the shared pools (default: the weights' identities, which are alive
+            until this step's backward).
+        recompute: keep only x for the backward and recompute the [N, 2F] pre-activations and y there (the
+            forward GEMMs once more, for N*(2F+H) fewer saved elements).
+
+    Returns:
+        z: [N, H] = expert(x) * recv_weights[:, None] in x's dtype (padding rows 0), ready for
+        ``moonep.combine``.
     """
+    x_NH, w_N = x, recv_weights
     weights = tuple(weights)
-    check_weights(layout, weights, buffer.epn, x.shape[-1])
+    check_weights(layout, weights, buffer.epn, x_NH.shape[-1])
     key = _key(key, weights)
     pools = pools_of(buffer, weights, layout)
     ensure_replicas(buffer, plan, key, pools, weights)
     link = _GradsHome()
     own = _ReplicaGradsHome.apply(link, plan, pools, *weights)
     act = as_activation(activation)
-    z = _GatedCompute.apply(buffer, link, plan, pools, layout, act, recompute, x, recv_weights, *own)
-    return _RepushGuard.apply(buffer, plan, key, pools, weights, z)
+    z_NH = _GatedCompute.apply(buffer, link, plan, pools, layout, act, recompute, x_NH, w_N, *own)
+    return _RepushGuard.apply(buffer, plan, key, pools, weights, z_NH)

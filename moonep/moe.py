@@ -15,9 +15,11 @@ import torch
 import torch.nn.functional as Fn
 from torch import nn
 
+from collectives.base import Communicator
 from moonep.agreement import agree_settings, dtype_word, int_word
 from moonep.autograd import dispatch
 from moonep.buffer import Buffer
+from moonep.comm_plan import CommPlan
 from moonep.ep_step import routed_experts
 from moonep.geometry import EPGeometry
 from moonep.parallel import check_not_replicated, mark_expert
@@ -43,7 +45,7 @@ class SharedExpert(nn.Module):
 SAME_LAYER = "every rank of the EP group must build the same layer (H, F, E, K, S, shared_F and dtype)"
 
 
-def agree_layer(comm, *, H, F, E, K, S, shared_F, dtype, problem: tuple[str, str] | None) -> None:
+def agree_layer(comm: Communicator, *, H, F, E, K, S, shared_F, dtype, problem: tuple[str, str] | None) -> None:
     """The layer's sizes and weight dtype agreed across ranks (``agreement.agree_settings``): construction only."""
     sizes = {"H": H, "F": F, "E": E, "K": K, "S": S, "shared_F": shared_F}
     words = {n: int_word(v) for n, v in sizes.items()} | {"dtype": dtype_word(dtype)}
@@ -104,7 +106,7 @@ class MoE(nn.Module):
 
     def __init__(
         self,
-        comm,
+        comm: Communicator,
         *,
         H: int,
         F: int,
@@ -142,7 +144,8 @@ class MoE(nn.Module):
         self.shared = SharedExpert(H, shared_F) if shared_F else None
         self._key = ("moe", next(_LAYER_IDS))  # owner key for the shared weight pools
         self._contract_checked = False
-        self.last_plan = None
+        self.last_plan: CommPlan | None = None
+        """the plan of the layer's last step (None before the first)."""
 
     def _buffer_on(self, device: torch.device) -> Buffer:
         """The Buffer on the input's device: an owned Buffer follows the data (rebuilt once after a move)."""
@@ -161,7 +164,9 @@ class MoE(nn.Module):
         return b
 
     @classmethod
-    def from_weights(cls, comm, w13: torch.Tensor, w2: torch.Tensor, *, K: int, S: int | None = None, **kwargs):
+    def from_weights(
+        cls, comm: Communicator, w13: torch.Tensor, w2: torch.Tensor, *, K: int, S: int | None = None, **kwargs
+    ) -> MoE:
         """A layer holding existing expert weights: ``w13 [E or epn, H, 2F]`` (gate and up side by side, in x
         out) and ``w2 [E or epn, F, H]``; given all E experts, this rank keeps its ``[rank*epn, (rank+1)*epn)``
         slice (pass ``E=`` when giving only this rank's epn). The weights are copied (dtype and device follow them);
@@ -195,13 +200,18 @@ class MoE(nn.Module):
                 )
             topk_idx, topk_weights = out
         s = x2.shape[0]
-        for name, t in (("topk_idx", topk_idx), ("topk_weights", topk_weights)):
-            if not isinstance(t, torch.Tensor) or tuple(t.shape) != (s, self.K):
-                got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-                raise ValueError(f"MoE: {who}'s {name} must be a tensor [s={s}, K={self.K}], got {got}")
+        topk_idx = self._routing_tensor(who, "topk_idx", topk_idx, s)
+        topk_weights = self._routing_tensor(who, "topk_weights", topk_weights, s)
         if topk_weights.dtype.is_floating_point is False:
             raise ValueError(f"MoE: {who}'s topk_weights must be floating point, got {topk_weights.dtype}")
         return topk_idx, topk_weights.float()
+
+    def _routing_tensor(self, who: str, name: str, t: object, s: int) -> torch.Tensor:
+        """``t`` if it is a tensor [s, K], else the ValueError that names it."""
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != (s, self.K):
+            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"MoE: {who}'s {name} must be a tensor [s={s}, K={self.K}], got {got}")
+        return t
 
     def forward(
         self,
@@ -211,8 +221,21 @@ class MoE(nn.Module):
         topk_weights: torch.Tensor | None = None,
         total_num_tokens: int | None = None,
     ) -> torch.Tensor:
-        """x [..., H] -> [..., H]. topk_idx / topk_weights [tokens, K]: your model's own routing instead of the
-        layer's router (both or neither). total_num_tokens: None infers it from every rank's token count."""
+        """The layer, expert-parallel: y = shared(x) + sum over k of topk_weights[:, k] * expert_{topk_idx[:, k]}(x).
+
+        Collective: every rank of the EP group calls it (with its own tokens); bad input on any rank raises the
+        same ValueError on all.
+
+        Args:
+            x: [..., H] activations in the layer's dtype, T = x.numel() / H tokens (T <= S unless S=None).
+            topk_idx: [T, K] integer expert ids in [0, E), -1 = no expert: your model's own routing instead of
+                the layer's router (pass both or neither).
+            topk_weights: [T, K] float routing weights (used as fp32), with topk_idx.
+            total_num_tokens: sum of T over the ranks (None: inferred from every rank's token count).
+
+        Returns:
+            y: [..., H] like x (the routed experts' output in the layer's dtype, plus the shared expert's).
+        """
         shape = x.shape
         if not self._contract_checked:  # once: a DDP/FSDP wrapper replicating the experts would corrupt them
             check_not_replicated(self)

@@ -38,6 +38,16 @@ class SigmoidTopKRouter(nn.Module):
         return topk_idx, w / (w.sum(-1, keepdim=True) + 1e-20) * self.route_scale  # eps: scores that underflow
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Route each token to its top-K experts.
+
+        Args:
+            x: [T, H] token activations (any float dtype; scored in fp32).
+
+        Returns:
+            ``(topk_idx, topk_weights)``: topk_idx [T, K] int64 expert ids in [0, E), chosen on score + bias;
+            topk_weights [T, K] fp32, the selected sigmoid scores renormalised to sum 1 per token, times
+            ``route_scale`` (differentiable w.r.t. x and the router weight; the bias gets no gradient).
+        """
         return self.select(self.scores(x))
 
 
