@@ -6,9 +6,9 @@ balancer. See ``planner/README.md`` for the theorem and its proof.
 """
 
 from planner.core import Plan, plan
-from planner.device import TensorPlan
 from planner.eplb import rebalance_experts
 from planner.slack import CostModel, row_bound
+from planner.tensor_plan import TensorPlan
 from planner.verify import PlanVerificationError, verify
 
 __all__ = [
