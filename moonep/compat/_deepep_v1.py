@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from collectives.base import Communicator
 from moonep.compat._deepep_core import (
     EventHandle,
     EventOverlap,
@@ -82,13 +83,13 @@ class Buffer:
         allow_mnnvl: bool = False,
         explicitly_destroy: bool = False,
         enable_shrink: bool = False,
-        comm=None,
+        comm: object = None,  # DeepEP's own (mpi4py) communicator argument: accepted, unused (group is the EP group)
     ):
         if low_latency_mode:
             raise ValueError(
                 "moonep.compat.deepep.Buffer supports DeepEP's normal mode only (low_latency_mode=True is not provided)"
             )
-        self.comm = as_communicator(group)
+        self.comm: Communicator = as_communicator(group)
         self.group = group
         self.group_size = self.comm.world_size
         self.rank = self.comm.rank

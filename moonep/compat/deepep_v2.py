@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import torch
 
+from collectives.base import Communicator
 from moonep.compat._deepep_core import (
     EventHandle,
     EventOverlap,
@@ -129,7 +130,7 @@ class ElasticBuffer:
         for name, value in (("num_max_tokens_per_rank", num_max_tokens_per_rank), ("hidden", hidden)):
             if not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be a non-negative int, got {value!r}")
-        self.comm = as_communicator(group)
+        self.comm: Communicator = as_communicator(group)
         self.group = group
         self.rank_idx, self.num_ranks = self.comm.rank, self.comm.world_size
         self.num_bytes = int(num_bytes or 0)

@@ -34,6 +34,7 @@ from typing import cast
 import torch
 from torch import nn
 
+from collectives.base import Communicator
 from moonep._checks import raise_agreed
 from moonep.buffer import Buffer
 from moonep.comm_plan import CommPlan
@@ -93,7 +94,7 @@ class MoonEPTokenDispatcher:
         tp = getattr(pg_collection, "expt_tp", None)
         if tp is not None and tp.size() != 1:
             raise ValueError("MoonEPTokenDispatcher needs expert tensor parallel size 1")
-        self.comm = as_communicator(group)
+        self.comm: Communicator = as_communicator(group)
         self.config = config
         self.num_experts, self.topk = int(config.num_moe_experts), int(config.moe_router_topk)
         self.hidden_size = int(config.hidden_size)

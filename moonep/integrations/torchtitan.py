@@ -67,7 +67,7 @@ class MoonEPTokenDispatcher(Configurable):
 
     def __init__(self, config: Config) -> None:
         self.num_experts, self.top_k, self.max_tokens = config.num_experts, config.top_k, config.max_tokens
-        self.comm = config.comm
+        self.comm: Communicator | None = config.comm
         self.buffer: Buffer | None = None
 
     def wire_meshes(self, *, ep_mesh) -> None:
