@@ -10,7 +10,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
-import multiprocessing as mp
 import multiprocessing.connection
 import os
 import pickle
@@ -30,6 +29,7 @@ from collectives.base import Communicator
 from collectives.launch_reports import LaunchError, failure, mpi_failure, read_result, record_failure, write_result
 from collectives.nvshmem_backend import NVSHMEMCommunicator
 from collectives.torch_backend import init_torch
+from collectives.warm_start import adopt_launcher_state, launcher_state, preload_modules, start_context
 
 BACKENDS = ("torch", "mpi", "nvshmem")
 
@@ -59,12 +59,15 @@ class LaunchOptions:
 
 
 def launch_spawn(fn, world_size: int, opts: LaunchOptions, kwargs: dict, job_timeout: float | None):
-    ctx = mp.get_context("spawn")
+    ctx = start_context()  # spawn, or warm from a forkserver (collectives.warm_start)
+    state = launcher_state() if preload_modules() else None
     with tempfile.TemporaryDirectory(prefix="moonep-launch-") as tmp:
         with open(os.path.join(tmp, "fn_name"), "w") as f:
             f.write(f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', fn)}")
         procs = [
-            ctx.Process(target=_spawned_rank, args=(rank, world_size, tmp, fn, kwargs, opts), name=f"moonep-rank{rank}")
+            ctx.Process(
+                target=_spawned_rank, args=(rank, world_size, tmp, fn, kwargs, opts, state), name=f"moonep-rank{rank}"
+            )
             for rank in range(world_size)
         ]
         previous = _exit_on_sigterm()
@@ -97,8 +100,9 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
 
 
-def _spawned_rank(rank: int, world_size: int, tmp: str, fn, kwargs: dict, opts: LaunchOptions) -> None:
+def _spawned_rank(rank: int, world_size: int, tmp: str, fn, kwargs: dict, opts: LaunchOptions, state=None) -> None:
     _die_with_parent()
+    adopt_launcher_state(state)  # a warm rank: the launcher's environment and directory, as spawn gives them
     os.environ.update(
         MOONEP_LOCAL_RANK_OF=str(world_size),
         MOONEP_LOOPBACK="1",
@@ -109,9 +113,8 @@ def _spawned_rank(rank: int, world_size: int, tmp: str, fn, kwargs: dict, opts: 
     try:
         torch.set_num_threads(opts.threads_per_rank)
         comm = _rank_communicator(rank, world_size, tmp, opts)
-        open(
-            os.path.join(tmp, f"rank{rank}.started"), "w"
-        ).close()  # fn was found and is running: see launch_reports.failure
+        # fn was found and is running: see launch_reports.failure
+        open(os.path.join(tmp, f"rank{rank}.started"), "w").close()
         result = fn(comm, **kwargs)
         if rank == 0:
             write_result(tmp, result)

@@ -27,6 +27,12 @@ HOST_NOISE_ENV = "MOONEP_HOST_NOISE_TESTS"
 GPU_CHECK_ENV = "MOONEP_GPU_CHECK"
 FAST_ENV = "MOONEP_TEST_FAST"
 
+# The suite's rank pool: ranks that collectives.launch starts in this process (and in the jobs it runs in
+# subprocesses) fork from one forkserver that imported these once, instead of each importing torch anew (about 1 s
+# per rank per job; collectives/warm_start.py). Still a fresh process per rank per job. The launcher's own tests
+# (tests/collectives/test_launchers.py, test_failures.py) also run the default, spawn. Set it empty to spawn all.
+os.environ.setdefault("MOONEP_LAUNCH_PRELOAD", "torch,numpy,collectives,planner,moonep,cp_kda,k3")
+
 # The device planner's numba-cuda kernel runs under numba's CUDA simulator unless a run asks for the real GPU
 # (`make gpu-check` sets NUMBA_ENABLE_CUDASIM=0). numba reads this once, at import: set it before any test
 # module imports numba.

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from collectives import CollectiveError, LaunchError, launch
+from collectives.warm_start import PRELOAD_ENV
 from tests.collectives.conftest import needs_mpi
 
 
@@ -110,8 +111,11 @@ def test_stalled_peer_times_out_with_named_op(backend):
 
 
 @pytest.mark.spawns
-def test_sigterm_to_the_launcher_leaves_no_ranks_behind(tmp_path):
-    """Killing the launching process with SIGTERM must take its spawned ranks down with it."""
+@pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGKILL])
+@pytest.mark.parametrize("start", ["spawn", "warm"])
+def test_a_killed_launcher_leaves_no_ranks_behind(tmp_path, start, how):
+    """Killing the launching process (SIGTERM, or SIGKILL that it cannot handle) takes its ranks down with it,
+    spawned or warm from a forkserver (``collectives.warm_start``: the forkserver exits with the launcher)."""
     import subprocess
     import sys
 
@@ -128,23 +132,29 @@ def test_sigterm_to_the_launcher_leaves_no_ranks_behind(tmp_path):
         "    launch(hang, 2, folder=sys.argv[1])\n"
     )
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    proc = subprocess.Popen([sys.executable, str(script), str(pids)], env=dict(os.environ, PYTHONPATH=root))
+    env = {k: v for k, v in os.environ.items() if k != PRELOAD_ENV}
+    env.update(PYTHONPATH=root, **({PRELOAD_ENV: "torch,collectives"} if start == "warm" else {}))
+    proc = subprocess.Popen([sys.executable, str(script), str(pids)], env=env)
     deadline = time.monotonic() + 60
     while len(os.listdir(pids)) < 2 and time.monotonic() < deadline:
         time.sleep(0.2)
     ranks = [int(p) for p in os.listdir(pids)]
     assert len(ranks) == 2, "the ranks never started"
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(how)
     proc.wait(timeout=30)
-    time.sleep(1.0)
-    alive = []
-    for pid in ranks:
-        try:
-            os.kill(pid, 0)
-            alive.append(pid)
-        except ProcessLookupError:
-            pass
+    time.sleep(1.5)
+    alive = [pid for pid in ranks if _running(pid)]
     assert not alive, f"ranks {alive} outlived their launcher"
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (a rank whose launcher died by SIGKILL is reaped by init, or by nobody in a
+    container whose first process does not reap: dead either way)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 @pytest.mark.spawns
@@ -162,7 +172,7 @@ def test_script_without_main_guard_gets_a_hint(tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     proc = subprocess.run(
         [sys.executable, str(script)],
-        env=dict(os.environ, PYTHONPATH=root),
+        env={**{k: v for k, v in os.environ.items() if k != PRELOAD_ENV}, "PYTHONPATH": root},  # spawn's hint
         capture_output=True,
         text=True,
         timeout=120,

@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from collectives.launch import mpiexec_path
+from collectives.warm_start import PRELOAD_ENV
 from tests.collectives.conftest import needs_mpi
 
 pytestmark = pytest.mark.spawns  # every test here starts rank processes: make test-fast leaves them out
@@ -18,7 +19,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def _run(cmd):
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
-    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "PMI_RANK", "PMI_SIZE"):
+    # PRELOAD: the launcher's own tests start ranks the way a user's script does by default (spawn)
+    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "PMI_RANK", "PMI_SIZE", PRELOAD_ENV):
         env.pop(key, None)
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
