@@ -20,6 +20,7 @@ from safetensors.torch import load_file, save_file
 from collectives import LaunchError, launch
 from k3 import checkpoint as ck
 from k3.train import TrainConfig, _start, prepare_run
+from tests.k3.files import read_json, read_jsonl, write_json
 
 SMALL = {
     "steps": 1,
@@ -48,21 +49,6 @@ def _copy(saved, tmp_path) -> str:
     return dst
 
 
-def _read_json(path):
-    with open(path) as f:
-        return json.load(f)
-
-
-def _read_jsonl(path) -> list:
-    with open(path) as f:
-        return [json.loads(line) for line in f]
-
-
-def _write_json(path, obj) -> None:
-    with open(path, "w") as f:
-        json.dump(obj, f)
-
-
 def _shard(run_dir: str, rank: int = 0) -> str:
     return os.path.join(run_dir, "checkpoints", "step_000001", f"rank_{rank}.safetensors")
 
@@ -70,10 +56,10 @@ def _shard(run_dir: str, rank: int = 0) -> str:
 def _rehash(run_dir: str, rank: int = 0) -> None:
     """What a buggy writer would leave: a shard whose manifest entry matches its (wrong) content."""
     mpath = os.path.join(run_dir, "checkpoints", "step_000001", "manifest.json")
-    manifest = _read_json(mpath)
+    manifest = read_json(mpath)
     data = Path(_shard(run_dir, rank)).read_bytes()
     manifest["shards"][rank].update(sha256=hashlib.sha256(data).hexdigest(), bytes=len(data))
-    _write_json(mpath, manifest)
+    write_json(mpath, manifest)
 
 
 def _resume(comm, run_dir: str, **kw):
@@ -184,9 +170,9 @@ def test_pointer_outside_its_run_dir_is_never_followed(saved, tmp_path, pointer)
     escape would resume another run's files."""
     run_dir = _copy(saved, tmp_path)
     path = os.path.join(run_dir, "checkpoints", "latest.json")
-    latest = _read_json(path)
+    latest = read_json(path)
     latest["dir"] = os.path.join(saved[0], "checkpoints", "step_000001") if pointer == "ABS" else pointer
-    _write_json(path, latest)
+    write_json(path, latest)
     with pytest.raises(ck.CheckpointError, match="never followed outside its own run folder"):
         prepare_run(TrainConfig(run_dir=run_dir, resume=True, **SMALL), 1)
 
@@ -205,9 +191,9 @@ def test_step_folder_from_another_run_is_refused(saved, tmp_path, comm1):
     """A step folder copied in from another run (same layout, valid checksums) names the two run ids."""
     run_dir = _copy(saved, tmp_path)
     mpath = os.path.join(run_dir, "checkpoints", "step_000001", "manifest.json")
-    manifest = _read_json(mpath)
+    manifest = read_json(mpath)
     manifest["run_id"] = "0" * 32
-    _write_json(mpath, manifest)
+    write_json(mpath, manifest)
     with pytest.raises(ck.CheckpointError, match="the files name different runs"):
         _resume(comm1, run_dir)
 
@@ -225,9 +211,9 @@ def test_malformed_manifest_is_refused(saved, tmp_path, comm1, edit, words):
     """A manifest edited by hand or by another tool: one line, never a KeyError a step later."""
     run_dir = _copy(saved, tmp_path)
     mpath = os.path.join(run_dir, "checkpoints", "step_000001", "manifest.json")
-    manifest = _read_json(mpath)
+    manifest = read_json(mpath)
     edit(manifest)
-    _write_json(mpath, manifest)
+    write_json(mpath, manifest)
     with pytest.raises(ck.CheckpointError, match=words):
         _resume(comm1, run_dir)
 
@@ -314,13 +300,13 @@ def test_rank_fault_reaches_the_user_as_one_line_on_every_rank(two_ranks, tmp_pa
     trace = os.path.join(run_dir, "errors", "rank0.traceback")
     assert f"(traceback: {trace})" in err and "Traceback" in Path(trace).read_text()
     for rank in range(2):  # every rank raised, none was left waiting
-        assert _read_json(os.path.join(run_dir, "errors", f"rank{rank}.json"))["type"] == "CheckpointError"
+        assert read_json(os.path.join(run_dir, "errors", f"rank{rank}.json"))["type"] == "CheckpointError"
 
 
 def _resume_each_damage(comm, src: str, work: str, cases: list[str]) -> list[str]:
     """Rank body: for each case rank 0 copies the run and damages rank 1's shard, then every rank resumes."""
     seen = []
-    train = _read_json(os.path.join(src, "train.json"))
+    train = read_json(os.path.join(src, "train.json"))
     for i, case in enumerate(cases):
         run_dir = os.path.join(work, str(i))
         if comm.rank == 0:
@@ -342,8 +328,8 @@ def test_every_damage_fails_on_every_rank(two_ranks, tmp_path):
     the timeout (rank 1 its own error, rank 0 the same one naming rank 1), and the job goes on to the next case."""
     cases = list(CORRUPTIONS)
     launch(_resume_each_damage, 2, timeout=30, job_timeout=240, src=two_ranks[0], work=str(tmp_path), cases=cases)
-    mine = _read_json(tmp_path / "rank1.json")
-    peer = _read_json(tmp_path / "rank0.json")
+    mine = read_json(tmp_path / "rank1.json")
+    peer = read_json(tmp_path / "rank0.json")
     for case, own, seen in zip(cases, mine, peer):
         words = CORRUPTIONS[case][1]
         assert words in own and "rank_1.safetensors" in own and "\n" not in own, (case, own)
@@ -395,12 +381,12 @@ def test_training_killed_mid_checkpoint_resumes_the_last_complete_step(two_ranks
     rc, err = _cli_err(main, argv)
     assert rc == 1 and err.count("\n") == 1, err
     assert f"rank 0 failed: exited with status {ck.KILL_STATUS} while running k3.train.run_rank" in err, err
-    killed = _read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+    killed = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
     assert ck.read_manifest(run_dir)[1]["step"] == 1  # the pointer never moved
     monkeypatch.delenv("MOONEP_CHECKPOINT_KILL")
     rc, err = _cli_err(main, argv)
     assert rc == 0, err
-    again = _read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+    again = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
     assert [r["step"] for r in again] == [0, 1] and again[1]["loss"] == killed[1]["loss"]
     folder, manifest = ck.read_manifest(run_dir)
     assert manifest["step"] == 2 and all(ck.read_shard(folder, manifest, r) for r in range(2))

@@ -20,13 +20,9 @@ from collectives import launch
 from k3 import checkpoint as ck
 from k3.run_folder import LOCK_FILE, acquire_run_lock, check_run_lock
 from k3.train import TrainConfig, _start, train
+from tests.k3.files import read_json
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def _read_json(path):
-    with open(path) as f:
-        return json.load(f)
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +78,7 @@ def test_second_run_into_a_held_folder_is_refused_on_every_rank(comm1, text, tmp
     run_id = first.run["run_id"]
     second = _tc(run_dir, text, world_size=2, steps=2)
     launch(_start_each_rank, 2, timeout=30, job_timeout=90, train=dataclasses.asdict(second), out=str(out))
-    seen = [_read_json(out / f"rank{r}.json") for r in range(2)]
+    seen = [read_json(out / f"rank{r}.json") for r in range(2)]
     words = [f"in use by run {run_id}", f"pid {os.getpid()} on host {socket.gethostname()}", LOCK_FILE]
     assert all(w in seen[0] for w in words) and "\n" not in seen[0], seen
     assert seen[1] == f"rank 0: {seen[0]}"
@@ -105,12 +101,12 @@ def test_stale_lock_of_an_exited_process_is_taken_over(comm1, text, tmp_path):
     code = f"import os; from k3.run_folder import acquire_run_lock; acquire_run_lock({run_dir!r}, 'dead'); os._exit(3)"
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, timeout=120, capture_output=True, text=True)
     assert done.returncode == 3, done.stderr[-2000:]
-    left = _read_json(os.path.join(run_dir, LOCK_FILE))
+    left = read_json(os.path.join(run_dir, LOCK_FILE))
     assert left["run_id"] == "dead" and left["host"] == socket.gethostname() and left["pid"] != os.getpid()
     check_run_lock(run_dir)  # the check before launching passes too
     tc, trainer, start = _start(comm1, _tc(run_dir, text))
     try:
-        mine = _read_json(os.path.join(run_dir, LOCK_FILE))
+        mine = read_json(os.path.join(run_dir, LOCK_FILE))
         assert mine["run_id"] == trainer.run["run_id"] and mine["pid"] == os.getpid() and start == 0
         with pytest.raises(ck.CheckpointError, match=f"in use by run {mine['run_id']}"):
             acquire_run_lock(run_dir)  # and it is held again
@@ -134,7 +130,7 @@ def test_unreleased_lock_of_another_host_is_named_not_taken(comm1, text, tmp_pat
     assert ck.read_run(run_dir) is None  # nothing claimed
     rc, err = _cli(["--world-size", "1", "--steps", "1", "--data", text, "--run-dir", run_dir])
     assert rc == 2 and err.count("\n") == 1 and "another machine" in err, err
-    assert _read_json(os.path.join(run_dir, LOCK_FILE)) == record  # left for its owner
+    assert read_json(os.path.join(run_dir, LOCK_FILE)) == record  # left for its owner
 
 
 def test_record_of_a_live_process_without_its_flock_is_refused_until_it_ends(tmp_path):
@@ -153,5 +149,5 @@ def test_record_of_a_live_process_without_its_flock_is_refused_until_it_ends(tmp
         other.kill()
         other.wait(timeout=30)
     lock = acquire_run_lock(run_dir, "next")
-    assert _read_json(os.path.join(run_dir, LOCK_FILE))["run_id"] == "next"
+    assert read_json(os.path.join(run_dir, LOCK_FILE))["run_id"] == "next"
     lock.release()
