@@ -81,7 +81,7 @@ def test_custom_caps_equal_twin(case: Case):
 def test_compiled_path_is_active():
     """The suite exercises numba when it is installed (otherwise both sides would be Python)."""
     try:
-        import numba
+        import numba  # noqa: F401
     except ImportError:
         return
     assert _kernel.HAS_NUMBA
@@ -118,7 +118,8 @@ def _candidate_costs(T, rpn: int, weight_rows: int) -> dict:
     """Inter-node cost (rows + weight_rows per copy) after stage B of the twin, per stage-B candidate
     (copy margin, gather first), each run on its own."""
     from planner._inputs import TOPOLOGY_CANDIDATES
-    from planner.reference import _giver, _internode_cost, _ordered_pairs, initial_state
+    from planner.reference import _ordered_pairs, initial_state
+    from planner.reference_topology import giver, internode_cost
 
     R, E = T.shape
     node = [r // rpn for r in range(R)]
@@ -126,9 +127,9 @@ def _candidate_costs(T, rpn: int, weight_rows: int) -> dict:
     costs = {}
     for margin, gather_first in TOPOLOGY_CANDIDATES:
         _, caps, bal, alloc = initial_state(Tl)
-        give = _giver(Tl, alloc, E // R, weight_rows + weight_rows * margin // 4, node, R // rpn)
+        give = giver(Tl, alloc, E // R, weight_rows + weight_rows * margin // 4, node, R // rpn)
         _ordered_pairs(bal, caps, node, R // rpn, [-1] * R, [0] * R, give, gather_first)
-        costs[margin, gather_first] = _internode_cost(Tl, alloc, E // R, weight_rows, node, R // rpn)
+        costs[margin, gather_first] = internode_cost(Tl, alloc, E // R, weight_rows, node, R // rpn)
     return costs
 
 
@@ -163,7 +164,8 @@ def test_an_order_that_hits_uneven_caps_gives_way_to_the_other():
     p = plan(T, caps=caps, topology=topo)
     verify(p, T)
     assert_same(p, plan_reference(T, caps, node=topo.nodes(), num_nodes=2, weight_rows=3 * 2048))
-    from planner.reference import _giver, _ordered_pairs, initial_state
+    from planner.reference import _ordered_pairs, initial_state
+    from planner.reference_topology import giver
 
     Tl = T.tolist()
     _, c, bal, alloc = initial_state(Tl, caps)
@@ -175,6 +177,6 @@ def test_an_order_that_hits_uneven_caps_gives_way_to_the_other():
             2,
             [-1] * 10,
             [0] * 10,
-            _giver(Tl, alloc, 1, 3 * 2048, topo.nodes().tolist(), 2),
+            giver(Tl, alloc, 1, 3 * 2048, topo.nodes().tolist(), 2),
             True,
         )
