@@ -13,7 +13,11 @@ import types
 from collections.abc import Iterable
 from typing import Any
 
-from numba import cuda
+from numba import cuda as _numba_cuda
+
+# numba-cuda for kernel code, as Any: its device API (syncthreads, atomic, threadIdx) is typed as the stubs numba
+# lowers, so pyright reads a barrier as a call missing a typing context and skips all code after it as unreachable
+cuda: Any = _numba_cuda
 
 
 def device_functions(module: types.ModuleType, names: Iterable[str] | None = None) -> dict[str, Any]:
@@ -30,5 +34,5 @@ def device_functions(module: types.ModuleType, names: Iterable[str] | None = Non
         names = [k for k, v in ns.items() if getattr(getattr(v, "py_func", v), "__module__", None) == module.__name__]
     for name in names:
         py = getattr(ns[name], "py_func", ns[name])
-        ns[name] = cuda.jit(device=True)(types.FunctionType(py.__code__, ns, name, py.__defaults__))
+        ns[name] = _numba_cuda.jit(device=True)(types.FunctionType(py.__code__, ns, name, py.__defaults__))
     return ns

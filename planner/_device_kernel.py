@@ -21,10 +21,8 @@ sequence, see ``Plan._pieces``) come out sorted by their start.
 
 from __future__ import annotations
 
-from numba import cuda
-
 from planner import _stages
-from planner._cuda import device_functions
+from planner._cuda import cuda, device_functions
 from planner._errors import NEGATIVE, NO_ERROR_POS, OK, OVERFLOW, TOO_LARGE, TOO_MANY_REPLICAS
 from planner._inputs import INT32_MAX
 
@@ -66,7 +64,7 @@ def _pairing(bal, caps, prev_donor, sticky, donor, gift, err):
     if sticky and not sticky_pass(bal, caps, prev_donor, donor, gift, err):
         return
     while True:
-        h, u = extremes(bal)
+        h, u = extremes(bal, bal, -1)  # all ranks (no topology): the node table is not read
         if h < 0 or u < 0 or not pair(h, u, bal, caps, donor, gift, err):
             return
 
@@ -172,45 +170,26 @@ def _prefix(E, split, nflow, base_out, foff, poff, cnt, totals):
     totals[1] = p
 
 
-@cuda.jit
+@cuda.jit  # the arguments by role, one line each: inputs, the plan's tables, scratch
 def plan_kernel(
-    T,
-    caps_in,
-    has_caps,
-    pad,
-    prev_donor,
-    prev_copy,
-    sticky,
-    keep,
-    alloc,
-    send,
-    caps,
-    donor,
-    copy,
-    cu,
-    flows,
-    pieces,
-    totals,
-    err,
-    cnt,
-    bal,
-    gift,
-    rem,
-    recv,
-    lay_err,
-    split,
-    nflow,
-    base,
-    foff,
-    poff,
-    errpos,
-):
-    """All stages in one block. Inputs: T [R, E] int64, caps_in [R] (read when has_caps), prev_donor [R] and
-    prev_copy [R, slots] (read when sticky). Outputs (the caller zeroes alloc, send, totals, err, lay_err and
-    fills donor, copy with -1, errpos with NO_ERROR_POS): keep [R, E] int32, alloc [E, R] int32, send [R, R],
-    caps [R], donor [R], copy [R, slots], cu [R, epn + slots], flows [flow_rows, 4], pieces
-    [E + flow_rows, 4], totals [2] = (flows, pieces), err [3]. The rest is scratch: cnt, split, nflow, base,
-    foff, poff [E]; bal, gift, lay_err [R]; rem [R, epn]; recv [R, R]; errpos [1]."""
+    T, caps_in, has_caps, pad, prev_donor, prev_copy, sticky,
+    keep, alloc, send, caps, donor, copy, cu, flows, pieces, totals, err,
+    cnt, bal, gift, rem, recv, lay_err, split, nflow, base, foff, poff, errpos,
+):  # fmt: skip
+    """All stages in one block: the plan of T into the tables the caller allocated (``planner.device``).
+
+    Args:
+        T: [R, E] int64 counts. caps_in: [R] int64, read when has_caps. pad: token padding.
+        prev_donor: [R] int64 and prev_copy: [R, slots] int64, last plan's (or the slack pass's) pairs and
+            slots, read when sticky.
+        keep, alloc, send, caps, donor, copy, cu: [R, E] int32, [E, R] int32, [R, R], [R], [R], [R, slots],
+            [R, epn + slots] int64: the plan's tables (``TensorPlan``'s fields), filled. The caller zeroes
+            alloc, send, totals, err and lay_err, and fills donor and copy with -1.
+        flows: [flow_rows, 4] int64 and pieces: [E + flow_rows, 4] int64, filled up to totals [2] = (flows,
+            pieces) rows; err: [3] int64 (code, a, b) of ``planner._errors``.
+        cnt, split, nflow, base, foff, poff: [E] int64; bal, gift, lay_err: [R] int64; rem: [R, epn] int64;
+            recv: [R, R] int64; errpos: [1] int64 = NO_ERROR_POS: scratch.
+    """
     tid = cuda.threadIdx.x
     nt = cuda.blockDim.x
     R, E = T.shape

@@ -8,10 +8,8 @@ makes the pairs (sequential by nature, O(R) per receiver).
 
 from __future__ import annotations
 
-from numba import cuda
-
 from planner import slack
-from planner._cuda import device_functions
+from planner._cuda import cuda, device_functions
 
 slack_caps = device_functions(slack, ("_slack_target", "_pick_receiver", "_slack_pairs", "slack_caps"))["slack_caps"]
 

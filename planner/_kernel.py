@@ -57,17 +57,8 @@ def _local_pass(bal, caps, node, n, donor, gift, err):
     """Stage B, pass (3) for node n: its largest donor fills its smallest receiver, so the node's donors retire
     as many of its receivers as they can and few deficits are left to feed across nodes. Lowest index on ties.
     False (and err) on an infeasible step."""
-    R = bal.shape[0]
     while True:
-        h = -1
-        u = -1
-        for r in range(R):
-            if node[r] != n:
-                continue
-            if bal[r] > 0 and (h < 0 or bal[r] > bal[h]):
-                h = r
-            if bal[r] < 0 and (u < 0 or bal[r] > bal[u]):
-                u = r
+        h, u = _stages.extremes(bal, node, n)
         if h < 0 or u < 0:
             return True
         if not _stages.pair(h, u, bal, caps, donor, gift, err):
@@ -84,7 +75,7 @@ def _global_pass(bal, caps, node, num_nodes, state, donor, gift, err):
     """
     R = bal.shape[0]
     while True:
-        h, u = _stages.extremes(bal)
+        h, u = _stages.extremes(bal, node, -1)
         if h < 0 or u < 0:
             return
         if num_nodes > 0:
@@ -178,19 +169,16 @@ def _split(epn, donor, gift, prev_copy, alloc):
 
 
 @njit(cache=True)
-def _layout(alloc, epn, slots, pad, donor, prev_copy, err):
-    """Stage D (``_stages.layout_rank``). -> experts_to_copy [R, slots] (-1 = empty), cu_seqlens [R, epn + slots]
-    (padded segment ends); err TOO_MANY_REPLICAS names the last slot overflow."""
+def _layout(alloc, epn, pad, donor, prev_copy, copy, cu, err):
+    """Stage D (``_stages.layout_rank``): fills copy = experts_to_copy [R, slots] (preset to -1) and cu =
+    cu_seqlens [R, epn + slots] (padded segment ends); err TOO_MANY_REPLICAS names the last slot overflow."""
     R = donor.shape[0]
-    copy = np.full((R, slots), -1, np.int64)
-    cu = np.zeros((R, epn + slots), np.int64)
     for d in range(R):
         over = _stages.layout_rank(d, alloc, epn, pad, donor, prev_copy, prev_copy.shape[0] == R, copy, cu)
         if over > 0:
             err[0] = TOO_MANY_REPLICAS
             err[1] = d
             err[2] = over
-    return copy, cu
 
 
 @njit(cache=True)
@@ -279,12 +267,19 @@ def _flows(T, alloc, cnt, epn, send, node, num_nodes):
 
 @njit(cache=True)
 def plan_arrays(T, keep, alloc, send, caps_in, slots, pad, prev_donor, prev_copy, node, num_nodes, weight_rows):
-    """All stages. T [R, E] int64; keep [R, E] int32 (filled with T's copy), alloc [E, R] int32 zeros and
-    send [R, R] int64 are the output tables, allocated by the caller (numpy maps such large arrays with
-    transparent huge pages; numba's allocator faults them in 4 KiB pages, 3-4x slower at R=1024, E=16384).
-    caps_in [R] or [0] (default floor/ceil); prev_* [0] when not sticky; node [R] with num_nodes > 0 when
-    topology-aware; weight_rows: one expert copy's cost in routed rows.
-    Returns (T copy, caps, alloc, donor, experts_to_copy, cu_seqlens, send_counts, flows, err)."""
+    """All stages: the plan of T.
+
+    Args:
+        T: [R, E] int64 counts. keep: [R, E] int32, alloc: [E, R] int32 zeros and send: [R, R] int64: output
+            tables from the caller (numpy maps such large arrays with transparent huge pages; numba's allocator
+            faults them in 4 KiB pages, 3-4x slower at R=1024, E=16384); keep gets T's copy.
+        caps_in: [R] int64, or [0] (floor/ceil). slots, pad: replica slots per rank, token padding.
+        prev_donor: [R] int64 and prev_copy: [R, slots] int64 of a sticky plan, or [0] / [0, slots].
+        node: [R] int64 with num_nodes > 0 when topology-aware; weight_rows: a copy's cost in routed rows.
+    Returns:
+        (T copy [R, E] int32, caps [R], alloc [E, R] int32, donor [R], experts_to_copy [R, slots], cu_seqlens
+        [R, epn + slots], send_counts [R, R], flows [F, 4], err [3]), int64 unless said.
+    """
     R, E = T.shape
     epn = E // R
     err = np.zeros(3, np.int64)
@@ -312,7 +307,7 @@ def plan_arrays(T, keep, alloc, send, caps_in, slots, pad, prev_donor, prev_copy
     if err[0] != OK:
         return T, caps, alloc, donor, copy, cu, send, flows, err
     _split(epn, donor, gift, prev_copy, alloc)
-    copy, cu = _layout(alloc, epn, slots, pad, donor, prev_copy, err)
+    _layout(alloc, epn, pad, donor, prev_copy, copy, cu, err)
     flows = _flows(T, alloc, cnt, epn, send, node, num_nodes)
     return T, caps, alloc, donor, copy, cu, send, flows, err
 

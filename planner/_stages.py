@@ -32,11 +32,10 @@ def fill_caps(cnt, caps_in, has_caps, caps, err):
     """Rows each rank computes, refusing what the int32 plan tables cannot hold.
 
     Args:
-        cnt: [E] int64 slots per expert (over all ranks); an expert total beyond int32 is EXPERT_TOO_LARGE
-            (the kernels preset alloc[e, home] = cnt[e]: a wrapped entry would spin stage C forever).
+        cnt: [E] int64 slots per expert; a total beyond int32 is EXPERT_TOO_LARGE (the kernels preset
+            alloc[e, home] = cnt[e]: a wrapped entry would spin stage C forever). err: [3] int64.
         caps_in: [R] int64 caller caps, read when has_caps (CAPS_SUM unless they sum to the total).
         caps: [R] int64, filled: caps_in, else floor/ceil of total / R (the first total % R ranks + 1).
-        err: [3] int64 error triple.
     """
     R = caps.shape[0]
     total = 0
@@ -85,9 +84,7 @@ def pair(h, u, bal, caps, donor, gift, err):
     """
     amount = -bal[u]
     if caps[h] + bal[h] < amount:  # caps[h] + bal[h] = rows h still holds of its own experts
-        err[0] = INFEASIBLE
-        err[1] = h
-        err[2] = u
+        report(err, INFEASIBLE, h, u)  # the first error: stage B stops at it
         return False
     donor[u] = h
     gift[u] = amount
@@ -115,15 +112,19 @@ def sticky_pass(bal, caps, prev_donor, donor, gift, err):
 
 
 @njit(cache=True)
-def extremes(bal):
-    """The global pass's next pair: (largest donor, largest deficit) of bal [R] int64, lowest index on ties;
-    -1 where there is none."""
+def extremes(bal, node, which):
+    """Stage B's next pair (donor h, receiver u) of bal [R] int64, lowest index on ties, -1 where there is none.
+    which < 0: the largest donor and the largest deficit of all ranks (the global pass); which >= 0: the largest
+    donor and the smallest deficit among node ``which``'s ranks (the node-local pass; node [R] int64 is read
+    only then)."""
     h = -1
     u = -1
     for r in range(bal.shape[0]):
+        if which >= 0 and node[r] != which:
+            continue
         if bal[r] > 0 and (h < 0 or bal[r] > bal[h]):
             h = r
-        if bal[r] < 0 and (u < 0 or bal[r] < bal[u]):
+        if bal[r] < 0 and (u < 0 or (bal[r] > bal[u] if which >= 0 else bal[r] < bal[u])):
             u = r
     return h, u
 
@@ -136,9 +137,8 @@ def split_donor(h, epn, donor, quota, prev_copy, sticky, alloc, rem, recv):
     largest remaining expert (lowest index on ties), so most (donor, receiver) pairs are one expert segment.
 
     Args:
-        donor: [R] int64 stage B's donor per receiver.
+        donor: [R] int64 stage B's donor per receiver. prev_copy: [R, slots] int64, read when sticky.
         quota: [R] int64 rows each receiver still takes (stage B's gift); h's receivers' entries are consumed.
-        prev_copy: [R, slots] int64 last plan's replica slots, read when sticky.
         alloc: [E, R] int32, home columns preset; h's experts' slots move to the receivers' columns.
         rem: [epn] int64 and recv: [R] int64, scratch of this donor.
     """
