@@ -48,9 +48,9 @@ def as_counts(x: Any, name: str, ndim: int, check_sign: bool = True) -> np.ndarr
         raise ValueError(f"{name} must be {ndim}-D {shape}, got shape {tuple(a.shape)}")
     if a.dtype == np.bool_ or not (np.issubdtype(a.dtype, np.integer) or np.issubdtype(a.dtype, np.floating)):
         raise ValueError(f"{name} must hold integer counts, got dtype {a.dtype}")
-    if np.issubdtype(a.dtype, np.floating):
-        if a.size and not (np.all(np.isfinite(a)) and np.all(a == np.floor(a))):
-            raise ValueError(f"{name} must hold integer counts, got non-integer values")
+    floating = np.issubdtype(a.dtype, np.floating)
+    if floating and a.size and not (np.all(np.isfinite(a)) and np.all(a == np.floor(a))):
+        raise ValueError(f"{name} must hold integer counts, got non-integer values")
     out = np.ascontiguousarray(a, dtype=np.int64)
     if check_sign and out.size and out.min() < 0:
         idx = tuple(int(i) for i in np.unravel_index(int(np.argmin(out)), out.shape))
@@ -114,27 +114,32 @@ def topology_nodes(topology: Any, R: int) -> tuple[np.ndarray, int, int]:
     weight_rows = getattr(topology, "weight_rows", WEIGHT_ROWS)
     if isinstance(weight_rows, bool) or not isinstance(weight_rows, (int, np.integer)) or weight_rows < 0:
         raise ValueError(f"topology.weight_rows must be a non-negative integer, got {weight_rows!r}")
-    if isinstance(topology, (int, np.integer)) and not isinstance(topology, bool):
+    if isinstance(topology, bool) or not isinstance(topology, (int, np.integer)):
+        node, num_nodes = _object_nodes(topology, R)
+    else:
         rpn = positive_int(topology, "topology (ranks_per_node)")
         if R % rpn != 0:
             raise ValueError(f"topology: ranks_per_node={rpn} does not divide R={R}")
         node = np.arange(R, dtype=np.int64) // rpn
         num_nodes = R // rpn
-    else:
-        for attr in ("num_nodes", "ranks_per_node", "node_of"):
-            if not hasattr(topology, attr):
-                raise ValueError(
-                    f"topology must be an int (ranks_per_node) or have num_nodes, ranks_per_node "
-                    f"and node_of(rank); {type(topology).__name__} lacks {attr}"
-                )
-        num_nodes = positive_int(topology.num_nodes, "topology.num_nodes")
-        rpn = positive_int(topology.ranks_per_node, "topology.ranks_per_node")
-        if num_nodes * rpn != R:
-            raise ValueError(
-                f"topology has {num_nodes} nodes x {rpn} ranks = {num_nodes * rpn} ranks, "
-                f"but slots_per_expert has R={R}"
-            )
-        node = np.array([int(topology.node_of(r)) for r in range(R)], dtype=np.int64)
-        if node.min() < 0 or node.max() >= num_nodes:
-            raise ValueError(f"topology.node_of returned a node outside [0, {num_nodes})")
     return node, int(num_nodes), int(weight_rows)
+
+
+def _object_nodes(topology: Any, R: int) -> tuple[np.ndarray, int]:
+    """(node [R] int64, num_nodes) of a topology object: num_nodes, ranks_per_node, node_of(rank)."""
+    for attr in ("num_nodes", "ranks_per_node", "node_of"):
+        if not hasattr(topology, attr):
+            raise ValueError(
+                f"topology must be an int (ranks_per_node) or have num_nodes, ranks_per_node "
+                f"and node_of(rank); {type(topology).__name__} lacks {attr}"
+            )
+    num_nodes = positive_int(topology.num_nodes, "topology.num_nodes")
+    rpn = positive_int(topology.ranks_per_node, "topology.ranks_per_node")
+    if num_nodes * rpn != R:
+        raise ValueError(
+            f"topology has {num_nodes} nodes x {rpn} ranks = {num_nodes * rpn} ranks, but slots_per_expert has R={R}"
+        )
+    node = np.array([int(topology.node_of(r)) for r in range(R)], dtype=np.int64)
+    if node.min() < 0 or node.max() >= num_nodes:
+        raise ValueError(f"topology.node_of returned a node outside [0, {num_nodes})")
+    return node, num_nodes

@@ -19,7 +19,7 @@ if os.environ.get("MOONEP_PLANNER_NUMBA", "1") != "0":
         pass
 if not HAS_NUMBA:
 
-    def njit(*args, **kwargs):
+    def njit(*args, **kwargs):  # an identity decorator
         return lambda f: f
 
 

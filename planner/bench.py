@@ -53,10 +53,10 @@ def latency_case(R: int, E: int, K: int, S: int, skew: float, seed: int, quick: 
     plan_us, plan_min, plan_runs = median_us(lambda: recent.append(plan(T)), 0.3 if quick else 2.0)
     load = T.sum(0)[None, :]
     # same spare memory as the planner: every GPU holds epn own + epn replica slots, one node
-    eplb = lambda: rebalance_experts(load, E + R * epn, R, 1, R)
+    eplb = lambda: rebalance_experts(load, E + R * epn, R, 1, R)  # noqa: E731
     eplb_us, eplb_min, eplb_runs = median_us(eplb, 0.3 if quick else 3.0, min_runs=1 if quick else 3, max_runs=50)
     phy2log, _, logcnt = eplb()
-    loads = gpu_loads(load, phy2log, logcnt, R)[0]
+    loads = gpu_loads(load, np.asarray(phy2log), np.asarray(logcnt), R)[0]  # numpy in: numpy out
     return {
         "R": R,
         "E": E,
@@ -206,7 +206,7 @@ def slack_section(quick: bool, seed: int) -> list[dict]:
             "replicas": chosen.num_replicas,
             "predicted_ms": cost.rank_seconds(chosen.cu_seqlens[:, -1], chosen.donor, chosen.experts_to_copy).max()
             * 1e3,
-            "plan_us": median_us(lambda: plan(T, cost=cost), 0.2 if quick else 1.0)[0],
+            "plan_us": median_us(lambda T=T: plan(T, cost=cost), 0.2 if quick else 1.0)[0],
         }
         entry["no_replicas_slack"] = round(float(T.sum(0).reshape(R, -1).sum(1).max()) / mean - 1, 4)
         rows.append(entry)

@@ -8,7 +8,7 @@ Axes: ``R`` ranks, ``E`` experts, ``epn = E / R`` experts owned per rank (rank r
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, overload
 
 import numpy as np
 
@@ -16,6 +16,40 @@ from planner._inputs import as_counts, check_shape, is_tensor, positive_int, top
 from planner.device import host_plan, plan_tensor
 from planner.slack import CostModel, check_options
 from planner.tables import Plan, make_plan, raise_error
+from planner.tensor_plan import TensorPlan
+
+if TYPE_CHECKING:
+    import torch
+
+
+@overload
+def plan(
+    slots_per_expert: torch.Tensor,
+    *,
+    caps: Any = ...,
+    slots_per_rank: int | None = ...,
+    token_padding: int = ...,
+    previous: Plan | TensorPlan | None = ...,
+    topology: None = ...,
+    slack: float | None = ...,
+    cost: CostModel | None = ...,
+    defer_errors: bool = ...,
+) -> TensorPlan: ...
+
+
+@overload
+def plan(
+    slots_per_expert: Any,
+    *,
+    caps: Any = ...,
+    slots_per_rank: int | None = ...,
+    token_padding: int = ...,
+    previous: Plan | None = ...,
+    topology: Any = ...,
+    slack: float | None = ...,
+    cost: CostModel | None = ...,
+    defer_errors: bool = ...,
+) -> Plan: ...
 
 
 def plan(
@@ -24,12 +58,12 @@ def plan(
     caps: Any = None,
     slots_per_rank: int | None = None,
     token_padding: int = 1,
-    previous: Plan | None = None,
+    previous: Plan | TensorPlan | None = None,
     topology: Any = None,
     slack: float | None = None,
     cost: CostModel | None = None,
     defer_errors: bool = False,
-) -> Plan:
+) -> Plan | TensorPlan:
     """Plan one MoE layer's step so that every rank computes exactly ``caps[r]`` routed rows.
 
     slots_per_expert: [R, E] non-negative integer counts (numpy or a list: a ``Plan``; a torch integer tensor
@@ -73,11 +107,7 @@ def plan(
     if previous is not None:
         if not isinstance(previous, Plan):
             raise ValueError(f"previous must be a Plan, got {type(previous).__name__}")
-        if previous.alloc.shape != (E, R) or previous.slots_per_rank != slots:
-            raise ValueError(
-                f"previous plan has shape E={previous.num_experts}, R={previous.num_ranks}, "
-                f"slots={previous.slots_per_rank}; this plan needs E={E}, R={R}, slots={slots}"
-            )
+        _check_previous(previous, E, R, slots)
         prev_donor, prev_copy = previous.donor, previous.experts_to_copy
     node, num_nodes, weight_rows = np.zeros(0, np.int64), 0, 0
     if topology is not None:
@@ -103,12 +133,18 @@ def _plan_tensor(T, caps, slots_per_rank, token_padding, previous, topology, def
         caps = as_counts(caps, "caps", 1)
         if caps.shape[0] != R:
             raise ValueError(f"caps must have shape [R]=[{R}], got {tuple(caps.shape)}")
-    if previous is not None and (tuple(previous.alloc.shape) != (E, R) or previous.slots_per_rank != slots):
+    if previous is not None:
+        _check_previous(previous, E, R, slots)
+    return plan_tensor(T, caps, slots, pad, previous, defer_errors, num, cost)
+
+
+def _check_previous(previous: Plan | TensorPlan, E: int, R: int, slots: int) -> None:
+    """A sticky plan's previous plan must have this plan's shape (E experts, R ranks, slots per rank)."""
+    if tuple(previous.alloc.shape) != (E, R) or previous.slots_per_rank != slots:
         raise ValueError(
             f"previous plan has shape E={previous.num_experts}, R={previous.num_ranks}, "
             f"slots={previous.slots_per_rank}; this plan needs E={E}, R={R}, slots={slots}"
         )
-    return plan_tensor(T, caps, slots, pad, previous, defer_errors, num, cost)
 
 
 __all__ = ["CostModel", "Plan", "plan"]

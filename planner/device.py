@@ -32,11 +32,19 @@ GPU_THREADS = 256
 def plan_tensor(
     T, caps, slots: int, pad: int, previous, defer_errors: bool, slack: int | None = None, cost=None, threads: int = 0
 ) -> TensorPlan:
-    """``planner.plan`` for a torch tensor of counts [R, E] (shape, dtype and options already checked).
+    """``planner.plan`` for a torch tensor of counts (shape, dtype and options already checked).
 
-    slack: σ as ``planner.slack`` applies it (num / SLACK_DEN) or None; cost: a ``CostModel`` (its candidates
-    are planned one by one and the cheapest kept: on the CPU from the kernel's arrays, on CUDA by tensor ops on
-    the device; no host read either way)."""
+    Args:
+        T: [R, E] integer tensor of counts on any device. caps: [R] int64 array or None (floor/ceil of total / R).
+        slots, pad: replica slots per rank and token padding. previous: a sticky plan (Plan or TensorPlan) or None.
+        defer_errors: leave an invalid plan's error in ``err`` (no host read) instead of raising.
+        slack: σ as ``planner.slack`` applies it (num / SLACK_DEN) or None.
+        cost: a ``CostModel``: its candidates are planned one by one and the cheapest kept (on the CPU from the
+            kernel's arrays, on CUDA by tensor ops on the device; no host read either way).
+        threads: > 0 runs the CUDA kernels with that many threads a block, also on the CPU (numba's simulator).
+    Returns:
+        The ``TensorPlan`` on T's device (shapes only on the meta device).
+    """
     import torch  # heavy: torch, only for tensor input
 
     R, E = T.shape
@@ -59,38 +67,41 @@ def plan_tensor(
 def _plan_one(T, caps, slots: int, pad: int, previous, slack, threads: int) -> TensorPlan:
     """One plan by the device kernels on T's CUDA device (or, with ``threads`` > 0, on the CPU under numba's
     CUDA simulator); slack = (num, k, n): the slack pass's candidate k of n first (None: exact)."""
-    prev_donor, prev_copy = _previous_tables(previous, T.device, T.shape[0], slots)
-    if slack is not None:
-        caps, prev_donor, prev_copy = _device_slack(T, slack, prev_donor, prev_copy, slots, threads)
-    return _run_device_kernel(T, caps, slots, pad, prev_donor, prev_copy, threads or GPU_THREADS)
+    prev_donor, prev_copy, sticky = _previous_tables(previous, T.device, T.shape[0], slots)
+    if slack is not None:  # the slack pass's pairs become the kernel's sticky hint
+        caps, prev_donor = _device_slack(T, slack, prev_donor, sticky, threads)
+        sticky = True
+    return _run_device_kernel(T, caps, slots, pad, prev_donor, prev_copy, sticky, threads or GPU_THREADS)
 
 
-def _device_slack(T, slack, prev_donor, prev_copy, slots: int, threads: int):
-    """The slack pass on T's CUDA device -> (caps [R], sticky hint [R], prev_copy [R, slots]) as tensors."""
+def _device_slack(T, slack, prev_donor, sticky: bool, threads: int):
+    """The slack pass on T's CUDA device -> (caps [R], sticky hint [R]) as int64 tensors."""
     import torch  # heavy: torch, only for tensor input
 
     from planner._device_slack import slack_kernel  # optional: numba-cuda, compiled on first launch
 
     R, dev = T.shape[0], T.device
     i64 = {"dtype": torch.int64, "device": dev}
-    sticky = prev_donor is not None
-    if not sticky:
-        prev_donor, prev_copy = torch.full((R,), -1, **i64), torch.full((R, slots), -1, **i64)
     g, caps, hint, room = (torch.zeros(R, **i64) for _ in range(4))
     ok = torch.zeros(1, **i64)
     counts = T.detach().contiguous().to(torch.int64)
     _launch(slack_kernel, dev, (counts, *slack, prev_donor, sticky, g, caps, hint, room, ok), threads or GPU_THREADS)
-    return caps, hint, prev_copy
+    return caps, hint
 
 
 def cheapest(cands: list[TensorPlan], cost) -> TensorPlan:
-    """The candidate with the least predicted layer time (``CostModel``; first on ties, invalid plans last),
-    picked by tensor ops on the plans' device: no host read."""
+    """The candidate with the least predicted layer time, picked by tensor ops on the plans' device (no host read).
+
+    Args:
+        cands: plans of one shape on one device. cost: the ``CostModel`` that prices them.
+    Returns:
+        The cheapest plan (the first on ties, invalid plans last), its tables stacked from the candidates'.
+    """
     import torch  # heavy: torch, only for tensor input
 
     secs = []
     for c in cands:
-        copies = copies_per_rank(c.donor, c.experts_to_copy).to(torch.float64)
+        copies = torch.as_tensor(copies_per_rank(c.donor, c.experts_to_copy), dtype=torch.float64)
         t = (c.cu_seqlens[:, -1].to(torch.float64) * cost.row_seconds + copies * cost.copy_seconds).max()
         secs.append(torch.where(c.err[0] != 0, torch.inf, t))
     best = torch.argmin(torch.stack(secs)).view(1)
@@ -103,24 +114,35 @@ def cheapest(cands: list[TensorPlan], cost) -> TensorPlan:
 
 
 def _previous_tables(previous, device, R: int, slots: int):
-    """(prev_donor [R], prev_copy [R, slots]) of a sticky plan on ``device``, or (None, None)."""
-    if previous is None:
-        return None, None
+    """(prev_donor [R], prev_copy [R, slots], sticky) on ``device``: a sticky plan's tables, or -1 everywhere."""
     import torch  # heavy: torch, only for tensor input
 
+    if previous is None:
+        i64 = {"dtype": torch.int64, "device": device}
+        return torch.full((R,), -1, **i64), torch.full((R, slots), -1, **i64), False
     tables = (previous.donor, previous.experts_to_copy)  # a numpy Plan's arrays are read-only: copy those
-    return tuple(
+    donor, copy = (
         t.to(device, torch.int64)
         if isinstance(t, torch.Tensor)
         else torch.tensor(np.asarray(t, np.int64), device=device)
         for t in tables
     )
+    return donor, copy, True
 
 
 def host_plan(T, caps_in, slots, pad, prev_donor, prev_copy, node, num_nodes, weight_rows, num, cost):
-    """The CPU kernel's arrays (``_kernel.plan_arrays``'s tuple) of the exact plan, the slack plan (``num``:
-    σ as ``slack_num``) or the cost-aware choice (``cost``: its candidates planned, the cheapest kept, the
-    exact plan on ties). Shared by numpy counts and CPU tensors."""
+    """The CPU kernel's run for ``planner.plan``, shared by numpy counts and CPU tensors.
+
+    Args:
+        T: [R, E] int64 counts. caps_in: [R] int64, or [0] (floor/ceil). slots, pad: replica slots per rank,
+            token padding. prev_donor: [R] int64 and prev_copy: [R, slots] int64, or [0] / [0, slots] (not sticky).
+        node: [R] int64 and num_nodes > 0 for a topology, else [0] and 0; weight_rows: a copy's cost in rows.
+        num: σ as ``slack_num`` (a slack plan) or None; cost: a ``CostModel`` (its candidates planned, the
+            cheapest kept, the exact plan on ties) or None.
+    Returns:
+        ``_kernel.plan_arrays``'s tuple (T copy, caps, alloc, donor, experts_to_copy, cu_seqlens, send_counts,
+        flows, err) of the plan chosen.
+    """
     args = (T, caps_in, slots, pad, prev_donor, prev_copy, node, num_nodes, weight_rows)
     if cost is None:
         return _plan_arrays(*args, (num, 1, 2) if num else None)
@@ -176,26 +198,12 @@ def _run_cpu_kernel(T, caps, slots: int, pad: int, previous, num=None, cost=None
         )._pieces
         pieces_pad[: end.size] = np.stack((end, start, dest, row0), axis=1)
         totals[:] = flows.shape[0], end.size
-    # the kernel's own output arrays become the tensors (no copy); they are not shared with anyone else
-    t = torch.from_numpy
-    out = TensorPlan(
-        slots_per_expert=t(counts),
-        caps=t(caps_out),
-        alloc=t(alloc),
-        donor=t(donor),
-        experts_to_copy=t(copy),
-        send_counts=t(send),
-        cu_seqlens=t(cu),
-        flows=t(flows_pad),
-        pieces=t(pieces_pad),
-        totals=t(totals),
-        err=t(err),
-        token_padding=pad,
-    )
-    return out
+    # the kernel's own output arrays become the tensors (no copy), in TensorPlan's field order; no one shares them
+    tables = (counts, caps_out, alloc, donor, copy, send, cu, flows_pad, pieces_pad, totals, err)
+    return TensorPlan(*(torch.from_numpy(a) for a in tables), token_padding=pad)
 
 
-def _run_device_kernel(T, caps, slots: int, pad: int, prev_donor, prev_copy, threads: int) -> TensorPlan:
+def _run_device_kernel(T, caps, slots: int, pad: int, prev_donor, prev_copy, sticky: bool, threads: int) -> TensorPlan:
     """Launch ``plan_kernel`` on T's device (CUDA, or the CPU under numba's CUDA simulator)."""
     import torch  # heavy: torch, only for tensor input
 
@@ -205,45 +213,15 @@ def _run_device_kernel(T, caps, slots: int, pad: int, prev_donor, prev_copy, thr
     dev = T.device
     out = empty_tables(torch, dev, R, E, slots, pad, fill=True)
     i64 = {"dtype": torch.int64, "device": dev}
-    sticky = prev_donor is not None
-    if not sticky:
-        prev_donor, prev_copy = torch.full((R,), -1, **i64), torch.full((R, slots), -1, **i64)
     caps_in = torch.zeros(R, **i64) if caps is None else torch.as_tensor(caps, **i64)
-    scratch = [
-        torch.zeros(E, **i64),
-        torch.zeros(R, **i64),
-        torch.zeros(R, **i64),
-        torch.zeros(R, E // R, **i64),
-        torch.zeros(R, R, **i64),
-        torch.zeros(R, **i64),
-        torch.zeros(E, **i64),
-        torch.zeros(E, **i64),
-        torch.zeros(E, **i64),
-        torch.zeros(E, **i64),
-        torch.zeros(E, **i64),
-        torch.full((1,), NO_ERROR_POS, **i64),
-    ]
-    args = [
-        T.detach().contiguous().to(torch.int64),
-        caps_in,
-        caps is not None,
-        pad,
-        prev_donor,
-        prev_copy,
-        sticky,
-        out.slots_per_expert,
-        out.alloc,
-        out.send_counts,
-        out.caps,
-        out.donor,
-        out.experts_to_copy,
-        out.cu_seqlens,
-        out.flows,
-        out.pieces,
-        out.totals,
-        out.err,
-        *scratch,
-    ]
+    # scratch: cnt [E], bal [R], gift [R], rem [R, epn], recv [R, R], lay_err [R], split, nflow, base, foff,
+    # poff [E]; then errpos [1]
+    shapes = ((E,), (R,), (R,), (R, E // R), (R, R), (R,), (E,), (E,), (E,), (E,), (E,))
+    scratch = [torch.zeros(shape, **i64) for shape in shapes] + [torch.full((1,), NO_ERROR_POS, **i64)]
+    counts = T.detach().contiguous().to(torch.int64)
+    tables = (out.slots_per_expert, out.alloc, out.send_counts, out.caps, out.donor, out.experts_to_copy)
+    tables += (out.cu_seqlens, out.flows, out.pieces, out.totals, out.err)
+    args = [counts, caps_in, caps is not None, pad, prev_donor, prev_copy, sticky, *tables, *scratch]
     _launch(plan_kernel, dev, args, threads)
     return out
 
@@ -266,14 +244,21 @@ def _launch(kernel, dev, args, threads: int = GPU_THREADS) -> None:
 
 
 def slack_tables(T: np.ndarray, slack, prev_donor: np.ndarray, prev_copy: np.ndarray, slots: int):
-    """The slack pass on the host: (caps [R], sticky hint [R], prev_copy [R, slots]) for ``plan_arrays``.
-    T [R, E] int64; slack = (num, k, n); prev_* [0] when not sticky."""
+    """The slack pass on the host, for ``plan_arrays``.
+
+    Args:
+        T: [R, E] int64 counts. slack: (num, k, n), candidate k of n at σ = num / SLACK_DEN.
+        prev_donor: [R] int64 and prev_copy: [R, slots] int64 of a sticky plan, or [0] / [0, slots].
+    Returns:
+        (caps [R] int64, sticky hint [R] int64 (receiver -> donor, -1 = none), prev_copy [R, slots] int64).
+    """
     R, E = T.shape
     g = np.ascontiguousarray(T.sum(0).reshape(R, E // R).sum(1), dtype=np.int64)
     sticky = prev_donor.shape[0] == R
     donor_in = prev_donor if sticky else np.full(R, -1, np.int64)
     caps, hint, room = np.zeros(R, np.int64), np.zeros(R, np.int64), np.zeros(R, np.int64)
-    slack_caps(g, *slack, donor_in, sticky, caps, hint, room)
+    num, k, n = slack
+    slack_caps(g, num, k, n, donor_in, sticky, caps, hint, room)
     return caps, hint, prev_copy if sticky else np.full((R, slots), -1, np.int64)
 
 
@@ -288,9 +273,17 @@ def plan_with_device_kernel(
     cost=None,
     threads: int | None = None,
 ) -> TensorPlan:
-    """Run the numba-cuda kernel whatever the counts' device: the CPU runs it under numba's CUDA simulator
+    """Run the numba-cuda kernels whatever the counts' device: the CPU runs them under numba's CUDA simulator
     (``NUMBA_ENABLE_CUDASIM=1`` set before numba is imported). For tests and for comparing with the CPU kernel;
-    ``planner.plan`` picks the kernel by device. Errors are raised."""
+    ``planner.plan`` picks the kernel by device.
+
+    Args:
+        slots_per_expert: [R, E] integer counts (tensor, or anything ``torch.as_tensor`` takes).
+        caps, slots_per_rank, token_padding, previous, slack, cost: as ``planner.plan``'s.
+        threads: threads a block (default 256 on CUDA, 4 under the simulator).
+    Returns:
+        The ``TensorPlan`` on the counts' device. Errors are raised.
+    """
     import torch  # heavy: torch, only for tensor input
 
     T = torch.as_tensor(slots_per_expert)

@@ -20,6 +20,9 @@ from planner._inputs import expert_total_message, to_numpy
 class PlanShape:
     """Sizes read off a plan's tables (numpy or tensor): ``alloc [E, R]`` and ``experts_to_copy [R, slots]``."""
 
+    alloc: Any
+    experts_to_copy: Any
+
     @property
     def num_ranks(self) -> int:
         """R."""

@@ -1,11 +1,8 @@
 """``TensorPlan``: a plan whose tables are tensors on the counts' device, made without a host copy.
 
 ``planner.plan(counts)`` returns one when ``counts`` is a torch tensor (``planner.Plan``, numpy, otherwise);
-``planner.device`` computes it:
-- CUDA: the numba-cuda kernel of ``planner._device_kernel`` (one launch, one block) on torch's current stream;
-  tensors cross into numba through ``__cuda_array_interface__``;
-- CPU: the compiled CPU kernel on a zero-copy numpy view of the counts, its tables wrapped as tensors;
-- meta: the tables' shapes only (nothing is computed): for checking that code downstream has static shapes.
+``planner.device`` computes it (CUDA: the numba-cuda kernels; CPU: the compiled CPU kernel; meta: shapes only,
+for checking that code downstream has static shapes).
 
 Every table's shape depends on (R, E, slots) alone, never on the counts: the flow table and the route pieces
 are padded to static bounds and ``totals`` = (flows, pieces) says how many rows are real. By default an invalid
@@ -96,7 +93,7 @@ class TensorPlan(PlanShape):
 
 
 def flow_rows(R: int, E: int, slots: int) -> int:
-    """Static rows of the flow table: >= any plain or sticky plan's flows.
+    """Static rows of the flow table (R ranks, E experts, slots per rank): >= any plain or sticky plan's flows.
 
     A split expert's north-west-corner matching emits at most (its non-zero sources) + (its destinations) - 1
     flows; at most min(E, R*slots) experts split (each one fills a replica slot) and all destinations together
@@ -112,7 +109,8 @@ def _raise(err: list[int], slots: int) -> None:
 
 
 def empty_tables(torch, device, R: int, E: int, slots: int, pad: int, fill: bool = False) -> TensorPlan:
-    """Output tables of the right shapes and dtypes (filled with the kernel's start values when ``fill``)."""
+    """A ``TensorPlan`` of empty tables of the right shapes and dtypes on ``device`` (``torch``: the module),
+    filled with the device kernel's start values when ``fill``."""
     epn, F = E // R, flow_rows(R, E, slots)
     i64, i32 = torch.int64, torch.int32
     new = (
