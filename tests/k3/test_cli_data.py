@@ -119,6 +119,7 @@ def test_train_refuses_bad_run_flags_in_one_line(tmp_path, capsys, flags, named)
     assert "Traceback" not in err and not (tmp_path / "missing").exists() and not (tmp_path / "run" / "errors").exists()
 
 
+@pytest.mark.spawns
 def test_bench_schema():
     """One world size, one timed step: the JSON fields the bench promises."""
     from k3.bench import run_bench

@@ -11,6 +11,8 @@ import pytest
 from collectives.launch import mpiexec_path
 from tests.collectives.conftest import needs_mpi
 
+pytestmark = pytest.mark.spawns  # every test here starts processes: make test-fast leaves them out
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TRAIN = ["-m", "k3.train", "--world-size", "2", "--steps", "2"]
 

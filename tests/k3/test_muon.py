@@ -197,6 +197,7 @@ def _sharded_job(comm) -> dict:
     return {"ns_sharded": sharded.ns_blocks, "ns_local": local.ns_blocks, "twin_err": worst, "ran": ran}
 
 
+@pytest.mark.spawns
 def test_sharded_step_on_two_gloo_ranks():
     """Two real gloo ranks (replicated grads equal, experts different per rank): the sharded optimizer's params
     equal the unsharded one's bit for bit, match the loop twin within TWIN_TOL, and each rank runs NS5 on about
@@ -208,6 +209,7 @@ def test_sharded_step_on_two_gloo_ranks():
     assert out["ran"] == 1 + 3  # ceil(1/2) + ceil(5/2) blocks on this rank
 
 
+@pytest.mark.spawns
 def test_muon_bench_schema():
     """``python -m k3.bench``'s function at one rank, one timed step: both optimizers timed on the same model,
     block counts, and the two ending within fp32 noise of each other."""

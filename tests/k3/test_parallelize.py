@@ -64,6 +64,7 @@ def test_sync_fills_missing_grads_and_clip_is_the_global_norm_clip(comm1):
         torch.testing.assert_close(p.grad, want, rtol=1e-6, atol=1e-9, msg=n)
 
 
+@pytest.mark.spawns
 def test_the_trainer_does_not_import_its_command_line():
     """k3.cli depends on k3.train (its handler), never the reverse: `python -m k3.train` parses its own flags."""
     code = "import sys, k3.train; print('k3.cli' in sys.modules)"

@@ -67,6 +67,7 @@ def _start_each_rank(comm, train: dict, out: str) -> None:
         json.dump(seen, f)
 
 
+@pytest.mark.spawns
 def test_second_run_into_a_held_folder_is_refused_on_every_rank(comm1, text, tmp_path):
     """Two runs started into one fresh folder: the second (2 launched ranks, then `moonep train --resume` once the
     first has a checkpoint) is refused on both ranks, naming the first run's id, pid and host; the first run's
@@ -94,6 +95,7 @@ def test_second_run_into_a_held_folder_is_refused_on_every_rank(comm1, text, tmp
     assert ck.read_manifest(run_dir)[1]["run_id"] == run_id and ck.read_manifest(run_dir)[1]["step"] == 2
 
 
+@pytest.mark.spawns
 def test_stale_lock_of_an_exited_process_is_taken_over(comm1, text, tmp_path):
     """A process that took the lock and died without releasing it leaves its record behind; the next run on this
     host takes the lock over (flock ended with the process) and records itself."""
@@ -133,6 +135,7 @@ def test_unreleased_lock_of_another_host_is_named_not_taken(comm1, text, tmp_pat
     assert read_json(os.path.join(run_dir, LOCK_FILE)) == record  # left for its owner
 
 
+@pytest.mark.spawns
 def test_record_of_a_live_process_without_its_flock_is_refused_until_it_ends(tmp_path):
     """Where flock does nothing (some filesystems), the record is the only sign of a live run: a record naming a
     live process on this host is refused; once that process has ended, its record is stale and is taken over."""

@@ -109,6 +109,7 @@ def test_per_token_bytes_do_not_grow_with_the_sequence():
         assert a > 0 and abs(b - a) <= 0.01 * a, (name, a, b)
 
 
+@pytest.mark.spawns
 def test_memory_bench_json_quick(tmp_path, capsys):
     """``moonep bench k3-memory --quick --json``: the fields the bench promises, and AttnRes at K3 widths within
     two mixes of one bf16 partial sum each plus 16 bytes per source (the old fp32 stacks kept ~600 KB)."""

@@ -171,6 +171,7 @@ def compile_ptx(module: str, kernel: str, sig: str, checks: str) -> list[str]:
     return out.stdout.split()
 
 
+@pytest.mark.spawns
 def test_kernel_compiles_to_ptx():
     """numba-cuda's compiler (NVVM, no GPU needed) accepts the kernel for sm_90: no simulator-only code."""
     sig = (

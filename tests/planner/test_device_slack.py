@@ -43,6 +43,7 @@ def test_device_slack_at_a_larger_shape():
         assert_same_plan(plan(T, slack=0.1, token_padding=8), device_plan(T, slack=0.1, token_padding=8))
 
 
+@pytest.mark.spawns
 def test_slack_kernel_compiles_to_ptx():
     sig = "a2, i, i, i, a1, nt.boolean, a1, a1, a1, a1, a1"
     assert compile_ptx("planner._device_slack", "slack_kernel", sig, "'bar.sync' in ptx") == ["True"]

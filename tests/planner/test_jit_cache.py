@@ -13,6 +13,8 @@ import pytest
 
 from planner import _jit
 
+pytestmark = pytest.mark.spawns  # every test here starts processes: make test-fast leaves them out
+
 CALLER = """
 from numba import njit
 

@@ -84,6 +84,7 @@ def test_torch_tensor_input_matches_numpy():
         assert np.array_equal(a.alloc, c.to_plan().alloc)
 
 
+@pytest.mark.spawns
 def test_numpy_input_does_not_import_torch():
     """The planner stays importable and usable without loading torch."""
     code = "import sys, numpy as np, planner; planner.plan(np.ones((2, 4), np.int64));print('torch' in sys.modules)"

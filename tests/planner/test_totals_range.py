@@ -26,6 +26,7 @@ NEAR_LIMIT = (0, 1, 2**29, 2**30 - 1, 2**30, 2**30 + 1, 2**31 - 2, INT32_MAX)
 """counts that fit int32 alone but whose sums over 2-4 ranks straddle 2**31."""
 
 
+@pytest.mark.spawns
 def test_cli_refuses_an_expert_total_of_2_31_in_one_line(tmp_path):
     """The issue's exact case: two counts of 2**30 on one expert; one line on stderr, exit 2, no hang."""
     load = tmp_path / "counts.json"

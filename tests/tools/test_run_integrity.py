@@ -87,6 +87,7 @@ def demo_trace(tmp_path_factory) -> dict[int, list[dict]]:
     return {r: [json.loads(line) for line in open(folder / "t" / f"rank{r}.jsonl")] for r in (0, 1)}
 
 
+@pytest.mark.spawns
 @pytest.mark.parametrize("skewed, offset", [(1, -0.5), (1, 0.5), (0, -0.5), (0, 0.05)])
 def test_a_clock_offset_no_longer_hides_a_straggler(demo_trace, tmp_path, capsys, skewed: int, offset: float):
     recs = dict(demo_trace) | {skewed: _shifted(demo_trace[skewed], offset)}  # before: "no straggler found"

@@ -16,6 +16,8 @@ import pytest
 from tools.report import analyse
 from tools.traces import load_dir
 
+pytestmark = pytest.mark.spawns  # the shared fixture trains K3 on 4 local ranks
+
 STEPS = 16  # onset + the detectors' 10 evidence steps + 2 steps for a late onset
 SLOW_FROM = 4  # rank 2 computes 1.5x from here
 DATA_FROM = 4  # rank 0's data loading takes 150 ms longer from here (> 1% of even a 10 s step)
