@@ -27,8 +27,6 @@ that bad input on any rank fails on every rank before any row moves. Its four co
 
 from __future__ import annotations
 
-from typing import cast
-
 import numpy as np
 import torch
 
@@ -112,12 +110,8 @@ class Buffer(BufferRows):
         gathered = torch.empty(R * (E + 4), dtype=torch.int64, device=self.device)
         self.comm.all_gather(gathered, counts_C, validate=False)
         g_RC = gathered.view(R, E + 4)
-        # tensor counts make a TensorPlan (planner.plan is annotated with the host Plan it returns for numpy)
-        global_plan = cast(
-            planner.TensorPlan,
-            planner.plan(
-                g_RC[:, :E], token_padding=self.token_padding, slack=self.slack, cost=self.cost, defer_errors=True
-            ),
+        global_plan = planner.plan(  # tensor counts: a TensorPlan on their device
+            g_RC[:, :E], token_padding=self.token_padding, slack=self.slack, cost=self.cost, defer_errors=True
         )
         compiled = HAS_NUMBA and idx_TK.device.type == "cpu"  # one compiled pass instead of a dozen tensor ops
         lay: SendLayout = (send_layout_cpu if compiled else send_layout)(global_plan, self.rank, idx_TK)
