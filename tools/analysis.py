@@ -18,7 +18,7 @@ import numpy as np
 
 from tools.calls import match_calls
 from tools.clocks import align_clocks, offsets_note
-from tools.gaps import gap_waits, gaps_note
+from tools.gaps import ends_in_a_sync, gap_waits, gaps_note, leave_together
 from tools.traces import RankTrace, finish, load_dir
 
 
@@ -177,10 +177,9 @@ def hidden_waits(traces, ranks, steps, t: Tables, align: float = 0.5) -> dict[st
         marks_of[op].append((j, marks))
         arrive = {r: m[0] + (m[2] if not m[4] else 0.0) for r, m in marks.items()}
         exits = [m[1] for m in marks.values()]
-        spread = max(arrive.values()) - min(arrive.values())
-        if spread >= 1e-3 and max(exits) - min(exits) <= align * spread:
+        if leave_together(list(arrive.values()), exits, align):
             aligned[op].append((j, arrive))
-    found = {op: len(v) for op, v in aligned.items() if len(v) >= max(2, 0.1 * len(steps))}
+    found = {op: len(v) for op, v in aligned.items() if ends_in_a_sync(len(v), len(steps))}
     for op in found:
         for j, marks in marks_of[op]:
             for r, m in marks.items():

@@ -27,6 +27,18 @@ END = "end of step"
 """The name of a gap that runs to the end of its step."""
 
 
+def leave_together(arrive, leave, align: float = 0.5, min_spread: float = 1e-3) -> bool:
+    """One step of the sync rule (phases and gaps alike): the ranks reached it at least ``min_spread`` seconds
+    apart, and left it within ``align`` of that spread."""
+    spread = max(arrive) - min(arrive)
+    return spread >= min_spread and max(leave) - min(leave) <= align * spread
+
+
+def ends_in_a_sync(aligned_steps: int, steps: int) -> bool:
+    """The sync rule over a trace: aligned in at least 2 steps and 10% of them."""
+    return aligned_steps >= max(2, 0.1 * steps)
+
+
 def named_gaps(trace: RankTrace, step: int, lo: float, hi: float) -> dict[tuple[str, int], tuple[float, float]]:
     """``{(name, n): (start, end)}``: the gaps of ``trace``'s step ``step`` inside its window ``[lo, hi]``, named
     by the op of the record that starts where the gap ends (``END`` at the window's end), ``n`` counting
@@ -58,12 +70,9 @@ def gap_waits(traces: dict[int, RankTrace], ranks: list[int], steps: list[int], 
             continue
         for key in set.intersection(*(set(g) for g in gaps.values())):
             marks = {r: g[key] for r, g in gaps.items()}
-            arrive = [a for a, _ in marks.values()]
-            leave = [b for _, b in marks.values()]
-            spread = max(arrive) - min(arrive)
-            if spread >= min_spread and max(leave) - min(leave) <= align * spread:
+            if leave_together([a for a, _ in marks.values()], [b for _, b in marks.values()], align, min_spread):
                 aligned[key].append((j, marks))
-    found = {key: v for key, v in aligned.items() if len(v) >= max(2, 0.1 * len(steps))}
+    found = {key: v for key, v in aligned.items() if ends_in_a_sync(len(v), len(steps))}
     for steps_marks in found.values():
         for j, marks in steps_marks:
             last = max(marks, key=lambda r: marks[r][0])
