@@ -19,13 +19,14 @@ from collections import Counter
 from dataclasses import dataclass, field
 from functools import lru_cache
 
+from simulator import dp_comm
 from simulator import network as net
 from simulator.costs import COMM_CLASSES, COMPUTE_CLASSES, ChunkCost, chunk_cost
 from simulator.events import dualpipe_order, simulate_pipeline
 from simulator.hardware import HardwareSpec, load_hardware
 from simulator.host import step_host
 from simulator.layers import embedding_params, head_params, layer_stats, model_flops_per_token
-from simulator.memory import GIB, peak_memory, rank_memory
+from simulator.memory import GIB, mtp_params, peak_memory, rank_memory
 from simulator.network import ClusterSpec
 from simulator.parallel import ParallelConfig, infeasible_reason, rank_chunks, stage_layers
 from simulator.replicas import replica_model, replicas_per_rank
@@ -65,8 +66,19 @@ def pipeline_costs(
     return out
 
 
-def dp_seconds(spec: ModelSpec, par: ParallelConfig, tiers: net.Tiers, rank: int, comm_scale=(1.0, 1.0, 1.0)) -> float:
-    """Gradient reduce (+ parameter gather) seconds of one pipeline rank per step, before overlap."""
+def dp_seconds(
+    spec: ModelSpec,
+    par: ParallelConfig,
+    tiers: net.Tiers,
+    rank: int,
+    comm_scale=(1.0, 1.0, 1.0),
+    *,
+    overlap: float = 0.0,
+    windows: tuple[float, float] = (0.0, 0.0),
+) -> float:
+    """Exposed data-parallel seconds of one pipeline rank per step: gradient reduce-scatter (all-reduce without
+    ZeRO) and bf16 parameter all-gather in Megatron's buckets (``simulator.dp_comm``), ``overlap`` x the (backward,
+    forward) ``windows`` of one micro-batch hiding them (0: none hidden); ZeRO-3 gathers again per pass."""
     chunks, kinds = stage_layers(spec, par), spec.layer_kinds()
     dense = expert = 0.0
     for c in rank_chunks(par)[rank]:
@@ -75,20 +87,22 @@ def dp_seconds(spec: ModelSpec, par: ParallelConfig, tiers: net.Tiers, rank: int
             dense, expert = dense + st.dense_params, expert + st.expert_params
         dense += embedding_params(spec) if c == 0 else 0
         dense += head_params(spec) if c == len(chunks) - 1 else 0
-    total = 0.0
+        if c == len(chunks) - 1:  # the MTP modules' weights reduce with the last stage's
+            dense, expert = dense + mtp_params(spec)[0], expert + mtp_params(spec)[1]
+    grad_bytes = 4.0 if par.main_grads_dtype == "fp32" else 2.0
+    grads, gathers = [], []
     for params, n, stride in (
         (dense / par.tp, par.dp * par.cp, par.tp),
         (expert / (par.ep * par.expert_tp), par.expert_dp, par.expert_tp * par.ep),
     ):
         g = net.group(n, stride, tiers)
-        if par.zero_stage == 0:
-            total += net.all_reduce(4.0 * params, g, tiers, comm_scale)
-        else:
-            total += net.reduce_scatter(4.0 * params, g, tiers, comm_scale)
-            total += net.all_gather(2.0 * params, g, tiers, comm_scale) * (
-                1 + (2 * par.micro_batches if par.zero_stage == 3 else 0)
-            )
-    return total
+        op = "all_reduce" if par.zero_stage == 0 else "reduce_scatter"
+        grads.append(dp_comm.buckets(params, grad_bytes, g, tiers, op, comm_scale))
+        if par.zero_stage:
+            gathers.append(dp_comm.buckets(params, 2.0, g, tiers, "all_gather", comm_scale))
+    back, fwd = (overlap * w for w in windows)
+    gather = dp_comm.exposed(gathers, fwd)
+    return dp_comm.exposed(grads, back) + gather * (1 + (2 * par.micro_batches if par.zero_stage == 3 else 0))
 
 
 def optimizer_seconds(spec: ModelSpec, hw: HardwareSpec, par: ParallelConfig, rank: int, scale: float = 1.0) -> float:
@@ -242,7 +256,9 @@ def _fill_metrics(res, spec, hw, par, tiers, costs, pipe, pert) -> None:
     if hw.host is not None:  # the eager step's all-reduces (gradients, norm, QK-Clip, balancing), wall
         dp = step_host(spec, hw, par)[1]
     else:
-        dp = (1.0 - eff.dp_overlap) * max(dp_seconds(spec, par, tiers, r, comm[r]) for r in range(par.pp))
+        win = [(sum(c.tb for c in row), sum(c.tf for c in row)) for row in costs]  # one micro-batch each
+        ov = eff.dp_overlap
+        dp = max(dp_seconds(spec, par, tiers, r, comm[r], overlap=ov, windows=win[r]) for r in range(par.pp))
     opt = max(optimizer_seconds(spec, hw, par, r, scale[r]) for r in range(par.pp))
     step = pipe + dp + opt + eff.step_overhead_s
     busiest = max(range(par.pp), key=lambda r: sum(c.tf + c.tb for c in costs[r]))

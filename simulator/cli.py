@@ -16,6 +16,7 @@ import sys
 
 from moonep_base import write_json
 from simulator.analytic import simulate
+from simulator.assumptions import Default, assumptions, format_assumptions
 from simulator.cli_input import (
     UsageError,
     check_layout,
@@ -159,7 +160,12 @@ def _model_args(p: argparse.ArgumentParser) -> None:
         help="preset (k3, kimi-k2, deepseek-v3, llama3-405b, gpt3-175b, "
         "gpt-22b/175b/530b/1t) or a config.json / ModelSpec JSON",
     )
-    p.add_argument("--hardware", default="h200", help="a100, h100, h800, h200, b200 or a hardware JSON")
+    p.add_argument(
+        "--hardware", default="h200", help="a100, h100, h800, h200, b200, gb200, b300, gb300 or a hardware JSON"
+    )
+    p.add_argument(
+        "--mtp-layers", type=int, help="multi-token-prediction modules trained (default: the model's, e.g. HF config)"
+    )
     p.add_argument("--gpus", type=int, required=True, help="GPUs in the job")
     p.add_argument("--topology", choices=("rail", "fat-tree"), default="rail", help="scale-out network")
     p.add_argument("--oversubscription", type=float, default=1.0, help="leaf-to-spine oversubscription")
@@ -169,7 +175,7 @@ def _model_args(p: argparse.ArgumentParser) -> None:
 def _job_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq-len", type=int, help="sequence length (default: the model's)")
     p.add_argument("--global-batch-tokens", type=int, help="tokens per step (default 16M or seq x GPUs)")
-    p.add_argument("--precision", choices=("bf16", "fp8"), default="bf16")
+    p.add_argument("--precision", choices=("bf16", "fp8"), default=Default("bf16"))
     p.add_argument(
         "--dispatcher",
         choices=("moonep", "classic", "deepep"),
@@ -201,8 +207,20 @@ def _parallel_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--activation-dtype", choices=("auto", "bf16", "fp8"), default="auto", help="saved GEMM inputs")
     p.add_argument("--offload-fraction", type=float, default=0.0, help="share of saved activations sent to host")
-    p.add_argument("--pp-first-layers", type=int, default=0, help="layers on the first stage (0: even)")
-    p.add_argument("--pp-last-layers", type=int, default=0, help="layers on the last stage (0: even)")
+    p.add_argument(
+        "--pp-first-layers", type=int, help="layers of the first model chunk (default even; 0: embedding only)"
+    )
+    p.add_argument("--pp-last-layers", type=int, help="layers of the last model chunk (default even; 0: LM head only)")
+    p.add_argument(
+        "--microbatch-group",
+        type=int,
+        default=0,
+        help="contiguous micro-batches N per virtual stage, in [PP, micro-batches] (0: PP; interleaved only)",
+    )
+    p.add_argument("--moe-capacity-factor", type=float, default=0.0, help="token-dropping capacity (0: dropless)")
+    p.add_argument(
+        "--moe-pad-expert-input-to-capacity", action="store_true", help="pad each expert's input to its capacity"
+    )
     p.add_argument("--moment-dtype", choices=("fp32", "bf16"), default="fp32", help="Adam m and v")
     p.add_argument("--main-grads-dtype", choices=("fp32", "bf16"), default="fp32", help="gradient buffer")
     p.add_argument(
@@ -223,6 +241,8 @@ def _run(args) -> int:
         return _usage_error(exc)
     res = simulate(spec, hw, par, args.gpus, cluster, engine=args.engine)
     out = _clean(res.to_dict())
+    out["assumptions"] = assumptions(args, spec, par)
+    print(format_assumptions(out["assumptions"]))
     if args.inference_context is not None:
         inf = inference_memory(spec, batch=args.inference_batch, context=args.inference_context, tp=par.tp, ep=par.ep)
         out["inference_memory_gib"] = {k: (v / GIB if "per_" not in k else v) for k, v in inf.items()}
@@ -257,6 +277,8 @@ def _search(args) -> int:
         spec, hw, args.gpus, base, cluster, space, top=args.top, event_top=args.event_top, max_seconds=args.max_seconds
     )
     report["results"] = [_clean(r) for r in report["results"]]
+    report["assumptions"] = assumptions(args, spec, base)
+    print(format_assumptions(report["assumptions"]))
     print(format_search(report))
     if args.json:
         write_json(args.json, report)

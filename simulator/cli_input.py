@@ -5,6 +5,7 @@ checked the same way. ``simulator.cli`` prints a ``UsageError`` as one line with
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 from simulator.hardware import load_hardware
 from simulator.network import ClusterSpec
@@ -18,8 +19,8 @@ class UsageError(ValueError):
 
 
 _POSITIVE = ("gpus", "tp", "pp", "ep", "cp", "dp", "vpp", "micro_batch", "seq_len", "global_batch_tokens", "top")
-_NON_NEGATIVE = ("etp", "pp_first_layers", "pp_last_layers")
-_NUMBERS = {"maxvio": 0, "oversubscription": 1, "offload_fraction": 0}
+_NON_NEGATIVE = ("etp", "pp_first_layers", "pp_last_layers", "microbatch_group")
+_NUMBERS = {"maxvio": 0, "oversubscription": 1, "offload_fraction": 0, "moe_capacity_factor": 0}
 """Float flags and their floors: finite and >= the floor (argparse's float() takes inf and nan)."""
 
 
@@ -46,9 +47,15 @@ def check_sizes(args) -> None:
 def _load(args):
     """(model spec, hardware); a bad preset name or file is a ``UsageError``."""
     try:
-        return load_model(args.model), load_hardware(args.hardware)
+        spec, hw = load_model(args.model), load_hardware(args.hardware)
     except (ValueError, OSError, TypeError) as exc:
         raise UsageError(str(exc)) from None
+    mtp = getattr(args, "mtp_layers", None)
+    if mtp is not None:
+        if mtp < 0:
+            raise UsageError(f"--mtp-layers: must be >= 0, got {mtp}")
+        spec = replace(spec, mtp_layers=mtp)
+    return spec, hw
 
 
 def setup(args):
@@ -137,6 +144,9 @@ def _parallel(args, dp: int, seq: int, gbt: int) -> ParallelConfig:
         moment_dtype=args.moment_dtype,
         main_grads_dtype=args.main_grads_dtype,
         moe_a2a_overlap=args.moe_a2a_overlap,
+        microbatch_group=args.microbatch_group,
+        capacity_factor=args.moe_capacity_factor,
+        pad_to_capacity=args.moe_pad_expert_input_to_capacity,
     )
 
 

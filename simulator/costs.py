@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from simulator import host
+from simulator import gemm_shapes, host
 from simulator import network as net
 from simulator.hardware import HardwareSpec
 from simulator.layers import layer_stats
@@ -102,7 +102,7 @@ def _ep_seconds(spec, par, st, t, tiers, comm_scale, skew) -> tuple[float, float
         return 0.0, 0.0
     tp = par.tp
     epg = net.group(par.ep, par.expert_tp, tiers)
-    rows = t / tp * spec.top_k * st.dispatch_dim
+    rows = t / tp * spec.top_k * st.dispatch_dim * _capacity(par)[0]  # dropped copies are not sent
     disp = rows * (1.03 if par.precision == "fp8" else 2.0)  # fp8 payload + one fp32 scale per 128
     weights = net.all_to_all(
         replicas_per_rank(spec, par) * st.expert_bytes_bf16 / par.expert_tp, epg, tiers, comm_scale
@@ -113,27 +113,37 @@ def _ep_seconds(spec, par, st, t, tiers, comm_scale, skew) -> tuple[float, float
     return ep_f, 2 * tokens + 2 * weights
 
 
+def _capacity(par: ParallelConfig) -> tuple[float, float]:
+    """(rows per routed expert as a multiple of the dropless balanced mean, busiest expert's rows / that): the
+    routing skew ``1 + maxvio`` (only the non-``moonep`` dispatchers see it) capped by a capacity factor
+    (``ParallelConfig.moe_load``; padding to capacity sends and computes the padded rows)."""
+    load, busy = par.moe_load(1.0 + par.maxvio if par.dispatcher != "moonep" else 1.0)
+    return load, busy / load
+
+
 def _layer(spec, hw, par, kind, t, tiers, scale, comm_scale, window=0):
     """Forward/backward seconds of one layer: (fwd dict, bwd dict, ep_raw_f, ep_raw_b)."""
     st, eff = layer_stats(spec, kind), hw.efficiency
-    peak = hw.peak_tflops(par.precision) * 1e12 / scale
     bf16 = hw.bf16_tflops * 1e12 / scale
     hbm = hw.hbm_tbps * 1e12 * eff.hbm / scale
     tp, s = par.tp, par.seq_len
     split = tp if (par.sequence_parallel or tp == 1) else 1
     f = dict.fromkeys(COMPUTE_CLASSES + COMM_CLASSES, 0.0)
     h = spec.hidden
-    f["gemm"] = t * st.gemm_flops / tp / (peak * eff.gemm * _size(eff, 2.0 * t * h * h / tp))
+    # GEMMs from their shapes (simulator.gemm_model): tiles, waves, roofline, fp8 casts; backward priced apart
+    roof = gemm_shapes.roof_for(hw, par.precision, scale)
+    size = _size(eff, 2.0 * t * h * h / tp)
+    gemm_fb = tuple(x / size for x in gemm_shapes.dense_seconds(spec, kind, roof, t, tp))
+    grouped_fb = (0.0, 0.0)
+    load, skew = _capacity(par)
     if st.grouped_flops:
         # balanced rows per local expert: the EP x ETP group's tokens (t / TP each), ETP ranks share an expert
-        rows = par.ep * par.expert_tp * (t / tp) * spec.top_k / spec.num_experts
-        size = rows * st.grouped_flops / spec.top_k / 3 / par.expert_tp
-        row_eff = rows / (rows + eff.grouped_half_rows)
-        grouped = t * st.grouped_flops / tp / (peak * eff.grouped_gemm * _size(eff, size) * row_eff)
-    else:
-        grouped = 0.0
-    skew = 1.0 + par.maxvio if par.dispatcher != "moonep" else 1.0
-    f["grouped_gemm"], f["imbalance"] = grouped, grouped * (skew - 1.0)
+        rows = par.ep * par.expert_tp * (t / tp) * spec.top_k / spec.num_experts * load
+        one = rows * st.grouped_flops / spec.top_k / 3 / par.expert_tp  # FLOPs of one expert matrix's GEMM
+        slow = eff.grouped_gemm * _size(eff, one) * rows / (rows + eff.grouped_half_rows)
+        local = spec.num_experts // par.ep
+        grouped_fb = tuple(x / slow for x in gemm_shapes.expert_seconds(spec, roof, rows, local, par.expert_tp))
+    f["gemm"], f["grouped_gemm"], f["imbalance"] = gemm_fb[0], grouped_fb[0], grouped_fb[0] * (skew - 1.0)
     causal = 0.5 if eff.flash_attention else 1.0
     keys = min(s * causal, window) if window else s * causal  # a sliding window bounds the keys per query
     f["attention"] = t * st.attn_flops_per_s * keys / tp / (bf16 * eff.attention)
@@ -143,6 +153,7 @@ def _layer(spec, hw, par, kind, t, tiers, scale, comm_scale, window=0):
     rep = st.act_rep / (st.act_rep + st.act_par) if split == 1 and tp > 1 else 0.0
     f["elementwise"] = t * eff.elementwise_bytes * spec.hidden * (rep + (1 - rep) / tp) / hbm + s2
     b = {k: 2.0 * v for k, v in f.items()}
+    b["gemm"], b["grouped_gemm"], b["imbalance"] = gemm_fb[1], grouped_fb[1], grouped_fb[1] * (skew - 1.0)
     # communication, raw seconds
     act = t * spec.hidden * 2.0
     tp_one = net.all_gather(act, net.group(tp, 1, tiers), tiers, comm_scale)
@@ -190,10 +201,11 @@ def _recipe_terms(spec, hw, par, kind, t, f, b, s2, scale) -> None:
     st, eff = layer_stats(spec, kind), hw.efficiency
     hbm = hw.hbm_tbps * 1e12 * eff.hbm / scale
     if kind[1] == "moe" and hw.host is None:
-        copies = t / par.tp * spec.top_k * eff.moe_copy_ns * 1e-9 * scale
-        f["moe_fixed"] = _moe_fixed(spec, par, t, hbm) + (eff.moe_layer_fixed_s + copies) / 3
+        f["moe_fixed"] = _moe_fixed(spec, par, t, hbm) + _dropless_bookkeeping(spec, par, t, eff, scale)
         b["moe_fixed"] = 2 * f["moe_fixed"]
-    gemm_rate = hw.peak_tflops(par.precision) * 1e12 / scale * eff.gemm
+    roof = gemm_shapes.roof_for(hw, par.precision, scale)  # re-run GEMMs at the layer's own dense GEMM rate
+    dense_f = gemm_shapes.dense_seconds(spec, kind, roof, t, par.tp)[0]
+    gemm_rate = t * st.gemm_flops / par.tp / dense_f if dense_f > 0 else roof.peak * roof.ceiling
     b["recompute"] = _recompute(par, f, s2) + _module_recompute(par, st, t, gemm_rate)
     if par.offload_fraction and hw.host is None:
         f["offload"], b["offload"] = _offload(spec, hw, par, st, t, f, b)
@@ -202,13 +214,10 @@ def _recipe_terms(spec, hw, par, kind, t, f, b, s2, scale) -> None:
 def steady_fraction(par: ParallelConfig) -> float:
     """Share of a pipeline rank's forward and backward passes that run in 1F1B steady state, paired with a pass
     of another micro-batch (mean over ranks): rank r of 1F1B warms up with ``min(m, p - r - 1)`` lone forwards and
-    cools down with as many lone backwards; interleaved with ``(p - r - 1) 2 + (v - 1) p`` chunk passes."""
+    cools down with as many lone backwards; interleaved with ``(p - r - 1) 2 + (v - 1) N`` chunk passes."""
     m, p, v = par.micro_batches, par.pp, par.vpp
-    if par.schedule == "interleaved":
-        lone = [min(m * v, (p - r - 1) * 2 + (v - 1) * p) / (m * v) for r in range(p)]
-    else:
-        lone = [min(m, p - r - 1) / m for r in range(p)]
-    return 1.0 - sum(lone) / p
+    passes = m * v if par.schedule == "interleaved" else m
+    return 1.0 - sum(par.warmup_passes(r) / passes for r in range(p)) / p
 
 
 def _overlapped_ep(par, f, b, ep_f, ep_b) -> tuple[float, float]:
@@ -223,12 +232,23 @@ def _overlapped_ep(par, f, b, ep_f, ep_b) -> tuple[float, float]:
     return ep_f * scale, ep_b * scale
 
 
+def _dropless_bookkeeping(spec, par, t, eff, scale) -> float:
+    """Forward seconds of the dropless dispatcher's per-copy work and per-layer device-to-host sync (the token
+    counts decide the buffer sizes): ``moe_copy_ns`` per routed copy and ``moe_layer_fixed_s``, a third of each
+    (the backward pays twice the forward). A token-dropping run (capacity factor) has fixed-size buffers and no
+    host sync, so neither applies."""
+    if par.capacity_factor:
+        return 0.0
+    copies = t / par.tp * spec.top_k * eff.moe_copy_ns * 1e-9 * scale
+    return (eff.moe_layer_fixed_s + copies) / 3
+
+
 def _moe_fixed(spec, par, t, hbm) -> float:
     """Forward seconds of the MoE bookkeeping kernels on this GPU's ``t / TP`` tokens: router logits, softmax and
     top-k over E experts in fp32 (about 4 passes of 4 bytes), permutation and un-permutation of the ``top_k``
     copies (read + write each way, bf16) and the probability-weighted sum."""
     de = spec.moe_latent_dim or spec.hidden
-    per_token = 16.0 * spec.num_experts + 8.0 * spec.top_k * de + 4.0 * de
+    per_token = 16.0 * spec.num_experts + 8.0 * spec.top_k * de * _capacity(par)[0] + 4.0 * de
     return t / par.tp * per_token / hbm
 
 
@@ -312,16 +332,15 @@ def chunk_cost(
         c.ep_raw_bwd += eb
     eff = hw.efficiency
     hbm = hw.hbm_tbps * 1e12 * eff.hbm / scale
-    k = host.stretch(hw, par)  # 1 without a host profile
-    if last:
-        peak = hw.peak_tflops(par.precision) * 1e12 / scale
-        head = t * 2.0 * spec.vocab * spec.hidden / par.tp / (peak * eff.gemm) * k
-        loss = t * spec.vocab * 4 * 3 / par.tp / hbm  # fp32 logits: write, softmax read + write
+    for _ in range(1 + getattr(spec, "mtp_layers", 0) if last else 0):  # the LM head, again per MTP module
+        head, loss = _head_seconds(spec, hw, par, t, scale)
         c.fwd["gemm"] += head
         c.bwd["gemm"] += 2 * head
         if hw.host is None:
             c.fwd["elementwise"] += loss
             c.bwd["elementwise"] += loss
+    if last and getattr(spec, "mtp_layers", 0):
+        _add_mtp(c, spec, hw, par, t, tiers, scale, comm_scale)
     if first and hw.host is None:
         c.fwd["elementwise"] += t * spec.hidden * 4 / hbm
         c.bwd["elementwise"] += t * spec.hidden * 8 / hbm
@@ -333,3 +352,28 @@ def chunk_cost(
     split = par.tp if par.sequence_parallel else 1
     c.p2p = net.p2p(t * spec.hidden * 2.0 / split, par.tp * par.cp * par.dp, tiers, comm_scale)
     return c
+
+
+def _head_seconds(spec, hw, par, t, scale) -> tuple[float, float]:
+    """(LM-head GEMM, fp32 loss elementwise) forward seconds of one micro-batch on this GPU."""
+    eff = hw.efficiency
+    peak = hw.peak_tflops(par.precision) * 1e12 / scale
+    head = t * 2.0 * spec.vocab * spec.hidden / par.tp / (peak * eff.gemm) * host.stretch(hw, par)
+    loss = t * spec.vocab * 4 * 3 / par.tp / (hw.hbm_tbps * 1e12 * eff.hbm / scale)  # fp32 logits: write, read+write
+    return head, loss
+
+
+def _add_mtp(c: ChunkCost, spec, hw, par, t, tiers, scale, comm_scale) -> None:
+    """In place: the multi-token-prediction modules on the last stage (DeepSeek-V3 section 2.2), each one layer of
+    the model's last kind plus the ``[2H -> H]`` projection of the concatenated norm outputs (its LM head pass
+    and loss are added with the main head)."""
+    n, h = spec.mtp_layers, spec.hidden
+    f, b, ef, eb = _layer(spec, hw, par, spec.layer_kinds()[-1], t, tiers, scale, comm_scale)
+    for k in c.fwd:
+        c.fwd[k] += n * f[k]
+        c.bwd[k] += n * b[k]
+    c.ep_raw_fwd, c.ep_raw_bwd = c.ep_raw_fwd + n * ef, c.ep_raw_bwd + n * eb
+    head = _head_seconds(spec, hw, par, t, scale)[0]
+    proj = head * (2.0 * h) / spec.vocab  # [t, 2H] x [2H, H] at the head's rate: 2 t 2H H FLOPs / TP
+    c.fwd["gemm"] += n * proj
+    c.bwd["gemm"] += 2 * n * proj

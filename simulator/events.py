@@ -33,23 +33,29 @@ class Timeline:
 
 
 def static_order(par: ParallelConfig, rank: int) -> list[tuple[str, int, int]]:
-    """``[(kind, micro_batch, local_chunk)]`` of ``rank`` for 1F1B / interleaved (Megatron's orders)."""
-    m, p = par.micro_batches, par.pp
+    """``[(kind, micro_batch, local_chunk)]`` of ``rank`` for 1F1B / interleaved (Megatron's orders): interleaved
+    forwards run micro-batches in groups of N contiguous ones through each local chunk in turn (Megatron's
+    ``get_schedule_table``; the last group takes what is left), backwards the same table with the chunks
+    reversed; ``ParallelConfig.warmup_passes`` forwards first, then one forward and one backward in turn."""
+    m = par.micro_batches
     v = par.vpp if par.schedule == "interleaved" else 1
-    total = m * v
-    warm = min(total, (p - rank - 1) * 2 + (v - 1) * p) if v > 1 else min(m, p - rank - 1)
-
-    def fwd(k):
-        return ("F", (k // (p * v)) * p + k % p, (k // p) % v) if v > 1 else ("F", k, 0)
-
-    def bwd(k):
-        return ("B", (k // (p * v)) * p + k % p, v - 1 - (k // p) % v) if v > 1 else ("B", k, 0)
-
-    order = [fwd(k) for k in range(warm)]
+    table = _schedule_table(m, v, par.group_size) if v > 1 else tuple((k, 0) for k in range(m))
+    total, warm = m * v, par.warmup_passes(rank)
+    fwd = [("F", mb, j) for mb, j in table]
+    bwd = [("B", mb, v - 1 - j) for mb, j in table]
+    order = fwd[:warm]
     for i in range(total - warm):
-        order += [fwd(warm + i), bwd(i)]
-    order += [bwd(k) for k in range(total - warm, total)]
-    return order
+        order += [fwd[warm + i], bwd[i]]
+    return order + bwd[total - warm :]
+
+
+def _schedule_table(m: int, v: int, n: int) -> tuple[tuple[int, int], ...]:
+    """``(micro_batch, chunk)`` in forward order: groups of ``n`` micro-batches, each group through every chunk."""
+    out = []
+    for g in range(0, m, n):
+        end = m if g + n >= m else g + n
+        out += [(mb, j) for j in range(v) for mb in range(g, end)]
+    return tuple(out)
 
 
 def dualpipe_order(par: ParallelConfig, rank: int) -> list[list[tuple[str, int]]]:

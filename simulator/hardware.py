@@ -4,7 +4,7 @@ Peak numbers are vendor datasheet values for dense (non-sparse) math; link bandw
 Efficiencies are the *only* tuning knobs and there is exactly one set per hardware (the issue's rule): the
 A100 set was fitted once to all eight Korthikanti et al. runs together (see ``simulator/README.md``); the Hopper
 and Blackwell sets are engineering estimates, to be replaced by ``moonep simulate calibrate`` profiles, except
-``moe_copy_ns``, fitted on calibration rows held out of the validation table (``simulator.moe_fit``).
+two software constants fitted to published runs (``SUSTAINED``, ``MOE_LAYER_FIXED_S``; ``simulator.software_fit``).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from typing import Any
 
 from simulator.field_checks import check_finite, check_types
+from simulator.host_spec import HostSpec
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -22,12 +23,16 @@ class Efficiency:
     """Achieved fraction of peak per op class, overlap fractions and software behaviour of one hardware."""
 
     gemm: float = 0.70
-    """Dense GEMM throughput as a fraction of the precision's peak."""
-    grouped_gemm: float = 0.60
-    """Routed-expert grouped GEMM fraction of peak."""
+    """BF16 GEMM ceiling: the fraction of the bf16 peak the best large shapes reach (a measurement, e.g. the MAMF
+    table); each GEMM's own efficiency comes from its shape (``simulator.gemm_model``: tiles, waves, roofline)."""
+    gemm_fp8: float = 0.0
+    """FP8 GEMM ceiling as a fraction of the fp8 peak (0: same as ``gemm``)."""
+    grouped_gemm: float = 1.0
+    """Grouped-GEMM kernel throughput relative to dense GEMMs of the same per-expert shapes (1: as fast; the
+    per-expert padding and the shared waves are in the shape model)."""
     gemm_half_gflop: float = 0.0
-    """GEMM size (GFLOP per call) at which efficiency drops to half of ``gemm``: efficiency = gemm * F / (F +
-    gemm_half_gflop), so small or thin GEMMs (high TP, small experts) run further from peak (Calculon-style)."""
+    """Optional extra size curve on top of the shape model: efficiency x F / (F + gemm_half_gflop) for a layer's
+    GEMMs of F GFLOP (0: off, as in the presets; kept for profiles that set it)."""
     attention: float = 0.50
     """Core softmax attention fraction of peak (forward and backward)."""
     kda: float = 0.35
@@ -44,7 +49,9 @@ class Efficiency:
     tp_overlap: float = 0.0
     """Fraction of TP/SP collective time hidden behind GEMMs (0 = Megatron 2022, no overlap)."""
     dp_overlap: float = 0.0
-    """Fraction of data-parallel gradient/parameter collectives hidden behind the backward pass."""
+    """Share of the last micro-batch's backward (gradient reduce-scatter) and the first one's forward (parameter
+    all-gather) that the DP bucket collectives may overlap (Megatron ``overlap_grad_reduce`` /
+    ``overlap_param_gather``: 1 on, 0 off); what the buckets cannot hide is exposed (``simulator.dp_comm``)."""
     ep_overlap: float = 0.0
     """Fraction of EP all-to-all hidden by 1F1B/interleaved schedules (DualPipe overlaps by construction)."""
     flash_attention: bool = True
@@ -68,6 +75,8 @@ class Efficiency:
         for f in ("gemm", "grouped_gemm", "attention", "kda", "hbm", "nvlink", "network"):
             if not 0 < getattr(self, f) <= 1:
                 raise ValueError(f"Efficiency.{f} must be in (0, 1], got {getattr(self, f)!r}")
+        if not 0 <= self.gemm_fp8 <= 1:
+            raise ValueError(f"Efficiency.gemm_fp8 must be in [0, 1], got {self.gemm_fp8!r}")
         for f in ("tp_overlap", "dp_overlap", "ep_overlap"):
             if not 0 <= getattr(self, f) <= 1:
                 raise ValueError(f"Efficiency.{f} must be in [0, 1], got {getattr(self, f)!r}")
@@ -83,90 +92,6 @@ class Efficiency:
                 "moe_copy_ns",
             ),
         )
-
-
-@dataclass(kw_only=True, frozen=True)
-class HostSpec:
-    """Host-bound costs of eager PyTorch on a calibrated machine (CPU ranks; written by ``simulate calibrate``).
-
-    When a model is small, a step is set by the host: each framework op costs microseconds of Python and
-    dispatcher time, collectives cost host time per call, and local ranks beyond the free cores share them.
-    ``simulator.host`` prices a step with these numbers and an op census of the project's implementation.
-    Every time is the wall time one rank sees while all ``ranks`` local ranks do the same work at once, so the
-    time sharing at ``ranks`` ranks is in the numbers; ``effective_cores`` rescales them to another rank count.
-    """
-
-    timing: str
-    """How the times were taken; only ``"shared_wall"`` (wall time per rank, all ``ranks`` busy at once) is read.
-    Profiles calibrated before it existed held solo CPU times and are refused (calibrate again)."""
-    cores: int
-    """CPU cores the calibrating process could run on (``os.sched_getaffinity``)."""
-    effective_cores: float
-    """Measured: throughput of ``ranks`` concurrently busy local ranks, in units of one rank alone (at most
-    ``ranks``; below ``cores`` when other work shares the machine)."""
-    ranks: int
-    """Local ranks the concurrent and collective measurements used. Calibrate at the job's local rank count:
-    carrying the times to more ranks assumes no more cores than ``effective_cores`` (at most ``ranks``)."""
-    op_fwd_tiny_us: float
-    """Host time per framework op of a forward under autograd, on tiny tensors (pure per-op overhead)."""
-    op_bwd_tiny_us: float
-    """The same for an op run by the autograd engine in the backward."""
-    op_nograd_tiny_us: float
-    """The same outside autograd (optimizer, gradient bookkeeping)."""
-    op_fwd_us: float
-    """Host time per forward op of the reference eager block at ``ref_elements`` activation elements."""
-    op_bwd_us: float
-    """Host time per backward op of the reference block at ``ref_elements``."""
-    ref_elements: int
-    """Activation elements (tokens x width) per op at which ``op_fwd_us`` / ``op_bwd_us`` were measured."""
-    kda_us: float
-    """One KDA kernel call (``cp_kda`` gate + chunk), forward + backward, at ``kda_elements``."""
-    kda_tiny_us: float
-    """The same at ``kda_tiny_elements`` (the per-call part of the cost)."""
-    kda_elements: int
-    """Tokens x heads x head width of the ``kda_us`` call."""
-    kda_tiny_elements: int
-    """Tokens x heads x head width of the ``kda_tiny_us`` call."""
-    a2a_call_us: float
-    """Wall time of one small all-to-all through ``collectives`` (no argument check) at ``ranks`` ranks."""
-    all_reduce_call_us: float
-    """Wall time of one small all-reduce without argument check."""
-    checked_all_reduce_call_us: float
-    """Wall time of one small all-reduce with the default argument check (an extra header all-gather)."""
-    all_gather_call_us: float
-    """Wall time of one small all-gather without argument check."""
-    a2a_us_per_mb: float
-    """Extra all-to-all wall time per MB a rank sends."""
-    all_reduce_us_per_mb: float
-    """Extra all-reduce wall time per MB of the reduced buffer."""
-
-    def __post_init__(self):
-        if self.timing != "shared_wall":
-            raise ValueError(
-                f"HostSpec.timing must be 'shared_wall', got {self.timing!r}: the profile is from an "
-                "older `moonep simulate calibrate` (solo CPU times); calibrate again"
-            )
-        if not isinstance(self.cores, int) or self.cores < 1 or not isinstance(self.ranks, int) or self.ranks < 1:
-            raise ValueError(f"HostSpec.cores and ranks must be positive integers, got {self.cores!r}, {self.ranks!r}")
-        if not 0 < self.effective_cores <= self.ranks + 1e-9:
-            raise ValueError(
-                f"HostSpec.effective_cores must be in (0, ranks={self.ranks}], got {self.effective_cores!r}"
-            )
-        check_finite(self, tuple(f.name for f in fields(self) if f.name not in ("timing", "cores", "ranks")))
-        if (
-            min(self.ref_elements, self.kda_elements, self.kda_tiny_elements) < 1
-            or self.kda_elements <= self.kda_tiny_elements
-        ):
-            raise ValueError("HostSpec: ref_elements, kda_*elements must be >= 1 and kda_elements > kda_tiny_elements")
-
-    def stretch(self, local_ranks: int) -> float:
-        """Wall seconds per second of one rank's busy work (measured alone) when ``local_ranks`` ranks share this
-        machine: applied to FLOPs at the solo GEMM rate; the host times go through ``share_factor``."""
-        return max(1.0, local_ranks / self.effective_cores)
-
-    def share_factor(self, local_ranks: int) -> float:
-        """Factor on this spec's times (measured with ``ranks`` ranks busy) for ``local_ranks`` local ranks."""
-        return self.stretch(local_ranks) / self.stretch(self.ranks)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -189,6 +114,11 @@ class HardwareSpec:
     """Scale-out NIC bandwidth per GPU per direction, GB/s (400 Gb/s = 50)."""
     gpus_per_node: int = 8
     """GPUs per NVLink domain (node)."""
+    arch: str = ""
+    """GEMM tile family for the shape model: ``ampere``, ``hopper``, ``blackwell``; ``""``: none (GEMMs at the
+    ceiling rate, e.g. a calibrated profile that measured its own rate)."""
+    sms: int = 0
+    """Streaming multiprocessors (the wave size of the shape model; datasheet)."""
     nvlink_latency_us: float = 3.0
     """Per-hop latency inside a node, microseconds."""
     nic_latency_us: float = 10.0
@@ -210,6 +140,10 @@ class HardwareSpec:
             self, ("bf16_tflops", "hbm_gib", "hbm_tbps", "nvlink_gbps", "nic_gbps", "pcie_gbps"), positive=True
         )
         check_finite(self, ("fp8_tflops", "nvlink_latency_us", "nic_latency_us", "reserved_gib", "price_per_gpu_hour"))
+        if self.arch not in ("", "ampere", "hopper", "blackwell"):
+            raise ValueError(f"HardwareSpec.arch must be '', 'ampere', 'hopper' or 'blackwell', got {self.arch!r}")
+        if not isinstance(self.sms, int) or self.sms < 0 or (self.arch and self.sms < 1):
+            raise ValueError(f"HardwareSpec.sms must be a positive integer when arch is set, got {self.sms!r}")
         if not isinstance(self.gpus_per_node, int) or self.gpus_per_node < 1:
             raise ValueError(f"HardwareSpec.gpus_per_node must be a positive integer, got {self.gpus_per_node!r}")
 
@@ -252,12 +186,18 @@ class HardwareSpec:
         return spec
 
 
-# A100 set: fitted once, jointly, to the eight Korthikanti et al. 2022 runs (Megatron-LM 2022: no fused
-# attention, no TP/DP overlap); see simulator/README.md. Do not tune per case.
+# GEMM ceilings (``gemm``, ``gemm_fp8``): the best-shape fraction of peak measured with cuBLAS, the "Maximum
+# Achievable Matmul FLOPS" table of ml-engineering (stas00/ml-engineering, compute/accelerator/README.md, bf16):
+# A100 SXM 267.9 of 312 TFLOP/s (85.9%), H100 SXM 792.1 of 989 (80.1%), GH200 83.0%; Blackwell: no measurement was
+# checked, the H100 fraction is used. FP8 on Hopper: DeepGEMM (deepseek-ai/DeepGEMM README) reports 1,300-1,550
+# TFLOP/s for large DeepSeek-V3 shapes on H800 (0.66-0.78 of 1,979), taken as 0.70 (also for Blackwell, not
+# measured). Per-GEMM efficiency then follows the shape (simulator.gemm_model).
+# A100 set: the non-GEMM terms were fitted once, jointly, to the eight Korthikanti et al. 2022 runs (Megatron-LM
+# 2022: no fused attention, no TP/DP overlap); see simulator/README.md. Do not tune per case.
 A100_EFFICIENCY = Efficiency(
-    gemm=0.78,
+    gemm=0.859,
     gemm_half_gflop=0.0,
-    grouped_gemm=0.65,
+    grouped_gemm=1.0,
     attention=0.45,
     kda=0.30,
     hbm=0.80,
@@ -266,10 +206,20 @@ A100_EFFICIENCY = Efficiency(
     network=0.80,
     flash_attention=False,
 )
-# Hopper/Blackwell: estimates for current Megatron/TE + DeepEP-class software (TP comm overlap, overlapped DP).
+# Hopper/Blackwell: current Megatron/TE software (TP comm overlap; DP bucket collectives overlapped with the
+# backward / forward as Megatron's overlap_grad_reduce / overlap_param_gather do).
+GEMM_CEILING = {"bf16": 0.801, "fp8": 0.70}
+"""Best-shape GEMM fraction of peak in a microbenchmark (sources above), Hopper and Blackwell."""
+SUSTAINED = 0.842
+"""Fitted (simulator.software_fit): the share of the microbenchmark ceiling a training step sustains (clocks
+under a training power load, SMs lent to communication kernels, launch gaps), one number for every GPU."""
+MOE_LAYER_FIXED_S = 0.0026
+"""Fitted (simulator.software_fit): seconds per MoE layer per micro-batch, forward + backward, of dropless
+dispatcher work that does not scale with tokens (host syncs for the token counts, kernel launches)."""
 HOPPER_EFFICIENCY = Efficiency(
-    gemm=0.62,
-    gemm_half_gflop=10.0,
+    gemm=GEMM_CEILING["bf16"] * SUSTAINED,
+    gemm_fp8=GEMM_CEILING["fp8"] * SUSTAINED,
+    gemm_half_gflop=0.0,
     attention=0.45,
     kda=0.30,
     hbm=0.80,
@@ -277,19 +227,20 @@ HOPPER_EFFICIENCY = Efficiency(
     nvlink=0.80,
     network=0.85,
     tp_overlap=0.5,
-    dp_overlap=0.8,
-    grouped_gemm=0.50,
-    moe_copy_ns=152.0,
+    dp_overlap=1.0,
+    grouped_gemm=1.0,
+    moe_layer_fixed_s=MOE_LAYER_FIXED_S,
 )
-BLACKWELL_EFFICIENCY = replace(HOPPER_EFFICIENCY, gemm=0.60, grouped_gemm=0.48, attention=0.45, moe_copy_ns=170.0)
-# MoE terms: grouped_gemm is the estimate these sets had before any published MoE run was read; moe_copy_ns is
-# the only constant fitted to published runs, and only to the calibration rows of simulator.moe_fit (25.11
-# Megatron-Bridge tables), never to the validation rows of simulator.published (tests/simulator/test_moe_fit.py
-# refits it and checks both). moe_layer_fixed_s stays 0 (measured by `simulate calibrate` on a GPU).
+BLACKWELL_EFFICIENCY = HOPPER_EFFICIENCY
+# MoE terms: grouped_gemm is a kernel's speed relative to dense GEMMs of the same shapes (DeepGEMM's grouped
+# contiguous kernels run the DeepSeek-V3 expert shapes at its dense rates); moe_copy_ns stays 0 (a per-copy
+# cost, measured by `simulate calibrate` on a GPU: none was fitted, the dispatcher's bytes are priced instead).
 
 PRESETS: dict[str, HardwareSpec] = {
     "a100": HardwareSpec(
         name="a100-80g",
+        arch="ampere",
+        sms=108,
         bf16_tflops=312.0,
         fp8_tflops=0.0,
         hbm_gib=80.0,
@@ -302,6 +253,8 @@ PRESETS: dict[str, HardwareSpec] = {
     ),
     "h100": HardwareSpec(
         name="h100-sxm",
+        arch="hopper",
+        sms=132,
         bf16_tflops=989.0,
         fp8_tflops=1979.0,
         hbm_gib=79.6,
@@ -313,6 +266,8 @@ PRESETS: dict[str, HardwareSpec] = {
     ),
     "h800": HardwareSpec(
         name="h800",
+        arch="hopper",
+        sms=132,
         bf16_tflops=989.0,
         fp8_tflops=1979.0,
         hbm_gib=79.6,
@@ -324,6 +279,8 @@ PRESETS: dict[str, HardwareSpec] = {
     ),
     "h200": HardwareSpec(
         name="h200",
+        arch="hopper",
+        sms=132,
         bf16_tflops=989.0,
         fp8_tflops=1979.0,
         hbm_gib=140.0,
@@ -335,6 +292,8 @@ PRESETS: dict[str, HardwareSpec] = {
     ),
     "b200": HardwareSpec(
         name="b200",
+        arch="blackwell",
+        sms=148,
         bf16_tflops=2250.0,
         fp8_tflops=4500.0,
         hbm_gib=179.0,
@@ -342,6 +301,55 @@ PRESETS: dict[str, HardwareSpec] = {
         nvlink_gbps=900.0,
         nic_gbps=50.0,
         price_per_gpu_hour=5.0,
+        efficiency=BLACKWELL_EFFICIENCY,
+    ),
+    # GB200 NVL72 (NVIDIA GB200 NVL72 datasheet): per Blackwell GPU 2.5 PF dense BF16 / 5 PF dense FP8 (half the
+    # sparse figures), 186 GB HBM3e at 8 TB/s, fifth-generation NVLink 1.8 TB/s bidirectional across one 72-GPU
+    # domain, one ConnectX-7 400 Gb/s NIC per GPU; memory as nvidia-smi reports it (189471 MiB), like b200's.
+    "gb200": HardwareSpec(
+        name="gb200",
+        arch="blackwell",
+        sms=148,
+        bf16_tflops=2500.0,
+        fp8_tflops=5000.0,
+        hbm_gib=185.0,
+        hbm_tbps=8.0,
+        nvlink_gbps=900.0,
+        nic_gbps=50.0,
+        gpus_per_node=72,
+        pcie_gbps=450.0,  # NVLink-C2C to the Grace CPU: 900 GB/s both ways (activation offload's path)
+        price_per_gpu_hour=6.0,
+        efficiency=BLACKWELL_EFFICIENCY,
+    ),
+    # Blackwell Ultra (NVIDIA DGX B300 and GB300 NVL72 datasheets, Blackwell Ultra technical brief): 160 SMs, the
+    # same dense BF16 / FP8 tensor peaks as B200 / GB200 (Ultra raises FP4 and attention exponent rates), 288 GB
+    # HBM3e at 8 TB/s, NVLink 5 at 900 GB/s per direction, one ConnectX-8 800 Gb/s NIC per GPU.
+    "b300": HardwareSpec(
+        name="b300",
+        arch="blackwell",
+        sms=160,
+        bf16_tflops=2250.0,
+        fp8_tflops=4500.0,
+        hbm_gib=268.0,
+        hbm_tbps=8.0,
+        nvlink_gbps=900.0,
+        nic_gbps=100.0,
+        price_per_gpu_hour=6.0,
+        efficiency=BLACKWELL_EFFICIENCY,
+    ),
+    "gb300": HardwareSpec(
+        name="gb300",
+        arch="blackwell",
+        sms=160,
+        bf16_tflops=2500.0,
+        fp8_tflops=5000.0,
+        hbm_gib=268.0,
+        hbm_tbps=8.0,
+        nvlink_gbps=900.0,
+        nic_gbps=100.0,
+        gpus_per_node=72,
+        pcie_gbps=450.0,  # NVLink-C2C, as gb200
+        price_per_gpu_hour=7.0,
         efficiency=BLACKWELL_EFFICIENCY,
     ),
 }

@@ -4,20 +4,33 @@ a missing or ill-typed one named."""
 
 from __future__ import annotations
 
+import re
 import warnings
 from collections.abc import Callable
 from typing import Any
 
+from simulator.hf_families import family_fixed, flatten, mamba_fields, mamba_layer_ids, model_name, moe_layer_ids
 from simulator.modelspec import MAX_SIZE, ModelSpec
 
 
-def from_hf_config(cfg: dict, name: str = "hf") -> ModelSpec:
-    """A ``ModelSpec`` from a Hugging Face ``config.json`` dict (Llama/Qwen/DeepSeek/Kimi-Linear/K3 fields).
+def from_hf_config(cfg: dict, name: str | None = None) -> ModelSpec:
+    """A ``ModelSpec`` from a Hugging Face ``config.json`` dict (Llama/Qwen/DeepSeek/Kimi-Linear/K3 fields and the
+    MoE families of ``simulator.hf_families``), named after the model (``_name_or_path`` or ``model_type`` +
+    ``architectures``) unless ``name`` is given.
 
     A multimodal config's ``text_config`` is used when present. K3/Kimi-Linear ``linear_attn_config.kda_layers``
-    are 1-based in the release and are converted to 0-based indices.
+    are 1-based in the release and are converted to 0-based indices. A check that fails names the HF field.
     """
     c, get = _hf_text(cfg)
+    fields = _fields(cfg, c, get, name or model_name(cfg))
+    try:
+        return ModelSpec(**fields)
+    except ValueError as exc:
+        raise ValueError(_hf_message(str(exc), c)) from None
+
+
+def _fields(cfg: dict, c: dict, get: Callable[..., Any], name: str) -> dict:
+    """The ``ModelSpec`` keyword arguments of a text config ``c`` (``cfg`` is the whole file)."""
     hidden, heads = int(get("hidden_size")), int(get("num_attention_heads"))
     mla = get("kv_lora_rank") is not None
     lin = get("linear_attn_config") or {}
@@ -30,11 +43,14 @@ def from_hf_config(cfg: dict, name: str = "hf") -> ModelSpec:
     if not isinstance(kda_ids, (list, tuple)) or not all(isinstance(i, int) and i >= 1 for i in kda_ids):
         raise ValueError(f"HF config: 'linear_attn_config.kda_layers' must be 1-based layer numbers, got {kda_ids!r}")
     kda = tuple(i - 1 for i in kda_ids)
-    moe = _moe_fields(c, get, hidden)
-    return ModelSpec(
+    layers = int(get("num_hidden_layers"))
+    moe = _moe_fields(c, get, hidden, layers)
+    mamba = mamba_layer_ids(c, get, layers)
+    dense_width = "intermediate_size_mlp" if c.get("intermediate_size_mlp") is not None else "intermediate_size"
+    return dict(
         name=name,
         hidden=hidden,
-        num_layers=int(get("num_hidden_layers")),
+        num_layers=layers,
         vocab=int(get("vocab_size")),
         num_heads=heads,
         num_kv_heads=0 if mla else int(get("num_key_value_heads") or heads),
@@ -50,48 +66,59 @@ def from_hf_config(cfg: dict, name: str = "hf") -> ModelSpec:
         kda_heads=int(lget("num_heads", 0)),
         kda_head_dim=int(lget("head_dim", 0)),
         kda_conv=int(lget("short_conv_kernel_size", 4)),
-        ffn_hidden=int(get("intermediate_size") or 0),
+        ffn_hidden=int(get(dense_width) or 0),
         **moe,
+        mamba_layers=mamba,
+        **(mamba_fields(c, get) if mamba else {}),
+        bias=bool(c.get("attention_bias") or c.get("use_bias")),
         sliding_window=int(get("sliding_window") or 0) if swa else 0,
         sliding_window_layers=swa,
         attn_res=bool(get("attn_res_block_size")),
         attn_res_block_size=int(get("attn_res_block_size") or 0),
         tie_embeddings=bool(cfg.get("tie_word_embeddings", get("tie_word_embeddings", False))),
         seq_len=min(int(get("max_position_embeddings") or 4096), 8192),
+        mtp_layers=int(get("num_nextn_predict_layers") or 0),
     )
 
 
 EXPERT_COUNT = ("n_routed_experts", "num_experts", "num_local_experts", "moe_num_experts")
-"""Names of the routed-expert count (DeepSeek/Kimi, Qwen-MoE, Mixtral, ERNIE-4.5), first present wins."""
-TOP_K = ("num_experts_per_tok", "num_experts_per_token", "moe_k", "moe_topk")
+"""Names of the routed-expert count (DeepSeek/Kimi, Qwen-MoE/Jamba, Mixtral/gpt-oss/Llama-4/DBRX, ERNIE-4.5)."""
+TOP_K = ("num_experts_per_tok", "num_experts_per_token", "experts_per_token", "moe_k", "moe_topk")
 SHARED = ("n_shared_experts", "num_shared_experts", "moe_num_shared_experts")
 READ_MOE = frozenset(
     EXPERT_COUNT
     + TOP_K
     + SHARED
-    + ("moe_intermediate_size", "shared_expert_intermediate_size", "first_k_dense_replace")
+    + ("moe_intermediate_size", "shared_expert_intermediate_size", "first_k_dense_replace", "moe_layers")
     + ("routed_expert_hidden_size", "topk_method", "n_group", "topk_group", "decoder_sparse_step", "mlp_only_layers")
     + ("moe_layer_freq", "moe_layer_start_index", "num_expert_group", "moe_layer_interval", "moe_layer_end_index")
+    + ("expert_layer_period", "expert_layer_offset")
 )
-"""Expert fields this reader uses (or checks are at their no-op values)."""
+"""Expert fields this reader uses."""
 NO_COST = frozenset(
     ("router_aux_loss_coef", "output_router_logits", "router_z_loss_coef", "norm_topk_prob", "routed_scaling_factor")
     + ("scoring_func", "aux_loss_alpha", "seq_aux", "ep_size", "router_jitter_noise", "moe_gate", "moe_use_aux_free")
     + ("use_qk_norm_in_moe", "moe_router_bias_update_rate", "moe_renormalize", "moe_router_activation_func")
+    + ("moe_norm_min",)
 )
 """Expert fields that change the loss or the routing rule, not the step's FLOPs, memory or traffic."""
 
 
-def _first(get: Callable[..., Any], names: tuple[str, ...]) -> tuple[str | None, int]:
-    return next(((n, int(get(n))) for n in names if get(n)), (None, 0))
+def _one_of(get: Callable[..., Any], names: tuple[str, ...], what: str) -> tuple[str | None, int]:
+    """(field, value) of the one nonzero field among ``names``; two that disagree are ambiguous: an error."""
+    given = [(n, int(get(n))) for n in names if get(n)]
+    if len({v for _, v in given}) > 1:
+        said = " and ".join(f"{n}={v}" for n, v in given)
+        raise ValueError(f"HF config: {said} both give the {what} and disagree")
+    return given[0] if given else (None, 0)
 
 
-def _moe_fields(c: dict, get: Callable[..., Any], hidden: int) -> dict:
+def _moe_fields(c: dict, get: Callable[..., Any], hidden: int, layers: int) -> dict:
     """The ``ModelSpec`` expert fields of an HF config, under any of the known spellings (``EXPERT_COUNT``,
     ...). Raises naming the HF fields when the config is MoE but cannot be read as such; warns about expert
     fields it does not read, since they may change the cost."""
     moe_keys = sorted(k for k in c if _looks_moe(k) and c[k] not in (None, 0, False, [], {}))
-    count_name, experts = _first(get, EXPERT_COUNT)
+    count_name, experts = _one_of(get, EXPERT_COUNT, "routed-expert count")
     if not experts:
         if moe_keys:
             raise ValueError(
@@ -101,41 +128,52 @@ def _moe_fields(c: dict, get: Callable[..., Any], hidden: int) -> dict:
         return {}
     unread = [k for k in moe_keys if k not in READ_MOE and k not in NO_COST]
     if unread:
-        warnings.warn(f"HF config: expert fields not read (their cost is not modelled): {unread}", stacklevel=3)
-    _, top_k = _first(get, TOP_K)
-    width = int(get("moe_intermediate_size") or get("intermediate_size") or 0)  # Mixtral: the expert's own width
-    if not top_k or not width:
-        missing = "top-k (" + "/".join(TOP_K) + ")" if not top_k else "expert width (moe_intermediate_size)"
-        raise ValueError(f"HF config: an MoE config ({count_name}={experts}) without its {missing}")
-    _check_every_layer_moe(c, get)
+        warnings.warn(f"HF config: expert fields not read (their cost is not modelled): {unread}", stacklevel=4)
+    k_name, top_k = _one_of(get, TOP_K, "experts per token")
+    if not top_k:
+        raise ValueError(f"HF config: an MoE config ({count_name}={experts}) without its top-k ({'/'.join(TOP_K)})")
+    if top_k > experts:
+        raise ValueError(f"HF config: {k_name}={top_k} experts per token is more than {count_name}={experts}")
+    w_name = "moe_intermediate_size" if get("moe_intermediate_size") is not None else "intermediate_size"
+    width = int(get(w_name) or 0)  # Mixtral, Jamba, gpt-oss, Llama-4, DBRX: intermediate_size is the expert's
+    if not width:
+        raise ValueError(f"HF config: an MoE config ({count_name}={experts}) needs its expert width {w_name} > 0")
+    fixed = family_fixed(c)
+    ids, _ = moe_layer_ids(c, get, layers)
+    first = ids[0] if ids == tuple(range(ids[0], layers)) else 0
+    dense = "intermediate_size_mlp" if c.get("intermediate_size_mlp") is not None else "intermediate_size"
+    if len(ids) < layers and not get(dense):
+        raise ValueError(f"HF config: {layers - len(ids)} dense (non-MoE) layers need their width {dense} > 0")
     return {
         "num_experts": experts,
         "top_k": top_k,
         "moe_ffn_hidden": width,
-        "num_shared_experts": _shared_experts(get, width),
-        "first_k_dense": int(get("first_k_dense_replace") or get("moe_layer_start_index") or 0),
+        "num_shared_experts": fixed.pop("num_shared_experts", 0) or _shared_experts(get, width),
+        "first_k_dense": first,
+        "moe_layers": () if first or len(ids) == layers else ids,
         "moe_latent_dim": int(get("routed_expert_hidden_size") or 0)
         if get("routed_expert_hidden_size") not in (None, hidden)
         else 0,
-        "router_bias": get("topk_method") == "noaux_tc",
+        "router_bias": get("topk_method") == "noaux_tc" or fixed.pop("router_bias", False),
+        **fixed,
         **_expert_groups(get),
     }
 
 
 def _expert_groups(get: Callable[..., Any]) -> dict:
     """Group-limited routing (DeepSeek ``n_group``, Kimi ``num_expert_group``); one group is no limit."""
-    groups = _first(get, ("n_group", "num_expert_group"))[1]
+    groups = _one_of(get, ("n_group", "num_expert_group"), "expert group count")[1]
     return {"expert_groups": groups if groups > 1 else 0, "groups_per_token": int(get("topk_group") or 0)}
 
 
 def _looks_moe(key: str) -> bool:
-    low = key.lower()
+    low = key.lower().rpartition(".")[2]
     return "expert" in low or low.startswith("moe_") or low.startswith("router_")
 
 
 def _shared_experts(get: Callable[..., Any], width: int) -> int:
     """Shared experts as a count of routed-width MLPs: Qwen-MoE gives one shared MLP's width instead."""
-    count = _first(get, SHARED)[1]
+    count = _one_of(get, SHARED, "shared-expert count")[1]
     shared_width = int(get("shared_expert_intermediate_size") or 0)
     if not shared_width:
         return count
@@ -147,26 +185,56 @@ def _shared_experts(get: Callable[..., Any], width: int) -> int:
     return shared_width // width
 
 
-def _check_every_layer_moe(c: dict, get: Callable[..., Any]) -> None:
-    """Dense layers other than the first k are not expressible: refuse rather than price them as MoE."""
-    every = {k: int(get(k) or 1) for k in ("decoder_sparse_step", "moe_layer_freq", "moe_layer_interval")}
-    dense = c.get("mlp_only_layers") or []
-    last = get("moe_layer_end_index")
-    tail = last is not None and int(last) < int(get("num_hidden_layers")) - 1
-    if any(v != 1 for v in every.values()) or dense or tail:
-        said = ", ".join(f"{k}={v}" for k, v in every.items() if v != 1)
-        said += f"{', ' if said else ''}mlp_only_layers={dense}" if dense else ""
-        said += f"{', ' if said else ''}moe_layer_end_index={last}" if tail else ""
-        raise ValueError(
-            f"HF config: MoE on only some layers ({said}) is not expressible (ModelSpec has first_k_dense only)"
-        )
+_SPEC_TO_HF = {
+    "hidden": "hidden_size",
+    "num_layers": "num_hidden_layers",
+    "vocab": "vocab_size",
+    "num_heads": "num_attention_heads",
+    "num_kv_heads": "num_key_value_heads",
+    "qk_nope_dim": "qk_nope_head_dim",
+    "qk_rope_dim": "qk_rope_head_dim",
+    "v_head_dim": "v_head_dim",
+    "ffn_hidden": "intermediate_size",
+    "num_experts": "/".join(EXPERT_COUNT),
+    "top_k": "/".join(TOP_K),
+    "moe_ffn_hidden": "moe_intermediate_size",
+    "num_shared_experts": "/".join(SHARED),
+    "first_k_dense": "first_k_dense_replace",
+    "expert_groups": "n_group",
+    "groups_per_token": "topk_group",
+    "seq_len": "max_position_embeddings",
+    "mtp_layers": "num_nextn_predict_layers",
+    "kda_layers": "linear_attn_config.kda_layers",
+    "kda_heads": "linear_attn_config.num_heads",
+    "kda_head_dim": "linear_attn_config.head_dim",
+    "sliding_window": "sliding_window",
+    "sliding_window_layers": "layer_types",
+    "mamba_layers": "attn_layer_period/attn_layer_offset",
+    "mamba_d_state": "mamba_d_state",
+    "mamba_d_conv": "mamba_d_conv",
+    "mamba_expand": "mamba_expand",
+}
+"""The HF field behind each ``ModelSpec`` field, for messages about an HF config (the first present of several)."""
+
+
+def _hf_message(msg: str, c: dict) -> str:
+    """A ``ModelSpec`` check's message with the spec's field names replaced by the HF fields they came from."""
+
+    def hf(m: re.Match) -> str:
+        names = _SPEC_TO_HF.get(m.group(1), m.group(1)).split("/")
+        present = [n for n in names if n in c] or names
+        return f"HF field {present[0]!r}"
+
+    out = re.sub(r"ModelSpec\.(\w+)", hf, msg)
+    out = re.sub(r"\b(" + "|".join(_SPEC_TO_HF) + r")\b(?!')", lambda m: hf(m), out)
+    return out if out.startswith("HF config") else f"HF config: {out}"
 
 
 def _hf_text(cfg: Any) -> tuple[dict, Callable[..., Any]]:
     """The text model's fields (``text_config`` when present) and their checked getter; required fields present."""
     if not isinstance(cfg, dict) or not isinstance(cfg.get("text_config", cfg), dict):
         raise ValueError("an HF config.json holds one JSON object (its text_config too)")
-    c = cfg.get("text_config", cfg)
+    c = flatten(cfg.get("text_config", cfg))
     for key in ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size"):
         if c.get(key) is None:
             raise ValueError(f"HF config: required field {key!r} is missing")
@@ -189,7 +257,7 @@ def _hf_getter(c: dict) -> Callable[..., Any]:
     return get
 
 
-_HF_OTHER = ("linear_attn_config", "topk_method", "layer_types", "mlp_only_layers")
+_HF_OTHER = ("linear_attn_config", "topk_method", "layer_types", "mlp_only_layers", "moe_layers", "mamba_dt_rank")
 _HF_BOOL = ("mla_use_output_gate", "tie_word_embeddings")
 
 

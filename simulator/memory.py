@@ -5,17 +5,20 @@ fp32 master + m + v 12 (Megatron's 18, or ``6 + 12/DP`` with the distributed opt
 sharded by TP (ZeRO over DP x CP); routed experts by EP x TP (ZeRO over the DP x CP / EP expert-data ranks).
 
 Activations per layer follow ``layers.LayerStats``; in-flight micro-batches follow the schedule: 1F1B rank r
-holds ``min(m, p - r)``; interleaved rank r holds ``(p - r - 1) * 2 + (v - 1) * p + 1`` chunks (Megatron's
-warm-up, which gives the paper's ``1 + (p-1)/(p v)`` factor on rank 0); DualPipe holds ``p + 1`` micro-batches
-of its two chunks and two weight copies. Full recompute keeps each layer's ``[t, H]`` input plus one layer's
-working set.
+holds ``min(m, p - r)``; interleaved rank r holds ``(p - r - 1) * 2 + (v - 1) * N + 1`` chunks (Megatron's
+warm-up with N contiguous micro-batches, default p, which gives the paper's ``1 + (p-1)/(p v)`` factor on rank
+0); ZeRO 2/3 price the unsharded gradients where activations + gradients peak (``_zero_peak``); DualPipe
+holds ``p + 1`` micro-batches of its two chunks and two weight copies. Full recompute keeps each layer's
+``[t, H]`` input plus one layer's working set.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from functools import lru_cache
 
+from simulator.events import static_order
 from simulator.hardware import HardwareSpec
 from simulator.layers import embedding_params, head_params, layer_stats
 from simulator.modelspec import ModelSpec
@@ -29,8 +32,8 @@ MEMORY_ITEMS = ("params", "grads", "optimizer", "activations", "kda_states", "ml
 def inflight_chunks(par: ParallelConfig, rank: int) -> float:
     """Chunks' activations alive at the peak on pipeline rank ``rank`` (unit: one chunk, one micro-batch)."""
     m, p, v = par.micro_batches, par.pp, par.vpp
-    if par.schedule == "interleaved":
-        return float(min(m * v, (p - rank - 1) * 2 + (v - 1) * p + 1))
+    if par.schedule == "interleaved":  # Megatron's warm-up (p - r - 1) 2 + (v - 1) N, plus the pass that peaks
+        return float(min(m * v, par.warmup_passes(rank) + 1))
     if par.schedule == "dualpipe":
         return float(min(m, p + 1))  # p + 1 micro-batches, each through one of the rank's two chunks
     return float(min(m, p - rank))
@@ -108,19 +111,24 @@ def rank_memory(spec: ModelSpec, hw: HardwareSpec, par: ParallelConfig, rank: in
             dense += embedding_params(spec)
         if c == len(chunks) - 1:
             dense += head_params(spec) if not spec.tie_embeddings else spec.vocab * spec.hidden
+    if len(chunks) - 1 in mine:  # the multi-token-prediction modules sit after the last layer (their weights)
+        d, e = mtp_params(spec)
+        dense, expert = dense + d, expert + e
     if par.recompute == "full":
         act += _full_working_set(spec, par, t, flash)
     if len(chunks) - 1 in mine:
         act += t * spec.vocab * 6.0 / par.tp  # bf16 logits + fp32 loss buffer
-    dense_g, expert_g = dense / par.tp, expert / (par.ep * par.expert_tp)
-    dpg, edpg = par.dp * par.cp, par.expert_dp
-    zs = par.zero_stage
-    w_bytes = 3.0 if par.precision == "fp8" else 2.0
-    g_bytes = 4.0 if par.main_grads_dtype == "fp32" else 2.0
-    o_bytes = 4.0 + (8.0 if par.moment_dtype == "fp32" else 4.0)  # fp32 master + m + v
-    params = dense_g * w_bytes / (dpg if zs >= 3 else 1) + expert_g * w_bytes / (edpg if zs >= 3 else 1)
-    grads = dense_g * g_bytes / (dpg if zs >= 2 else 1) + expert_g * g_bytes / (edpg if zs >= 2 else 1)
-    optim = dense_g * o_bytes / (dpg if zs >= 1 else 1) + expert_g * o_bytes / (edpg if zs >= 1 else 1)
+    params, grads, optim = _state_bytes(spec, par, dense, expert, mine, chunks)
+    if par.zero_stage == 3:  # FSDP reduce-scatters each micro-batch's gradients layer by layer: one layer unsharded
+        grads += _biggest_layer(spec, par, mine, chunks) * (4.0 if par.main_grads_dtype == "fp32" else 2.0)
+    elif par.zero_stage == 2:  # unsharded gradients where activations + gradients peak; at most ZeRO-1's buffer
+        full = _state_bytes(spec, replace(par, zero_stage=1), dense, expert, mine, chunks)[1]
+        if par.schedule == "dualpipe":  # no op walk: both directions' backwards start at the peak (upper bound)
+            fresh = full
+        else:
+            walked, fresh = _zero_peak(spec, par, rank, flash)
+            act += walked - sum(_chunk_totals(spec, chunks[c], par, flash)[3] * live for c in mine)
+        grads = min(full, grads + fresh)
     ep_buf = 0.0
     if moe_layers:
         st = layer_stats(spec, next(k for k in spec.layer_kinds() if k[1] == "moe"))
@@ -137,6 +145,83 @@ def rank_memory(spec: ModelSpec, hw: HardwareSpec, par: ParallelConfig, rank: in
         "ep_buffers": ep_buf,
         "reserved": hw.reserved_gib * GIB,
     }
+
+
+def mtp_params(spec: ModelSpec) -> tuple[float, float]:
+    """(dense, expert) parameters of the multi-token-prediction modules (DeepSeek-V3 section 2.2): per module one
+    layer of the model's last kind, the ``[2H -> H]`` projection and its two input RMSNorms; embedding and LM head
+    are shared with the main model."""
+    n = getattr(spec, "mtp_layers", 0)
+    if not n:
+        return 0.0, 0.0
+    st = layer_stats(spec, spec.layer_kinds()[-1])
+    return n * (st.dense_params + 2.0 * spec.hidden * spec.hidden + 2.0 * spec.hidden), n * st.expert_params
+
+
+def _state_bytes(spec, par: ParallelConfig, dense: float, expert: float, mine, chunks) -> tuple[float, float, float]:
+    """(weights, gradients, optimizer) bytes of the rank's ``dense`` / ``expert`` parameters. ZeRO shards over
+    DP x CP (experts over their expert-data ranks): 1 the optimizer, 2 also the gradient accumulators (their
+    unsharded peak: ``_zero_peak``), 3 also the weights, with two layers gathered (the one computing and the one
+    prefetched, FSDP's default) alive, and each micro-batch's gradients reduce-scattered layer by layer."""
+    dense_g, expert_g = dense / par.tp, expert / (par.ep * par.expert_tp)
+    dpg, edpg, zs = par.dp * par.cp, par.expert_dp, par.zero_stage
+    w_bytes = 3.0 if par.precision == "fp8" else 2.0
+    g_bytes = 4.0 if par.main_grads_dtype == "fp32" else 2.0
+    o_bytes = 4.0 + (8.0 if par.moment_dtype == "fp32" else 4.0)  # fp32 master + m + v
+    params = dense_g * w_bytes / (dpg if zs >= 3 else 1) + expert_g * w_bytes / (edpg if zs >= 3 else 1)
+    grads = dense_g * g_bytes / (dpg if zs >= 2 else 1) + expert_g * g_bytes / (edpg if zs >= 2 else 1)
+    optim = dense_g * o_bytes / (dpg if zs >= 1 else 1) + expert_g * o_bytes / (edpg if zs >= 1 else 1)
+    if zs >= 3:
+        params += 2 * _biggest_layer(spec, par, mine, chunks) * w_bytes * (1.0 - 1.0 / dpg)
+    return params, grads, optim
+
+
+def _biggest_layer(spec, par: ParallelConfig, mine, chunks) -> float:
+    """Parameters on this GPU of the rank's largest layer (what FSDP gathers, or reduce-scatters, at once)."""
+    kinds = spec.layer_kinds()
+    layers = [layer_stats(spec, kinds[i]) for c in mine for i in chunks[c]]
+    return max((s.dense_params / par.tp + s.expert_params / (par.ep * par.expert_tp) for s in layers), default=0)
+
+
+def _zero_peak(spec: ModelSpec, par: ParallelConfig, rank: int, flash: bool) -> tuple[float, float]:
+    """(activations, unsharded gradient bytes) at the rank's peak of their sum under ZeRO 2/3, walking its op
+    order (``events.static_order``): a forward adds its chunk's activations; the first backward of a chunk makes
+    the chunk's unsharded gradients while its activations are still alive, and they stay until the step's
+    reduce-scatter (gradient accumulation over micro-batches, as FSDP ``no_sync`` / Megatron keep them); each
+    backward then frees its activations. So the activation peak, at the end of the warm-up, has no gradients
+    yet, and the gradients' peak, at the end, almost no activations."""
+    chunks, mine = stage_layers(spec, par), rank_chunks(par)[rank]
+    g_bytes = 4.0 if par.main_grads_dtype == "fp32" else 2.0
+    last, mtp = len(chunks) - 1, mtp_params(spec)
+    acts, grads = [], []
+    for c in mine:
+        d, e, _, a, _, _ = _chunk_totals(spec, chunks[c], par, flash)
+        d += embedding_params(spec) if c == 0 else 0.0
+        if c == last:
+            d += mtp[0] + (head_params(spec) if not spec.tie_embeddings else spec.vocab * spec.hidden)
+            e += mtp[1]
+        acts.append(a)
+        grads.append((d / par.tp + e / (par.ep * par.expert_tp)) * g_bytes)
+    return _walk(tuple(static_order(par, rank)), tuple(acts), tuple(grads))
+
+
+@lru_cache(maxsize=1024)
+def _walk(order: tuple, acts: tuple, grads: tuple) -> tuple[float, float]:
+    """(activations, gradients) where their sum peaks along ``order`` (``[(kind, micro_batch, local_chunk)]``)."""
+    act = made = 0.0
+    best = (0.0, 0.0)
+    seen = set()
+    for kind, _, j in order:
+        if kind == "F":
+            act += acts[j]
+        elif j not in seen:
+            seen.add(j)
+            made += grads[j]
+        if act + made > sum(best):
+            best = (act, made)
+        if kind == "B":
+            act -= acts[j]
+    return best
 
 
 def peak_memory(spec: ModelSpec, hw: HardwareSpec, par: ParallelConfig) -> tuple[int, dict[str, float]]:

@@ -1,6 +1,6 @@
 """``ModelSpec``: a decoder-only transformer described by the few numbers that cost and memory depend on.
 
-Each layer has an attention kind (``mha`` incl. GQA, ``mla``, ``kda``) and an FFN kind (``dense`` or ``moe``);
+Each layer has a mixer kind (``mha`` incl. GQA, ``mla``, ``kda``, ``mamba``) and an FFN kind (``dense`` or ``moe``);
 ``layer_kinds()`` lists them. Counting formulas live in ``simulator.layers``; presets and loaders in
 ``simulator.specs`` and ``simulator.hf_config``.
 """
@@ -69,6 +69,12 @@ class ModelSpec:
     """Shared experts (fused into one MLP of width ``num_shared_experts * moe_ffn_hidden``)."""
     first_k_dense: int = 0
     """Leading layers with a dense FFN instead of MoE."""
+    moe_layers: tuple[int, ...] = ()
+    """0-based indices of the MoE layers when they are not simply every layer from ``first_k_dense`` (Llama-4
+    Maverick: every other layer; Jamba: every other layer); empty = layers ``first_k_dense..``; the rest are
+    dense FFNs of width ``ffn_hidden``."""
+    shared_expert_gate: bool = False
+    """Qwen2-MoE: the shared expert's output is scaled by a sigmoid gate, one [H -> 1] projection per layer."""
     moe_latent_dim: int = 0
     """LatentMoE width: routed experts work in this latent (dispatch sends it); 0 = full width."""
     expert_groups: int = 0
@@ -95,8 +101,28 @@ class ModelSpec:
     """Keys a query attends to in the sliding-window layers (0: no sliding-window layers)."""
     sliding_window_layers: tuple[int, ...] = ()
     """0-based indices of softmax layers using the ``sliding_window`` (gpt-oss: every other layer)."""
+    attn_sinks: bool = False
+    """gpt-oss: one learned sink logit per attention head (``num_heads`` parameters per softmax layer)."""
+    mamba_layers: tuple[int, ...] = ()
+    """0-based indices of layers whose mixer is a Mamba (selective SSM) block instead of attention (Jamba)."""
+    mamba_d_state: int = 16
+    """Mamba SSM state size N per channel (HF ``mamba_d_state``)."""
+    mamba_d_conv: int = 4
+    """Mamba causal depthwise convolution taps (HF ``mamba_d_conv``)."""
+    mamba_expand: int = 2
+    """Mamba inner width = ``mamba_expand * hidden`` (HF ``mamba_expand``)."""
+    mamba_dt_rank: int = 0
+    """Rank of the Mamba time-step projection; 0 = ceil(hidden / 16) (HF ``mamba_dt_rank="auto"``)."""
+    mamba_conv_bias: bool = True
+    """Mamba convolution carries a bias (HF ``mamba_conv_bias``)."""
+    mamba_proj_bias: bool = False
+    """Mamba in/out projections carry biases (HF ``mamba_proj_bias``)."""
     seq_len: int = 4096
     """Default training sequence length."""
+    mtp_layers: int = 0
+    """Multi-token-prediction modules (DeepSeek-V3 ``num_nextn_predict_layers``): each is one more transformer layer
+    plus a projection [2H -> H] and norms, sharing the embedding and LM head. Not in ``param_counts``' total/active
+    (the published counts exclude it: DeepSeek-V3's 671B leaves out its 14B MTP module)."""
 
     def __post_init__(self):
         _check_field_types(self)
@@ -117,16 +143,25 @@ class ModelSpec:
             raise ValueError(f"ModelSpec.top_k must be in [1, num_experts], got {self.top_k}")
         if self.num_experts and self.moe_ffn_hidden < 1:
             raise ValueError("ModelSpec.moe_ffn_hidden must be > 0 for an MoE model")
-        if (not self.num_experts or self.first_k_dense) and self.ffn_hidden < 1:
+        self._check_moe_layers()
+        if any(k[1] == "dense" for k in self.layer_kinds()) and self.ffn_hidden < 1:
             raise ValueError("ModelSpec.ffn_hidden must be > 0 when any layer is dense")
         if self.norm not in ("rmsnorm", "layernorm"):
             raise ValueError(f"ModelSpec.norm must be rmsnorm or layernorm, got {self.norm!r}")
         if self.seq_len < 1:
             raise ValueError(f"ModelSpec.seq_len must be >= 1, got {self.seq_len}")
+        if self.mtp_layers < 0:
+            raise ValueError(f"ModelSpec.mtp_layers must be >= 0, got {self.mtp_layers}")
         if self.attn_res_block_size < 0:
             raise ValueError(f"ModelSpec.attn_res_block_size must be >= 0, got {self.attn_res_block_size}")
         if any(not 0 <= i < self.num_layers for i in self.sliding_window_layers):
             raise ValueError("ModelSpec.sliding_window_layers must be 0-based indices below num_layers")
+        if any(not 0 <= i < self.num_layers for i in self.mamba_layers) or set(self.mamba_layers) & set(
+            self.kda_layers
+        ):
+            raise ValueError("ModelSpec.mamba_layers must be 0-based indices below num_layers, none of them KDA")
+        if self.mamba_layers and min(self.mamba_d_state, self.mamba_d_conv, self.mamba_expand) < 1:
+            raise ValueError("ModelSpec.mamba_d_state, mamba_d_conv and mamba_expand must be > 0 for Mamba layers")
         if self.sliding_window_layers and self.sliding_window < 1:
             raise ValueError("ModelSpec.sliding_window must be > 0 when sliding_window_layers is set")
         self._check_shapes()
@@ -147,6 +182,29 @@ class ModelSpec:
         if self.first_k_dense > self.num_layers:
             raise ValueError(f"ModelSpec.first_k_dense {self.first_k_dense} must be <= num_layers {self.num_layers}")
 
+    def _check_moe_layers(self) -> None:
+        """``moe_layers`` is one way to say which layers are MoE; ``first_k_dense`` the other, not both."""
+        if not self.moe_layers:
+            return
+        if not self.num_experts:
+            raise ValueError("ModelSpec.moe_layers is set but num_experts is 0")
+        if self.first_k_dense:
+            raise ValueError("ModelSpec.moe_layers and first_k_dense are both set: give the MoE layers one way")
+        if any(not 0 <= i < self.num_layers for i in self.moe_layers) or len(set(self.moe_layers)) < len(
+            self.moe_layers
+        ):
+            raise ValueError("ModelSpec.moe_layers must be distinct 0-based indices below num_layers")
+
+    @property
+    def mamba_inner(self) -> int:
+        """Mamba inner (expanded) width ``mamba_expand * hidden``."""
+        return self.mamba_expand * self.hidden
+
+    @property
+    def mamba_rank(self) -> int:
+        """Mamba time-step rank (``ceil(hidden / 16)`` when ``mamba_dt_rank`` is 0, as HF's "auto")."""
+        return self.mamba_dt_rank or -(-self.hidden // 16)
+
     @property
     def kv_heads(self) -> int:
         return self.num_kv_heads or self.num_heads
@@ -160,12 +218,13 @@ class ModelSpec:
         return self.num_experts > 0
 
     def layer_kinds(self) -> tuple[tuple[str, str], ...]:
-        """``(attention kind, ffn kind)`` per layer, kinds in {mha, mla, kda} x {dense, moe} (cached)."""
+        """``(mixer kind, ffn kind)`` per layer, kinds in {mha, mla, kda, mamba} x {dense, moe} (cached)."""
         return _layer_kinds(self)
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        d["kda_layers"] = list(self.kda_layers)
+        for f in _TUPLE_FIELDS:
+            d[f] = list(getattr(self, f))
         return d
 
     @classmethod
@@ -181,13 +240,14 @@ class ModelSpec:
         if missing:
             raise ValueError(f"ModelSpec JSON is missing required field(s) {missing}")
         data = dict(data)
-        for f in ("kda_layers", "sliding_window_layers"):
+        for f in _TUPLE_FIELDS:
             if not isinstance(data.get(f, ()), (list, tuple)):
                 raise ValueError(f"ModelSpec.{f} must be a list of layer indices, got {data[f]!r}")
             data[f] = tuple(data.get(f, ()))
         return cls(**data)
 
 
+_TUPLE_FIELDS = ("kda_layers", "sliding_window_layers", "moe_layers", "mamba_layers")
 _TYPES = {"int": int, "bool": bool, "str": str, "tuple[int, ...]": tuple}
 
 
@@ -206,9 +266,9 @@ def _check_field_types(spec: ModelSpec) -> None:
 
 @lru_cache(maxsize=64)
 def _layer_kinds(spec: ModelSpec) -> tuple[tuple[str, str], ...]:
-    kda = set(spec.kda_layers)
-    moe = spec.is_moe
+    kda, mamba = set(spec.kda_layers), set(spec.mamba_layers)
+    moe = set(spec.moe_layers or range(spec.first_k_dense, spec.num_layers)) if spec.is_moe else set()
     return tuple(
-        ("kda" if i in kda else spec.attention, "moe" if moe and i >= spec.first_k_dense else "dense")
+        ("kda" if i in kda else "mamba" if i in mamba else spec.attention, "moe" if i in moe else "dense")
         for i in range(spec.num_layers)
     )

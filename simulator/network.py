@@ -132,20 +132,36 @@ def _bottleneck(gr: Group, t: Tiers, scale: tuple[float, float, float]) -> tuple
     return bw * 1e9, t.alpha[tier]
 
 
+def ring_latency(gr: Group, t: Tiers) -> float:
+    """Latency of one ring reduce-scatter or all-gather, NCCL's tuning model (``src/graph/tuning.cc``: ``(n - 1 -
+    inter) x`` the intra-node step + ``inter = nodes - 1`` network steps): it grows linearly with the ring."""
+    if gr.n <= 1:
+        return 0.0
+    inter = math.ceil(gr.n / gr.k) - 1
+    return (gr.n - 1 - inter) * t.alpha[0] + inter * t.alpha[gr.top_tier]
+
+
 def all_gather(nbytes: float, gr: Group, t: Tiers, scale=(1.0, 1.0, 1.0)) -> float:
     """Ring all-gather (or reduce-scatter) of an ``nbytes`` full buffer: (n-1)/n of it crosses the bottleneck."""
     if gr.n <= 1 or nbytes <= 0:
         return 0.0
-    bw, alpha = _bottleneck(gr, t, scale)
-    return (gr.n - 1) / gr.n * nbytes / bw + (gr.n - 1) * alpha
+    bw, _ = _bottleneck(gr, t, scale)
+    return (gr.n - 1) / gr.n * nbytes / bw + ring_latency(gr, t)
 
 
 reduce_scatter = all_gather
 
 
 def all_reduce(nbytes: float, gr: Group, t: Tiers, scale=(1.0, 1.0, 1.0)) -> float:
-    """Ring all-reduce = reduce-scatter + all-gather."""
-    return 2.0 * all_gather(nbytes, gr, t, scale)
+    """All-reduce: the faster of a ring (reduce-scatter + all-gather) and NCCL's tree across nodes (latency
+    ``2 ((k - 1) alpha_node + log2(nodes) alpha_net)``, bandwidth 0.9 x half the bus bandwidth: tuning.cc)."""
+    ring = 2.0 * all_gather(nbytes, gr, t, scale)
+    nodes = math.ceil(gr.n / gr.k)
+    if nodes <= 2 or nbytes <= 0:
+        return ring
+    bw, _ = _bottleneck(gr, t, scale)
+    tree = 2.0 * nbytes / (0.9 * bw) + 2.0 * ((gr.k - 1) * t.alpha[0] + math.log2(nodes) * t.alpha[gr.top_tier])
+    return min(ring, tree)
 
 
 def all_to_all(

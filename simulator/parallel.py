@@ -16,7 +16,7 @@ from simulator.layers import RECOMPUTE_MODES
 from simulator.modelspec import ModelSpec
 
 SCHEDULES = ("1f1b", "interleaved", "dualpipe")
-RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp_act", "moe_act", "mla_up_proj", "shared_experts")
+RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp", "mlp_act", "moe_act", "mla_up_proj", "shared_experts")
 """Megatron ``--recompute-modules`` names priced here (``mlp_act``: the dense FFN activation function)."""
 DISPATCHERS = ("moonep", "classic", "deepep")
 PRECISIONS = ("bf16", "fp8")
@@ -72,10 +72,22 @@ class ParallelConfig:
     is fp8."""
     offload_fraction: float = 0.0
     """Fraction of each layer's saved activations moved to host memory between forward and backward (PCIe)."""
-    pp_first_layers: int = 0
-    """Layers of the first pipeline stage (Megatron ``--decoder-first-pipeline-num-layers``; 0: even split)."""
-    pp_last_layers: int = 0
-    """Layers of the last pipeline stage (``--decoder-last-pipeline-num-layers``; 0: even split)."""
+    pp_first_layers: int | None = None
+    """Transformer layers of the first model chunk (None: even split; 0: the embedding alone, Megatron's
+    ``account_for_embedding_in_pipeline_split``); with vpp = 1 Megatron's ``--decoder-first-pipeline-num-layers``."""
+    pp_last_layers: int | None = None
+    """Transformer layers of the last model chunk (None: even split; 0: the LM head and loss alone, Megatron's
+    ``account_for_loss_in_pipeline_split``); with vpp = 1 ``--decoder-last-pipeline-num-layers``."""
+    microbatch_group: int = 0
+    """Contiguous micro-batches N per virtual stage of the interleaved schedule (Megatron
+    ``--microbatch-group-size-per-virtual-pipeline-stage``), in [PP, micro-batches]; 0 means PP (Megatron's
+    default)."""
+    capacity_factor: float = 0.0
+    """Token-dropping MoE: each expert takes at most ``capacity_factor`` x its mean tokens (Megatron
+    ``--moe-expert-capacity-factor``); 0 means dropless."""
+    pad_to_capacity: bool = False
+    """Pad every expert's input to its capacity (Megatron ``--moe-pad-expert-input-to-capacity``); needs a
+    capacity factor."""
     moment_dtype: str = "fp32"
     """Adam moments m and v (``--exp-avg-dtype`` / ``--exp-avg-sq-dtype``): fp32 or bf16."""
     main_grads_dtype: str = "fp32"
@@ -104,10 +116,21 @@ class ParallelConfig:
         self._check_recipe()
 
     def _check_recipe(self) -> None:
-        for f in ("etp", "pp_first_layers", "pp_last_layers"):
+        for f in ("etp", "pp_first_layers", "pp_last_layers", "microbatch_group"):
             v = getattr(self, f)
+            if v is None and f.startswith("pp_"):
+                continue
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"ParallelConfig.{f} must be an integer >= 0, got {v!r}")
+        cf = self.capacity_factor
+        if isinstance(cf, bool) or not isinstance(cf, (int, float)) or not math.isfinite(cf) or cf < 0:
+            raise ValueError(
+                f"ParallelConfig.capacity_factor (--moe-capacity-factor) must be a finite number >= 0, got {cf!r}"
+            )
+        if self.pad_to_capacity and not cf:
+            raise ValueError(
+                "ParallelConfig.pad_to_capacity (--moe-pad-expert-input-to-capacity) needs --moe-capacity-factor > 0"
+            )
         bad = [m for m in self.recompute_modules if m not in RECOMPUTE_MODULES]
         if not isinstance(self.recompute_modules, tuple) or bad:
             raise ValueError(
@@ -157,6 +180,30 @@ class ParallelConfig:
     def micro_batches(self) -> int:
         """Micro-batches per pipeline per step (m)."""
         return self.sequences // (self.dp * self.micro_batch)
+
+    @property
+    def group_size(self) -> int:
+        """Contiguous micro-batches N per virtual stage (``microbatch_group``, or PP when 0)."""
+        return self.microbatch_group or self.pp
+
+    def warmup_passes(self, rank: int) -> int:
+        """Forward chunk passes pipeline rank ``rank`` runs before its first backward (Megatron ``schedules.py``):
+        interleaved ``(p - r - 1) 2 + (v - 1) N``, 1F1B ``p - r - 1``, both capped at the rank's passes."""
+        m, p, v = self.micro_batches, self.pp, self.vpp
+        if self.schedule == "interleaved":
+            return min(m * v, (p - rank - 1) * 2 + (v - 1) * self.group_size)
+        return min(m, p - rank - 1)
+
+    def moe_load(self, skew: float = 1.0) -> tuple[float, float]:
+        """(mean, busiest) rows per expert as multiples of the balanced dropless mean, for a busiest-expert load
+        of ``skew`` x the mean: dropless ``(1, skew)``; with a capacity factor c each expert keeps at most c x
+        the mean, ``(min(1, c), min(skew, c))``, and padding fills every expert to ``(c, c)``."""
+        c = self.capacity_factor
+        if not c:
+            return 1.0, skew
+        if self.pad_to_capacity:
+            return c, c
+        return min(1.0, c), min(skew, c)
 
     @property
     def chunks(self) -> int:
@@ -209,18 +256,21 @@ def infeasible_reason(spec: ModelSpec, hw: HardwareSpec, par: ParallelConfig, gp
 def _pipeline_reason(spec: ModelSpec, hw: HardwareSpec, par: ParallelConfig) -> str | None:
     m, p = par.micro_batches, par.pp
     stages = p * (par.vpp if par.schedule == "interleaved" else 1)
-    if spec.num_layers < stages:
-        return f"{spec.num_layers} layers cannot fill {stages} pipeline stages"
-    if par.pp_first_layers or par.pp_last_layers:
-        rest, mids = spec.num_layers - par.pp_first_layers - par.pp_last_layers, stages - bool(par.pp_first_layers)
-        mids -= bool(par.pp_last_layers)
-        if stages < 2 or rest < mids or (mids == 0 and rest) or (mids and rest < 1):
-            return (
-                f"pp_first_layers {par.pp_first_layers} + pp_last_layers {par.pp_last_layers} leave {rest} of "
-                f"{spec.num_layers} layers for {mids} other pipeline stages"
-            )
-    if par.schedule == "interleaved" and m % p:
-        return f"interleaved schedule needs micro-batches ({m}) divisible by PP ({p})"
+    reason = _split_reason(spec.num_layers, stages, par.pp_first_layers, par.pp_last_layers)
+    if reason:
+        return reason
+    if par.schedule == "interleaved" and not p <= par.group_size <= m:
+        return (
+            f"interleaved schedule needs the contiguous micro-batches N ({par.group_size}) in [PP {p}, "
+            f"micro-batches {m}] (--microbatch-group)"
+        )
+    if par.schedule == "interleaved" and 0 < m % par.group_size < p:
+        return (
+            f"interleaved schedule: the last group of {m % par.group_size} micro-batches (micro-batches {m} mod N "
+            f"{par.group_size}) is shorter than PP {p}; pick N dividing {m} or leaving >= {p}"
+        )
+    if par.microbatch_group and par.schedule != "interleaved":
+        return f"--microbatch-group {par.microbatch_group} needs the interleaved schedule"
     if par.schedule == "dualpipe" and (p % 2 or m < 2 * p or m % 2):
         return f"dualpipe needs an even PP ({p}) and an even number of micro-batches >= 2 x PP (got {m})"
     if par.precision == "fp8" and hw.fp8_tflops <= 0:
@@ -228,9 +278,25 @@ def _pipeline_reason(spec: ModelSpec, hw: HardwareSpec, par: ParallelConfig) -> 
     return None
 
 
+def _split_reason(L: int, chunks: int, first: int | None, last: int | None) -> str | None:
+    """Why ``L`` layers cannot be cut into ``chunks`` chunks with these end sizes (every middle chunk needs a
+    layer; an end chunk set to 0 holds only the embedding or the LM head)."""
+    if first is None and last is None:
+        return f"{L} layers cannot fill {chunks} pipeline stages" if chunks > L else None
+    mids = chunks - (first is not None) - (last is not None)
+    rest = L - (first or 0) - (last or 0)
+    if mids < 0 or rest < mids or (mids == 0 and rest) or (mids and rest < 1):
+        return (
+            f"pp_first_layers {first} + pp_last_layers {last} leave {rest} of {L} layers for {max(mids, 0)} "
+            f"other model chunks ({chunks} in all)"
+        )
+    return None
+
+
 def stage_layers(spec: ModelSpec, par: ParallelConfig) -> tuple[tuple[int, ...], ...]:
     """Layer indices of each model chunk, in pipeline order: ``pp * vpp`` contiguous chunks, the first and last
-    holding ``pp_first_layers`` / ``pp_last_layers`` when set and the rest split near-evenly."""
+    holding ``pp_first_layers`` / ``pp_last_layers`` when set (0: an embedding-only / head-only chunk) and the
+    rest split near-evenly."""
     return _split(
         spec.num_layers,
         par.pp * (par.vpp if par.schedule == "interleaved" else 1),
@@ -240,16 +306,14 @@ def stage_layers(spec: ModelSpec, par: ParallelConfig) -> tuple[tuple[int, ...],
 
 
 @lru_cache(maxsize=1024)
-def _split(L: int, chunks: int, first: int = 0, last: int = 0) -> tuple[tuple[int, ...], ...]:
-    if chunks == 1 or not (first or last):
+def _split(L: int, chunks: int, first: int | None = None, last: int | None = None) -> tuple[tuple[int, ...], ...]:
+    if first is None and last is None:
         return tuple(tuple(range(i * L // chunks, (i + 1) * L // chunks)) for i in range(chunks))
-    mid_chunks = chunks - bool(first) - bool(last)
-    mid = L - first - last
-    if mid_chunks == 0:
-        sizes = [n for n in (first, last) if n]
-    else:
-        sizes = [first] * bool(first) + [(i + 1) * mid // mid_chunks - i * mid // mid_chunks for i in range(mid_chunks)]
-        sizes += [last] * bool(last)
+    mid_chunks = chunks - (first is not None) - (last is not None)
+    mid = L - (first or 0) - (last or 0)
+    sizes = [first] * (first is not None)
+    sizes += [(i + 1) * mid // mid_chunks - i * mid // mid_chunks for i in range(mid_chunks)]
+    sizes += [last] * (last is not None)
     starts = [sum(sizes[:i]) for i in range(len(sizes))]
     return tuple(tuple(range(a, a + n)) for a, n in zip(starts, sizes))
 

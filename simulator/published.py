@@ -1,29 +1,29 @@
-"""Published Megatron-Bridge (NVIDIA NeMo) training throughput: the MoE and dense validation rows.
+"""Published training throughput the simulator is validated on: MoE and dense runs, every row cited.
 
-These rows are held out: no constant is fitted to them. The one fitted MoE constant (``moe_copy_ns`` per GPU
-type) is fitted on the separate calibration rows of ``simulator.moe_fit`` (the 25.11 tables), and
-``tests/simulator/test_moe_fit.py`` checks that the fit never prices a recipe of this module.
+Nothing here is fitted: the rows are held out, and ``tests/simulator/test_published.py`` checks the simulator
+against them. Every number is copied from its source, never derived (tokens/s/GPU as published; for the papers,
+which give iteration times, ``tokens_per_s_per_gpu = global batch x sequence / iteration time / GPUs`` is the
+one derived column and says so).
 
-Every number below is copied from NVIDIA's published performance summaries of Megatron-Bridge, never derived:
-- ``ARCHIVE``: https://docs.nvidia.com/nemo/megatron-bridge/latest/performance-summary-archive.html
-  (repository file ``docs/performance-summary-archive.md`` of NVIDIA-NeMo/Megatron-Bridge), sections
-  "26.02 NeMo Container" (tables per model) and "25.09 NeMo Container" (DGX-H100 table);
-- ``CURRENT``: https://docs.nvidia.com/nemo/megatron-bridge/latest/performance-summary.html
-  (``docs/performance-summary.md``), section "25.11 NeMo Container", DGX-H100 table.
-The tables give system, GPU count, precision, GBS, MBS, sequence length, FSDP, TP, PP, CP, VP, EP and the
-measured tokens/s/GPU and model TFLOP/s/GPU; MoE runs are dropless with forced-balanced routing (their footnote),
-hence ``maxvio = 0``. ETP is 1 in every MoE recipe (``BASE_*_CONFIG`` of ``scripts/performance/configs``).
+**Which rows (a rule, applied before any prediction was looked at).** From NVIDIA's Megatron-Bridge
+performance summaries (``CURRENT``: 26.08; ``ARCHIVE``: 26.06.01 back to 25.09), the newest pre-training row for
+each (model, system, precision) whose model is a simulator preset and whose system is a preset (DGX-H100,
+DGX-B200, DGX-GB200); one row per (model, system, precision), because an older row of the same triple ran older
+software and is superseded, not independent. Two rows are added by name: the 26.02 Qwen3-30B-A3B H100 row
+(issue 18's open row, a documented expected miss, see ``validation.KNOWN_MISSES``) and the DeepSeek-V3 25.09 H100
+dropless row (the only DeepSeek-V3 H100 row in any table). Dense rows also come from two papers that give
+iteration times across data-parallel sizes at a fixed batch per replica: Nemotron-4 15B (arXiv 2402.16819,
+Table 2: TP 8, DP 96 / 192 / 288, batch 384 / 768 / 1152 sequences of 4096, iteration 0.57 / 0.58 / 0.64 s, MFU
+34.3 / 33.3 / 30.5 %).
 
-What the tables do not give is set the same way for every row (no per-row tuning): recompute ``selective``
-(core attention), the distributed optimizer (ZeRO-1; ZeRO-3 where the table's FSDP column is set), the
-interleaved schedule where VP > 1. Three recipe settings are read from the Megatron-Bridge recipe files
-(``scripts/performance/configs/{deepseek,qwen}/*_workload_base_configs.py``) because they change the model's
-work, not its speed knobs: the flex (HybridEP/DeepEP) dispatcher of the DeepSeek-V3 and Qwen3-30B-A3B recipes
-(``deepep`` here), ``moe_a2a_overlap=True`` of the Qwen3-235B-A22B and Qwen3-30B-A3B H100 recipes
-(``QWEN3_*_PRETRAIN_CONFIG_H100_FP8_CS_V1`` in ``qwen3_workload_base_configs.py`` at tag v0.3.0, the 26.02
-release; the only H100 Qwen3-30B-A3B recipe there with the table's PP 2 x VP 12 x EP 8 layout) and
-``recompute_modules=["mla_up_proj"]`` of the DeepSeek-V3 recipes. The others use Megatron's all-to-all
-dispatcher (``classic``).
+**Recipe settings the tables do not give** are read from the recipe files of Megatron-Bridge
+(``src/megatron/bridge/perf_recipes/<family>/<system>/*.py``, function ``<model>_pretrain_<n>gpu_<system>_<precision>
+_config``) and stated per row: the dispatcher (``flex`` with HybridEP/DeepEP -> ``deepep``, ``alltoall`` ->
+``classic``), ``overlap_moe_expert_parallel_comm`` / ``moe_a2a_overlap`` (``a2a``), the recompute modules
+(``recompute_granularity = None`` -> ``none``; Megatron's default selective recompute is core attention), FSDP
+(the table's FSDP column), activation offloading (``cpu_offloading_num_layers``), the gradient buffer dtype
+(``grad_reduce_in_fp32``) and the multi-token-prediction module. MoE runs are dropless with forced-balanced
+routing (the tables' footnote), so ``maxvio = 0``; ETP is 1.
 """
 
 from __future__ import annotations
@@ -32,245 +32,173 @@ from dataclasses import dataclass
 
 ARCHIVE = "https://docs.nvidia.com/nemo/megatron-bridge/latest/performance-summary-archive.html"
 CURRENT = "https://docs.nvidia.com/nemo/megatron-bridge/latest/performance-summary.html"
+NEMOTRON4_15B = "Parmar et al. 2024, Nemotron-4 15B Technical Report, arXiv 2402.16819, Table 2"
 
 
 @dataclass(frozen=True)
 class Published:
-    """One published run: the recipe as the table gives it and its measured throughput."""
+    """One published run: the recipe as its source gives it and its measured throughput."""
 
     model: str
     """Simulator preset of the model."""
     system: str
-    """Simulator hardware preset (DGX-H100 -> h100, DGX-B200 -> b200)."""
+    """Simulator hardware preset (DGX-H100 -> h100, DGX-B200 -> b200, DGX-GB200 -> gb200)."""
     gpus: int
+    """GPUs of the run."""
     precision: str
-    """Table's precision, mapped: BF16 -> bf16; FP8 / FP8-CS / MXFP8 -> fp8."""
+    """Source precision, mapped: BF16 -> bf16; FP8 / FP8-CS / FP8-MX / MXFP8 -> fp8."""
     gbs: int
     """Global batch size, sequences."""
     mbs: int
+    """Micro-batch size, sequences."""
     seq: int
+    """Sequence length."""
     tp: int
+    """Tensor parallel size."""
     pp: int
+    """Pipeline parallel size."""
     cp: int
+    """Context parallel size."""
     vp: int
-    """1 where the table says n/a."""
+    """Virtual pipeline size (1 where the table says n/a)."""
     ep: int
+    """Expert parallel size (1 for dense models)."""
     tokens_per_s_per_gpu: float
+    """Published throughput (papers: derived from the iteration time, see the module doc)."""
     tflops_per_gpu: float
+    """Published model TFLOP/s/GPU (0 where the source gives MFU only)."""
     source: str
-    """URL and table: release section, system or model table."""
+    """URL or paper and the table (release section, system or model table)."""
     fsdp: bool = False
+    """Megatron FSDP (the table's FSDP column): ZeRO-3 here."""
     dispatcher: str = "classic"
+    """``deepep`` for Megatron's flex dispatcher (HybridEP / DeepEP), else ``classic`` all-to-all."""
     moe_a2a_overlap: bool = False
+    """The recipe overlaps the EP all-to-all with another micro-batch's compute."""
+    recompute: str = "selective"
+    """``none`` where the recipe sets ``recompute_granularity = None``, else Megatron's selective default."""
     recompute_modules: tuple[str, ...] = ()
+    """The recipe's ``recompute_modules``."""
+    main_grads_dtype: str = "bf16"
+    """Gradient buffer dtype: the performance recipes' ``_benchmark_common`` sets ``grad_reduce_in_fp32 = False``
+    (Kimi K2's recipe sets it back to True; the papers' runs are taken as fp32)."""
+    offload_fraction: float = 0.0
+    """Share of the layers whose activations the recipe offloads to the host (``cpu_offloading_num_layers`` over
+    the layers)."""
+    mtp: bool = False
+    """The run trains DeepSeek-V3's multi-token-prediction module (the table says "w/ MTP")."""
+    recipe: str = ""
+    """The recipe function the settings were read from."""
     note: str = ""
+    """Anything a reader should know about this row."""
 
     @property
     def is_moe(self) -> bool:
-        return self.ep > 1
+        return self.ep > 1 or self.model in MOE_MODELS
+
+    @property
+    def release(self) -> str:
+        """The table section (Megatron-Bridge release) or paper of the row."""
+        if "NeMo Container" in self.source:
+            return self.source.split("(")[-1].split(" NeMo Container")[0]
+        return self.source.split(",")[2].strip() if self.source.count(",") >= 2 else self.source
 
 
-_A26 = f"{ARCHIVE} (26.02 NeMo Container, table 'Model: {{}}')"
-MOE_ROWS = (
-    Published(
-        "qwen3-30b-a3b",
-        "h100",
-        16,
-        "fp8",
-        1024,
-        1,
-        4096,
-        1,
-        2,
-        1,
-        12,
-        8,
-        5113,
-        118,
-        _A26.format("Qwen3_30B_a3B") + ", DGX-H100 FP8",
-        dispatcher="deepep",
-        moe_a2a_overlap=True,
-    ),
-    Published(
-        "qwen3-235b-a22b",
-        "h100",
-        256,
-        "fp8",
-        8192,
-        1,
-        4096,
-        2,
-        8,
-        1,
-        4,
-        32,
-        1633,
-        242,
-        _A26.format("Qwen3_235B_a22B") + ", DGX-H100 FP8",
-        moe_a2a_overlap=True,
-        note="EP 32 folds over TP 2 x DP 16 (ETP 1)",
-    ),
-    Published(
-        "gpt-oss-120b",
-        "h100",
-        64,
-        "bf16",
-        1280,
-        1,
-        4096,
-        1,
-        4,
-        1,
-        1,
-        8,
-        5993,
-        163,
-        _A26.format("GPT OSS 120B") + ", DGX-H100 BF16",
-    ),
-    Published(
-        "deepseek-v3",
-        "h100",
-        1024,
-        "fp8",
-        8192,
-        1,
-        4096,
-        2,
-        8,
-        1,
-        4,
-        64,
-        1297,
-        338,
-        f"{ARCHIVE} (25.09 NeMo Container, System: DGX-H100, 'DeepSeekV3 (dropless)')",
-        dispatcher="deepep",
-        recompute_modules=("mla_up_proj",),
-        note="the 25.09 table has no precision column; its footnote gives the H100 FP8 block scaling",
-    ),
-    Published(
-        "qwen3-30b-a3b",
-        "b200",
-        8,
-        "fp8",
-        512,
-        1,
-        4096,
-        1,
-        1,
-        1,
-        1,
-        8,
-        9691,
-        223,
-        _A26.format("Qwen3_30B_a3B") + ", DGX-B200 MXFP8",
-        dispatcher="deepep",
-    ),
-    Published(
-        "qwen3-235b-a22b",
-        "b200",
-        256,
-        "fp8",
-        8192,
-        1,
-        4096,
-        1,
-        8,
-        1,
-        1,
-        8,
-        3805,
-        563,
-        _A26.format("Qwen3_235B_a22B") + ", DGX-B200 MXFP8",
-    ),
-    Published(
-        "deepseek-v3",
-        "b200",
-        256,
-        "fp8",
-        4096,
-        1,
-        4096,
-        1,
-        16,
-        1,
-        1,
-        8,
-        2689,
-        699,
-        _A26.format("DeepSeekV3") + ", DGX-B200 MXFP8",
-        dispatcher="deepep",
-        recompute_modules=("mla_up_proj",),
-    ),
-    Published(
-        "gpt-oss-120b",
-        "b200",
-        64,
-        "bf16",
-        1280,
-        4,
-        4096,
-        1,
-        1,
-        1,
-        1,
-        64,
-        8047,
-        219,
-        _A26.format("GPT OSS 120B") + ", DGX-B200 BF16",
-    ),
-)
-DENSE_ROWS = (
-    Published(
-        "llama3-70b",
-        "h100",
-        64,
-        "fp8",
-        256,
-        1,
-        8192,
-        4,
-        8,
-        1,
-        5,
-        1,
-        1621,
-        728,
-        _A26.format("LLAMA3_70B") + ", DGX-H100 FP8",
-    ),
-    Published(
-        "llama3-405b",
-        "h100",
-        1024,
-        "fp8",
-        1536,
-        1,
-        8192,
-        8,
-        8,
-        2,
-        8,
-        1,
-        311,
-        784,
-        _A26.format("LLAMA3.1_405B") + ", DGX-H100 FP8",
-    ),
-    Published(
-        "llama3-8b",
-        "h100",
-        8,
-        "fp8",
-        128,
-        1,
-        8192,
-        1,
-        1,
-        1,
-        1,
-        1,
-        14451,
-        744,
-        f"{CURRENT} (25.11 NeMo Container, System: DGX-H100, LLAMA3_8B FP8-CS)",
-        fsdp=True,
-    ),
-)
-ROWS = MOE_ROWS + DENSE_ROWS
+MOE_MODELS = ("deepseek-v3", "qwen3-30b-a3b", "qwen3-235b-a22b", "gpt-oss-120b", "kimi-k2")
+
+# Columns: model | system | GPUs | precision | GBS | MBS | seq | TP | PP | CP | VP | EP | tok/s/GPU | TFLOP/s |
+# source (section) | recipe settings (key=value, comma separated, ``note=`` last; see Published)
+# fmt: off
+_TABLE = """
+qwen3-30b-a3b   | h100  |   16 | fp8  | 1024 | 1 | 4096 | 1 | 1 | 1 | 1  | 16 |  8826 |  203 | C 26.06 | dispatcher=deepep,recompute=none,recipe=qwen3_30b_a3b_pretrain_16gpu_h100_fp8cs_config
+qwen3-30b-a3b   | h100  |   16 | fp8  | 1024 | 1 | 4096 | 1 | 2 | 1 | 12 |  8 |  5113 |  118 | A 26.02 | dispatcher=deepep,a2a=1,recompute=none,note=issue 18's row: the PP 2 x VP 12 recipe of the 26.02 container
+qwen3-235b-a22b | h100  |  256 | fp8  | 8192 | 1 | 4096 | 2 | 8 | 1 | 4  | 32 |  1712 |  253 | A 26.04.01 | a2a=1,recompute=none,recipe=qwen3_235b_a22b_pretrain_256gpu_h100_fp8cs_config
+gpt-oss-120b    | h100  |   64 | bf16 | 1280 | 1 | 4096 | 1 | 4 | 1 | 1  |  8 |  5824 |  158 | A 26.04.01 | modules=layernorm+moe_act,recipe=gpt_oss_120b_pretrain_64gpu_h100_bf16_config
+deepseek-v3     | h100  | 1024 | fp8  | 8192 | 1 | 4096 | 2 | 8 | 1 | 4  | 64 |  1297 |  338 | A 25.09 | dispatcher=deepep,modules=mla_up_proj,note=the 25.09 table has no precision column; its footnote gives the H100 FP8 block scaling
+deepseek-v3     | b200  |  256 | fp8  | 4096 | 1 | 4096 | 1 | 8 | 1 | 2  | 32 |  3328 |  864 | A 26.04.01 | dispatcher=deepep,a2a=1,modules=mla_up_proj+mlp,recipe=deepseek_v3_pretrain_256gpu_b200_fp8mx_config
+deepseek-v3     | b200  |  256 | fp8  | 2048 | 1 | 4096 | 1 | 16 | 1 | 1 |  8 |  2139 |  557 | A 25.11 | dispatcher=deepep,modules=mla_up_proj,mtp=1,note=DeepSeekV3 (w/ MTP)
+gpt-oss-120b    | b200  |   64 | bf16 | 1280 | 4 | 4096 | 1 | 1 | 1 | 1  |  8 | 13568 |  369 | A 26.04.01 | modules=layernorm+moe_act,recipe=gpt_oss_120b_pretrain_64gpu_b200_bf16_config
+qwen3-235b-a22b | b200  |  256 | fp8  | 8192 | 1 | 4096 | 1 | 8 | 1 | 1  |  8 |  3776 |  560 | A 26.04.01 | recompute=none,recipe=qwen3_235b_a22b_pretrain_256gpu_b200_fp8cs_config
+qwen3-30b-a3b   | b200  |    8 | fp8  |  512 | 4 | 4096 | 1 | 1 | 1 | 1  |  8 | 27136 |  619 | A 26.04.01 | dispatcher=deepep,recompute=none,recipe=qwen3_30b_a3b_pretrain_8gpu_b200_fp8mx_config
+deepseek-v3     | gb200 |  256 | fp8  | 4096 | 1 | 4096 | 1 | 4 | 1 | 4  | 64 |  4912 | 1276 | C 26.08 | dispatcher=deepep,modules=mla_up_proj,recipe=deepseek_v3_pretrain_256gpu_gb200_fp8mx_config
+deepseek-v3     | gb200 |  256 | bf16 | 4096 | 1 | 4096 | 1 | 4 | 1 | 4  | 64 |  3139 |  782 | A 25.11 | dispatcher=deepep,modules=mla_up_proj,note=DeepSeekV3 (w/o MTP),recipe=deepseek_v3_pretrain_256gpu_gb200_bf16_config
+gpt-oss-120b    | gb200 |   64 | fp8  | 1280 | 4 | 4096 | 1 | 1 | 1 | 1  | 64 | 28672 |  934 | C 26.08 | recipe=gpt_oss_120b_pretrain_64gpu_gb200_fp8mx_config
+gpt-oss-120b    | gb200 |   64 | bf16 | 1280 | 4 | 4096 | 1 | 1 | 1 | 1  | 64 | 16640 |  452 | A 26.04.01 | a2a=1,modules=layernorm+moe_act,recipe=gpt_oss_120b_pretrain_64gpu_gb200_bf16_config
+qwen3-235b-a22b | gb200 |  256 | fp8  | 8192 | 1 | 4096 | 1 | 8 | 1 | 3  | 32 |  7280 | 1077 | C 26.08 | dispatcher=deepep,recompute=none,recipe=qwen3_235b_a22b_pretrain_256gpu_gb200_fp8mx_config
+qwen3-235b-a22b | gb200 |  256 | bf16 | 8192 | 1 | 4096 | 1 | 8 | 1 | 3  | 32 |  4916 |  728 | A 25.11 | dispatcher=deepep,recompute=none,note=the 25.11 BF16 recipe (VP 3; today's BF16 recipe has other sizes)
+qwen3-30b-a3b   | gb200 |    8 | fp8  |  512 | 4 | 4096 | 1 | 1 | 1 | 1  |  8 | 39936 |  923 | C 26.08 | dispatcher=deepep,recompute=none,recipe=qwen3_30b_a3b_pretrain_8gpu_gb200_fp8mx_config
+llama3-405b     | h100  | 1024 | fp8  | 1536 | 1 | 8192 | 8 | 8 | 2 | 8  |  1 |   326 |  822 | A 26.06 |
+llama3-70b      | h100  |   64 | fp8  |  256 | 1 | 8192 | 4 | 8 | 1 | 5  |  1 |  1664 |  731 | A 26.04.01 |
+llama3-8b       | h100  |    8 | fp8  |  128 | 1 | 8192 | 1 | 1 | 1 | 1  |  1 | 14451 |  744 | A 25.11 | fsdp=1
+llama3-405b     | b200  |  128 | fp8  |   64 | 1 | 8192 | 4 | 8 | 2 | 8  |  1 |   661 | 1667 | A 25.11 |
+llama3-8b       | b200  |    8 | fp8  |  128 | 2 | 8192 | 1 | 1 | 1 | 1  |  1 | 30624 | 1576 | A 25.11 |
+llama3-405b     | gb200 |  256 | fp8  | 1536 | 1 | 8192 | 4 | 16 | 1 | 4 |  1 |   843 | 2129 | A 26.06 |
+llama3-70b      | gb200 |   64 | fp8  |  256 | 2 | 8192 | 1 | 1 | 1 | 1  |  1 |  4224 | 1892 | A 26.04.01 | fsdp=1,offload=0.5,recipe=llama3_70b_pretrain_64gpu_gb200_fp8cs_config (cpu_offloading_num_layers 40 of 80)
+llama3-8b       | gb200 |    8 | fp8  |  128 | 2 | 8192 | 1 | 1 | 1 | 1  |  1 | 31508 | 1622 | A 25.11 |
+nemotron4-15b   | h100  |  768 | bf16 |  384 | 1 | 4096 | 8 | 1 | 1 | 1  |  1 |  3593 |    0 | N15 | grads=fp32,note=DP 96, iteration 0.57 s, MFU 34.3%
+nemotron4-15b   | h100  | 1536 | bf16 |  768 | 1 | 4096 | 8 | 1 | 1 | 1  |  1 |  3531 |    0 | N15 | grads=fp32,note=DP 192, iteration 0.58 s, MFU 33.3%
+nemotron4-15b   | h100  | 2304 | bf16 | 1152 | 1 | 4096 | 8 | 1 | 1 | 1  |  1 |  3200 |    0 | N15 | grads=fp32,note=DP 288, iteration 0.64 s, MFU 30.5%
+"""  # noqa: E501 (a table copied row by row from its sources)
+# fmt: on
+_SECTIONS = {"C": CURRENT, "A": ARCHIVE}
+_SYSTEMS = {"h100": "DGX-H100", "b200": "DGX-B200", "gb200": "DGX-GB200", "b300": "DGX-B300", "gb300": "DGX-GB300"}
+
+
+def _settings(text: str) -> dict:
+    """``key=value`` recipe settings of one row as ``Published`` keyword arguments."""
+    out: dict = {}
+    text, _, note = text.partition("note=")  # the note comes last and may hold commas
+    if note:
+        out["note"] = note.strip()
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        key, _, value = item.partition("=")
+        if key == "modules":
+            out["recompute_modules"] = tuple(value.split("+"))
+        elif key == "a2a":
+            out["moe_a2a_overlap"] = value == "1"
+        elif key == "grads":
+            out["main_grads_dtype"] = value
+        elif key == "offload":
+            out["offload_fraction"] = float(value)
+        elif key in ("fsdp", "mtp"):
+            out[key] = value == "1"
+        elif key in ("dispatcher", "recompute", "recipe"):
+            out[key] = value
+        else:
+            raise ValueError(f"published row: unknown setting {key!r}")
+    return out
+
+
+def _source(code: str, model: str, system: str, precision: str) -> str:
+    if code == "N15":
+        return NEMOTRON4_15B
+    section, release = code.split()
+    return f"{_SYSTEMS[system]} {model} {precision.upper()}: {_SECTIONS[section]} ({release} NeMo Container, ..."
+
+
+def parse_table(table: str) -> tuple[Published, ...]:
+    """Rows of a table in this module's column format (``_TABLE``)."""
+    rows = []
+    for line in filter(None, (ln.strip() for ln in table.splitlines())):
+        cells = [c.strip() for c in line.split("|")]
+        model, system, precision, code = cells[0], cells[1], cells[3], cells[14]
+        ints = [int(c) for c in (cells[2], *cells[4:12])]
+        rows.append(
+            Published(
+                model,
+                system,
+                ints[0],
+                precision,
+                *ints[1:],
+                float(cells[12]),
+                float(cells[13]),
+                _source(code, model, system, precision).replace(", ...", ")"),
+                **_settings(cells[15] if len(cells) > 15 else ""),
+            )
+        )
+    return tuple(rows)
+
+
+ROWS = parse_table(_TABLE)
+MOE_ROWS = tuple(r for r in ROWS if r.is_moe)
+DENSE_ROWS = tuple(r for r in ROWS if not r.is_moe)

@@ -150,6 +150,24 @@ def qwen3_moe(name: str, layers: int, hidden: int, heads: int, moe_ffn: int) -> 
     )
 
 
+def nemotron4_15b() -> ModelSpec:
+    """Nemotron-4 15B (arXiv 2402.16819, section 2): 32 layers, H 6144, 48 heads with 8 KV heads, a squared-ReLU
+    MLP of 24576 (not gated), vocab 256000, untied embeddings, no biases: 3.2B embedding and 12.5B other
+    parameters."""
+    return ModelSpec(
+        name="nemotron4-15b",
+        hidden=6144,
+        num_layers=32,
+        vocab=256000,
+        num_heads=48,
+        num_kv_heads=8,
+        ffn_hidden=24576,
+        gated_ffn=False,
+        norm="layernorm",
+        seq_len=4096,
+    )
+
+
 def gpt_oss_120b() -> ModelSpec:
     """gpt-oss-120b: 36 layers, H 2880, 64 heads of 64 (8 KV), 128 experts top-4 of width 2880, every other layer
     a 128-token sliding window (HF ``layer_types``), biases on attention and experts."""
@@ -206,6 +224,7 @@ PRESETS: dict[str, Callable[[], ModelSpec]] = {
     "qwen3-30b-a3b": lambda: qwen3_moe("qwen3-30b-a3b", 48, 2048, 32, 768),
     "qwen3-235b-a22b": lambda: qwen3_moe("qwen3-235b-a22b", 94, 4096, 64, 1536),
     "gpt-oss-120b": gpt_oss_120b,
+    "nemotron4-15b": nemotron4_15b,
     "gpt3-175b": gpt3_175b,
     "gpt-22b": lambda: _megatron_gpt("gpt-22b", 48, 6144, 64),
     "gpt-175b": lambda: _megatron_gpt("gpt-175b", 96, 12288, 96),
@@ -234,7 +253,7 @@ def load_model(name_or_path: str | os.PathLike | ModelSpec | Any) -> ModelSpec:
         raise ValueError(f"model file {key}: expected one JSON object, got {type(data).__name__}")
     if "hidden" in data or "num_layers" in data:
         return ModelSpec.from_dict(data)
-    return from_hf_config(data, name=os.path.basename(os.path.dirname(os.path.abspath(key))) or "hf")
+    return from_hf_config(data)  # named after the model's own fields, not the folder
 
 
 def with_overrides(spec: ModelSpec, **changes: Any) -> ModelSpec:

@@ -15,8 +15,9 @@ import re
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SKIP = {".venv", ".git", "out", "__pycache__", ".pytest_cache", "node_modules", ".ruff_cache"}
-# other projects' files, cited with their repository named beside them (Megatron-Bridge's performance tables)
-EXTERNAL = {"docs/performance-summary-archive.md", "docs/performance-summary.md"}
+# other projects' files, cited with their repository named beside them (Megatron-Bridge's performance tables,
+# ml-engineering's accelerator page)
+EXTERNAL = {"docs/performance-summary-archive.md", "docs/performance-summary.md", "compute/accelerator/README.md"}
 CITED = re.compile(r"(?<![\w/.-])((?:\.\./|/)?[\w./-]*?[\w-]+\.md)\b")
 
 

@@ -28,7 +28,7 @@ K3 = ParallelConfig(pp=16, ep=64, dp=256, seq_len=8192, global_batch_tokens=64 *
         (replace(K3, ep=48), 4096, "EP 48"),
         (replace(K3, ep=1024, dp=1024, pp=4), 4096, "experts are not divisible"),
         (replace(K3, recompute="none", micro_batch=4), 4096, "out of memory"),
-        (replace(K3, schedule="interleaved", vpp=2, global_batch_tokens=8192 * 256 * 4), 4096, "divisible by PP"),
+        (replace(K3, schedule="interleaved", vpp=2, global_batch_tokens=8192 * 256 * 4), 4096, "N (16) in [PP 16"),
         (replace(K3, pp=128, dp=32, ep=32), 4096, "cannot fill"),
         (replace(K3, precision="fp8"), 4096, None),
     ],

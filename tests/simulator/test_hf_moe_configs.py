@@ -1,7 +1,7 @@
-"""Hugging Face MoE configs read right or refused by name (issue 28, with the simulator issue): Mixtral (the expert
-width is ``intermediate_size``), Qwen-MoE's shared expert (``shared_expert_intermediate_size``), ERNIE-4.5's
-``moe_*`` names; an MoE config under names we do not know is an error naming its fields, never a dense model;
-expert fields we do not read are warned about. Field values are those of the published ``config.json`` files."""
+"""Hugging Face MoE configs read right or refused by name (issues 28 and 27): every family's published total and
+active parameter counts (``hf_moe_config_data.PUBLISHED``), which layers are MoE / dense / Mamba, an MoE config
+under names we do not know is an error naming its fields, never a dense model; expert fields we do not read are
+warned about. Field values are those of the published ``config.json`` files."""
 
 from __future__ import annotations
 
@@ -10,60 +10,18 @@ import warnings
 
 import pytest
 
-from simulator.layers import param_counts
+from simulator.layers import layer_stats, param_counts
 from simulator.specs import from_hf_config, load_model
-
-MIXTRAL_8X7B = {
-    "architectures": ["MixtralForCausalLM"],
-    "hidden_size": 4096,
-    "intermediate_size": 14336,
-    "max_position_embeddings": 32768,
-    "num_attention_heads": 32,
-    "num_experts_per_tok": 2,
-    "num_hidden_layers": 32,
-    "num_key_value_heads": 8,
-    "num_local_experts": 8,
-    "output_router_logits": False,
-    "router_aux_loss_coef": 0.02,
-    "sliding_window": None,
-    "tie_word_embeddings": False,
-    "vocab_size": 32000,
-}
-QWEN2_57B_A14B = {
-    "architectures": ["Qwen2MoeForCausalLM"],
-    "decoder_sparse_step": 1,
-    "hidden_size": 3584,
-    "intermediate_size": 18944,
-    "max_position_embeddings": 131072,
-    "moe_intermediate_size": 2560,
-    "norm_topk_prob": False,
-    "num_attention_heads": 28,
-    "num_experts": 64,
-    "num_experts_per_tok": 8,
-    "num_hidden_layers": 28,
-    "num_key_value_heads": 4,
-    "router_aux_loss_coef": 0.001,
-    "shared_expert_intermediate_size": 20480,
-    "tie_word_embeddings": False,
-    "vocab_size": 151936,
-}
-ERNIE_45_21B_A3B = {
-    "architectures": ["Ernie4_5_MoeForCausalLM"],
-    "hidden_size": 2560,
-    "intermediate_size": 12288,
-    "max_position_embeddings": 131072,
-    "moe_intermediate_size": 1536,
-    "moe_k": 6,
-    "moe_layer_interval": 1,
-    "moe_layer_start_index": 1,
-    "moe_num_experts": 64,
-    "moe_num_shared_experts": 2,
-    "num_attention_heads": 20,
-    "num_hidden_layers": 28,
-    "num_key_value_heads": 4,
-    "tie_word_embeddings": True,
-    "vocab_size": 103424,
-}
+from tests.simulator.hf_moe_config_data import (
+    DBRX,
+    DEEPSEEK_V3,
+    ERNIE_45_21B_A3B,
+    JAMBA_V01,
+    LLAMA4_MAVERICK,
+    MIXTRAL_8X7B,
+    PUBLISHED,
+    QWEN2_57B_A14B,
+)
 
 
 def _load(cfg: dict, tmp_path):
@@ -118,13 +76,92 @@ def test_unread_expert_fields_are_warned_about():
 @pytest.mark.parametrize(
     "change, named",
     [
-        ({"decoder_sparse_step": 2}, "decoder_sparse_step=2"),
-        ({"mlp_only_layers": [3, 7]}, "mlp_only_layers=[3, 7]"),
         ({"shared_expert_intermediate_size": 3000}, "shared_expert_intermediate_size=3000"),
         ({"num_experts_per_tok": 0}, "without its top-k"),
+        ({"num_experts_per_tok": 65}, "num_experts_per_tok=65"),
+        ({"moe_intermediate_size": 0}, "moe_intermediate_size"),
+        ({"num_local_experts": 32}, "num_local_experts=32"),
+        ({"moe_intermediate_size": 2560.5}, "moe_intermediate_size"),
+        ({"num_key_value_heads": 5}, "num_key_value_heads"),
+        ({"mlp_only_layers": list(range(28))}, "mlp_only_layers"),
+        ({"decoder_sparse_step": 2, "intermediate_size": 0}, "intermediate_size"),
     ],
 )
-def test_moe_layouts_that_cannot_be_expressed_are_refused(change: dict, named: str):
+def test_bad_or_ambiguous_moe_configs_are_refused_naming_the_hf_field(change: dict, named: str):
     with pytest.raises(ValueError) as err:
         from_hf_config(QWEN2_57B_A14B | change)
-    assert named in str(err.value)
+    msg = str(err.value)
+    assert named in msg and "ModelSpec" not in msg and "moe_ffn_hidden" not in msg, msg
+    assert "\n" not in msg
+
+
+def test_qwen_sparse_step_and_mlp_only_layers_price_dense_layers():
+    spec = from_hf_config(QWEN2_57B_A14B | {"decoder_sparse_step": 2, "mlp_only_layers": [3]})
+    kinds = [k[1] for k in spec.layer_kinds()]
+    assert [i for i, k in enumerate(kinds) if k == "moe"] == [i for i in range(1, 28, 2) if i != 3]
+    every = param_counts(from_hf_config(QWEN2_57B_A14B))
+    dense_width = 3 * 3584 * 18944  # the dense layers use intermediate_size, not the experts
+    moe_layer = 64 * 3 * 3584 * 2560 + 3 * 3584 * 20480 + 64 * 3584 + 3584
+    assert every.total - param_counts(spec).total == 15 * (moe_layer - dense_width)
+
+
+def _tolerance(published: float) -> float:
+    """2%, or half a unit of the card's last digit when it gives fewer digits (``2.4B``: 2.1%)."""
+    digits = len(f"{published / 1e9:g}".replace(".", "").lstrip("0"))
+    unit = 10 ** (len(str(int(published / 1e9))) - digits) if published >= 1e9 else 0
+    return max(0.02, 0.5 * unit * 1e9 / published) if unit else 0.02
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_published_total_and_active_parameter_counts(name: str):
+    cfg, total, active, convention, source = PUBLISHED[name]
+    spec = from_hf_config(cfg)
+    c = param_counts(spec)
+    head_mat = spec.vocab * spec.hidden
+    mine = {"emb+head": c.active + (0 if spec.tie_embeddings else c.embedding), "head": c.active}
+    mine["layers"] = c.active - head_mat
+    for got, want in ((c.total, total), (mine[convention], active)):
+        if isinstance(want, tuple):  # a truncated count: the card's digits, then anything up to the next unit
+            assert want[0] <= got < want[1], (name, got, want, source)
+        else:
+            assert abs(got / want - 1) <= _tolerance(want), (name, got, want, source)
+
+
+def test_family_layouts_are_read_layer_by_layer():
+    v3 = from_hf_config(DEEPSEEK_V3)
+    assert (v3.first_k_dense, v3.num_shared_experts, v3.expert_groups, v3.groups_per_token) == (3, 1, 8, 4)
+    assert v3.mtp_layers == 1 and v3.attention == "mla" and v3.router_bias
+    mav = from_hf_config(LLAMA4_MAVERICK)
+    assert [i for i, k in enumerate(mav.layer_kinds()) if k[1] == "moe"] == list(range(1, 48, 2))
+    assert (mav.ffn_hidden, mav.moe_ffn_hidden, mav.num_shared_experts) == (16384, 8192, 1)
+    jamba = from_hf_config(JAMBA_V01)
+    kinds = jamba.layer_kinds()
+    assert [i for i, k in enumerate(kinds) if k[0] == "mha"] == [4, 12, 20, 28]
+    assert [i for i, k in enumerate(kinds) if k[1] == "moe"] == list(range(1, 32, 2))
+    dbrx = from_hf_config(DBRX)
+    assert (dbrx.hidden, dbrx.num_layers, dbrx.kv_heads, dbrx.num_experts, dbrx.top_k) == (6144, 40, 8, 16, 4)
+
+
+def test_jamba_mamba_mixer_parameters_follow_the_hf_modeling_code():
+    """in_proj, conv1d (+bias), x_proj, dt_proj (+bias), A_log, D, out_proj, dt/B/C norms (JambaMambaMixer)."""
+    spec = from_hf_config(JAMBA_V01)
+    mamba = next(i for i, k in enumerate(spec.layer_kinds()) if k == ("mamba", "dense"))
+    attn = next(i for i, k in enumerate(spec.layer_kinds()) if k == ("mha", "dense"))
+    h, di, n, r = 4096, 8192, 16, 256
+    mixer = h * 2 * di + di * 4 + di + di * (r + 2 * n) + r * di + di + di * n + di + di * h + r + 2 * n
+    gqa = 2 * h * h + 2 * h * 1024
+    kinds = spec.layer_kinds()
+    assert layer_stats(spec, kinds[mamba]).dense_params - layer_stats(spec, kinds[attn]).dense_params == mixer - gqa
+
+
+def test_mtp_layers_are_read_and_kept_out_of_the_published_counts():
+    with_mtp, without = from_hf_config(DEEPSEEK_V3), from_hf_config(DEEPSEEK_V3 | {"num_nextn_predict_layers": 0})
+    assert with_mtp.mtp_layers == 1 and param_counts(with_mtp) == param_counts(without)
+
+
+def test_hf_model_is_named_after_its_own_fields_not_its_folder(tmp_path):
+    folder = tmp_path / "checkpoint-123"
+    folder.mkdir()
+    assert _load(MIXTRAL_8X7B, folder).name == "mistralai/Mixtral-8x7B-v0.1"
+    no_path = {k: v for k, v in MIXTRAL_8X7B.items() if k != "_name_or_path"}
+    assert _load(no_path, folder).name == "mixtral MixtralForCausalLM"

@@ -10,7 +10,7 @@ from simulator.costs import node_dedup, steady_fraction
 from simulator.hardware import load_hardware
 from simulator.memory import peak_memory, rank_memory
 from simulator.network import ClusterSpec, cluster_tiers, group
-from simulator.parallel import _split
+from simulator.parallel import _split, _split_reason
 from simulator.specs import load_model
 
 DSV3 = load_model("deepseek-v3")
@@ -31,16 +31,26 @@ BASE = ParallelConfig(
 )
 
 
-@settings(max_examples=60, deadline=None)
-@given(L=st.integers(2, 130), chunks=st.integers(2, 32), first=st.integers(0, 8), last=st.integers(0, 8))
+@settings(max_examples=80, deadline=None)
+@given(
+    L=st.integers(2, 130),
+    chunks=st.integers(1, 32),
+    first=st.none() | st.integers(0, 8),
+    last=st.none() | st.integers(0, 8),
+)
 def test_uneven_split_covers_every_layer_once(L, chunks, first, last):
-    if first + last > L or L - first - last < chunks - bool(first) - bool(last):
-        return
-    if chunks - bool(first) - bool(last) == 0 and first + last != L:
+    """Every layer in exactly one chunk, the ends as asked (0: an embedding-only / head-only chunk), every middle
+    chunk non-empty; a request ``_split_reason`` accepts is always honoured and one it refuses cannot be."""
+    if _split_reason(L, chunks, first, last):
+        mids = chunks - (first is not None) - (last is not None)
+        rest = L - (first or 0) - (last or 0)
+        assert mids < 0 or rest < max(mids, 1) or (mids == 0 and rest)
         return
     parts = _split(L, chunks, first, last)
     assert len(parts) == chunks and [i for p in parts for i in p] == list(range(L))
-    assert (not first or len(parts[0]) == first) and (not last or len(parts[-1]) == last)
+    assert (first is None or len(parts[0]) == first) and (last is None or len(parts[-1]) == last)
+    middle = parts[(first is not None) : len(parts) - (last is not None)]
+    assert all(len(c) >= 1 for c in middle)
 
 
 def test_memory_knobs_each_shrink_their_item():

@@ -1,0 +1,74 @@
+"""The job assumptions ``moonep simulate run`` and ``search`` used, and where each came from (a flag or a default):
+printed above the result and written into its JSON as ``assumptions``, so a plan never hides its sequence length,
+batch, precision or FLOP convention."""
+
+from __future__ import annotations
+
+import os
+
+from simulator.modelspec import ModelSpec
+from simulator.parallel import ParallelConfig
+from simulator.specs import PRESETS
+
+
+class Default(str):
+    """A flag's default value (argparse keeps it as given: ``isinstance(args.x, Default)`` = the flag was not
+    passed); compares and prints as the plain string."""
+
+    __slots__ = ()
+
+
+DEFAULT_BATCH_TOKENS = 2**24
+"""``--global-batch-tokens`` default: 16M tokens, or one sequence per GPU when that is more (``cli_input``)."""
+FLOPS = (
+    "model FLOPs = 3 x forward (no recompute): 2 x the weights a token touches (LM head included) + core attention "
+    "2 x heads x (d_qk + d_v) per query-key pair; tflops/MFU count every pair (full square, Korthikanti et al. "
+    "2022), the 'causal' lines half of them (Megatron-LM); a sliding window caps the keys; MFU is against the "
+    "dense bf16 peak whatever the precision"
+)
+
+
+def _model_source(arg: str) -> str:
+    if str(arg).lower() in PRESETS or not os.path.exists(str(arg)):  # a preset wins over a folder of that name
+        return f"preset {arg!r}"
+    return f"file {os.path.basename(str(arg))} ({os.path.dirname(os.path.abspath(str(arg)))})"
+
+
+def assumptions(args, spec: ModelSpec, par: ParallelConfig) -> dict:
+    """What the job assumed, each ``{"value": ..., "from": "flag --x" | "default: ..."}`` (JSON-ready)."""
+    seq, tokens = par.seq_len, par.global_batch_tokens
+    seqs = tokens / seq
+    batch_from = (
+        "flag --global-batch-tokens"
+        if args.global_batch_tokens
+        else f"default: max({DEFAULT_BATCH_TOKENS:,} tokens, seq_len x GPUs)"
+    )
+    precision = getattr(args, "precision", par.precision)
+    return {
+        "model": {"value": spec.name, "from": f"--model: {_model_source(args.model)}"},
+        "seq_len": {
+            "value": seq,
+            "from": "flag --seq-len" if args.seq_len else f"default: the model's ({spec.seq_len})",
+        },
+        "global_batch": {
+            "tokens": tokens,
+            "sequences": int(seqs) if seqs == int(seqs) else seqs,
+            "from": batch_from,
+        },
+        "precision": {
+            "value": str(precision),
+            "from": f"default ({precision})" if isinstance(precision, Default) else "flag --precision",
+        },
+        "flop_convention": FLOPS,
+    }
+
+
+def format_assumptions(a: dict) -> str:
+    """Two lines for the human output."""
+    b = a["global_batch"]
+    return (
+        f"assumptions: model {a['model']['value']} ({a['model']['from']}); seq_len {a['seq_len']['value']} "
+        f"({a['seq_len']['from']}); global batch {b['tokens']:,} tokens = {b['sequences']} sequences "
+        f"({b['from']}); precision {a['precision']['value']} ({a['precision']['from']})\n"
+        f"FLOP convention: {a['flop_convention']}"
+    )

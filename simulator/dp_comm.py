@@ -1,0 +1,66 @@
+"""Data-parallel gradient reduce-scatter / parameter all-gather in buckets, and what of it the compute hides.
+
+Megatron's DDP packs a rank's parameters into buckets of ``max(40M, 1M x DP)`` parameters
+(``DistributedDataParallelConfig.bucket_size``, Megatron-LM ``megatron/core/distributed/
+distributed_data_parallel_config.py``: "larger DP sizes need larger buckets to ensure collectives do not become
+latency-bound"). With ``overlap_grad_reduce`` a bucket's reduce-scatter starts once the last micro-batch's backward
+has produced all its gradients; the buckets are ready in reverse layer order, evenly over that backward, and go one
+after another on the DP stream. With ``overlap_param_gather`` the next step's forward waits only for the bucket it
+needs: its all-gathers run, in layer order, behind the first micro-batch's forward. ``n`` buckets of total time
+``C`` behind a window ``W`` leave ``max(c_last, C - W (n - 1) / n)`` exposed (the last bucket always: the first
+layers' gradients come last). Each bucket pays a ring's latency (``network.ring_latency``, linear in the ring), so
+exposure grows with DP at fixed work per replica: the ring latency per bucket and the last bucket's size grow.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from simulator import network as net
+
+BUCKET_MIN_PARAMS = 40_000_000
+"""Megatron's default bucket floor (parameters)."""
+BUCKET_PARAMS_PER_DP_RANK = 1_000_000
+"""Megatron's default bucket growth with the DP size (parameters per DP rank)."""
+
+
+@dataclass(frozen=True)
+class Buckets:
+    """One parameter buffer's DP collectives on one rank."""
+
+    count: int
+    """Buckets."""
+    each_s: float
+    """Seconds of one bucket's collective (bandwidth + ring latency)."""
+
+    @property
+    def total_s(self) -> float:
+        return self.count * self.each_s
+
+
+def bucket_size(dp: int) -> int:
+    """Megatron's default bucket size in parameters for a DP group of ``dp`` ranks."""
+    return max(BUCKET_MIN_PARAMS, BUCKET_PARAMS_PER_DP_RANK * dp)
+
+
+def buckets(params: float, bytes_per_param: float, group: net.Group, tiers: net.Tiers, op: str, scale) -> Buckets:
+    """``params`` local parameters in default-size buckets, each moved by ``op`` (``reduce_scatter``,
+    ``all_gather`` or ``all_reduce``) over ``group``."""
+    if params <= 0 or group.n <= 1:
+        return Buckets(0, 0.0)
+    count = max(1, math.ceil(params / bucket_size(group.n)))
+    each = getattr(net, op)(bytes_per_param * params / count, group, tiers, scale)
+    return Buckets(count, each)
+
+
+def exposed(parts: list[Buckets], window: float) -> float:
+    """Seconds left after a compute ``window`` by buckets ready evenly over it and sent one after another: at least
+    the last bucket, at most all of them."""
+    parts = [p for p in parts if p.count]
+    if not parts:
+        return 0.0
+    n = sum(p.count for p in parts)
+    total = sum(p.total_s for p in parts)
+    last = parts[0].each_s  # the first buffer holds the first layers (embedding, dense): ready last
+    return min(total, max(last, total - max(0.0, window) * (n - 1) / n))

@@ -1,0 +1,156 @@
+"""What differs between the Hugging Face MoE families once their field names are read: nested configs (DBRX),
+which layers are MoE (DeepSeek, Qwen-MoE, ERNIE-4.5, Jamba, Llama-4), which are Mamba (Jamba), fixed parts
+that no field states (Llama-4's shared expert, gpt-oss' sinks and router bias), and the model's own name.
+
+Each rule is the one in the family's transformers modeling code (``modeling_<family>.py``, transformers 5.x), or
+in DeepSeek's released remote code for ``moe_layer_freq``; see ``simulator/README.md`` ("HF configs").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+DBRX_TOP = {"d_model": "hidden_size", "n_heads": "num_attention_heads", "n_layers": "num_hidden_layers"}
+DBRX_TOP |= {"max_seq_len": "max_position_embeddings"}
+DBRX_ATTN = {"kv_n_heads": "num_key_value_heads"}
+DBRX_FFN = {"ffn_hidden_size": "moe_intermediate_size", "moe_num_experts": "num_local_experts"}
+DBRX_FFN |= {"moe_top_k": "num_experts_per_tok"}
+DBRX_NO_COST = ("attn_pdrop", "clip_qkv", "rope_theta", "ffn_act_fn", "moe_jitter_eps", "moe_loss_weight")
+DBRX_NO_COST += ("moe_normalize_expert_weights", "uniform_expert_assignment", "model_type")
+"""DBRX nested fields that change the loss, the numerics or the routing rule, not the step's cost."""
+
+
+def flatten(c: dict) -> dict:
+    """DBRX's ``attn_config`` / ``ffn_config`` and short names as the flat names the reader knows; a nested field
+    it does not know is kept under ``ffn_config.NAME`` so the unknown-MoE-field check names it. Other configs
+    are returned as they are."""
+    if not isinstance(c.get("ffn_config"), dict) and not isinstance(c.get("attn_config"), dict):
+        return c
+    out = {DBRX_TOP.get(k, k): v for k, v in c.items() if k not in ("ffn_config", "attn_config")}
+    for part, names in (("attn_config", DBRX_ATTN), ("ffn_config", DBRX_FFN)):
+        nested = c.get(part) or {}
+        if not isinstance(nested, dict):
+            raise ValueError(f"HF config: field {part!r} must be an object, got {nested!r}")
+        for k, v in nested.items():
+            if k in names:
+                out[names[k]] = v
+            elif k not in DBRX_NO_COST:
+                out[f"{part}.{k}"] = v
+    return out
+
+
+def moe_layer_ids(c: dict, get: Callable[..., Any], layers: int) -> tuple[tuple[int, ...], dict[str, str]]:
+    """0-based MoE layer indices under every placement rule the config states (each restricts), and the HF
+    fields that stated them (for messages). Rules: DeepSeek/Kimi ``i >= first_k_dense_replace and i %
+    moe_layer_freq == 0``; Qwen-MoE ``(i + 1) % decoder_sparse_step == 0 and i not in mlp_only_layers``; ERNIE-4.5
+    ``(i + 1) % moe_layer_interval == 0 and start <= i <= end``; Jamba ``i % expert_layer_period ==
+    expert_layer_offset``; Llama-4 ``moe_layers`` or every ``interleave_moe_layer_step``-th layer."""
+    ids, said = set(range(layers)), {}
+
+    def keep(field: str, rule: Callable[[int], bool]) -> None:
+        if field in c and c[field] is not None:
+            ids.intersection_update([i for i in range(layers) if rule(i)])
+            said[field] = f"{field}={c[field]}"
+
+    k, freq = _int(get, "first_k_dense_replace", 0), _int(get, "moe_layer_freq", 1, low=1)
+    keep("first_k_dense_replace", lambda i: i >= k)
+    keep("moe_layer_freq", lambda i: i % freq == 0)
+    step = _int(get, "decoder_sparse_step", 1, low=1)
+    keep("decoder_sparse_step", lambda i: (i + 1) % step == 0)
+    dense = _layer_list(c, "mlp_only_layers", layers)
+    keep("mlp_only_layers", lambda i: i not in dense)
+    start, every = _int(get, "moe_layer_start_index", 0), _int(get, "moe_layer_interval", 1, low=1)
+    end = _int(get, "moe_layer_end_index", layers - 1)
+    keep("moe_layer_start_index", lambda i: i >= start)
+    keep("moe_layer_interval", lambda i: (i + 1) % every == 0)
+    keep("moe_layer_end_index", lambda i: i <= end)
+    period, offset = _period(get, "expert_layer_period", "expert_layer_offset")
+    keep("expert_layer_period", lambda i: i % period == offset)
+    if isinstance(c.get("moe_layers"), list):
+        listed = _layer_list(c, "moe_layers", layers)
+        keep("moe_layers", lambda i: i in listed)
+    else:
+        inter = _int(get, "interleave_moe_layer_step", 1, low=1)
+        keep("interleave_moe_layer_step", lambda i: (i + 1) % inter == 0)
+    if not ids:
+        raise ValueError(f"HF config: no layer is MoE under {', '.join(said.values())}")
+    return tuple(sorted(ids)), said
+
+
+def mamba_layer_ids(c: dict, get: Callable[..., Any], layers: int) -> tuple[int, ...]:
+    """Jamba: attention on layers ``i % attn_layer_period == attn_layer_offset``, Mamba on the others."""
+    if "attn_layer_period" not in c and "attn_layer_offset" not in c:
+        return ()
+    period, offset = _period(get, "attn_layer_period", "attn_layer_offset")
+    return tuple(i for i in range(layers) if i % period != offset)
+
+
+def mamba_fields(c: dict, get: Callable[..., Any]) -> dict:
+    """``ModelSpec`` Mamba fields from Jamba's ``mamba_*`` (dt rank ``"auto"`` = 0, resolved by the spec)."""
+    rank = c.get("mamba_dt_rank", "auto")
+    return {
+        "mamba_d_state": _int(get, "mamba_d_state", 16, low=1),
+        "mamba_d_conv": _int(get, "mamba_d_conv", 4, low=1),
+        "mamba_expand": _int(get, "mamba_expand", 2, low=1),
+        "mamba_dt_rank": 0 if rank == "auto" else _int(get, "mamba_dt_rank", 0, low=1),
+        "mamba_conv_bias": _flag(c, "mamba_conv_bias", True),
+        "mamba_proj_bias": _flag(c, "mamba_proj_bias", False),
+    }
+
+
+def family_fixed(c: dict) -> dict:
+    """Parts a family always has that no field states: Llama-4's one shared expert (``Llama4TextMoe``),
+    gpt-oss' per-head sinks and router bias, Qwen2-MoE's sigmoid gate on its shared expert."""
+    kind = str(c.get("model_type", ""))
+    if kind.startswith("llama4"):
+        return {"num_shared_experts": 1}
+    if kind == "gpt_oss":
+        return {"attn_sinks": True, "router_bias": True}
+    if kind == "qwen2_moe" or c.get("shared_expert_intermediate_size"):
+        return {"shared_expert_gate": True}
+    return {}
+
+
+def model_name(cfg: dict) -> str:
+    """The model's own name: ``_name_or_path`` when the file has one, else ``model_type`` and ``architectures``
+    (``mixtral MixtralForCausalLM``), else ``hf``."""
+    path = cfg.get("_name_or_path")
+    if isinstance(path, str) and path.strip():
+        return path.strip()
+    kind = cfg.get("model_type") or (cfg.get("text_config") or {}).get("model_type") or ""
+    archs = cfg.get("architectures") or []
+    archs = "+".join(a for a in archs if isinstance(a, str)) if isinstance(archs, list) else ""
+    return " ".join(p for p in (str(kind), archs) if p) or "hf"
+
+
+def _int(get: Callable[..., Any], key: str, default: int, low: int = 0) -> int:
+    v = get(key)
+    if v is None:
+        return default
+    if v < low:
+        raise ValueError(f"HF config: field {key!r} must be >= {low}, got {v!r}")
+    return int(v)
+
+
+def _flag(c: dict, key: str, default: bool) -> bool:
+    v = c.get(key, default)
+    if not isinstance(v, bool):
+        raise ValueError(f"HF config: field {key!r} must be true or false, got {v!r}")
+    return v
+
+
+def _period(get: Callable[..., Any], period_key: str, offset_key: str) -> tuple[int, int]:
+    period, offset = _int(get, period_key, 1, low=1), _int(get, offset_key, 0)
+    if offset >= period:
+        raise ValueError(f"HF config: {offset_key}={offset} must be below {period_key}={period}")
+    return period, offset
+
+
+def _layer_list(c: dict, key: str, layers: int) -> set[int]:
+    v = c.get(key) or []
+    if not isinstance(v, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in v):
+        raise ValueError(f"HF config: field {key!r} must be a list of layer indices, got {v!r}")
+    if any(not 0 <= i < layers for i in v):
+        raise ValueError(f"HF config: field {key!r} has indices outside 0..{layers - 1}: {v!r}")
+    return set(v)

@@ -1,0 +1,56 @@
+"""DP gradient / parameter collectives in Megatron's buckets, and their exposure (simulator.dp_comm)."""
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from simulator import dp_comm
+from simulator import network as net
+from simulator.analytic import simulate
+from simulator.hardware import load_hardware
+from simulator.parallel import ParallelConfig
+
+
+def test_bucket_size_is_megatrons_default():
+    assert dp_comm.bucket_size(8) == 40_000_000 and dp_comm.bucket_size(288) == 288_000_000
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    each=st.lists(st.tuples(st.integers(0, 50), st.floats(0.0, 0.05)), min_size=1, max_size=3),
+    w1=st.floats(0.0, 5.0),
+    w2=st.floats(0.0, 5.0),
+)
+def test_exposure_between_last_bucket_and_all(each, w1, w2):
+    parts = [dp_comm.Buckets(n, c) for n, c in each]
+    lo, hi = sorted((w1, w2))
+    total = sum(p.total_s for p in parts)
+    assert dp_comm.exposed(parts, 0.0) == pytest.approx(total)
+    assert dp_comm.exposed(parts, hi) <= dp_comm.exposed(parts, lo) + 1e-15
+    live = [p for p in parts if p.count]
+    if live:
+        assert dp_comm.exposed(parts, 1e9) == pytest.approx(min(total, live[0].each_s))
+
+
+def test_ring_latency_grows_with_the_ring_and_tree_caps_all_reduce():
+    t = net.cluster_tiers(4096, load_hardware("h100"), net.ClusterSpec())
+    lat = [net.ring_latency(net.group(n, 8, t), t) for n in (16, 64, 256)]
+    assert lat[0] < lat[1] < lat[2]
+    g = net.group(256, 8, t)
+    assert net.all_reduce(1e6, g, t) < 2 * net.all_gather(1e6, g, t)  # small message: the tree wins
+
+
+def _step(dp: int):
+    par = ParallelConfig(
+        tp=8, dp=dp, seq_len=4096, micro_batch=1, global_batch_tokens=4 * dp * 4096, recompute="selective"
+    )
+    return simulate("llama3-8b", "h100", par, gpus=8 * dp)
+
+
+def test_dp_exposure_rises_with_dp_at_fixed_work_per_replica():
+    steps = [_step(dp) for dp in (24, 96, 288)]
+    assert all(r.feasible for r in steps)
+    dp = [r.breakdown["dp"] for r in steps]
+    assert 0 < dp[0] < dp[1] < dp[2]
+    tps = [r.tokens_per_s_per_gpu for r in steps]
+    assert tps[0] > tps[1] > tps[2]
