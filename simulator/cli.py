@@ -224,6 +224,12 @@ def _parallel_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--moment-dtype", choices=("fp32", "bf16"), default="fp32", help="Adam m and v")
     p.add_argument("--main-grads-dtype", choices=("fp32", "bf16"), default="fp32", help="gradient buffer")
     p.add_argument(
+        "--attn-res-impl",
+        choices=("moonep", "release"),
+        default="moonep",
+        help="what a Block AttnRes mix keeps (moonep: sources by reference; release: fp32 stacks)",
+    )
+    p.add_argument(
         "--moe-a2a-overlap", action="store_true", help="overlap EP all-to-all with another micro-batch's compute"
     )
 

@@ -65,6 +65,11 @@ class LayerStats:
     """bf16 bytes of one routed expert (the replica weight a ``moonep`` plan may move)."""
     act_gemm_in: float = 0.0
     """Part of ``act_par`` that is bf16 GEMM inputs (halved when activations are stored in fp8)."""
+    act_attn_res: float = 0.0
+    """Block AttnRes (K3): bytes per token per layer its two mixes keep, averaged over the layers, as moonep's K3
+    keeps them (the new partial sum, bf16, and three fp32 numbers per source); 0 without AttnRes."""
+    act_attn_res_stacked: float = 0.0
+    """The same for the release's ``_apply_attn_res``, which keeps two fp32 stacks of its sources per mix."""
     module_bytes: tuple = ()
     """``((recompute module, saved bytes per token it drops, re-run forward GEMM FLOPs per token), ...)`` for the
     ``--recompute-modules`` names (core attention is priced from ``attn_flops_per_s`` instead)."""
@@ -178,7 +183,10 @@ def _ffn(spec: ModelSpec, kind: str) -> dict:
     fs = spec.num_shared_experts * fe
     mat = e * h + 3 * h * fs + (2 * h * spec.moe_latent_dim if spec.moe_latent_dim else 0)
     vec = (e if spec.router_bias else 0) + spec.moe_latent_dim + (h if spec.shared_expert_gate else 0)
-    routed = k * (2 * de + 4 * fe + 2 * fe + 2 * de)
+    # per routed copy: the permuted input, the SwiGLU input [2F] and its output; not the expert's output, because
+    # the routing probability is applied inside the activation (Megatron's weighted_bias_swiglu, moonep's K3
+    # MoE), so the combine's backward needs no copy of it
+    routed = k * (2 * de + 4 * fe + 2 * fe)
     latent = 6 * spec.moe_latent_dim if spec.moe_latent_dim else 0
     par = 4 * e + latent + routed + 6 * fs
     return {
@@ -264,8 +272,38 @@ def layer_stats(spec: ModelSpec, kind: tuple[str, str]) -> LayerStats:
         dispatch_dim=f["dim"],
         expert_bytes_bf16=f["eb"],
         act_gemm_in=min(_gemm_inputs(spec, kind), float(a["par"] + f["par"])),
+        act_attn_res=attn_res_bytes(spec)[0],
+        act_attn_res_stacked=attn_res_bytes(spec)[1],
         module_bytes=_modules(spec, kind, a, f),
     )
+
+
+def attn_res_sources(spec: ModelSpec) -> list[int]:
+    """Sources of every AttnRes mix in layer order (k3_architecture.md 2.1): before the attention of layer
+    ``l >= 1``, the blocks closed at layers ``0, S, 2S, ... < l`` plus the partial sum; before the FFN, also the
+    block closed at ``l`` itself."""
+    size = spec.attn_res_block_size or spec.num_layers
+    out = []
+    for layer in range(spec.num_layers):
+        if layer:
+            out.append((layer - 1) // size + 2)
+        out.append(layer // size + 2)
+    return out
+
+
+@lru_cache(maxsize=64)
+def attn_res_bytes(spec: ModelSpec) -> tuple[float, float]:
+    """(moonep, release) bytes per token per layer the AttnRes mixes keep, averaged over the layers. moonep's
+    custom backward (``k3.attnres``) keeps the sources by reference, so a mix adds the one source that is new, the
+    partial sum ([t, H] bf16), and fp32 norms, logits and weights per source (12 bytes each); the release's
+    ``_apply_attn_res`` keeps the fp32 stack of the sources and of their normalised copies: 8 H bytes a source."""
+    if not spec.attn_res:
+        return 0.0, 0.0
+    sources = attn_res_sources(spec)
+    h, layers = spec.hidden, spec.num_layers
+    ours = sum(2.0 * h + 12.0 * n for n in sources) / layers
+    stacked = sum(8.0 * h * n for n in sources) / layers
+    return ours, stacked
 
 
 def embedding_params(spec: ModelSpec) -> int:

@@ -51,7 +51,8 @@ def saved_bytes_per_token(spec: ModelSpec, par: ParallelConfig, st, flash: bool)
     """Activation bytes one token leaves on the GPU for the backward in one layer, after fp8 storage, recomputed
     modules and offload (Korthikanti's per-layer count generalised term by term, see ``layers``)."""
     split = par.tp if (par.sequence_parallel or par.tp == 1) else 1
-    rep, par_bytes = st.act_rep / split, st.act_par
+    mixes = st.act_attn_res_stacked if par.attn_res_impl == "release" else st.act_attn_res
+    rep, par_bytes = (st.act_rep + mixes) / split, st.act_par
     if par.fp8_activations:
         par_bytes -= st.act_gemm_in / 2  # TE keeps the fp8 copy of each GEMM input, 1 byte instead of 2
     if par.recompute == "selective+act":

@@ -92,6 +92,9 @@ class ParallelConfig:
     """Adam moments m and v (``--exp-avg-dtype`` / ``--exp-avg-sq-dtype``): fp32 or bf16."""
     main_grads_dtype: str = "fp32"
     """Main gradient buffer (``--main-grads-dtype``): fp32 or bf16."""
+    attn_res_impl: str = "moonep"
+    """What a Block AttnRes mix keeps for the backward: ``moonep`` (k3.attnres: sources by reference) or
+    ``release`` (the released ``_apply_attn_res``: fp32 stacks of the sources); models without AttnRes ignore it."""
     moe_a2a_overlap: bool = False
     """Overlap EP dispatch/combine of one micro-batch with another's compute in 1F1B/interleaved steady state
     (Megatron ``--overlap-moe-expert-parallel-comm``; DualPipe overlaps by construction)."""
@@ -141,6 +144,7 @@ class ParallelConfig:
             ("activation_dtype", ("auto", "bf16", "fp8")),
             ("moment_dtype", ("fp32", "bf16")),
             ("main_grads_dtype", ("fp32", "bf16")),
+            ("attn_res_impl", ("moonep", "release")),
         ):
             if getattr(self, f) not in allowed:
                 raise ValueError(f"ParallelConfig.{f} must be one of {allowed}, got {getattr(self, f)!r}")

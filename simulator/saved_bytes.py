@@ -6,7 +6,7 @@ side arrives as the bench's JSON: data, not an import. Modules are the bench's: 
 ``moe`` / ``dense_mlp``, the two ``attn_res`` mixes, the two layer ``norms``, and the whole ``mla_layer`` /
 ``kda_layer`` (attention + MoE + norms + AttnRes). The simulator's rows are its own terms (``simulator.layers``):
 attention and FFN ``par`` bytes, the norm and block inputs (``act_rep``) for the norms, and ``act_rep + act_par``
-for a layer; it has no AttnRes term (its two mixes are not modelled), and a non-flash softmax adds
+for a layer, plus the AttnRes mixes (``layers.attn_res_bytes``, moonep's implementation); a non-flash softmax adds
 ``act_s2_per_s`` bytes per key position (not included: K3's MLA runs SDPA's fused causal path).
 """
 
@@ -29,10 +29,10 @@ def simulated(spec: ModelSpec) -> dict[str, float | None]:
         "kda": float(_attention(spec, "kda")["par"]),
         "moe": float(_ffn(spec, "moe")["par"]),
         "dense_mlp": float(_ffn(spec, "dense")["par"]),
-        "attn_res": None,
+        "attn_res": mla.act_attn_res if spec.attn_res else None,
         "norms": float(mla.act_rep),
-        "mla_layer": mla.act_rep + mla.act_par,
-        "kda_layer": kda.act_rep + kda.act_par,
+        "mla_layer": mla.act_rep + mla.act_par + mla.act_attn_res,
+        "kda_layer": kda.act_rep + kda.act_par + kda.act_attn_res,
     }
 
 
@@ -84,4 +84,28 @@ def format_table(table: dict) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["MODULES", "format_table", "measured", "side_by_side", "simulated"]
+BUDGET_TERMS = ("norm and block inputs", "attention", "FFN / MoE", "AttnRes mixes", "layer")
+
+
+def activation_budget(spec: ModelSpec) -> list[dict]:
+    """Saved bytes per token per layer by term, per layer kind of ``spec`` at its released widths (bf16, TP 1,
+    no recompute, flash attention): what one token costs a layer before any recompute or fp8 storage, the
+    README's K3 vs DeepSeek-V3 table."""
+    out = []
+    for kind in sorted(set(spec.layer_kinds()), key=spec.layer_kinds().index):
+        st = layer_stats(spec, kind)
+        a, f = _attention(spec, kind[0])["par"], _ffn(spec, kind[1])["par"]
+        terms = (st.act_rep, float(a), float(f), st.act_attn_res)
+        out.append({"model": spec.name, "kind": "/".join(kind), **dict(zip(BUDGET_TERMS, (*terms, sum(terms))))})
+    return out
+
+
+def format_budget(rows: list[dict]) -> str:
+    """Markdown table of ``activation_budget`` rows (bytes per token per layer)."""
+    lines = ["| model | layer | " + " | ".join(BUDGET_TERMS) + " |", "|---|---|" + "---|" * len(BUDGET_TERMS)]
+    for r in rows:
+        lines.append(f"| {r['model']} | {r['kind']} | " + " | ".join(f"{r[t]:,.0f}" for t in BUDGET_TERMS) + " |")
+    return "\n".join(lines)
+
+
+__all__ = ["MODULES", "activation_budget", "format_budget", "format_table", "measured", "side_by_side", "simulated"]

@@ -143,7 +143,8 @@ def test_memory_bench_json_quick(tmp_path, capsys):
     assert "simulator k3" in printed and "measured/sim T=72" in printed
     table = json.loads(table_path.read_text())
     stats = layer_stats(load_model("k3"), ("mla", "moe"))
-    assert table["simulator"]["mla_layer"] == stats.act_rep + stats.act_par and table["simulator"]["attn_res"] is None
+    assert table["simulator"]["mla_layer"] == stats.act_rep + stats.act_par + stats.act_attn_res
+    assert table["simulator"]["attn_res"] == stats.act_attn_res > 0
     for got, ratio, want in zip(table["measured"], table["ratio"], out["k3"]):
         assert got == {m: want[m] for m in table["modules"]} | {"seq_len": want["seq_len"]}
         assert ratio["mla_layer"] == pytest.approx(want["mla_layer"] / table["simulator"]["mla_layer"])

@@ -10,6 +10,7 @@ makes it worse fails here."""
 import dataclasses
 import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -116,3 +117,8 @@ def test_the_fit_recovers_planted_constants():
     got = software_fit.fit(made, start={"sustained": 0.9, "moe_layer_fixed_s": 0.003}, sweeps=5)
     assert got["sustained"] == pytest.approx(0.7, abs=0.01)
     assert got["moe_layer_fixed_s"] == pytest.approx(0.001, abs=0.0002)
+
+
+def test_readme_table_is_the_code_output():
+    readme = (Path(__file__).parents[2] / "simulator" / "README.md").read_text()
+    assert format_published(TABLE) in readme
