@@ -148,7 +148,7 @@ def test_memory_bench_json_quick(tmp_path, capsys):
     for got, ratio, want in zip(table["measured"], table["ratio"], out["k3"]):
         assert got == {m: want[m] for m in table["modules"]} | {"seq_len": want["seq_len"]}
         assert ratio["mla_layer"] == pytest.approx(want["mla_layer"] / table["simulator"]["mla_layer"])
-        assert ratio["attn_res"] is None
+        assert ratio["attn_res"] == pytest.approx(want["attn_res"] / table["simulator"]["attn_res"])
 
 
 @pytest.mark.parametrize(
