@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+from simulator.act_terms import ActTerm, attention_terms, common_terms, dense_ffn_terms, moe_terms, recurrent_terms
 from simulator.modelspec import ModelSpec
 
 KDA_CHUNK = 64
@@ -64,12 +65,16 @@ class LayerStats:
     expert_bytes_bf16: int
     """bf16 bytes of one routed expert (the replica weight a ``moonep`` plan may move)."""
     act_gemm_in: float = 0.0
-    """Part of ``act_par`` that is bf16 GEMM inputs (halved when activations are stored in fp8)."""
+    """Bytes per token fp8 storage of GEMM inputs saves (``act_terms``' bf16 minus fp8 bytes; negative where TE's
+    fp8 copy comes on top of a bf16 tensor another kernel keeps)."""
     act_attn_res: float = 0.0
     """Block AttnRes (K3): bytes per token per layer its two mixes keep, averaged over the layers, as moonep's K3
     keeps them (the new partial sum, bf16, and three fp32 numbers per source); 0 without AttnRes."""
     act_attn_res_stacked: float = 0.0
     """The same for the release's ``_apply_attn_res``, which keeps two fp32 stacks of its sources per mix."""
+    act_terms: tuple[ActTerm, ...] = ()
+    """The saved bytes term by term (``simulator.act_terms``), what ``memory.saved_bytes_per_token`` sums; the
+    ``act_*`` totals above are derived from them (bf16, flash, probabilities inside the SwiGLU)."""
     module_bytes: tuple = ()
     """``((recompute module, saved bytes per token it drops, re-run forward GEMM FLOPs per token), ...)`` for the
     ``--recompute-modules`` names (core attention is priced from ``attn_flops_per_s`` instead)."""
@@ -129,22 +134,18 @@ def _attention(spec: ModelSpec, kind: str) -> dict:
         q = h * ql + ql * nh * dqk if ql else h * nh * dqk
         mat = q + h * (kvl + spec.qk_rope_dim) + kvl * nh * (spec.qk_nope_dim + dv) + nh * dv * h
         vec = ql + kvl
-        par = 4 * ql + 2 * kvl + 2 * nh * dqk * 2 + 2 * nh * dv * 2
         kv = 2 * (kvl + spec.qk_rope_dim)
-        qkv_width = 0
     else:
         dqk = dv = spec.dhead
         mat = h * nh * dqk + 2 * h * spec.kv_heads * dqk + nh * dv * h
         vec = (nh * dqk + 2 * spec.kv_heads * dqk + h) if spec.bias else 0
-        qkv_width = nh * dqk + 2 * spec.kv_heads * dqk
-        par, kv = 2 * qkv_width + 2 * nh * dv, 0.0
+        kv = 0.0
     vec += nh if spec.attn_sinks else 0  # gpt-oss: one sink logit per head
     if spec.attn_output_gate:
         mat += h * nh * dv
-        par += 2 * nh * dv
+    par = _terms_bytes(attention_terms(spec, kind))
     s2 = nh * (5 if spec.dropout else 2)  # softmax out (2) [+ dropout mask (1) + dropout out (2)]
     cp_kv = 2 * nh * (dqk + dv) if kind == "mla" else 2 * 2 * spec.kv_heads * dqk
-    del qkv_width
     return {
         "mat": mat,
         "vec": vec,
@@ -165,7 +166,7 @@ def _ffn(spec: ModelSpec, kind: str) -> dict:
         f = spec.ffn_hidden
         mat = (3 if spec.gated_ffn else 2) * h * f
         vec = (f + h) if spec.bias else 0
-        par = (6 if spec.gated_ffn else 4) * f
+        par = _terms_bytes(dense_ffn_terms(spec))
         return {
             "mat": mat,
             "vec": vec,
@@ -183,12 +184,7 @@ def _ffn(spec: ModelSpec, kind: str) -> dict:
     fs = spec.num_shared_experts * fe
     mat = e * h + 3 * h * fs + (2 * h * spec.moe_latent_dim if spec.moe_latent_dim else 0)
     vec = (e if spec.router_bias else 0) + spec.moe_latent_dim + (h if spec.shared_expert_gate else 0)
-    # per routed copy: the permuted input, the SwiGLU input [2F] and its output; not the expert's output, because
-    # the routing probability is applied inside the activation (Megatron's weighted_bias_swiglu, moonep's K3
-    # MoE), so the combine's backward needs no copy of it
-    routed = k * (2 * de + 4 * fe + 2 * fe)
-    latent = 6 * spec.moe_latent_dim if spec.moe_latent_dim else 0
-    par = 4 * e + latent + routed + 6 * fs
+    par = _terms_bytes(moe_terms(spec))  # probabilities inside the SwiGLU: no expert output kept
     return {
         "mat": mat,
         "vec": vec,
@@ -202,41 +198,45 @@ def _ffn(spec: ModelSpec, kind: str) -> dict:
     }
 
 
-def _modules(spec: ModelSpec, kind: tuple[str, str], a: dict, f: dict) -> tuple:
-    """Per recompute module: (name, bytes per token it stops saving, GEMM FLOPs per token to redo it)."""
+def _modules(spec: ModelSpec, kind: tuple[str, str], terms: tuple[ActTerm, ...]) -> tuple:
+    """Per recompute module: (name, bf16 bytes per token of the terms it stops saving, GEMM FLOPs per token to
+    redo it)."""
     h, out = spec.hidden, []
-    out.append(("layernorm", 4.0 * h, 0.0))  # the two norm outputs (bf16), recomputed from the saved inputs
+
+    def dropped(name: str) -> float:
+        return sum(t.nbytes for t in terms if name in t.removed_by and t.when in ("", "flash"))
+
+    out.append(("layernorm", dropped("layernorm"), 0.0))  # the two norm outputs, recomputed from the saved inputs
     if kind[0] == "mla":
         nh, dqk, dv = spec.num_heads, spec.qk_nope_dim + spec.qk_rope_dim, spec.v_head_dim
         up = (spec.q_lora_rank * nh * dqk if spec.q_lora_rank else 0) + spec.kv_lora_rank * nh * (spec.qk_nope_dim + dv)
-        out.append(("mla_up_proj", 2.0 * nh * (2 * dqk + dv), 2.0 * up))
+        out.append(("mla_up_proj", dropped("mla_up_proj"), 2.0 * up))
     if kind[1] == "dense":
-        out.append(("mlp_act", float(f["fn"]), 0.0))
+        out.append(("mlp_act", dropped("mlp_act"), 0.0))
         mats = 3 if spec.gated_ffn else 2  # Megatron's "mlp": the whole dense MLP re-run from its saved input
-        out.append(("mlp", float(f["par"]), 2.0 * mats * h * spec.ffn_hidden))
-    else:
+        out.append(("mlp", dropped("mlp"), 2.0 * mats * h * spec.ffn_hidden))
+    elif kind[1] == "moe":
         fs = spec.num_shared_experts * spec.moe_ffn_hidden
-        out.append(("moe_act", float(f["fn"] - 2 * fs), 0.0))
+        out.append(("moe_act", dropped("moe_act"), 0.0))
         if fs:
-            out.append(("shared_experts", 6.0 * fs + 2.0 * h, 2.0 * 3 * h * fs))
+            out.append(("shared_experts", dropped("shared_experts"), 2.0 * 3 * h * fs))
     return tuple(out)
 
 
-def _gemm_inputs(spec: ModelSpec, kind: tuple[str, str]) -> float:
-    """bf16 bytes per token of saved GEMM inputs (what fp8 storage halves)."""
-    h = spec.hidden
-    if kind[0] == "kda":
-        attn = h + spec.kda_heads * spec.kda_head_dim
-    elif kind[0] == "mla":
-        attn = h + spec.q_lora_rank + spec.kv_lora_rank + spec.num_heads * spec.v_head_dim
+def _terms_bytes(terms) -> float:
+    """bf16 bytes per token of ``terms`` that are activations by default (flash, probabilities inside SwiGLU)."""
+    return float(sum(t.nbytes for t in terms if t.when in ("", "flash")))
+
+
+def act_terms(spec: ModelSpec, kind: tuple[str, str], a: dict, f: dict) -> tuple[ActTerm, ...]:
+    """Every saved-bytes term of one layer kind (``simulator.act_terms``); recurrent mixers from ``_attention``."""
+    terms = common_terms(spec, kind)
+    if kind[0] in ("kda", "mamba"):
+        terms += recurrent_terms(a["par"], a["fn"], kind[0])
     else:
-        attn = h + spec.num_heads * spec.dhead
-    if kind[1] == "dense":
-        ffn = h + spec.ffn_hidden
-    else:
-        de, fs = spec.moe_latent_dim or h, spec.num_shared_experts * spec.moe_ffn_hidden
-        ffn = spec.top_k * (de + spec.moe_ffn_hidden) + (h + fs if fs else 0)
-    return 2.0 * (attn + ffn)
+        terms += attention_terms(spec, kind[0])
+    terms += dense_ffn_terms(spec) if kind[1] == "dense" else moe_terms(spec)
+    return tuple(terms)
 
 
 def _norm_params(spec: ModelSpec) -> int:
@@ -250,9 +250,9 @@ def _norm_params(spec: ModelSpec) -> int:
 def layer_stats(spec: ModelSpec, kind: tuple[str, str]) -> LayerStats:
     """Counts for one ``(attention, ffn)`` layer kind of ``spec``."""
     a, f = _attention(spec, kind[0]), _ffn(spec, kind[1])
-    h = spec.hidden
     dense = a["mat"] + a["vec"] + f["mat"] + f["vec"] + _norm_params(spec)
-    rep = 4 * h + 2 * h + 2 * h + (2 * h if spec.dropout else 0)  # 2 norm inputs, 2 block inputs, 2 masks
+    terms = act_terms(spec, kind, a, f)
+    rep = _terms_bytes(t for t in terms if t.bucket == "rep")  # norm inputs (+ stats) and outputs, dropout masks
     return LayerStats(
         kind=kind,
         dense_params=dense,
@@ -263,18 +263,19 @@ def layer_stats(spec: ModelSpec, kind: tuple[str, str]) -> LayerStats:
         attn_flops_per_s=a["core"],
         kda_flops=float(a["kda"]),
         act_rep=float(rep),
-        act_par=float(a["par"] + f["par"]),
+        act_par=_terms_bytes(t for t in terms if t.bucket == "par" and t.when != "mla_kv"),
         act_s2_per_s=float(a["s2"]) if a["core"] else 0.0,
-        act_fn=float(a["fn"] + f["fn"]),
+        act_fn=_terms_bytes(t for t in terms if "selective+act" in t.removed_by),
         mla_kv=float(a["kv"]),
         cp_kv_bytes=float(a["cp_kv"]),
         kda_state_bytes=float(a["state"]),
         dispatch_dim=f["dim"],
         expert_bytes_bf16=f["eb"],
-        act_gemm_in=min(_gemm_inputs(spec, kind), float(a["par"] + f["par"])),
+        act_gemm_in=float(sum(t.nbytes - t.fp8 for t in terms if t.when in ("", "flash"))),
         act_attn_res=attn_res_bytes(spec)[0],
         act_attn_res_stacked=attn_res_bytes(spec)[1],
-        module_bytes=_modules(spec, kind, a, f),
+        act_terms=terms,
+        module_bytes=_modules(spec, kind, terms),
     )
 
 

@@ -47,25 +47,51 @@ def _layer_act(spec: ModelSpec, par: ParallelConfig, st, t: float, flash: bool) 
     return t * saved_bytes_per_token(spec, par, st, flash), t * st.mla_kv, par.micro_batch * st.kda_state_bytes / par.tp
 
 
+CACHE_BYTES = {"e5m6": 1.5, "fp8": 1.0}
+"""Bytes per element of ``ParallelConfig.attn_out_cache`` (E5M6: 12 bits, DeepSeek-V3 report section 3.3.2)."""
+
+
 def saved_bytes_per_token(spec: ModelSpec, par: ParallelConfig, st, flash: bool) -> float:
-    """Activation bytes one token leaves on the GPU for the backward in one layer, after fp8 storage, recomputed
-    modules and offload (Korthikanti's per-layer count generalised term by term, see ``layers``)."""
+    """Activation bytes one token leaves on the GPU for the backward in one layer: ``st.act_terms`` (what the
+    fused kernels keep, ``simulator.act_terms``) after fp8 storage, the attention-output cache, recomputed
+    modules, the probabilities' place and offload; a non-flash softmax adds ``act_s2_per_s`` per key position."""
     split = par.tp if (par.sequence_parallel or par.tp == 1) else 1
     mixes = st.act_attn_res_stacked if par.attn_res_impl == "release" else st.act_attn_res
-    rep, par_bytes = (st.act_rep + mixes) / split, st.act_par
-    if par.fp8_activations:
-        par_bytes -= st.act_gemm_in / 2  # TE keeps the fp8 copy of each GEMM input, 1 byte instead of 2
-    if par.recompute == "selective+act":
-        par_bytes -= st.act_fn
-    for name, nbytes, _ in st.module_bytes:
-        if name == "layernorm" and par.recomputes(name):
-            rep -= min(nbytes / split, rep / 2)
-        elif par.recomputes(name) and not (par.recompute == "selective+act" and name.endswith("_act")):
-            par_bytes -= nbytes
-    act = rep + max(0.0, par_bytes) / par.tp
-    if par.recompute == "none" and not flash:
+    rep, par_bytes = mixes, 0.0
+    for term in st.act_terms:
+        if term.when == "mla_kv" or (term.when == "flash" and not flash):
+            continue
+        if term.when == "combine" and par.moe_probs != "combine":
+            continue
+        if any(par.recompute == m or par.recomputes(m) for m in term.removed_by):
+            continue
+        nbytes = term.fp8 if par.fp8_activations else term.nbytes
+        if term.name == "attn_out" and par.attn_out_cache != "bf16" and not spec.attn_output_gate:
+            nbytes = term.nbytes / 2 * CACHE_BYTES[par.attn_out_cache]  # one copy serves flash and the out-proj
+        if term.bucket == "rep":
+            rep += nbytes
+        else:
+            par_bytes += nbytes
+    act = rep / split + par_bytes / par.tp
+    if not flash and not par.recomputes("core_attn"):
         act += st.act_s2_per_s * par.seq_len / par.tp
     return act * (1.0 - par.offload_fraction)
+
+
+def mtp_act_bytes(spec: ModelSpec, par: ParallelConfig, flash: bool) -> float:
+    """Saved bytes per token of the multi-token-prediction modules (on the last pipeline stage): per module one
+    layer of the model's last kind, the ``[2H]`` concatenation the projection reads (an fp8 copy in fp8 runs)
+    and the two norms' inputs and stats (embedding and the previous depth's hidden state)."""
+    n = getattr(spec, "mtp_layers", 0)
+    if not n:
+        return 0.0
+    st = layer_stats(spec, spec.layer_kinds()[-1])
+    split = par.tp if (par.sequence_parallel or par.tp == 1) else 1
+    h = spec.hidden
+    extra = 2 * (2 * h + 4) + (2 * h if par.fp8_activations else 4 * h)
+    if par.recompute == "full":
+        return n * (2.0 * h + extra) / split * (1.0 - par.offload_fraction)
+    return n * (saved_bytes_per_token(spec, par, st, flash) + st.mla_kv + extra / split * (1.0 - par.offload_fraction))
 
 
 @lru_cache(maxsize=1024)
@@ -119,6 +145,10 @@ def rank_memory(spec: ModelSpec, hw: HardwareSpec, par: ParallelConfig, rank: in
         act += _full_working_set(spec, par, t, flash)
     if len(chunks) - 1 in mine:
         act += t * spec.vocab * 6.0 / par.tp  # bf16 logits + fp32 loss buffer
+        # MTP modules: their layers' saved bytes per micro-batch in flight, and their own logits (all depths'
+        # losses are in the graph together until its backward)
+        act += t * mtp_act_bytes(spec, par, flash) * live
+        act += t * spec.vocab * 6.0 / par.tp * getattr(spec, "mtp_layers", 0)
     params, grads, optim = _state_bytes(spec, par, dense, expert, mine, chunks)
     if par.zero_stage == 3:  # FSDP reduce-scatters each micro-batch's gradients layer by layer: one layer unsharded
         grads += _biggest_layer(spec, par, mine, chunks) * (4.0 if par.main_grads_dtype == "fp32" else 2.0)

@@ -95,6 +95,14 @@ class ParallelConfig:
     attn_res_impl: str = "moonep"
     """What a Block AttnRes mix keeps for the backward: ``moonep`` (k3.attnres: sources by reference) or
     ``release`` (the released ``_apply_attn_res``: fp32 stacks of the sources); models without AttnRes ignore it."""
+    moe_probs: str = "swiglu"
+    """Where the MoE routing probability multiplies an expert's path: ``swiglu`` (inside the activation,
+    Megatron's ``weighted_bias_swiglu`` / ``--moe-apply-probs-on-input`` family, moonep's K3: the expert output is
+    not kept) or ``combine`` (at the weighted un-permutation: each routed copy's output [K, H] is kept)."""
+    attn_out_cache: str = "bf16"
+    """The attention-output projection's input, which flash attention also keeps as its ``o``: ``bf16`` (one bf16
+    copy, plus TE's fp8 copy in fp8 runs), ``e5m6`` (DeepSeek-V3 section 3.3.2: one 12-bit copy for both
+    backwards) or ``fp8`` (one 1-byte copy)."""
     moe_a2a_overlap: bool = False
     """Overlap EP dispatch/combine of one micro-batch with another's compute in 1F1B/interleaved steady state
     (Megatron ``--overlap-moe-expert-parallel-comm``; DualPipe overlaps by construction)."""
@@ -145,6 +153,8 @@ class ParallelConfig:
             ("moment_dtype", ("fp32", "bf16")),
             ("main_grads_dtype", ("fp32", "bf16")),
             ("attn_res_impl", ("moonep", "release")),
+            ("moe_probs", ("swiglu", "combine")),
+            ("attn_out_cache", ("bf16", "e5m6", "fp8")),
         ):
             if getattr(self, f) not in allowed:
                 raise ValueError(f"ParallelConfig.{f} must be one of {allowed}, got {getattr(self, f)!r}")

@@ -29,7 +29,7 @@ def simulated(spec: ModelSpec) -> dict[str, float | None]:
         "kda": float(_attention(spec, "kda")["par"]),
         "moe": float(_ffn(spec, "moe")["par"]),
         "dense_mlp": float(_ffn(spec, "dense")["par"]),
-        "attn_res": mla.act_attn_res if spec.attn_res else None,
+        "attn_res": mla.act_attn_res,
         "norms": float(mla.act_rep),
         "mla_layer": mla.act_rep + mla.act_par + mla.act_attn_res,
         "kda_layer": kda.act_rep + kda.act_par + kda.act_attn_res,
@@ -108,4 +108,35 @@ def format_budget(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["MODULES", "activation_budget", "format_budget", "format_table", "measured", "side_by_side", "simulated"]
+TERM_COLUMNS = (("k3", ("mla", "moe")), ("k3", ("kda", "moe")), ("deepseek-v3", ("mla", "moe")))
+"""The README's per-term table: K3's MLA and KDA MoE layers beside DeepSeek-V3's MoE layer."""
+
+
+def format_terms(specs: dict[str, ModelSpec], columns=TERM_COLUMNS) -> str:
+    """Markdown table of ``LayerStats.act_terms`` bytes per token per layer (bf16, TP 1, flash, probabilities
+    inside the SwiGLU; ``kv_lora`` is the ``mla_kv`` item), one column per (model, layer kind), AttnRes last."""
+    stats = [layer_stats(specs[m], k) for m, k in columns]
+    names: list[str] = []
+    for st in stats:
+        names += [t.name for t in st.act_terms if t.name not in names and t.when != "combine"]
+    head = "| term | " + " | ".join(f"{m} {'/'.join(k)}" for m, k in columns) + " |"
+    lines = [head, "|---|" + "---|" * len(columns)]
+    for name in names:
+        cells = [sum(t.nbytes for t in st.act_terms if t.name == name) for st in stats]
+        if any(cells):
+            lines.append(f"| {name} | " + " | ".join(f"{c:,.0f}" for c in cells) + " |")
+    lines.append("| AttnRes mixes | " + " | ".join(f"{st.act_attn_res:,.0f}" for st in stats) + " |")
+    return "\n".join(lines)
+
+
+__all__ = [
+    "MODULES",
+    "TERM_COLUMNS",
+    "format_terms",
+    "activation_budget",
+    "format_budget",
+    "format_table",
+    "measured",
+    "side_by_side",
+    "simulated",
+]
