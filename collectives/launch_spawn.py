@@ -148,6 +148,7 @@ def _supervise(procs, tmp: str, job_timeout: float | None) -> None:
             procs[rank].join()
             if procs[rank].exitcode != 0:
                 time.sleep(0.2)  # let peers that fail in turn write their files, then name the root cause
+                rank = _root_rank(procs, tmp, rank)
                 raise failure(tmp, rank, procs[rank].exitcode)
         if deadline is not None and time.monotonic() > deadline:
             raise LaunchError(
@@ -155,6 +156,17 @@ def _supervise(procs, tmp: str, job_timeout: float | None) -> None:
                 f"the job did not finish within job_timeout={job_timeout}s; "
                 f"ranks still running: {sorted(running.values())}",
             )
+
+
+def _root_rank(procs, tmp: str, rank: int) -> int:
+    """The rank to name first: one that died without writing a report (killed, or exited in C code) outranks the
+    rank the supervisor happened to see first, which may only have reported that peer's death (both can be dead
+    by the time the supervisor wakes, in either order)."""
+    for r, p in enumerate(procs):
+        reported = any(os.path.exists(os.path.join(tmp, f"rank{r}{s}")) for s in (".err", ".peer"))
+        if p.exitcode not in (None, 0) and not reported:
+            return r
+    return rank
 
 
 def _terminate(procs, grace_s: float = 2.0) -> None:
