@@ -230,6 +230,18 @@ def _parallel_args(p: argparse.ArgumentParser) -> None:
         help="what a Block AttnRes mix keeps (moonep: sources by reference; release: fp32 stacks)",
     )
     p.add_argument(
+        "--moe-probs",
+        choices=("swiglu", "combine"),
+        default="swiglu",
+        help="where routing probabilities multiply (swiglu: inside the activation; combine: expert outputs kept)",
+    )
+    p.add_argument(
+        "--attn-out-cache",
+        choices=("bf16", "e5m6", "fp8"),
+        default="bf16",
+        help="dtype of the one cached copy of the attention output (DeepSeek-V3: e5m6)",
+    )
+    p.add_argument(
         "--moe-a2a-overlap", action="store_true", help="overlap EP all-to-all with another micro-batch's compute"
     )
 

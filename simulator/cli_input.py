@@ -144,6 +144,8 @@ def _parallel(args, dp: int, seq: int, gbt: int) -> ParallelConfig:
         moment_dtype=args.moment_dtype,
         main_grads_dtype=args.main_grads_dtype,
         attn_res_impl=args.attn_res_impl,
+        moe_probs=args.moe_probs,
+        attn_out_cache=args.attn_out_cache,
         moe_a2a_overlap=args.moe_a2a_overlap,
         microbatch_group=args.microbatch_group,
         capacity_factor=args.moe_capacity_factor,
