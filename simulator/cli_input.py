@@ -19,7 +19,7 @@ class UsageError(ValueError):
 
 
 _POSITIVE = ("gpus", "tp", "pp", "ep", "cp", "dp", "vpp", "micro_batch", "seq_len", "global_batch_tokens", "top")
-_NON_NEGATIVE = ("etp", "pp_first_layers", "pp_last_layers", "microbatch_group")
+_NON_NEGATIVE = ("etp", "pp_first_layers", "pp_last_layers", "microbatch_group", "mtp_layers")
 _NUMBERS = {"maxvio": 0, "oversubscription": 1, "offload_fraction": 0, "moe_capacity_factor": 0}
 """Float flags and their floors: finite and >= the floor (argparse's float() takes inf and nan)."""
 
@@ -50,11 +50,8 @@ def _load(args):
         spec, hw = load_model(args.model), load_hardware(args.hardware)
     except (ValueError, OSError, TypeError) as exc:
         raise UsageError(str(exc)) from None
-    mtp = getattr(args, "mtp_layers", None)
-    if mtp is not None:
-        if mtp < 0:
-            raise UsageError(f"--mtp-layers: must be >= 0, got {mtp}")
-        spec = replace(spec, mtp_layers=mtp)
+    if getattr(args, "mtp_layers", None) is not None:  # in range: check_sizes
+        spec = replace(spec, mtp_layers=args.mtp_layers)
     return spec, hw
 
 

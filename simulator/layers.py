@@ -253,6 +253,7 @@ def layer_stats(spec: ModelSpec, kind: tuple[str, str]) -> LayerStats:
     dense = a["mat"] + a["vec"] + f["mat"] + f["vec"] + _norm_params(spec)
     terms = act_terms(spec, kind, a, f)
     rep = _terms_bytes(t for t in terms if t.bucket == "rep")  # norm inputs (+ stats) and outputs, dropout masks
+    mixes, mixes_stacked = attn_res_bytes(spec)
     return LayerStats(
         kind=kind,
         dense_params=dense,
@@ -272,8 +273,8 @@ def layer_stats(spec: ModelSpec, kind: tuple[str, str]) -> LayerStats:
         dispatch_dim=f["dim"],
         expert_bytes_bf16=f["eb"],
         act_gemm_in=float(sum(t.nbytes - t.fp8 for t in terms if t.when in ("", "flash"))),
-        act_attn_res=attn_res_bytes(spec)[0],
-        act_attn_res_stacked=attn_res_bytes(spec)[1],
+        act_attn_res=mixes,
+        act_attn_res_stacked=mixes_stacked,
         act_terms=terms,
         module_bytes=_modules(spec, kind, terms),
     )

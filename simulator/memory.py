@@ -150,9 +150,7 @@ def rank_memory(spec: ModelSpec, hw: HardwareSpec, par: ParallelConfig, rank: in
         act += t * mtp_act_bytes(spec, par, flash) * live
         act += t * spec.vocab * 6.0 / par.tp * getattr(spec, "mtp_layers", 0)
     params, grads, optim = _state_bytes(spec, par, dense, expert, mine, chunks)
-    if par.zero_stage == 3:  # FSDP reduce-scatters each micro-batch's gradients layer by layer: one layer unsharded
-        grads += _biggest_layer(spec, par, mine, chunks) * (4.0 if par.main_grads_dtype == "fp32" else 2.0)
-    elif par.zero_stage == 2:  # unsharded gradients where activations + gradients peak; at most ZeRO-1's buffer
+    if par.zero_stage == 2:  # unsharded gradients where activations + gradients peak; at most ZeRO-1's buffer
         full = _state_bytes(spec, replace(par, zero_stage=1), dense, expert, mine, chunks)[1]
         if par.schedule == "dualpipe":  # no op walk: both directions' backwards start at the peak (upper bound)
             fresh = full
@@ -202,8 +200,10 @@ def _state_bytes(spec, par: ParallelConfig, dense: float, expert: float, mine, c
     params = dense_g * w_bytes / (dpg if zs >= 3 else 1) + expert_g * w_bytes / (edpg if zs >= 3 else 1)
     grads = dense_g * g_bytes / (dpg if zs >= 2 else 1) + expert_g * g_bytes / (edpg if zs >= 2 else 1)
     optim = dense_g * o_bytes / (dpg if zs >= 1 else 1) + expert_g * o_bytes / (edpg if zs >= 1 else 1)
-    if zs >= 3:
-        params += 2 * _biggest_layer(spec, par, mine, chunks) * w_bytes * (1.0 - 1.0 / dpg)
+    if zs >= 3:  # two layers gathered; each micro-batch's gradients reduce-scattered layer by layer (one unsharded)
+        biggest = _biggest_layer(spec, par, mine, chunks)
+        params += 2 * biggest * w_bytes * (1.0 - 1.0 / dpg)
+        grads += biggest * g_bytes
     return params, grads, optim
 
 

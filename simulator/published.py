@@ -91,17 +91,12 @@ class Published:
     """The recipe function the settings were read from."""
     note: str = ""
     """Anything a reader should know about this row."""
+    release: str = ""
+    """The table section (Megatron-Bridge release) or paper the row comes from."""
 
     @property
     def is_moe(self) -> bool:
         return self.ep > 1 or self.model in MOE_MODELS
-
-    @property
-    def release(self) -> str:
-        """The table section (Megatron-Bridge release) or paper of the row."""
-        if "NeMo Container" in self.source:
-            return self.source.split("(")[-1].split(" NeMo Container")[0]
-        return self.source.split(",")[2].strip() if self.source.count(",") >= 2 else self.source
 
 
 MOE_MODELS = ("deepseek-v3", "qwen3-30b-a3b", "qwen3-235b-a22b", "gpt-oss-120b", "kimi-k2")
@@ -169,11 +164,12 @@ def _settings(text: str) -> dict:
     return out
 
 
-def _source(code: str, model: str, system: str, precision: str) -> str:
+def _source(code: str, model: str, system: str, precision: str) -> tuple[str, str]:
+    """(citation, release) of a row's source code: ``N15`` (the Nemotron-4 15B paper) or ``C|A <release>``."""
     if code == "N15":
-        return NEMOTRON4_15B
+        return NEMOTRON4_15B, "arXiv 2402.16819"
     section, release = code.split()
-    return f"{_SYSTEMS[system]} {model} {precision.upper()}: {_SECTIONS[section]} ({release} NeMo Container, ..."
+    return f"{_SYSTEMS[system]} {model} {precision.upper()}: {_SECTIONS[section]} ({release} NeMo Container)", release
 
 
 def parse_table(table: str) -> tuple[Published, ...]:
@@ -183,6 +179,7 @@ def parse_table(table: str) -> tuple[Published, ...]:
         cells = [c.strip() for c in line.split("|")]
         model, system, precision, code = cells[0], cells[1], cells[3], cells[14]
         ints = [int(c) for c in (cells[2], *cells[4:12])]
+        source, release = _source(code, model, system, precision)
         rows.append(
             Published(
                 model,
@@ -192,7 +189,8 @@ def parse_table(table: str) -> tuple[Published, ...]:
                 *ints[1:],
                 float(cells[12]),
                 float(cells[13]),
-                _source(code, model, system, precision).replace(", ...", ")"),
+                source,
+                release=release,
                 **_settings(cells[15] if len(cells) > 15 else ""),
             )
         )

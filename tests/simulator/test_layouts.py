@@ -124,6 +124,7 @@ _JOB = ["simulate", "run", "--model", "qwen3-30b-a3b", "--gpus", "16", "--pp", "
         (["--moe-capacity-factor", "inf"], "--moe-capacity-factor"),
         (["--moe-pad-expert-input-to-capacity"], "--moe-pad-expert-input-to-capacity"),
         (["--pp-first-layers", "-1"], "--pp-first-layers"),
+        (["--mtp-layers", "-1"], "--mtp-layers"),
         (["--pp-first-layers", "0", "--pp-last-layers", "0"], "pp_first_layers 0 + pp_last_layers 0"),
     ],
 )
