@@ -241,9 +241,21 @@ def _parallel_args(p: argparse.ArgumentParser) -> None:
         default="bf16",
         help="dtype of the one cached copy of the attention output (DeepSeek-V3: e5m6)",
     )
+    _speed_args(p)
+
+
+def _speed_args(p: argparse.ArgumentParser) -> None:
+    """Recipe knobs that change time only: EP overlap, CUDA graphs, FP8 attention."""
     p.add_argument(
         "--moe-a2a-overlap", action="store_true", help="overlap EP all-to-all with another micro-batch's compute"
     )
+    p.add_argument(
+        "--cuda-graph",
+        choices=("none", "full"),
+        default="none",
+        help="full: one CUDA graph per step (Megatron full_iteration; no dropless host sync or launch gaps)",
+    )
+    p.add_argument("--fp8-attention", action="store_true", help="core attention in FP8 (fp8_dot_product_attention)")
 
 
 def _usage_error(exc: Exception) -> int:

@@ -144,6 +144,8 @@ def _parallel(args, dp: int, seq: int, gbt: int) -> ParallelConfig:
         moe_probs=args.moe_probs,
         attn_out_cache=args.attn_out_cache,
         moe_a2a_overlap=args.moe_a2a_overlap,
+        cuda_graph=args.cuda_graph,
+        fp8_attention=args.fp8_attention,
         microbatch_group=args.microbatch_group,
         capacity_factor=args.moe_capacity_factor,
         pad_to_capacity=args.moe_pad_expert_input_to_capacity,

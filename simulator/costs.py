@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 from simulator import gemm_shapes, host
 from simulator import network as net
+from simulator.attention_model import attention_seconds
 from simulator.hardware import HardwareSpec
 from simulator.layers import layer_stats
 from simulator.modelspec import ModelSpec
@@ -144,9 +145,7 @@ def _layer(spec, hw, par, kind, t, tiers, scale, comm_scale, window=0):
         local = spec.num_experts // par.ep
         grouped_fb = tuple(x / slow for x in gemm_shapes.expert_seconds(spec, roof, rows, local, par.expert_tp))
     f["gemm"], f["grouped_gemm"], f["imbalance"] = gemm_fb[0], grouped_fb[0], grouped_fb[0] * (skew - 1.0)
-    causal = 0.5 if eff.flash_attention else 1.0
-    keys = min(s * causal, window) if window else s * causal  # a sliding window bounds the keys per query
-    f["attention"] = t * st.attn_flops_per_s * keys / tp / (bf16 * eff.attention)
+    f["attention"] = attention_seconds(spec, hw, par, kind[0], t, st.attn_flops_per_s, window=window, scale=scale)
     f["kda"] = t * st.kda_flops / tp / (bf16 * eff.kda)
     s2 = 0.0 if eff.flash_attention else t * st.act_s2_per_s * s * 2.5 / tp / hbm
     # without sequence parallelism the norm/dropout share (act_rep of all saved bytes) is not split by TP
@@ -236,11 +235,13 @@ def _dropless_bookkeeping(spec, par, t, eff, scale) -> float:
     """Forward seconds of the dropless dispatcher's per-copy work and per-layer device-to-host sync (the token
     counts decide the buffer sizes): ``moe_copy_ns`` per routed copy and ``moe_layer_fixed_s``, a third of each
     (the backward pays twice the forward). A token-dropping run (capacity factor) has fixed-size buffers and no
-    host sync, so neither applies."""
+    host sync, so neither applies; a full-iteration CUDA graph has neither the sync nor the launches and pays
+    ``moe_layer_graphed_s`` instead."""
     if par.capacity_factor:
         return 0.0
     copies = t / par.tp * spec.top_k * eff.moe_copy_ns * 1e-9 * scale
-    return (eff.moe_layer_fixed_s + copies) / 3
+    fixed = eff.moe_layer_graphed_s if par.cuda_graph == "full" else eff.moe_layer_fixed_s
+    return (fixed + copies) / 3
 
 
 def _moe_fixed(spec, par, t, hbm) -> float:
@@ -355,9 +356,10 @@ def chunk_cost(
 
 
 def _head_seconds(spec, hw, par, t, scale) -> tuple[float, float]:
-    """(LM-head GEMM, fp32 loss elementwise) forward seconds of one micro-batch on this GPU."""
+    """(LM-head GEMM, fp32 loss elementwise) forward seconds of one micro-batch on this GPU. The head runs in
+    bf16 in FP8 runs too (Megatron's ``output_layer`` is a plain ``ColumnParallelLinear``, not a TE layer)."""
     eff = hw.efficiency
-    peak = hw.peak_tflops(par.precision) * 1e12 / scale
+    peak = hw.peak_tflops("bf16") * 1e12 / scale
     head = t * 2.0 * spec.vocab * spec.hidden / par.tp / (peak * eff.gemm) * host.stretch(hw, par)
     loss = t * spec.vocab * 4 * 3 / par.tp / (hw.hbm_tbps * 1e12 * eff.hbm / scale)  # fp32 logits: write, read+write
     return head, loss

@@ -4,7 +4,8 @@ Peak numbers are vendor datasheet values for dense (non-sparse) math; link bandw
 Efficiencies are the *only* tuning knobs and there is exactly one set per hardware (the issue's rule): the
 A100 set was fitted once to all eight Korthikanti et al. runs together (see ``simulator/README.md``); the Hopper
 and Blackwell sets are engineering estimates, to be replaced by ``moonep simulate calibrate`` profiles, except
-two software constants fitted to published runs (``SUSTAINED``, ``MOE_LAYER_FIXED_S``; ``simulator.software_fit``).
+three software constants fitted to published runs (``SUSTAINED``, ``MOE_LAYER_FIXED_S``, ``MOE_LAYER_GRAPHED_S``;
+``simulator.software_fit``).
 """
 
 from __future__ import annotations
@@ -69,6 +70,9 @@ class Efficiency:
     moe_layer_fixed_s: float = 0.0
     """Fixed time per MoE layer per micro-batch, forward+backward: the dropless dispatcher's device-to-host sync
     of the token counts (it drains the launch queue), router top-k and permutation kernel launches."""
+    moe_layer_graphed_s: float = 0.0
+    """What stays of ``moe_layer_fixed_s`` under a full-iteration CUDA graph (``ParallelConfig.cuda_graph``): no
+    host sync and no launches, but the layer's many short kernels still fill and drain the GPU one after another."""
 
     def __post_init__(self):
         check_types(self)
@@ -89,6 +93,7 @@ class Efficiency:
                 "layer_overhead_s",
                 "grouped_half_rows",
                 "moe_layer_fixed_s",
+                "moe_layer_graphed_s",
                 "moe_copy_ns",
             ),
         )
@@ -210,12 +215,14 @@ A100_EFFICIENCY = Efficiency(
 # backward / forward as Megatron's overlap_grad_reduce / overlap_param_gather do).
 GEMM_CEILING = {"bf16": 0.801, "fp8": 0.70}
 """Best-shape GEMM fraction of peak in a microbenchmark (sources above), Hopper and Blackwell."""
-SUSTAINED = 0.842
+SUSTAINED = 0.896
 """Fitted (simulator.software_fit): the share of the microbenchmark ceiling a training step sustains (clocks
 under a training power load, SMs lent to communication kernels, launch gaps), one number for every GPU."""
-MOE_LAYER_FIXED_S = 0.0026
+MOE_LAYER_FIXED_S = 0.0045
 """Fitted (simulator.software_fit): seconds per MoE layer per micro-batch, forward + backward, of dropless
 dispatcher work that does not scale with tokens (host syncs for the token counts, kernel launches)."""
+MOE_LAYER_GRAPHED_S = 0.0026
+"""Fitted (simulator.software_fit): the same under a full-iteration CUDA graph (kernel fill and drain only)."""
 HOPPER_EFFICIENCY = Efficiency(
     gemm=GEMM_CEILING["bf16"] * SUSTAINED,
     gemm_fp8=GEMM_CEILING["fp8"] * SUSTAINED,
@@ -230,6 +237,7 @@ HOPPER_EFFICIENCY = Efficiency(
     dp_overlap=1.0,
     grouped_gemm=1.0,
     moe_layer_fixed_s=MOE_LAYER_FIXED_S,
+    moe_layer_graphed_s=MOE_LAYER_GRAPHED_S,
 )
 BLACKWELL_EFFICIENCY = HOPPER_EFFICIENCY
 # MoE terms: grouped_gemm is a kernel's speed relative to dense GEMMs of the same shapes (DeepGEMM's grouped

@@ -1,14 +1,16 @@
-"""The two constants the simulator fits to published runs: what the software stack sustains.
+"""The three constants the simulator fits to published runs: what the software stack sustains.
 
 First principles price the work (FLOPs at GEMM shapes, bytes, link bandwidths, schedules); microbenchmarks give
 the ceilings (``hardware.GEMM_CEILING``, ``simulator.gemm_model``). What neither gives is how much of a ceiling a
-real training step sustains, and the MoE layer's per-micro-batch work that does not scale with tokens. Those two,
+real training step sustains, and the MoE layer's per-micro-batch work that does not scale with tokens. Those,
 and only those, are fitted here, one number each for every GPU (Hopper and Blackwell alike):
 
 - ``sustained``: the share of the microbenchmark GEMM ceilings (BF16 and FP8) a training step keeps (clocks under
   a training power load, SMs lent to communication kernels, launch gaps);
 - ``moe_layer_fixed_s``: seconds per MoE layer per micro-batch (forward + backward) of dropless dispatcher work
-  (host syncs for the token counts, kernel launches).
+  (host syncs for the token counts, kernel launches);
+- ``moe_layer_graphed_s``: the same under a full-iteration CUDA graph (no sync, no launches: kernel fill and
+  drain), pinned by the recipes that capture one (``Published.cuda_graph``).
 
 They are fitted jointly on every published run the simulator knows (``simulator.published.ROWS`` and
 ``simulator.calibration_runs.ROWS``, 40+ runs on five systems), by coordinate descent with golden-section search on
@@ -28,11 +30,18 @@ from dataclasses import replace
 
 from simulator.analytic import simulate
 from simulator.calibration_runs import ROWS as CALIBRATION
-from simulator.hardware import GEMM_CEILING, MOE_LAYER_FIXED_S, SUSTAINED, HardwareSpec, load_hardware
+from simulator.hardware import (
+    GEMM_CEILING,
+    MOE_LAYER_FIXED_S,
+    MOE_LAYER_GRAPHED_S,
+    SUSTAINED,
+    HardwareSpec,
+    load_hardware,
+)
 from simulator.published import ROWS, Published
 from simulator.validation import KNOWN_MISSES, published_config, published_model, row_key
 
-BOUNDS = {"sustained": (0.5, 1.0), "moe_layer_fixed_s": (0.0, 0.01)}
+BOUNDS = {"sustained": (0.5, 1.0), "moe_layer_fixed_s": (0.0, 0.01), "moe_layer_graphed_s": (0.0, 0.01)}
 """Search range of each constant (a fraction; seconds)."""
 
 
@@ -50,6 +59,7 @@ def with_constants(system: str, constants: dict[str, float]) -> HardwareSpec:
         gemm=GEMM_CEILING["bf16"] * k,
         gemm_fp8=GEMM_CEILING["fp8"] * k,
         moe_layer_fixed_s=constants["moe_layer_fixed_s"],
+        moe_layer_graphed_s=constants["moe_layer_graphed_s"],
     )
     return replace(hw, efficiency=eff)
 
@@ -76,7 +86,7 @@ def loss(rows: tuple[Published, ...], constants: dict[str, float]) -> float:
 
 def shipped() -> dict[str, float]:
     """The constants the presets carry now (``hardware.py``)."""
-    return {"sustained": SUSTAINED, "moe_layer_fixed_s": MOE_LAYER_FIXED_S}
+    return {"sustained": SUSTAINED, "moe_layer_fixed_s": MOE_LAYER_FIXED_S, "moe_layer_graphed_s": MOE_LAYER_GRAPHED_S}
 
 
 def _golden(f, lo: float, hi: float, iters: int) -> float:

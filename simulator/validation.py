@@ -139,6 +139,8 @@ def published_config(row: Published) -> ParallelConfig:
         main_grads_dtype=row.main_grads_dtype,
         dispatcher=row.dispatcher,
         moe_a2a_overlap=row.moe_a2a_overlap,
+        cuda_graph=row.cuda_graph,
+        fp8_attention=row.fp8_attention,
     )
 
 
@@ -160,6 +162,7 @@ def cli_args(row: Published) -> list[str]:
     args += ["--mtp-layers", "1"] if row.mtp else []
     args += ["--main-grads-dtype", row.main_grads_dtype]
     args += ["--recompute-modules", ",".join(row.recompute_modules)] if row.recompute_modules else []
+    args += ["--cuda-graph", row.cuda_graph] + (["--fp8-attention"] if row.fp8_attention else [])
     return args + (["--moe-a2a-overlap"] if row.moe_a2a_overlap else [])
 
 
