@@ -1,5 +1,6 @@
 """Saved activation bytes per token of one layer, term by term, as the fused kernels Megatron / Transformer Engine
-run keep them (``layers.LayerStats.act_terms``; measured by ``simulator.calibrate_activations``).
+run keep them (``layers.LayerStats.act_terms``; measured by ``simulator.calibrate_activations``); KDA as
+flash-linear-attention's fused layer keeps it (``kda_terms``).
 
 What each fused kernel keeps for its backward (docs/reference/foreign_traces_and_memory.md, "Measuring activation
 memory on CPU"): flash attention q, k, v, its output o and an fp32 log-sum-exp per head (no s x s matrix); a fused
@@ -143,10 +144,39 @@ def dense_ffn_terms(spec: ModelSpec) -> list[ActTerm]:
     ]
 
 
+def kda_terms(spec: ModelSpec, chunk: int) -> list[ActTerm]:
+    """KDA as flash-linear-attention's fused layer keeps it (``fla/layers/kda.py``: ``ShortConvolution`` keeps
+    its input; ``chunk_kda`` with the l2norm, gate and beta sigmoid in-kernel keeps the normalised q, k and their
+    fp32 rstd, v, the raw gate, the raw and fp32 sigmoided beta and the bf16 ``[n, h, chunk]`` Aqk and Akk;
+    ``FusedRMSNormGated`` its input, the gate and an fp32 rstd per head); K3's output gate is full rank, the
+    decay gate low rank (``f_a`` output kept as ``f_b``'s input). ``D = h d``."""
+    nh, d = spec.kda_heads, spec.kda_head_dim
+    dd = nh * d
+    return [
+        _t("kda_conv_in", 3 * 2 * dd),  # q, k, v projection outputs, the three short convolutions' inputs
+        # conv outputs as the chunk keeps them (q, k normalised, with fp32 rstd): re-made by recomputing the conv
+        _t("kda_qkv", 3 * 2 * dd + 2 * 4 * nh, removed_by=("selective+act",)),
+        _t("kda_gate", 2 * dd + 2 * d, fp8=2 * dd + d),  # raw decay gate [D] (in-kernel gate), f_a output [d]
+        _t("kda_beta", 2 * nh + 4 * nh),
+        _t("kda_intra", 2 * 2 * nh * chunk),  # Aqk and Akk, bf16 [h, chunk] per token
+        _t("kda_out", 2 * dd + 4 * nh + 2 * dd),  # o (the gated norm's input), its rstd, the output gate
+        _t("kda_out_proj_in", 2 * dd, fp8=dd),
+    ]
+
+
 def recurrent_terms(par_bytes: float, fn_bytes: float, name: str) -> list[ActTerm]:
-    """KDA / Mamba mixers (not measured: no fused-kernel stand-in yet): projections and state inputs, and the
+    """Mamba mixers (not measured: no fused-kernel stand-in yet): projections and state inputs, and the
     convolution / activation outputs ``selective+act`` recomputes."""
     return [_t(name, par_bytes - fn_bytes), _t(f"{name}_act", fn_bytes, removed_by=("selective+act",))]
 
 
-__all__ = ["WHEN", "ActTerm", "attention_terms", "common_terms", "dense_ffn_terms", "moe_terms", "recurrent_terms"]
+__all__ = [
+    "WHEN",
+    "ActTerm",
+    "attention_terms",
+    "common_terms",
+    "dense_ffn_terms",
+    "kda_terms",
+    "moe_terms",
+    "recurrent_terms",
+]

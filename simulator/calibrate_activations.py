@@ -22,6 +22,7 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
+from simulator.layers import KDA_CHUNK
 from simulator.modelspec import ModelSpec
 
 _ACTIVE: list[SavedCounter] = []
@@ -156,6 +157,59 @@ class _Unpermute(torch.autograd.Function):
         return out.to(y.dtype)
 
 
+class _ShortConv(torch.autograd.Function):
+    """FLA's fused causal short convolution with SiLU: keeps its input (the taps are a parameter)."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        n, taps = x.shape[0], w.shape[1]
+        pad = torch.cat([x.new_zeros(taps - 1, x.shape[1]), x]).float()
+        return F.silu(sum(pad[i : i + n] * w[:, i].float() for i in range(taps))).to(x.dtype)
+
+
+class _ChunkKDA(torch.autograd.Function):
+    """FLA ``chunk_kda`` with the l2norm, gate and beta sigmoid in-kernel, q, k, v, g [n, h, d], beta [n, h]:
+    keeps the normalised q, k and their fp32 rstd, v, the raw gate, beta and its fp32 sigmoid, and the bf16
+    ``Aqk``, ``Akk`` [n, h, chunk]."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, chunk):
+        q_rstd, k_rstd = (torch.rsqrt(t.float().pow(2).sum(-1) + 1e-6) for t in (q, k))
+        qn, kn = (q.float() * q_rstd[..., None]).to(q.dtype), (k.float() * k_rstd[..., None]).to(k.dtype)
+        b = torch.sigmoid(beta.float())
+        aqk, akk = (q.new_zeros(q.shape[0], q.shape[1], chunk) for _ in range(2))
+        for t in (qn, kn, q_rstd, k_rstd, v):
+            label(t, "kda_qkv")
+        label(aqk, "kda_intra"), label(akk, "kda_intra"), label(b, "kda_beta")
+        ctx.save_for_backward(qn, q_rstd, kn, k_rstd, v, g, beta, b, aqk, akk)
+        return (v.float() * b[..., None]).to(v.dtype)
+
+
+class _RMSNormGated(torch.autograd.Function):
+    """FLA's ``FusedRMSNormGated`` per head (sigmoid gate): keeps its input, the gate and an fp32 rstd per head."""
+
+    @staticmethod
+    def forward(ctx, o, gate, w):
+        rstd = torch.rsqrt(o.float().pow(2).mean(-1) + 1e-6)
+        label(rstd, "kda_out")
+        ctx.save_for_backward(o, gate, w, rstd)
+        return (o.float() * rstd[..., None] * w.float() * torch.sigmoid(gate.float())).to(o.dtype)
+
+
+def _kda(spec: ModelSpec, p: dict, x: torch.Tensor, chunk: int) -> torch.Tensor:
+    """FLA's KDA layer (``fla/layers/kda.py``) with K3's full-rank output gate, on norm output ``x`` [n, H]."""
+    n, nh, d = x.shape[0], spec.kda_heads, spec.kda_head_dim
+    q, k, v = (_ShortConv.apply(label(F.linear(x, p[w]), "kda_conv_in"), p["c" + w]) for w in ("kq", "kk", "kv"))
+    g = label(F.linear(label(F.linear(x, p["fa"]), "kda_gate"), p["fb"]), "kda_gate")
+    beta = label(F.linear(x, p["b"]), "kda_beta")
+    heads = (n, nh, d)
+    o = _ChunkKDA.apply(q.view(heads), k.view(heads), v.view(heads), g.view(heads), beta, chunk)
+    gate = label(F.linear(x, p["g"]), "kda_out").view(heads)
+    y = _RMSNormGated.apply(label(o, "kda_out"), gate, p["on"]).reshape(n, nh * d)
+    return F.linear(label(y, "kda_out_proj_in"), p["o"])
+
+
 def _w(*shape: int, random: bool = False) -> torch.nn.Parameter:
     """A bf16 weight; values only matter for the router (which experts a token picks), so the rest is zero."""
     w = torch.randn(*shape, dtype=torch.bfloat16) * shape[-1] ** -0.5 if random else torch.zeros(*shape)
@@ -166,6 +220,11 @@ def build_params(spec: ModelSpec, kind: tuple[str, str]) -> dict[str, torch.nn.P
     """Weights of one stand-in layer of ``spec`` (bf16; experts as ``[E, out, in]`` stacks)."""
     h, nh = spec.hidden, spec.num_heads
     p = {"n1": _w(h), "n2": _w(h)}
+    if kind[0] == "kda":
+        dd, d = spec.kda_heads * spec.kda_head_dim, spec.kda_head_dim
+        p.update({w: _w(dd, h) for w in ("kq", "kk", "kv", "g")}, o=_w(h, dd), fa=_w(d, h), fb=_w(dd, d))
+        p.update({"c" + w: _w(dd, spec.kda_conv) for w in ("kq", "kk", "kv")}, b=_w(spec.kda_heads, h), on=_w(d))
+        return _ffn_params(spec, kind, p)
     if kind[0] == "mla":
         dqk, dv = spec.qk_nope_dim + spec.qk_rope_dim, spec.v_head_dim
         ql, kvl = spec.q_lora_rank, spec.kv_lora_rank
@@ -177,6 +236,11 @@ def build_params(spec: ModelSpec, kind: tuple[str, str]) -> dict[str, torch.nn.P
     p["o"] = _w(h, nh * dv)
     if spec.attn_output_gate:
         p["g"] = _w(nh * dv, h)
+    return _ffn_params(spec, kind, p)
+
+
+def _ffn_params(spec: ModelSpec, kind: tuple[str, str], p: dict) -> dict[str, torch.nn.Parameter]:
+    h = spec.hidden
     if kind[1] == "dense":
         p.update(fc1=_w(2 * spec.ffn_hidden, h), fc2=_w(h, spec.ffn_hidden))
         return p
@@ -192,6 +256,8 @@ def build_params(spec: ModelSpec, kind: tuple[str, str]) -> dict[str, torch.nn.P
 
 def _attention(spec: ModelSpec, kind: str, p: dict, x: torch.Tensor) -> torch.Tensor:
     n, nh = x.shape[0], spec.num_heads
+    if kind == "kda":
+        return _kda(spec, p, x, KDA_CHUNK)
     if kind == "mla":
         dn, dr, dv, kvl = spec.qk_nope_dim, spec.qk_rope_dim, spec.v_head_dim, spec.kv_lora_rank
         if spec.q_lora_rank:

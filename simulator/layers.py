@@ -20,7 +20,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from simulator.act_terms import ActTerm, attention_terms, common_terms, dense_ffn_terms, moe_terms, recurrent_terms
+from simulator.act_terms import (
+    ActTerm,
+    attention_terms,
+    common_terms,
+    dense_ffn_terms,
+    kda_terms,
+    moe_terms,
+    recurrent_terms,
+)
 from simulator.modelspec import ModelSpec
 
 KDA_CHUNK = 64
@@ -112,7 +120,7 @@ def _attention(spec: ModelSpec, kind: str) -> dict:
         return _mamba(spec)
     if kind == "kda":
         nh, d = spec.kda_heads, spec.kda_head_dim
-        p = nh * d
+        p, kda = nh * d, kda_terms(spec, KDA_CHUNK)
         mat = 4 * h * p + p * h + h * d + d * p + h * nh  # q, k, v, g, o, f_a, f_b, beta
         vec = 3 * p * spec.kda_conv + p + nh + d
         return {
@@ -120,8 +128,8 @@ def _attention(spec: ModelSpec, kind: str) -> dict:
             "vec": vec,
             "core": 0.0,
             "kda": nh * (6 * d * d + 2 * KDA_CHUNK * 2 * d),
-            "par": 20 * p + 2 * d,
-            "fn": 8 * p,
+            "par": sum(t.nbytes for t in kda),
+            "fn": sum(t.nbytes for t in kda if "selective+act" in t.removed_by),
             "s2": 0.0,
             "kv": 0.0,
             "cp_kv": 0.0,
@@ -231,7 +239,9 @@ def _terms_bytes(terms) -> float:
 def act_terms(spec: ModelSpec, kind: tuple[str, str], a: dict, f: dict) -> tuple[ActTerm, ...]:
     """Every saved-bytes term of one layer kind (``simulator.act_terms``); recurrent mixers from ``_attention``."""
     terms = common_terms(spec, kind)
-    if kind[0] in ("kda", "mamba"):
+    if kind[0] == "kda":
+        terms += kda_terms(spec, KDA_CHUNK)
+    elif kind[0] == "mamba":
         terms += recurrent_terms(a["par"], a["fn"], kind[0])
     else:
         terms += attention_terms(spec, kind[0])

@@ -26,6 +26,8 @@ CASES = [
     ("deepseek-v3", ("mla", "dense"), 32),
     ("k3", ("mla", "moe"), 32),
     ("k3", ("mla", "dense"), 32),
+    ("k3", ("kda", "moe"), 32),
+    ("k3", ("kda", "dense"), 32),
 ]
 PAR = ParallelConfig(seq_len=4096, global_batch_tokens=4096 * 8, recompute="none")
 
