@@ -29,14 +29,17 @@ FP8_SPEEDUP = 1087 / 612
 
 
 def keys_per_query(seq: int, window: int = 0, *, flash: bool = True) -> float:
-    """Mean keys one query's blocks compute: causal ``s / 2 + KEY_TILE / 2`` (all ``s`` without a fused kernel),
-    a sliding window ``min(w + KEY_TILE, causal)``."""
-    causal = min(float(seq), seq / 2 + KEY_TILE / 2) if flash else float(seq)
+    """Mean keys one query's blocks compute: causal ``s / 2 + KEY_TILE / 2``, a sliding window
+    ``min(w + KEY_TILE, causal)``; without a fused kernel all ``s`` (the ``[s, s]`` scores are built, then masked)."""
+    if not flash:
+        return float(seq)
+    causal = min(float(seq), seq / 2 + KEY_TILE / 2)
     return min(causal, float(window + KEY_TILE)) if window else causal
 
 
 def head_dim_slowdown(head_dim: int) -> float:
-    """Time per attention FLOP at ``head_dim`` relative to head dim 128 (``HEAD_DIM_SLOWDOWN``)."""
+    """Time per attention FLOP at ``head_dim`` relative to head dim 128 (``HEAD_DIM_SLOWDOWN``; held at the head
+    dim 64 value below 64, where no measurement is quoted)."""
     (d0, s0), (d1, s1) = HEAD_DIM_SLOWDOWN
     if head_dim <= d0:
         return s0

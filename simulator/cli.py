@@ -80,6 +80,7 @@ def _register_search(sub) -> None:
     se.add_argument("--event-top", type=int, default=3, help="re-run this many best on the event engine")
     se.add_argument("--max-seconds", type=float, help="stop enumerating after this long")
     se.add_argument("--json", metavar="FILE", help="write the ranked results as JSON")
+    _speed_args(se)
     se.set_defaults(func=_search)
 
 

@@ -93,6 +93,9 @@ def _build(args, spec, hw):
                 dispatcher=args.dispatcher,
                 maxvio=args.maxvio,
                 zero_stage=args.zero,
+                moe_a2a_overlap=args.moe_a2a_overlap,
+                cuda_graph=args.cuda_graph,
+                fp8_attention=args.fp8_attention,
             ),
         )
     denom = args.tp * args.cp * args.pp

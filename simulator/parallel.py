@@ -295,8 +295,8 @@ def _pipeline_reason(spec: ModelSpec, hw: HardwareSpec, par: ParallelConfig) -> 
         return f"--microbatch-group {par.microbatch_group} needs the interleaved schedule"
     if par.schedule == "dualpipe" and (p % 2 or m < 2 * p or m % 2):
         return f"dualpipe needs an even PP ({p}) and an even number of micro-batches >= 2 x PP (got {m})"
-    if par.precision == "fp8" and hw.fp8_tflops <= 0:
-        return f"{hw.name} has no FP8 tensor cores"
+    if (par.precision == "fp8" or par.fp8_attention) and hw.fp8_tflops <= 0:
+        return f"{hw.name} has no FP8 tensor cores" + (" (--fp8-attention)" if par.fp8_attention else "")
     return None
 
 

@@ -33,7 +33,7 @@ def test_keys_per_query_bounded(seq, window):
     assert keys <= causal
     if window:
         assert keys <= window + KEY_TILE
-    assert keys_per_query(seq, flash=False) == seq
+    assert keys_per_query(seq, flash=False) == keys_per_query(seq, window, flash=False) == seq
 
 
 def test_head_dim_slowdown_is_monotone_and_anchored():
@@ -105,3 +105,25 @@ def test_bad_cuda_graph_is_a_usage_error(capsys):
     assert info.value.code == 2 and "--cuda-graph" in capsys.readouterr().err
     with pytest.raises(ValueError, match="cuda_graph"):
         ParallelConfig(cuda_graph="partial")
+
+
+def test_fp8_attention_needs_fp8_tensor_cores(capsys):
+    args = ["simulate", "run", "--model", "llama3-8b", "--hardware", "a100", "--gpus", "8", "--fp8-attention"]
+    assert main(args) == 2
+    assert "no FP8 tensor cores (--fp8-attention)" in capsys.readouterr().err
+
+
+def _best(tmp_path, extra: list[str]) -> dict:
+    out = tmp_path / "s.json"
+    args = ["simulate", "search", "--model", "qwen3-30b-a3b", "--hardware", "gb200", "--gpus", "8"]
+    args += ["--precision", "fp8", "--schedules", "1f1b", "--recompute-modes", "selective", "--micro-batches", "4"]
+    assert main([*args, *extra, "--event-top", "0", "--json", str(out)]) == 0
+    return json.loads(out.read_text())["results"][0]
+
+
+def test_search_takes_the_speed_knobs(tmp_path):
+    """`search` ranks layouts under the recipe's graph and attention knobs (each result carries them)."""
+    plain, fast = _best(tmp_path, []), _best(tmp_path, ["--cuda-graph", "full", "--fp8-attention"])
+    assert fast["parallel"]["cuda_graph"] == "full" and fast["parallel"]["fp8_attention"] is True
+    assert plain["parallel"]["cuda_graph"] == "none"
+    assert fast["tokens_per_s_per_gpu"] > plain["tokens_per_s_per_gpu"]
