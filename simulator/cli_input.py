@@ -93,9 +93,7 @@ def _build(args, spec, hw):
                 dispatcher=args.dispatcher,
                 maxvio=args.maxvio,
                 zero_stage=args.zero,
-                moe_a2a_overlap=args.moe_a2a_overlap,
-                cuda_graph=args.cuda_graph,
-                fp8_attention=args.fp8_attention,
+                **_speed_knobs(args),
             ),
         )
     denom = args.tp * args.cp * args.pp
@@ -115,6 +113,11 @@ def _build(args, spec, hw):
             f"= {par.tp * par.cp * par.dp} (the ranks experts fold over)"
         )
     return spec, hw, cluster, par
+
+
+def _speed_knobs(args) -> dict:
+    """``ParallelConfig`` fields of the ``cli._speed_args`` flags (``run``, ``whatif`` and ``search`` share them)."""
+    return {"moe_a2a_overlap": args.moe_a2a_overlap, "cuda_graph": args.cuda_graph, "fp8_attention": args.fp8_attention}
 
 
 def _parallel(args, dp: int, seq: int, gbt: int) -> ParallelConfig:
@@ -146,9 +149,7 @@ def _parallel(args, dp: int, seq: int, gbt: int) -> ParallelConfig:
         attn_res_impl=args.attn_res_impl,
         moe_probs=args.moe_probs,
         attn_out_cache=args.attn_out_cache,
-        moe_a2a_overlap=args.moe_a2a_overlap,
-        cuda_graph=args.cuda_graph,
-        fp8_attention=args.fp8_attention,
+        **_speed_knobs(args),
         microbatch_group=args.microbatch_group,
         capacity_factor=args.moe_capacity_factor,
         pad_to_capacity=args.moe_pad_expert_input_to_capacity,

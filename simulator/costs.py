@@ -134,7 +134,8 @@ def _layer(spec, hw, par, kind, t, tiers, scale, comm_scale, window=0):
     # GEMMs from their shapes (simulator.gemm_model): tiles, waves, roofline, fp8 casts; backward priced apart
     roof = gemm_shapes.roof_for(hw, par.precision, scale)
     size = _size(eff, 2.0 * t * h * h / tp)
-    gemm_fb = tuple(x / size for x in gemm_shapes.dense_seconds(spec, kind, roof, t, tp))
+    dense = gemm_shapes.dense_seconds(spec, kind, roof, t, tp)
+    gemm_fb = tuple(x / size for x in dense)
     grouped_fb = (0.0, 0.0)
     load, skew = _capacity(par)
     if st.grouped_flops:
@@ -175,7 +176,7 @@ def _layer(spec, hw, par, kind, t, tiers, scale, comm_scale, window=0):
         f["ep"], b["ep"] = _host_layer(spec, hw, par, kind, t, f, b, scale)
         f, b = host.time_share(hw, par, f), host.time_share(hw, par, b)
         ep_f, ep_b = f["ep"], b["ep"]
-    _recipe_terms(spec, hw, par, kind, t, f, b, s2, scale)
+    _recipe_terms(spec, hw, par, kind, t, f, b, s2, scale, roof, dense[0])
     over = eff.layer_overhead_s
     f["elementwise"] += over / 3
     b["elementwise"] += 2 * over / 3
@@ -195,15 +196,14 @@ def _host_layer(spec, hw, par, kind, t, f, b, scale) -> tuple[float, float]:
     return 0.0, 0.0
 
 
-def _recipe_terms(spec, hw, par, kind, t, f, b, s2, scale) -> None:
+def _recipe_terms(spec, hw, par, kind, t, f, b, s2, scale, roof, dense_f) -> None:
     """In place: MoE fixed costs, recompute (modes and ``--recompute-modules``) and activation offload."""
     st, eff = layer_stats(spec, kind), hw.efficiency
     hbm = hw.hbm_tbps * 1e12 * eff.hbm / scale
     if kind[1] == "moe" and hw.host is None:
         f["moe_fixed"] = _moe_fixed(spec, par, t, hbm) + _dropless_bookkeeping(spec, par, t, eff, scale)
         b["moe_fixed"] = 2 * f["moe_fixed"]
-    roof = gemm_shapes.roof_for(hw, par.precision, scale)  # re-run GEMMs at the layer's own dense GEMM rate
-    dense_f = gemm_shapes.dense_seconds(spec, kind, roof, t, par.tp)[0]
+    # recomputed GEMMs run at the layer's own dense GEMM rate (``dense_f``: its forward GEMM seconds, from shapes)
     gemm_rate = t * st.gemm_flops / par.tp / dense_f if dense_f > 0 else roof.peak * roof.ceiling
     b["recompute"] = _recompute(par, f, s2) + _module_recompute(par, st, t, gemm_rate)
     if par.offload_fraction and hw.host is None:

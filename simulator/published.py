@@ -146,32 +146,38 @@ _SECTIONS = {"C": CURRENT, "A": ARCHIVE}
 _SYSTEMS = {"h100": "DGX-H100", "b200": "DGX-B200", "gb200": "DGX-GB200", "b300": "DGX-B300", "gb300": "DGX-GB300"}
 
 
+def _flag(value: str) -> bool:
+    return value == "1"
+
+
+_SETTINGS = {
+    "modules": ("recompute_modules", lambda v: tuple(v.split("+"))),
+    "a2a": ("moe_a2a_overlap", _flag),
+    "fp8attn": ("fp8_attention", _flag),
+    "fsdp": ("fsdp", _flag),
+    "mtp": ("mtp", _flag),
+    "grads": ("main_grads_dtype", str),
+    "graph": ("cuda_graph", str),
+    "offload": ("offload_fraction", float),
+    "dispatcher": ("dispatcher", str),
+    "recompute": ("recompute", str),
+    "recipe": ("recipe", str),
+}
+"""Row setting key -> (``Published`` field, parser of its value)."""
+
+
 def _settings(text: str) -> dict:
-    """``key=value`` recipe settings of one row as ``Published`` keyword arguments."""
+    """``key=value`` recipe settings of one row as ``Published`` keyword arguments (``_SETTINGS``)."""
     out: dict = {}
     text, _, note = text.partition("note=")  # the note comes last and may hold commas
     if note:
         out["note"] = note.strip()
     for item in filter(None, (s.strip() for s in text.split(","))):
         key, _, value = item.partition("=")
-        if key == "modules":
-            out["recompute_modules"] = tuple(value.split("+"))
-        elif key == "a2a":
-            out["moe_a2a_overlap"] = value == "1"
-        elif key == "grads":
-            out["main_grads_dtype"] = value
-        elif key == "offload":
-            out["offload_fraction"] = float(value)
-        elif key in ("fsdp", "mtp"):
-            out[key] = value == "1"
-        elif key == "fp8attn":
-            out["fp8_attention"] = value == "1"
-        elif key == "graph":
-            out["cuda_graph"] = value
-        elif key in ("dispatcher", "recompute", "recipe"):
-            out[key] = value
-        else:
+        if key not in _SETTINGS:
             raise ValueError(f"published row: unknown setting {key!r}")
+        field, parse = _SETTINGS[key]
+        out[field] = parse(value)
     return out
 
 
