@@ -88,8 +88,8 @@ def dp_seconds(
         dense += embedding_params(spec) if c == 0 else 0
         dense += head_params(spec) if c == len(chunks) - 1 else 0
         if c == len(chunks) - 1:  # the MTP modules' weights reduce with the last stage's
-            dense, expert = dense + mtp_params(spec)[0], expert + mtp_params(spec)[1]
-    grad_bytes = 4.0 if par.main_grads_dtype == "fp32" else 2.0
+            mtp_dense, mtp_expert = mtp_params(spec)
+            dense, expert = dense + mtp_dense, expert + mtp_expert
     grads, gathers = [], []
     for params, n, stride in (
         (dense / par.tp, par.dp * par.cp, par.tp),
@@ -97,7 +97,7 @@ def dp_seconds(
     ):
         g = net.group(n, stride, tiers)
         op = "all_reduce" if par.zero_stage == 0 else "reduce_scatter"
-        grads.append(dp_comm.buckets(params, grad_bytes, g, tiers, op, comm_scale))
+        grads.append(dp_comm.buckets(params, par.grad_bytes, g, tiers, op, comm_scale))
         if par.zero_stage:
             gathers.append(dp_comm.buckets(params, 2.0, g, tiers, "all_gather", comm_scale))
     back, fwd = (overlap * w for w in windows)

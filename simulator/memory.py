@@ -195,7 +195,7 @@ def _state_bytes(spec, par: ParallelConfig, dense: float, expert: float, mine, c
     dense_g, expert_g = dense / par.tp, expert / (par.ep * par.expert_tp)
     dpg, edpg, zs = par.dp * par.cp, par.expert_dp, par.zero_stage
     w_bytes = 3.0 if par.precision == "fp8" else 2.0
-    g_bytes = 4.0 if par.main_grads_dtype == "fp32" else 2.0
+    g_bytes = par.grad_bytes
     o_bytes = 4.0 + (8.0 if par.moment_dtype == "fp32" else 4.0)  # fp32 master + m + v
     params = dense_g * w_bytes / (dpg if zs >= 3 else 1) + expert_g * w_bytes / (edpg if zs >= 3 else 1)
     grads = dense_g * g_bytes / (dpg if zs >= 2 else 1) + expert_g * g_bytes / (edpg if zs >= 2 else 1)
@@ -222,7 +222,7 @@ def _zero_peak(spec: ModelSpec, par: ParallelConfig, rank: int, flash: bool) -> 
     backward then frees its activations. So the activation peak, at the end of the warm-up, has no gradients
     yet, and the gradients' peak, at the end, almost no activations."""
     chunks, mine = stage_layers(spec, par), rank_chunks(par)[rank]
-    g_bytes = 4.0 if par.main_grads_dtype == "fp32" else 2.0
+    g_bytes = par.grad_bytes
     last, mtp = len(chunks) - 1, mtp_params(spec)
     acts, grads = [], []
     for c in mine:

@@ -184,6 +184,11 @@ class ParallelConfig:
         return self.tp * self.cp * self.dp // (self.ep * self.expert_tp)
 
     @property
+    def grad_bytes(self) -> float:
+        """Bytes per element of the main gradient buffer (``main_grads_dtype``)."""
+        return 4.0 if self.main_grads_dtype == "fp32" else 2.0
+
+    @property
     def fp8_activations(self) -> bool:
         """GEMM inputs saved in fp8."""
         return self.activation_dtype == "fp8" or (self.activation_dtype == "auto" and self.precision == "fp8")
