@@ -32,11 +32,12 @@ MEMORY_ITEMS = ("params", "grads", "optimizer", "activations", "kda_states", "ml
 def inflight_chunks(par: ParallelConfig, rank: int) -> float:
     """Chunks' activations alive at the peak on pipeline rank ``rank`` (unit: one chunk, one micro-batch)."""
     m, p, v = par.micro_batches, par.pp, par.vpp
-    if par.schedule == "interleaved":  # Megatron's warm-up (p - r - 1) 2 + (v - 1) N, plus the pass that peaks
-        return float(min(m * v, par.warmup_passes(rank) + 1))
     if par.schedule == "dualpipe":
         return float(min(m, p + 1))  # p + 1 micro-batches, each through one of the rank's two chunks
-    return float(min(m, p - rank))
+    # Megatron's warm-up (``ParallelConfig.warmup_passes``) plus the pass that peaks. With EP A2A overlap the
+    # warm-up holds that pass already: combined 1F1B runs each forward beside a backward that frees layer by layer
+    peak = 0 if par.moe_a2a_overlap else 1
+    return float(min(m * (v if par.schedule == "interleaved" else 1), par.warmup_passes(rank) + peak))
 
 
 def _layer_act(spec: ModelSpec, par: ParallelConfig, st, t: float, flash: bool) -> tuple[float, float, float]:

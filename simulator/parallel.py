@@ -215,11 +215,14 @@ class ParallelConfig:
 
     def warmup_passes(self, rank: int) -> int:
         """Forward chunk passes pipeline rank ``rank`` runs before its first backward (Megatron ``schedules.py``):
-        interleaved ``(p - r - 1) 2 + (v - 1) N``, 1F1B ``p - r - 1``, both capped at the rank's passes."""
+        interleaved ``(p - r - 1) 2 + (v - 1) N``, 1F1B ``p - r - 1``, both capped at the rank's passes. EP A2A
+        overlap (Megatron's combined 1F1B) runs one forward more, so that each steady-state step pairs a forward
+        and a backward of different micro-batches: at PP 1 the first forward runs alone."""
         m, p, v = self.micro_batches, self.pp, self.vpp
+        ahead = int(self.moe_a2a_overlap and self.schedule != "dualpipe")
         if self.schedule == "interleaved":
-            return min(m * v, (p - rank - 1) * 2 + (v - 1) * self.group_size)
-        return min(m, p - rank - 1)
+            return min(m * v, (p - rank - 1) * 2 + (v - 1) * self.group_size + ahead)
+        return min(m, p - rank - 1 + ahead)
 
     def moe_load(self, skew: float = 1.0) -> tuple[float, float]:
         """(mean, busiest) rows per expert as multiples of the balanced dropless mean, for a busiest-expert load
@@ -300,8 +303,26 @@ def _pipeline_reason(spec: ModelSpec, hw: HardwareSpec, par: ParallelConfig) -> 
         return f"--microbatch-group {par.microbatch_group} needs the interleaved schedule"
     if par.schedule == "dualpipe" and (p % 2 or m < 2 * p or m % 2):
         return f"dualpipe needs an even PP ({p}) and an even number of micro-batches >= 2 x PP (got {m})"
+    reason = _a2a_overlap_reason(spec, par)
+    if reason:
+        return reason
     if (par.precision == "fp8" or par.fp8_attention) and hw.fp8_tflops <= 0:
         return f"{hw.name} has no FP8 tensor cores" + (" (--fp8-attention)" if par.fp8_attention else "")
+    return None
+
+
+def _a2a_overlap_reason(spec: ModelSpec, par: ParallelConfig) -> str | None:
+    """Megatron's checks on ``--overlap-moe-expert-parallel-comm`` (``TransformerConfig.__post_init__``): its
+    combined 1F1B exists for PP 1 and the interleaved schedule only, needs EP, and splits layers into nodes that
+    full recompute would fuse back."""
+    if not par.moe_a2a_overlap or par.schedule == "dualpipe":
+        return None
+    if not spec.is_moe or par.ep < 2:
+        return "EP A2A overlap (--moe-a2a-overlap) needs an MoE model with EP > 1"
+    if par.pp > 1 and par.schedule != "interleaved":
+        return f"EP A2A overlap (--moe-a2a-overlap) needs PP 1 or the interleaved schedule (PP {par.pp}, 1F1B)"
+    if par.recompute == "full":
+        return "EP A2A overlap (--moe-a2a-overlap) cannot run with full recompute"
     return None
 
 

@@ -2,15 +2,16 @@
 
 from dataclasses import replace
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from simulator import ParallelConfig, simulate
 from simulator.costs import node_dedup, steady_fraction
 from simulator.hardware import load_hardware
-from simulator.memory import peak_memory, rank_memory
+from simulator.memory import inflight_chunks, peak_memory, rank_memory
 from simulator.network import ClusterSpec, cluster_tiers, group
-from simulator.parallel import _split, _split_reason
+from simulator.parallel import _split, _split_reason, infeasible_reason
 from simulator.specs import load_model
 
 DSV3 = load_model("deepseek-v3")
@@ -129,3 +130,34 @@ def test_node_dedup_and_group_limited_routing():
 def test_peak_memory_of_published_deepseek_fits():
     rank, mem = peak_memory(DSV3, H100, replace(BASE, recompute_modules=("mla_up_proj",)))
     assert sum(mem.values()) / 2**30 < H100.hbm_gib
+
+
+@settings(max_examples=40, deadline=None)
+@given(pp=st.sampled_from([1, 2, 4, 8]), m_per=st.integers(1, 6), v=st.integers(1, 4))
+def test_a2a_overlap_runs_one_forward_ahead_without_more_activations(pp, m_per, v):
+    """Megatron's combined 1F1B: one more warm-up forward per rank (PP 1: the first forward runs alone, so
+    (m - 1) / m of the passes are paired), and no more activations alive at the peak than without it."""
+    sched = "interleaved" if v > 1 else "1f1b"
+    if pp == 1 and v > 1:
+        return
+    m = pp * m_per
+    off = ParallelConfig(pp=pp, vpp=v, schedule=sched, ep=2, dp=2, seq_len=8, global_batch_tokens=16 * m)
+    on = replace(off, moe_a2a_overlap=True)
+    for r in range(pp):
+        total = m * v
+        assert on.warmup_passes(r) == min(total, off.warmup_passes(r) + 1)
+        assert inflight_chunks(on, r) == inflight_chunks(off, r)
+    if pp == 1:
+        assert steady_fraction(on) == pytest.approx((m - 1) / m) and steady_fraction(off) == 1.0
+
+
+def test_a2a_overlap_refuses_what_megatron_refuses():
+    qwen = load_model("qwen3-30b-a3b")
+    par = ParallelConfig(pp=2, ep=4, dp=4, seq_len=4096, global_batch_tokens=64 * 4096, moe_a2a_overlap=True)
+    assert "PP 1 or the interleaved schedule" in infeasible_reason(qwen, H100, par, 8)
+    assert infeasible_reason(qwen, H100, replace(par, vpp=2, schedule="interleaved"), 8) is None
+    flat = replace(par, pp=1, dp=8)
+    assert infeasible_reason(qwen, H100, flat, 8) is None
+    assert "full recompute" in infeasible_reason(qwen, H100, replace(flat, recompute="full"), 8)
+    assert "EP > 1" in infeasible_reason(qwen, H100, replace(flat, ep=1), 8)
+    assert "EP > 1" in infeasible_reason(load_model("llama3-8b"), H100, replace(flat, ep=1), 8)
