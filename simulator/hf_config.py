@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from simulator.hf_families import family_fixed, flatten, mamba_fields, mamba_layer_ids, model_name, moe_layer_ids
+from simulator.hf_layer_kinds import check_mixers, kda_from_layer_types, layer_kinds, windowed_layers
 from simulator.modelspec import MAX_SIZE, ModelSpec
 
 
@@ -32,20 +33,21 @@ def from_hf_config(cfg: dict, name: str | None = None) -> ModelSpec:
 def _fields(cfg: dict, c: dict, get: Callable[..., Any], name: str) -> dict:
     """The ``ModelSpec`` keyword arguments of a text config ``c`` (``cfg`` is the whole file)."""
     hidden, heads = int(get("hidden_size")), int(get("num_attention_heads"))
+    layers = int(get("num_hidden_layers"))
     mla = get("kv_lora_rank") is not None
-    lin = get("linear_attn_config") or {}
+    types = layer_kinds(c, layers)
+    lin = get("linear_attn_config") or kda_from_layer_types(c, get, types)
     if not isinstance(lin, dict):
         raise ValueError(f"HF config: field 'linear_attn_config' must be an object, got {lin!r}")
-    types = get("layer_types") or []
-    swa = tuple(i for i, kind in enumerate(types) if kind == "sliding_attention") if isinstance(types, list) else ()
+    window, windowed = windowed_layers(get, types or [])
     lget = _hf_getter(lin)
     kda_ids = lin.get("kda_layers", ())
     if not isinstance(kda_ids, (list, tuple)) or not all(isinstance(i, int) and i >= 1 for i in kda_ids):
         raise ValueError(f"HF config: 'linear_attn_config.kda_layers' must be 1-based layer numbers, got {kda_ids!r}")
     kda = tuple(i - 1 for i in kda_ids)
-    layers = int(get("num_hidden_layers"))
     moe = _moe_fields(c, get, hidden, layers)
     mamba = mamba_layer_ids(c, get, layers)
+    check_mixers(c, types, kda, mamba)
     dense_width = "intermediate_size_mlp" if c.get("intermediate_size_mlp") is not None else "intermediate_size"
     return dict(
         name=name,
@@ -71,8 +73,8 @@ def _fields(cfg: dict, c: dict, get: Callable[..., Any], name: str) -> dict:
         mamba_layers=mamba,
         **(mamba_fields(c, get) if mamba else {}),
         bias=bool(c.get("attention_bias") or c.get("use_bias")),
-        sliding_window=int(get("sliding_window") or 0) if swa else 0,
-        sliding_window_layers=swa,
+        sliding_window=window,
+        sliding_window_layers=windowed,
         attn_res=bool(get("attn_res_block_size")),
         attn_res_block_size=int(get("attn_res_block_size") or 0),
         tie_embeddings=bool(cfg.get("tie_word_embeddings", get("tie_word_embeddings", False))),
@@ -207,7 +209,7 @@ _SPEC_TO_HF = {
     "kda_layers": "linear_attn_config.kda_layers",
     "kda_heads": "linear_attn_config.num_heads",
     "kda_head_dim": "linear_attn_config.head_dim",
-    "sliding_window": "sliding_window",
+    "sliding_window": "sliding_window/attention_chunk_size",
     "sliding_window_layers": "layer_types",
     "mamba_layers": "attn_layer_period/attn_layer_offset",
     "mamba_d_state": "mamba_d_state",
@@ -258,6 +260,7 @@ def _hf_getter(c: dict) -> Callable[..., Any]:
 
 
 _HF_OTHER = ("linear_attn_config", "topk_method", "layer_types", "mlp_only_layers", "moe_layers", "mamba_dt_rank")
+_HF_OTHER += ("mlp_layer_types", "layers_block_type", "hybrid_override_pattern")
 _HF_BOOL = ("mla_use_output_gate", "tie_word_embeddings")
 
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from simulator.hf_layer_kinds import MOE_MLP_KINDS, mlp_kinds
+
 DBRX_TOP = {"d_model": "hidden_size", "n_heads": "num_attention_heads", "n_layers": "num_hidden_layers"}
 DBRX_TOP |= {"max_seq_len": "max_position_embeddings"}
 DBRX_ATTN = {"kv_n_heads": "num_key_value_heads"}
@@ -45,7 +47,8 @@ def moe_layer_ids(c: dict, get: Callable[..., Any], layers: int) -> tuple[tuple[
     fields that stated them (for messages). Rules: DeepSeek/Kimi ``i >= first_k_dense_replace and i %
     moe_layer_freq == 0``; Qwen-MoE ``(i + 1) % decoder_sparse_step == 0 and i not in mlp_only_layers``; ERNIE-4.5
     ``(i + 1) % moe_layer_interval == 0 and start <= i <= end``; Jamba ``i % expert_layer_period ==
-    expert_layer_offset``; Llama-4 ``moe_layers`` or every ``interleave_moe_layer_step``-th layer."""
+    expert_layer_offset``; Llama-4 ``moe_layers`` or every ``interleave_moe_layer_step``-th layer; AfMoE / LFM2-MoE
+    ``i >= num_dense_layers``; transformers 5.x ``mlp_layer_types[i]`` sparse."""
     ids, said = set(range(layers)), {}
 
     def keep(field: str, rule: Callable[[int], bool]) -> None:
@@ -67,6 +70,14 @@ def moe_layer_ids(c: dict, get: Callable[..., Any], layers: int) -> tuple[tuple[
     keep("moe_layer_end_index", lambda i: i <= end)
     period, offset = _period(get, "expert_layer_period", "expert_layer_offset")
     keep("expert_layer_period", lambda i: i % period == offset)
+    first_moe = _int(get, "num_dense_layers", 0)
+    keep("num_dense_layers", lambda i: i >= first_moe)
+    kinds = mlp_kinds(c, layers)
+    if kinds is not None:  # transformers 5.x prices layers by this list alone: the other rules must agree with it
+        sparse = {i for i in range(layers) if kinds[i] in MOE_MLP_KINDS}
+        if said and ids != sparse:
+            raise ValueError(f"HF config: mlp_layer_types and {', '.join(said.values())} disagree on the MoE layers")
+        keep("mlp_layer_types", lambda i: i in sparse)
     if isinstance(c.get("moe_layers"), list):
         listed = _layer_list(c, "moe_layers", layers)
         keep("moe_layers", lambda i: i in listed)

@@ -1,0 +1,153 @@
+"""Which mixer and FFN each layer of an HF config runs (issue 27's "every HF MoE config read right"): transformers
+5.x ``layer_types`` / ``mlp_layer_types`` read layer by layer, and every layer kind without a cost model (other
+linear attentions, indexed sparse attention, convolutions, single-block hybrids, per-layer shapes) refused by
+name instead of priced as softmax attention. The configs are transformers' own config classes (the real
+package, installed by ``make test``) and published ``config.json`` fields."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import warnings
+
+import pytest
+import transformers  # the dev extra: make test installs it, so a missing install fails here instead of skipping
+
+from moonep.console import main
+from simulator.hf_layer_kinds import ATTENTION, MOE_MLP_KINDS
+from simulator.specs import from_hf_config
+from tests.simulator.hf_moe_config_data import JAMBA_V01, QWEN2_57B_A14B
+
+pytestmark = pytest.mark.filterwarnings("ignore:HF config. expert fields not read")
+
+
+def _default(model_type: str) -> dict:
+    """transformers' default config of ``model_type`` as its ``config.json`` dict."""
+    with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
+        warnings.simplefilter("ignore")
+        return transformers.CONFIG_MAPPING[model_type]().to_dict()
+
+
+def test_mlp_layer_types_price_the_dense_layers_dense():
+    cfg = _default("glm4_moe_lite")
+    spec = from_hf_config(cfg)
+    moe = [i for i, (_, ffn) in enumerate(spec.layer_kinds()) if ffn == "moe"]
+    assert moe == [i for i, kind in enumerate(cfg["mlp_layer_types"]) if kind == "sparse"] and 0 not in moe
+    kinds = ["sparse"] * cfg["num_hidden_layers"]
+    kinds[5] = "dense"
+    spec = from_hf_config(cfg | {"mlp_layer_types": kinds})
+    assert [ffn for _, ffn in spec.layer_kinds()][4:7] == ["moe", "dense", "moe"]
+
+
+@pytest.mark.parametrize("model_type", ["afmoe", "lfm2_moe"])
+def test_num_dense_layers_leads_with_dense_layers(model_type: str):
+    cfg = _default(model_type)
+    ffn = [f for _, f in from_hf_config(cfg).layer_kinds()]
+    n = cfg["num_dense_layers"]
+    assert n >= 1 and ffn[:n] == ["dense"] * n and set(ffn[n:]) == {"moe"}
+
+
+def test_kimi_linear_in_transformers_5_form_is_kda_on_its_linear_layers():
+    cfg = _default("kimi_linear")
+    spec = from_hf_config(cfg)
+    linear = tuple(i for i, kind in enumerate(cfg["layer_types"]) if kind == "linear_attention")
+    assert spec.kda_layers == linear and spec.kda_heads == cfg["linear_num_heads"]
+    released = cfg | {"linear_attn_config": {"kda_layers": [i + 1 for i in linear], "num_heads": 32, "head_dim": 128}}
+    assert from_hf_config(released).kda_layers == linear
+
+
+def test_llama4_chunked_attention_is_a_window_of_its_chunk():
+    cfg = _default("llama4_text")
+    spec = from_hf_config(cfg)
+    chunked = tuple(i for i, kind in enumerate(cfg["layer_types"]) if kind == "chunked_attention")
+    assert spec.sliding_window == cfg["attention_chunk_size"] and spec.sliding_window_layers == chunked
+
+
+NEMOTRON_H_FIELDS = {
+    "model_type": "nemotron_h",
+    "num_hidden_layers": 8,
+    "hybrid_override_pattern": "MEM*EMEM",
+    "mamba_num_heads": 64,
+    "ssm_state_size": 128,
+}
+"""The fields a published Nemotron-H MoE ``config.json`` adds (each layer one block: M Mamba, E MoE, * attention)."""
+
+
+@pytest.mark.parametrize(
+    ("model_type", "change", "named"),
+    [
+        ("qwen3_next", {}, "linear_attention"),  # Gated DeltaNet
+        ("minimax", {}, "linear_attention"),  # lightning attention
+        ("granitemoehybrid", {}, "linear_attention"),  # Mamba-2 behind layer_types
+        ("deepseek_v32", {}, "indexed_attention"),
+        ("deepseek_v4", {}, "no cost model"),
+        ("dots3_note", {}, "per_layer_config"),
+        ("lfm2", {"full_attn_idxs": [0, 3], "layer_types": None}, "conv"),
+        ("lfm2_moe", {"layer_types": ["conv", "conv", "full_attention"] * 8 + ["conv"] * 8}, "conv"),
+        ("qwen3_moe", NEMOTRON_H_FIELDS | {"layer_types": None}, "hybrid_override_pattern"),
+        ("qwen3_moe", {"mamba_num_heads": 64, "mamba_head_dim": 64, "layer_types": None}, "mamba_num_heads"),
+    ],
+)
+def test_layers_without_a_cost_model_are_refused_by_name(model_type: str, change: dict, named: str):
+    with pytest.raises(ValueError) as err:
+        from_hf_config(_default(model_type) | change)
+    msg = str(err.value)
+    assert named in msg and msg.startswith("HF config") and "\n" not in msg, msg
+
+
+def test_a_refused_hybrid_is_exit_2_on_one_line(tmp_path, capsys):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(QWEN2_57B_A14B | NEMOTRON_H_FIELDS | {"num_hidden_layers": 28}))
+    assert main(["simulate", "run", "--model", str(path), "--gpus", "8", "--hardware", "h100"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "hybrid_override_pattern" in err and len(err.splitlines()) == 1, err
+
+
+def test_mlp_layer_types_that_disagree_with_first_k_dense_are_refused():
+    cfg = _default("deepseek_v32") | {"layer_types": None}
+    assert from_hf_config(cfg).first_k_dense == cfg["first_k_dense_replace"]
+    with pytest.raises(ValueError, match="mlp_layer_types and first_k_dense_replace=2 disagree"):
+        from_hf_config(cfg | {"first_k_dense_replace": 2})
+
+
+def test_layer_types_must_name_every_layer():
+    with pytest.raises(ValueError, match="'layer_types' must list one kind per layer"):
+        from_hf_config(QWEN2_57B_A14B | {"layer_types": ["full_attention"] * 3})
+    assert from_hf_config(JAMBA_V01).mamba_layers  # Jamba's own placement fields still price its Mamba layers
+
+
+def _loads_as_priced(cfg: dict) -> bool:
+    """Whether ``cfg`` loads; a load must price every layer as what the config says it is."""
+    try:
+        spec = from_hf_config(cfg)
+    except ValueError:
+        return False
+    types = cfg.get("layer_types") or []
+    assert set(types) <= set(ATTENTION) | {"linear_attention"}, types
+    assert tuple(i for i, t in enumerate(types) if t == "linear_attention") == spec.kda_layers
+    kinds = cfg.get("mlp_layer_types")
+    if kinds:
+        assert [f == "moe" for _, f in spec.layer_kinds()] == [k in MOE_MLP_KINDS for k in kinds]
+    return True
+
+
+def test_every_transformers_moe_or_hybrid_config_loads_as_priced_or_is_refused():
+    """Sweep transformers' own config classes that name experts, Mamba or per-layer kinds: each either loads with
+    every layer priced as the config states, or raises ValueError (never another exception, never attention
+    in place of a recurrent layer)."""
+    loaded = refused = 0
+    for model_type in sorted(transformers.CONFIG_MAPPING.keys()):
+        try:
+            cfg = _default(model_type)
+        except Exception:  # a config class that needs arguments is not a case here
+            continue
+        text = json.dumps(cfg, default=str)
+        if not any(w in text for w in ("expert", "moe", "mamba", "layer_types", "hybrid_override")):
+            continue
+        cfg = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ok = _loads_as_priced(cfg)
+        loaded, refused = loaded + ok, refused + (not ok)
+    assert loaded >= 20 and refused >= 10, (loaded, refused)
