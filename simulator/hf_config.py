@@ -9,7 +9,16 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from simulator.hf_families import family_fixed, flatten, mamba_fields, mamba_layer_ids, model_name, moe_layer_ids
+from simulator.hf_families import (
+    GATED_ATTENTION,
+    check_family,
+    family_fixed,
+    flatten,
+    mamba_fields,
+    mamba_layer_ids,
+    model_name,
+    moe_layer_ids,
+)
 from simulator.hf_layer_kinds import check_mixers, kda_from_layer_types, layer_kinds, windowed_layers
 from simulator.modelspec import MAX_SIZE, ModelSpec
 
@@ -23,6 +32,7 @@ def from_hf_config(cfg: dict, name: str | None = None) -> ModelSpec:
     are 1-based in the release and are converted to 0-based indices. A check that fails names the HF field.
     """
     c, get = _hf_text(cfg)
+    check_family(c)
     fields = _fields(cfg, c, get, name or model_name(cfg))
     try:
         return ModelSpec(**fields)
@@ -63,7 +73,7 @@ def _fields(cfg: dict, c: dict, get: Callable[..., Any], name: str) -> dict:
         qk_nope_dim=int(get("qk_nope_head_dim") or 0),
         qk_rope_dim=int(get("qk_rope_head_dim") or 0),
         v_head_dim=int(get("v_head_dim") or 0),
-        attn_output_gate=bool(get("mla_use_output_gate", False)),
+        attn_output_gate=bool(get("mla_use_output_gate", False)) or c.get("model_type") in GATED_ATTENTION,
         kda_layers=kda,
         kda_heads=int(lget("num_heads", 0)),
         kda_head_dim=int(lget("head_dim", 0)),
@@ -87,12 +97,19 @@ EXPERT_COUNT = ("n_routed_experts", "num_experts", "num_local_experts", "moe_num
 """Names of the routed-expert count (DeepSeek/Kimi, Qwen-MoE/Jamba, Mixtral/gpt-oss/Llama-4/DBRX, ERNIE-4.5)."""
 TOP_K = ("num_experts_per_tok", "num_experts_per_token", "experts_per_token", "moe_k", "moe_topk")
 SHARED = ("n_shared_experts", "num_shared_experts", "moe_num_shared_experts")
+SHARED_WIDTH = ("shared_expert_intermediate_size", "share_expert_dim", "shared_experts_intermediate_size")
+SHARED_WIDTH += ("moe_shared_expert_intermediate_size",)
+"""Names of the always-active shared experts' total width (Qwen-MoE, Step-3.x, dots, Nemotron-H)."""
+LATENT = ("routed_expert_hidden_size", "moe_hidden_size")
+"""Names of the width routed experts run at behind a down/up projection (K3's LatentMoE, Muse Spark)."""
 READ_MOE = frozenset(
     EXPERT_COUNT
     + TOP_K
     + SHARED
-    + ("moe_intermediate_size", "shared_expert_intermediate_size", "first_k_dense_replace", "moe_layers")
-    + ("routed_expert_hidden_size", "topk_method", "n_group", "topk_group", "decoder_sparse_step", "mlp_only_layers")
+    + SHARED_WIDTH
+    + LATENT
+    + ("moe_intermediate_size", "first_k_dense_replace", "moe_layers")
+    + ("topk_method", "n_group", "topk_group", "decoder_sparse_step", "mlp_only_layers")
     + ("moe_layer_freq", "moe_layer_start_index", "num_expert_group", "moe_layer_interval", "moe_layer_end_index")
     + ("expert_layer_period", "expert_layer_offset")
 )
@@ -129,6 +146,9 @@ def _moe_fields(c: dict, get: Callable[..., Any], hidden: int, layers: int) -> d
             )
         return {}
     unread = [k for k in moe_keys if k not in READ_MOE and k not in NO_COST]
+    sized = [k for k in unread if any(w in k.lower() for w in ("size", "dim", "intermediate", "num_", "n_", "width"))]
+    if sized:
+        raise ValueError(f"HF config: expert size fields {sized} are not read, so the experts would be priced wrong")
     if unread:
         warnings.warn(f"HF config: expert fields not read (their cost is not modelled): {unread}", stacklevel=4)
     k_name, top_k = _one_of(get, TOP_K, "experts per token")
@@ -141,6 +161,7 @@ def _moe_fields(c: dict, get: Callable[..., Any], hidden: int, layers: int) -> d
     if not width:
         raise ValueError(f"HF config: an MoE config ({count_name}={experts}) needs its expert width {w_name} > 0")
     fixed = family_fixed(c)
+    latent = _one_of(get, LATENT, "routed experts' hidden width")[1]
     ids, _ = moe_layer_ids(c, get, layers)
     first = ids[0] if ids == tuple(range(ids[0], layers)) else 0
     dense = "intermediate_size_mlp" if c.get("intermediate_size_mlp") is not None else "intermediate_size"
@@ -153,9 +174,7 @@ def _moe_fields(c: dict, get: Callable[..., Any], hidden: int, layers: int) -> d
         "num_shared_experts": fixed.pop("num_shared_experts", 0) or _shared_experts(get, width),
         "first_k_dense": first,
         "moe_layers": () if first or len(ids) == layers else ids,
-        "moe_latent_dim": int(get("routed_expert_hidden_size") or 0)
-        if get("routed_expert_hidden_size") not in (None, hidden)
-        else 0,
+        "moe_latent_dim": latent if latent != hidden else 0,
         "router_bias": get("topk_method") == "noaux_tc" or fixed.pop("router_bias", False),
         **fixed,
         **_expert_groups(get),
@@ -174,17 +193,19 @@ def _looks_moe(key: str) -> bool:
 
 
 def _shared_experts(get: Callable[..., Any], width: int) -> int:
-    """Shared experts as a count of routed-width MLPs: Qwen-MoE gives one shared MLP's width instead."""
+    """Shared experts as a count of routed-width MLPs (same FLOPs and weights): Qwen-MoE / Step-3.x give one shared
+    MLP's width instead, Nemotron-H a count and each one's width."""
     count = _one_of(get, SHARED, "shared-expert count")[1]
-    shared_width = int(get("shared_expert_intermediate_size") or 0)
+    name, shared_width = _one_of(get, SHARED_WIDTH, "shared experts' width")
     if not shared_width:
         return count
-    if count or shared_width % width:
+    total = (count or 1) * shared_width  # a count with a width: that many shared MLPs of that width (Nemotron-H)
+    if total % width:
         raise ValueError(
-            f"HF config: shared_expert_intermediate_size={shared_width} is not a whole number of expert widths "
-            f"({width}){' and a shared-expert count is given too' if count else ''}: not expressible"
+            f"HF config: {name}={shared_width} x {count or 1} is not a whole number of expert widths "
+            f"({width}): not expressible"
         )
-    return shared_width // width
+    return total // width
 
 
 _SPEC_TO_HF = {

@@ -1,6 +1,7 @@
 """What differs between the Hugging Face MoE families once their field names are read: nested configs (DBRX),
 which layers are MoE (DeepSeek, Qwen-MoE, ERNIE-4.5, Jamba, Llama-4), which are Mamba (Jamba), fixed parts
-that no field states (Llama-4's shared expert, gpt-oss' sinks and router bias), and the model's own name.
+that no field states (Llama-4's shared expert, gpt-oss' sinks and router bias, MiniCPM-5's attention gate), the
+families refused as not expressible, and the model's own name.
 
 Each rule is the one in the family's transformers modeling code (``modeling_<family>.py``, transformers 5.x), or
 in DeepSeek's released remote code for ``moe_layer_freq``; see ``simulator/README.md`` ("HF configs").
@@ -108,6 +109,22 @@ def mamba_fields(c: dict, get: Callable[..., Any]) -> dict:
         "mamba_conv_bias": _flag(c, "mamba_conv_bias", True),
         "mamba_proj_bias": _flag(c, "mamba_proj_bias", False),
     }
+
+
+GATED_ATTENTION = ("minicpm5_moe",)
+"""Families whose softmax attention has a full-width sigmoid output gate that no field states (``q_gate_proj``)."""
+NOT_EXPRESSIBLE = {
+    "doge": "its experts are single-neuron embeddings looked up by product keys",
+    "jetmoe": "its attention is a mixture of routed attention experts",
+}
+"""MoE families whose experts the simulator's expert MLPs cannot stand for: refused, not mispriced."""
+
+
+def check_family(c: dict) -> None:
+    """Raise for a ``NOT_EXPRESSIBLE`` family, naming its ``model_type``."""
+    kind = str(c.get("model_type", ""))
+    if kind in NOT_EXPRESSIBLE:
+        raise ValueError(f"HF config: model_type {kind!r} is not expressible: {NOT_EXPRESSIBLE[kind]}")
 
 
 def family_fixed(c: dict) -> dict:

@@ -165,3 +165,26 @@ def test_hf_model_is_named_after_its_own_fields_not_its_folder(tmp_path):
     assert _load(MIXTRAL_8X7B, folder).name == "mistralai/Mixtral-8x7B-v0.1"
     no_path = {k: v for k, v in MIXTRAL_8X7B.items() if k != "_name_or_path"}
     assert _load(no_path, folder).name == "mixtral MixtralForCausalLM"
+
+
+def test_shared_expert_and_latent_widths_under_other_names_are_read():
+    step = QWEN2_57B_A14B | {"share_expert_dim": 2560, "shared_expert_intermediate_size": None}
+    assert from_hf_config(step).num_shared_experts == 1  # Step-3.x: one shared MLP of share_expert_dim
+    nemotron = QWEN2_57B_A14B | {"n_shared_experts": 2, "moe_shared_expert_intermediate_size": 5120}
+    nemotron["shared_expert_intermediate_size"] = None
+    assert from_hf_config(nemotron).num_shared_experts == 4  # two shared MLPs, each two expert widths
+    muse = QWEN2_57B_A14B | {"moe_hidden_size": 1792}  # Muse Spark: experts behind a down/up projection
+    assert from_hf_config(muse).moe_latent_dim == 1792 and from_hf_config(QWEN2_57B_A14B).moe_latent_dim == 0
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        ({"expert_ffn_dim": 4096}, "expert_ffn_dim"),  # a size we do not read would misprice the experts
+        ({"model_type": "doge"}, "'doge' is not expressible"),
+        ({"model_type": "jetmoe"}, "'jetmoe' is not expressible"),
+    ],
+)
+def test_expert_shapes_we_cannot_price_are_refused(change: dict, named: str):
+    with pytest.raises(ValueError, match=named):
+        from_hf_config(QWEN2_57B_A14B | change)

@@ -1,0 +1,87 @@
+"""transformers' own config classes, swept (issue 27's "every HF MoE config read right", on configs we did not
+write): every class that names experts, Mamba or per-layer kinds either loads with each layer priced as its
+config says and with the parameter count of the transformers model built from it on the meta device, or is
+refused with a ValueError (exit 2 at the CLI). transformers is the real package ``make test`` installs."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import warnings
+
+import pytest
+import torch
+import transformers  # the dev extra: make test installs it, so a missing install fails here instead of skipping
+
+from simulator.hf_layer_kinds import ATTENTION, MOE_MLP_KINDS
+from simulator.layers import param_counts
+from simulator.specs import from_hf_config
+
+pytestmark = pytest.mark.filterwarnings("ignore:HF config. expert fields not read")
+WORDS = ("expert", "moe", "mamba", "layer_types", "hybrid_override")
+
+
+def _configs():
+    """(model_type, config object, text config dict) of every class whose default config names ``WORDS``."""
+    for model_type in sorted(transformers.CONFIG_MAPPING.keys()):
+        try:
+            with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
+                warnings.simplefilter("ignore")
+                obj = transformers.CONFIG_MAPPING[model_type]()
+                cfg = obj.to_dict()
+        except Exception:  # a config class that needs arguments is not a case here
+            continue
+        if any(w in json.dumps(cfg, default=str) for w in WORDS):
+            text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
+            yield model_type, obj, text
+
+
+def _loads_as_priced(cfg: dict) -> bool:
+    """Whether ``cfg`` loads; a load must price every layer as what the config says it is."""
+    try:
+        spec = from_hf_config(cfg)
+    except ValueError:
+        return False
+    types = cfg.get("layer_types") or []
+    assert set(types) <= set(ATTENTION) | {"linear_attention"}, types
+    assert tuple(i for i, t in enumerate(types) if t == "linear_attention") == spec.kda_layers
+    kinds = cfg.get("mlp_layer_types")
+    if kinds:
+        assert [f == "moe" for _, f in spec.layer_kinds()] == [k in MOE_MLP_KINDS for k in kinds]
+    return True
+
+
+def test_every_moe_or_hybrid_config_loads_as_priced_or_is_refused():
+    """Each loads with every layer priced as the config states, or raises ValueError: never another exception,
+    never softmax attention in place of a recurrent layer."""
+    results = [_loads_as_priced(text) for _, _, text in _configs()]
+    assert sum(results) >= 20 and results.count(False) >= 10, results
+
+
+def _meta_params(obj) -> int | None:
+    """Parameters of transformers' causal LM built from ``obj`` on the meta device (None: it does not build)."""
+    try:
+        with torch.device("meta"), warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
+            warnings.simplefilter("ignore")
+            model = transformers.AutoModelForCausalLM.from_config(obj)
+    except Exception:  # transformers' own default for some families does not build (a bug there, not a case here)
+        return None
+    return sum(p.numel() for p in model.parameters())
+
+
+def test_every_loaded_moe_config_has_the_parameters_of_its_transformers_model():
+    """Total parameters within 1% of the transformers model (biases, norms and gate vectors are the rest)."""
+    checked, off = 0, []
+    for model_type, obj, text in _configs():
+        try:
+            spec = from_hf_config(text)
+        except ValueError:
+            continue
+        hf = _meta_params(obj) if spec.num_experts else None
+        if hf:
+            checked += 1
+            ratio = param_counts(spec).total / hf
+            if abs(ratio - 1) > 0.01:
+                off.append((model_type, round(ratio, 4)))
+    assert checked >= 25 and not off, (checked, off)
