@@ -109,7 +109,7 @@ def attention_terms(spec: ModelSpec, kind: str) -> list[ActTerm]:
 def moe_terms(spec: ModelSpec) -> list[ActTerm]:
     """Router, fused permutation, routed experts (grouped GEMMs, SwiGLU), shared experts, LatentMoE projections."""
     h, e, k, fe = spec.hidden, spec.num_experts, spec.top_k, spec.moe_ffn_hidden
-    de, fs, lat = spec.moe_latent_dim or h, spec.num_shared_experts * fe, spec.moe_latent_dim
+    de, fs, lat = spec.moe_latent_dim or h, spec.shared_width, spec.moe_latent_dim
     out = [
         # fp32 scores [E] (sigmoid/softmax keep their output), top-k indices int64 [K] (the gather's), the
         # gathered scores [K] and their sum (the normalising division's)

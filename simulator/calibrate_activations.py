@@ -248,8 +248,8 @@ def _ffn_params(spec: ModelSpec, kind: tuple[str, str], p: dict) -> dict[str, to
     p.update(router=_w(e, h, random=True), e1=_w(e, 2 * fe, de), e2=_w(e, de, fe))
     if spec.moe_latent_dim:
         p.update(down=_w(de, h), up=_w(h, de))
-    if spec.num_shared_experts:
-        fs = spec.num_shared_experts * fe
+    if spec.shared_width:
+        fs = spec.shared_width
         p.update(s1=_w(2 * fs, h), s2=_w(h, fs))
     return p
 
@@ -316,7 +316,7 @@ def _ffn(spec: ModelSpec, kind: str, p: dict, x: torch.Tensor, moe_probs: str) -
     out = _Unpermute.apply(y, row_map, k, pp if moe_probs == "combine" else None)
     if spec.moe_latent_dim:
         out = F.linear(label(out, "latent_up_in"), p["up"])
-    if spec.num_shared_experts:
+    if spec.shared_width:
         with term("shared_act_in"):
             sa = _SwiGLU.apply(F.linear(x, p["s1"]))
         out = out + F.linear(label(sa, "shared_act_out"), p["s2"])

@@ -22,6 +22,9 @@ def _mixer(spec: ModelSpec, kind: str) -> list[tuple[int, int, str]]:
     if kind == "kda":
         p, d = spec.kda_heads * spec.kda_head_dim, spec.kda_head_dim
         return [(4 * p, h, "n"), (h, p, "k"), (d, h, "n"), (p, d, "n"), (spec.kda_heads, h, "n")]
+    if kind == "mamba" and spec.mamba_heads:
+        di, gn = spec.mamba_inner, spec.mamba_groups * spec.mamba_d_state
+        return [(2 * di + 2 * gn + spec.mamba_heads, h, "n"), (h, di, "k")]
     if kind == "mamba":
         di, n, r = spec.mamba_inner, spec.mamba_d_state, spec.mamba_rank
         return [(2 * di, h, "n"), (r + 2 * n, di, "k"), (di, r, "n"), (h, di, "k")]
@@ -43,7 +46,7 @@ def _ffn(spec: ModelSpec, kind: str) -> list[tuple[int, int, str]]:
         f = spec.ffn_hidden
         return [((2 if spec.gated_ffn else 1) * f, h, "n"), (h, f, "k")]
     out = [(spec.num_experts, h, "n")]
-    fs = spec.num_shared_experts * spec.moe_ffn_hidden
+    fs = spec.shared_width
     if fs:
         out += [(2 * fs, h, "n"), (h, fs, "k")]
     if spec.moe_latent_dim:

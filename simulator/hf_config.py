@@ -98,8 +98,8 @@ EXPERT_COUNT = ("n_routed_experts", "num_experts", "num_local_experts", "moe_num
 TOP_K = ("num_experts_per_tok", "num_experts_per_token", "experts_per_token", "moe_k", "moe_topk")
 SHARED = ("n_shared_experts", "num_shared_experts", "moe_num_shared_experts")
 SHARED_WIDTH = ("shared_expert_intermediate_size", "share_expert_dim", "shared_experts_intermediate_size")
-SHARED_WIDTH += ("moe_shared_expert_intermediate_size",)
-"""Names of the always-active shared experts' total width (Qwen-MoE, Step-3.x, dots, Nemotron-H)."""
+SHARED_WIDTH += ("moe_shared_expert_intermediate_size", "shared_intermediate_size")
+"""Names of the always-active shared MLP's width (Qwen-MoE, Step-3.x, dots, Nemotron-H, Granite)."""
 LATENT = ("routed_expert_hidden_size", "moe_hidden_size")
 """Names of the width routed experts run at behind a down/up projection (K3's LatentMoE, Muse Spark)."""
 READ_MOE = frozenset(
@@ -171,7 +171,7 @@ def _moe_fields(c: dict, get: Callable[..., Any], hidden: int, layers: int) -> d
         "num_experts": experts,
         "top_k": top_k,
         "moe_ffn_hidden": width,
-        "num_shared_experts": fixed.pop("num_shared_experts", 0) or _shared_experts(get, width),
+        **(_shared_experts(get, width) if "num_shared_experts" not in fixed else {}),
         "first_k_dense": first,
         "moe_layers": () if first or len(ids) == layers else ids,
         "moe_latent_dim": latent if latent != hidden else 0,
@@ -192,20 +192,16 @@ def _looks_moe(key: str) -> bool:
     return "expert" in low or low.startswith("moe_") or low.startswith("router_")
 
 
-def _shared_experts(get: Callable[..., Any], width: int) -> int:
-    """Shared experts as a count of routed-width MLPs (same FLOPs and weights): Qwen-MoE / Step-3.x give one shared
-    MLP's width instead, Nemotron-H a count and each one's width."""
+def _shared_experts(get: Callable[..., Any], width: int) -> dict:
+    """The ``ModelSpec`` shared-expert field: a count of routed-width MLPs (DeepSeek), or the width that Qwen-MoE /
+    Step-3.x / Granite give for one shared MLP (Nemotron-H: a count and each one's width), as a count when it is a
+    whole number of expert widths (same FLOPs and weights) and as ``shared_ffn_hidden`` when it is not."""
     count = _one_of(get, SHARED, "shared-expert count")[1]
-    name, shared_width = _one_of(get, SHARED_WIDTH, "shared experts' width")
+    shared_width = _one_of(get, SHARED_WIDTH, "shared experts' width")[1]
     if not shared_width:
-        return count
+        return {"num_shared_experts": count}
     total = (count or 1) * shared_width  # a count with a width: that many shared MLPs of that width (Nemotron-H)
-    if total % width:
-        raise ValueError(
-            f"HF config: {name}={shared_width} x {count or 1} is not a whole number of expert widths "
-            f"({width}): not expressible"
-        )
-    return total // width
+    return {"num_shared_experts": total // width} if total % width == 0 else {"shared_ffn_hidden": total}
 
 
 _SPEC_TO_HF = {
@@ -236,6 +232,8 @@ _SPEC_TO_HF = {
     "mamba_d_state": "mamba_d_state",
     "mamba_d_conv": "mamba_d_conv",
     "mamba_expand": "mamba_expand",
+    "mamba_heads": "mamba_n_heads",
+    "mamba_groups": "mamba_n_groups",
 }
 """The HF field behind each ``ModelSpec`` field, for messages about an HF config (the first present of several)."""
 

@@ -91,15 +91,42 @@ def moe_layer_ids(c: dict, get: Callable[..., Any], layers: int) -> tuple[tuple[
 
 
 def mamba_layer_ids(c: dict, get: Callable[..., Any], layers: int) -> tuple[int, ...]:
-    """Jamba: attention on layers ``i % attn_layer_period == attn_layer_offset``, Mamba on the others."""
-    if "attn_layer_period" not in c and "attn_layer_offset" not in c:
+    """Jamba: attention on layers ``i % attn_layer_period == attn_layer_offset``, Mamba on the others; Mamba-2
+    hybrids (a ``mamba_n_heads`` field): Granite-4's ``layer_types`` Mamba layers (``linear_attention`` / ``mamba``
+    in transformers 5.x), or Bamba's attention layers ``attn_layer_indices`` and Mamba on the others."""
+    if "attn_layer_period" in c or "attn_layer_offset" in c:
+        period, offset = _period(get, "attn_layer_period", "attn_layer_offset")
+        return tuple(i for i in range(layers) if i % period != offset)
+    if not c.get("mamba_n_heads"):
         return ()
-    period, offset = _period(get, "attn_layer_period", "attn_layer_offset")
-    return tuple(i for i in range(layers) if i % period != offset)
+    types = c.get("layer_types")
+    if isinstance(types, list) and len(types) == layers:
+        return tuple(i for i, t in enumerate(types) if t in ("linear_attention", "mamba"))
+    attn = _layer_list(c, "attn_layer_indices", layers)
+    return tuple(i for i in range(layers) if i not in attn)
 
 
 def mamba_fields(c: dict, get: Callable[..., Any]) -> dict:
-    """``ModelSpec`` Mamba fields from Jamba's ``mamba_*`` (dt rank ``"auto"`` = 0, resolved by the spec)."""
+    """``ModelSpec`` Mamba fields from Jamba's ``mamba_*`` (dt rank ``"auto"`` = 0, resolved by the spec), or
+    Mamba-2's ``mamba_n_heads`` / ``mamba_d_head`` / ``mamba_n_groups`` (heads x head width must be the inner
+    width ``mamba_expand`` x hidden, as the HF mixers build it)."""
+    heads = _int(get, "mamba_n_heads", 0)
+    if heads:
+        inner = _int(get, "mamba_expand", 2, low=1) * int(get("hidden_size"))
+        if heads * _int(get, "mamba_d_head", inner // heads, low=1) != inner:
+            raise ValueError(
+                f"HF config: mamba_n_heads={heads} x mamba_d_head={get('mamba_d_head')} is not the Mamba inner "
+                f"width mamba_expand x hidden_size = {inner}"
+            )
+        return {
+            "mamba_heads": heads,
+            "mamba_groups": _int(get, "mamba_n_groups", 1, low=1),
+            "mamba_d_state": _int(get, "mamba_d_state", 128, low=1),
+            "mamba_d_conv": _int(get, "mamba_d_conv", 4, low=1),
+            "mamba_expand": _int(get, "mamba_expand", 2, low=1),
+            "mamba_conv_bias": _flag(c, "mamba_conv_bias", True),
+            "mamba_proj_bias": _flag(c, "mamba_proj_bias", False),
+        }
     rank = c.get("mamba_dt_rank", "auto")
     return {
         "mamba_d_state": _int(get, "mamba_d_state", 16, low=1),
@@ -116,8 +143,9 @@ GATED_ATTENTION = ("minicpm5_moe",)
 NOT_EXPRESSIBLE = {
     "doge": "its experts are single-neuron embeddings looked up by product keys",
     "jetmoe": "its attention is a mixture of routed attention experts",
+    "falcon_h1": "each layer runs attention and a Mamba-2 mixer side by side",
 }
-"""MoE families whose experts the simulator's expert MLPs cannot stand for: refused, not mispriced."""
+"""Families whose experts or layers the simulator cannot stand for: refused, not mispriced."""
 
 
 def check_family(c: dict) -> None:

@@ -6,10 +6,10 @@ Priced: ``full_attention``; ``sliding_attention`` (``sliding_window``); ``chunke
 sees its own ``attention_chunk_size`` chunk, priced as a window of the chunk: exact up to one chunk of sequence,
 at most the chunk's worth of keys above it); ``linear_attention`` where it is KDA (K3 / Kimi Linear:
 ``linear_attn_config.kda_layers``, or Kimi Linear's transformers 5.x ``linear_num_heads`` / ``linear_head_dim``
-/ ``linear_conv_kernel_dim``); Mamba via Jamba's ``attn_layer_period`` / ``attn_layer_offset``. Other linear
-attentions (Gated DeltaNet, lightning attention, Mamba-2 behind ``layer_types``), DeepSeek's indexed sparse
-attention, convolution layers and single-block hybrids (Nemotron-H, Zamba: one Mamba, attention, MLP or MoE
-block per layer) have no cost model here and are refused.
+/ ``linear_conv_kernel_dim``) or Mamba-2 (Granite-4: ``mamba_n_heads``); Mamba via Jamba's ``attn_layer_period``
+/ ``attn_layer_offset`` or Bamba's ``attn_layer_indices``. Other linear attentions (Gated DeltaNet, lightning
+attention), DeepSeek's indexed sparse attention, convolution layers and single-block hybrids (Nemotron-H, Zamba:
+one Mamba, attention, MLP or MoE block per layer) have no cost model here and are refused.
 """
 
 from __future__ import annotations
@@ -84,18 +84,19 @@ def check_mixers(c: dict, types: list[str] | None, kda: tuple[int, ...], mamba: 
                 "expressible: every layer of a kind has one shape here"
             )
     if types is not None:
-        unknown = sorted(set(types) - set(ATTENTION) - {"linear_attention"})
+        unknown = sorted(set(types) - set(ATTENTION) - {"linear_attention", "mamba"})
         if unknown:
             raise ValueError(
                 f"HF config: layer_types kinds {unknown} have no cost model (priced: {', '.join(ATTENTION)}, and "
-                "linear_attention when it is KDA): refusing to price those layers as full attention"
+                "linear_attention when it is KDA or Mamba-2): refusing to price those layers as full attention"
             )
-        linear = tuple(i for i, t in enumerate(types) if t == "linear_attention")
-        if linear != tuple(sorted(kda)):
-            what = "no KDA description (linear_attn_config.kda_layers)" if not kda else f"KDA layers {list(kda)}"
+        linear = tuple(i for i, t in enumerate(types) if t in ("linear_attention", "mamba"))
+        if linear != tuple(sorted(set(kda) | set(mamba))):
+            what = "no KDA or Mamba-2 description" if not kda and not mamba else f"KDA / Mamba layers {kda + mamba}"
             raise ValueError(
-                f"HF config: layer_types marks layers {list(linear)} linear_attention but the config gives {what}: "
-                "only KDA linear attention is priced, so refusing to price them as softmax attention"
+                f"HF config: layer_types marks layers {list(linear)} linear_attention but the config gives {what} "
+                "(linear_attn_config.kda_layers, mamba_n_heads): only KDA and Mamba-2 linear attention are priced, "
+                "so refusing to price them as softmax attention"
             )
     ssm = sorted(k for k in c if k.startswith(("mamba_", "ssm_")) and c[k] not in (None, False, 0))
     if ssm and not mamba and "attn_layer_period" not in c:

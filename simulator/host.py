@@ -125,7 +125,7 @@ def _muon_blocks(spec: ModelSpec, kind: tuple[str, str], epn: int) -> list[tuple
     if ffn == "dense":
         out += [(2, spec.ffn_hidden, d, False), (1, d, spec.ffn_hidden, False)]
     else:
-        lat, f, fs = spec.moe_latent_dim or d, spec.moe_ffn_hidden, spec.num_shared_experts * spec.moe_ffn_hidden
+        lat, f, fs = spec.moe_latent_dim or d, spec.moe_ffn_hidden, spec.shared_width
         out += [(1, lat, d, False), (1, d, lat, False), (2 * epn, f, lat, True), (epn, lat, f, True)]
         out += [(2, fs, d, False), (1, d, fs, False)] if fs else []
     return out
@@ -145,7 +145,7 @@ def _param_tensors(spec: ModelSpec, kind: tuple[str, str]) -> tuple[int, int]:
         attn = (7 + gate, 5 + gate)  # q_a, q_a norm, q_b, kv_a, kv_a norm, kv_b, o (+ gate)
     else:
         attn = (4 + gate, 4 + gate)
-    shared = 3 if spec.num_shared_experts else 0
+    shared = 3 if spec.shared_width else 0
     ffn = (3, 3) if kind[1] == "dense" else (7 + shared, 5 + shared)  # router, down, norm, up, w1 w3 w2
     norms = 6 if spec.attn_res else (4 if spec.norm == "layernorm" else 2)  # 2 norms (+ 2 AttnRes q, gain)
     return attn[0] + ffn[0] + norms, attn[1] + ffn[1]

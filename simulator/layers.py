@@ -29,6 +29,7 @@ from simulator.act_terms import (
     moe_terms,
     recurrent_terms,
 )
+from simulator.mamba_mixers import mamba_mixer
 from simulator.modelspec import ModelSpec
 
 KDA_CHUNK = 64
@@ -88,36 +89,10 @@ class LayerStats:
     ``--recompute-modules`` names (core attention is priced from ``attn_flops_per_s`` instead)."""
 
 
-def _mamba(spec: ModelSpec) -> dict:
-    """A Mamba mixer as HF ``JambaMambaMixer`` builds it: in_proj [H -> 2 Di], depthwise conv1d (Di x d_conv taps
-    + bias), x_proj [Di -> R + 2N], dt_proj [R -> Di] + bias, A_log [Di, N], D [Di], out_proj [Di -> H], RMSNorm
-    gains on dt (R), B and C (N each). The projections are GEMMs; the selective scan (per token and channel-state
-    pair: exp(dt A), dt B u, h = a h + b, y += C h: about 7 FLOPs) is priced as a recurrence through the ``kda``
-    (recurrent-kernel) channel, a rough stand-in for a memory-bound scan. Saved bytes (rough, bf16): xz, the conv
-    output, x_proj's output, dt, the gated scan output."""
-    h, di, n, r = spec.hidden, spec.mamba_inner, spec.mamba_d_state, spec.mamba_rank
-    mat = h * 2 * di + di * (r + 2 * n) + r * di + di * h
-    vec = di * spec.mamba_d_conv + di * int(spec.mamba_conv_bias) + di  # conv taps (+ bias), dt_proj bias
-    vec += di * n + di + r + 2 * n  # A_log, D, dt/B/C norm gains
-    vec += (2 * di + h) if spec.mamba_proj_bias else 0
-    return {
-        "mat": mat,
-        "vec": vec,
-        "core": 0.0,
-        "kda": 7.0 * di * n,
-        "par": 2 * (6 * di + r + 2 * n),
-        "fn": 2 * di,
-        "s2": 0.0,
-        "kv": 0.0,
-        "cp_kv": 0.0,
-        "state": di * n * 4,
-    }
-
-
 def _attention(spec: ModelSpec, kind: str) -> dict:
     h = spec.hidden
     if kind == "mamba":
-        return _mamba(spec)
+        return mamba_mixer(spec)
     if kind == "kda":
         nh, d = spec.kda_heads, spec.kda_head_dim
         p, kda = nh * d, kda_terms(spec, KDA_CHUNK)
@@ -189,7 +164,7 @@ def _ffn(spec: ModelSpec, kind: str) -> dict:
     e, k, fe = spec.num_experts, spec.top_k, spec.moe_ffn_hidden
     de = spec.moe_latent_dim or h
     one = 3 * de * fe
-    fs = spec.num_shared_experts * fe
+    fs = spec.shared_width
     mat = e * h + 3 * h * fs + (2 * h * spec.moe_latent_dim if spec.moe_latent_dim else 0)
     vec = (e if spec.router_bias else 0) + spec.moe_latent_dim + (h if spec.shared_expert_gate else 0)
     par = _terms_bytes(moe_terms(spec))  # probabilities inside the SwiGLU: no expert output kept
@@ -224,7 +199,7 @@ def _modules(spec: ModelSpec, kind: tuple[str, str], terms: tuple[ActTerm, ...])
         mats = 3 if spec.gated_ffn else 2  # Megatron's "mlp": the whole dense MLP re-run from its saved input
         out.append(("mlp", dropped("mlp"), 2.0 * mats * h * spec.ffn_hidden))
     elif kind[1] == "moe":
-        fs = spec.num_shared_experts * spec.moe_ffn_hidden
+        fs = spec.shared_width
         out.append(("moe_act", dropped("moe_act"), 0.0))
         if fs:
             out.append(("shared_experts", dropped("shared_experts"), 2.0 * 3 * h * fs))

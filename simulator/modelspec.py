@@ -67,6 +67,9 @@ class ModelSpec:
     """Routed/shared expert width."""
     num_shared_experts: int = 0
     """Shared experts (fused into one MLP of width ``num_shared_experts * moe_ffn_hidden``)."""
+    shared_ffn_hidden: int = 0
+    """Width of the always-active shared MLP when a config gives it directly (Granite-4's
+    ``shared_intermediate_size``, not a whole number of expert widths); 0 = ``num_shared_experts`` experts."""
     first_k_dense: int = 0
     """Leading layers with a dense FFN instead of MoE."""
     moe_layers: tuple[int, ...] = ()
@@ -117,6 +120,10 @@ class ModelSpec:
     """Mamba convolution carries a bias (HF ``mamba_conv_bias``)."""
     mamba_proj_bias: bool = False
     """Mamba in/out projections carry biases (HF ``mamba_proj_bias``)."""
+    mamba_heads: int = 0
+    """Mamba-2 (SSD) heads over the inner width (HF ``mamba_n_heads``: Bamba, Granite-4); 0 = Mamba-1 (Jamba)."""
+    mamba_groups: int = 1
+    """Mamba-2 groups sharing one B and C projection (HF ``mamba_n_groups``)."""
     seq_len: int = 4096
     """Default training sequence length."""
     mtp_layers: int = 0
@@ -143,6 +150,10 @@ class ModelSpec:
             raise ValueError(f"ModelSpec.top_k must be in [1, num_experts], got {self.top_k}")
         if self.num_experts and self.moe_ffn_hidden < 1:
             raise ValueError("ModelSpec.moe_ffn_hidden must be > 0 for an MoE model")
+        if self.shared_ffn_hidden and self.num_shared_experts:
+            raise ValueError(
+                "ModelSpec.shared_ffn_hidden and num_shared_experts are both set: give the shared MLP one way"
+            )
         self._check_moe_layers()
         if any(k[1] == "dense" for k in self.layer_kinds()) and self.ffn_hidden < 1:
             raise ValueError("ModelSpec.ffn_hidden must be > 0 when any layer is dense")
@@ -162,6 +173,11 @@ class ModelSpec:
             raise ValueError("ModelSpec.mamba_layers must be 0-based indices below num_layers, none of them KDA")
         if self.mamba_layers and min(self.mamba_d_state, self.mamba_d_conv, self.mamba_expand) < 1:
             raise ValueError("ModelSpec.mamba_d_state, mamba_d_conv and mamba_expand must be > 0 for Mamba layers")
+        if self.mamba_heads and (self.mamba_inner % self.mamba_heads or self.mamba_heads % max(self.mamba_groups, 1)):
+            raise ValueError(
+                f"ModelSpec.mamba_heads {self.mamba_heads} must divide the Mamba inner width {self.mamba_inner} and "
+                f"be a multiple of mamba_groups {self.mamba_groups}"
+            )
         if self.sliding_window_layers and self.sliding_window < 1:
             raise ValueError("ModelSpec.sliding_window must be > 0 when sliding_window_layers is set")
         self._check_shapes()
@@ -194,6 +210,11 @@ class ModelSpec:
             self.moe_layers
         ):
             raise ValueError("ModelSpec.moe_layers must be distinct 0-based indices below num_layers")
+
+    @property
+    def shared_width(self) -> int:
+        """Width of the fused shared-expert MLP (0: none)."""
+        return self.shared_ffn_hidden or self.num_shared_experts * self.moe_ffn_hidden
 
     @property
     def mamba_inner(self) -> int:

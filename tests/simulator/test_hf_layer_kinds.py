@@ -78,7 +78,8 @@ NEMOTRON_H_FIELDS = {
     [
         ("qwen3_next", {}, "linear_attention"),  # Gated DeltaNet
         ("minimax", {}, "linear_attention"),  # lightning attention
-        ("granitemoehybrid", {}, "linear_attention"),  # Mamba-2 behind layer_types
+        ("qwen3_5_moe_text", {}, "linear_attention"),  # Gated DeltaNet
+        ("falcon_h1", {}, "'falcon_h1' is not expressible"),  # attention and Mamba-2 side by side
         ("deepseek_v32", {}, "indexed_attention"),
         ("deepseek_v4", {}, "no cost model"),
         ("dots3_note", {}, "per_layer_config"),
@@ -108,6 +109,19 @@ def test_mlp_layer_types_that_disagree_with_first_k_dense_are_refused():
     assert from_hf_config(cfg).first_k_dense == cfg["first_k_dense_replace"]
     with pytest.raises(ValueError, match="mlp_layer_types and first_k_dense_replace=2 disagree"):
         from_hf_config(cfg | {"first_k_dense_replace": 2})
+
+
+def test_mamba2_hybrids_price_mamba_where_their_config_puts_it():
+    granite = _default("granitemoehybrid")
+    kinds = ["linear_attention"] * granite["num_hidden_layers"]
+    kinds[3] = kinds[9] = "full_attention"
+    spec = from_hf_config(granite | {"layer_types": kinds})
+    assert spec.mamba_heads == granite["mamba_n_heads"] and 3 not in spec.mamba_layers and 4 in spec.mamba_layers
+    assert [m for m, _ in spec.layer_kinds()].count("mamba") == len(kinds) - 2
+    bamba = from_hf_config(_default("bamba") | {"attn_layer_indices": [5, 10]})
+    assert set(range(32)) - set(bamba.mamba_layers) == {5, 10} and bamba.num_experts == 0
+    with pytest.raises(ValueError, match="mamba_n_heads=128 x mamba_d_head=32 is not the Mamba inner width"):
+        from_hf_config(_default("bamba") | {"mamba_d_head": 32})
 
 
 def test_layer_types_must_name_every_layer():

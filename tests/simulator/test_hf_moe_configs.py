@@ -76,7 +76,7 @@ def test_unread_expert_fields_are_warned_about():
 @pytest.mark.parametrize(
     "change, named",
     [
-        ({"shared_expert_intermediate_size": 3000}, "shared_expert_intermediate_size=3000"),
+        ({"share_expert_dim": 3000}, "share_expert_dim=3000"),
         ({"num_experts_per_tok": 0}, "without its top-k"),
         ({"num_experts_per_tok": 65}, "num_experts_per_tok=65"),
         ({"moe_intermediate_size": 0}, "moe_intermediate_size"),
@@ -173,6 +173,9 @@ def test_shared_expert_and_latent_widths_under_other_names_are_read():
     nemotron = QWEN2_57B_A14B | {"n_shared_experts": 2, "moe_shared_expert_intermediate_size": 5120}
     nemotron["shared_expert_intermediate_size"] = None
     assert from_hf_config(nemotron).num_shared_experts == 4  # two shared MLPs, each two expert widths
+    granite = QWEN2_57B_A14B | {"shared_intermediate_size": 1024, "shared_expert_intermediate_size": None}
+    spec = from_hf_config(granite)  # not a whole number of expert widths: the shared MLP keeps its own width
+    assert (spec.num_shared_experts, spec.shared_ffn_hidden, spec.shared_width) == (0, 1024, 1024)
     muse = QWEN2_57B_A14B | {"moe_hidden_size": 1792}  # Muse Spark: experts behind a down/up projection
     assert from_hf_config(muse).moe_latent_dim == 1792 and from_hf_config(QWEN2_57B_A14B).moe_latent_dim == 0
 

@@ -44,8 +44,9 @@ def _loads_as_priced(cfg: dict) -> bool:
     except ValueError:
         return False
     types = cfg.get("layer_types") or []
-    assert set(types) <= set(ATTENTION) | {"linear_attention"}, types
-    assert tuple(i for i, t in enumerate(types) if t == "linear_attention") == spec.kda_layers
+    assert set(types) <= set(ATTENTION) | {"linear_attention", "mamba"}, types
+    recurrent = tuple(sorted(spec.kda_layers + spec.mamba_layers))
+    assert not types or tuple(i for i, t in enumerate(types) if t in ("linear_attention", "mamba")) == recurrent
     kinds = cfg.get("mlp_layer_types")
     if kinds:
         assert [f == "moe" for _, f in spec.layer_kinds()] == [k in MOE_MLP_KINDS for k in kinds]
@@ -70,7 +71,7 @@ def _meta_params(obj) -> int | None:
     return sum(p.numel() for p in model.parameters())
 
 
-def test_every_loaded_moe_config_has_the_parameters_of_its_transformers_model():
+def test_every_loaded_moe_or_mamba_config_has_the_parameters_of_its_transformers_model():
     """Total parameters within 1% of the transformers model (biases, norms and gate vectors are the rest)."""
     checked, off = 0, []
     for model_type, obj, text in _configs():
@@ -78,7 +79,7 @@ def test_every_loaded_moe_config_has_the_parameters_of_its_transformers_model():
             spec = from_hf_config(text)
         except ValueError:
             continue
-        hf = _meta_params(obj) if spec.num_experts else None
+        hf = _meta_params(obj) if spec.num_experts or spec.mamba_layers else None
         if hf:
             checked += 1
             ratio = param_counts(spec).total / hf
