@@ -149,14 +149,17 @@ def kda_terms(spec: ModelSpec, chunk: int) -> list[ActTerm]:
     its input; ``chunk_kda`` with the l2norm, gate and beta sigmoid in-kernel keeps the normalised q, k and their
     fp32 rstd, v, the raw gate, the raw and fp32 sigmoided beta and the bf16 ``[n, h, chunk]`` Aqk and Akk;
     ``FusedRMSNormGated`` its input, the gate and an fp32 rstd per head); K3's output gate is full rank, the
-    decay gate low rank (``f_a`` output kept as ``f_b``'s input). ``D = h d``."""
+    decay gate low rank (``f_a`` output kept as ``f_b``'s input). ``D = h d``. Gated DeltaNet (``kda_gate =
+    "head"``, not measured: the same kernels' set by analogy) has q and k of ``kda_key_width`` and keeps its raw
+    per-head decay and beta instead of the channel-wise gate."""
     nh, d = spec.kda_heads, spec.kda_head_dim
-    dd = nh * d
+    dd, qkv = nh * d, 2 * spec.kda_key_width + nh * d
+    gate = _t("kda_gate", 2 * dd + 2 * d, fp8=2 * dd + d)  # raw decay gate [D] (in-kernel gate), f_a output [d]
     return [
-        _t("kda_conv_in", 3 * 2 * dd),  # q, k, v projection outputs, the three short convolutions' inputs
+        _t("kda_conv_in", 2 * qkv),  # q, k, v projection outputs, the three short convolutions' inputs
         # conv outputs as the chunk keeps them (q, k normalised, with fp32 rstd): re-made by recomputing the conv
-        _t("kda_qkv", 3 * 2 * dd + 2 * 4 * nh, removed_by=("selective+act",)),
-        _t("kda_gate", 2 * dd + 2 * d, fp8=2 * dd + d),  # raw decay gate [D] (in-kernel gate), f_a output [d]
+        _t("kda_qkv", 2 * qkv + 2 * 4 * nh, removed_by=("selective+act",)),
+        gate if spec.kda_gate == "channel" else _t("kda_gate", 2 * nh + 4 * nh),
         _t("kda_beta", 2 * nh + 4 * nh),
         _t("kda_intra", 2 * 2 * nh * chunk),  # Aqk and Akk, bf16 [h, chunk] per token
         _t("kda_out", 2 * dd + 4 * nh + 2 * dd),  # o (the gated norm's input), its rstd, the output gate

@@ -19,6 +19,9 @@ from simulator.modelspec import ModelSpec
 
 def _mixer(spec: ModelSpec, kind: str) -> list[tuple[int, int, str]]:
     h, nh = spec.hidden, spec.num_heads
+    if kind == "kda" and spec.kda_gate == "head":
+        p, pk, nh = spec.kda_heads * spec.kda_head_dim, spec.kda_key_width, spec.kda_heads
+        return [(2 * pk + 2 * p + 2 * nh, h, "n"), (h, p, "k")]
     if kind == "kda":
         p, d = spec.kda_heads * spec.kda_head_dim, spec.kda_head_dim
         return [(4 * p, h, "n"), (h, p, "k"), (d, h, "n"), (p, d, "n"), (spec.kda_heads, h, "n")]

@@ -56,7 +56,7 @@ def _fields(cfg: dict, c: dict, get: Callable[..., Any], name: str) -> dict:
         raise ValueError(f"HF config: 'linear_attn_config.kda_layers' must be 1-based layer numbers, got {kda_ids!r}")
     kda = tuple(i - 1 for i in kda_ids)
     moe = _moe_fields(c, get, hidden, layers)
-    mamba = mamba_layer_ids(c, get, layers)
+    mamba = mamba_layer_ids(c, get, layers, types)
     check_mixers(c, types, kda, mamba)
     dense_width = "intermediate_size_mlp" if c.get("intermediate_size_mlp") is not None else "intermediate_size"
     return dict(
@@ -78,6 +78,9 @@ def _fields(cfg: dict, c: dict, get: Callable[..., Any], name: str) -> dict:
         kda_heads=int(lget("num_heads", 0)),
         kda_head_dim=int(lget("head_dim", 0)),
         kda_conv=int(lget("short_conv_kernel_size", 4)),
+        kda_gate=str(lin.get("gate", "channel")),
+        kda_key_heads=int(lget("key_heads", 0)),
+        kda_key_dim=int(lget("key_dim", 0)),
         ffn_hidden=int(get(dense_width) or 0),
         **moe,
         mamba_layers=mamba,

@@ -90,17 +90,17 @@ def moe_layer_ids(c: dict, get: Callable[..., Any], layers: int) -> tuple[tuple[
     return tuple(sorted(ids)), said
 
 
-def mamba_layer_ids(c: dict, get: Callable[..., Any], layers: int) -> tuple[int, ...]:
+def mamba_layer_ids(c: dict, get: Callable[..., Any], layers: int, types: list[str] | None) -> tuple[int, ...]:
     """Jamba: attention on layers ``i % attn_layer_period == attn_layer_offset``, Mamba on the others; Mamba-2
     hybrids (a ``mamba_n_heads`` field): Granite-4's ``layer_types`` Mamba layers (``linear_attention`` / ``mamba``
-    in transformers 5.x), or Bamba's attention layers ``attn_layer_indices`` and Mamba on the others."""
+    in transformers 5.x; ``types``: the config's layer kinds), or Bamba's attention layers ``attn_layer_indices``
+    and Mamba on the others."""
     if "attn_layer_period" in c or "attn_layer_offset" in c:
         period, offset = _period(get, "attn_layer_period", "attn_layer_offset")
         return tuple(i for i in range(layers) if i % period != offset)
     if not c.get("mamba_n_heads"):
         return ()
-    types = c.get("layer_types")
-    if isinstance(types, list) and len(types) == layers:
+    if types is not None:
         return tuple(i for i, t in enumerate(types) if t in ("linear_attention", "mamba"))
     attn = _layer_list(c, "attn_layer_indices", layers)
     return tuple(i for i in range(layers) if i not in attn)
@@ -138,7 +138,7 @@ def mamba_fields(c: dict, get: Callable[..., Any]) -> dict:
     }
 
 
-GATED_ATTENTION = ("minicpm5_moe",)
+GATED_ATTENTION = ("minicpm5_moe", "qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_5", "qwen3_5_text")
 """Families whose softmax attention has a full-width sigmoid output gate that no field states (``q_gate_proj``)."""
 NOT_EXPRESSIBLE = {
     "doge": "its experts are single-neuron embeddings looked up by product keys",

@@ -19,27 +19,57 @@ from typing import Any
 
 ATTENTION = ("full_attention", "sliding_attention", "chunked_attention")
 """``layer_types`` kinds priced as softmax attention."""
-SINGLE_BLOCK = ("layers_block_type", "hybrid_override_pattern")
+SINGLE_BLOCK_KINDS = ("moe", "mlp")
+"""``layers_block_type`` entries of hybrids whose layers hold one block each (Nemotron-H: a mixer or an FFN, not
+both), which ``ModelSpec`` cannot express: every layer there is a mixer followed by an FFN."""
+EVERY_NTH_FULL = ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
+"""Families whose file may give ``full_attention_interval`` (default 4) instead of ``layer_types``: full attention
+on every n-th layer, Gated DeltaNet on the others (transformers' config classes)."""
+ALTERNATING = ("minimax",)
+"""Families whose transformers config class alternates full and linear attention when no ``layer_types`` is given."""
 PER_LAYER = ("per_layer_config", "num_attention_heads_per_layer")
 """Per-layer overrides that give some layers another shape: not expressible with one shape per kind."""
-"""Fields of hybrids whose layers hold one block each (a mixer or an FFN, not both), which ``ModelSpec`` cannot
-express: every layer there is a mixer followed by an FFN."""
 MOE_MLP_KINDS = ("sparse", "moe")
 """``mlp_layer_types`` entries that are routed-expert layers (``dense`` is a plain MLP)."""
 
 
 def layer_kinds(c: dict, layers: int) -> list[str] | None:
-    """``layer_types`` checked to hold one kind name per layer (LFM2's ``full_attn_idxs`` read as attention on
-    those layers and convolution on the others), or None when the config has neither."""
+    """``layer_types`` checked to hold one kind name per layer, or what transformers' config class derives when
+    the file has none (``_derived_kinds``); None for a config with neither."""
     types = c.get("layer_types")
-    idxs = c.get("full_attn_idxs")
-    if types is None and isinstance(idxs, list):
-        types = ["full_attention" if i in idxs else "conv" for i in range(layers)]
+    if types is None:
+        types = _derived_kinds(c, layers)
     if types is None:
         return None
     if not isinstance(types, list) or len(types) != layers or not all(isinstance(t, str) for t in types):
         raise ValueError(f"HF config: field 'layer_types' must list one kind per layer ({layers}), got {_brief(types)}")
     return types
+
+
+def _derived_kinds(c: dict, layers: int) -> list[str] | None:
+    """Layer kinds a file states another way: Granite-4's ``layers_block_type`` (``mamba`` / ``attention``),
+    LFM2's ``full_attn_idxs`` (convolutions elsewhere), Qwen3-Next / Qwen3.5's ``full_attention_interval``, and
+    the alternating default of MiniMax; None when the family has no such rule."""
+    block = c.get("layers_block_type")
+    if isinstance(block, list):
+        if any(k in SINGLE_BLOCK_KINDS for k in block):
+            raise ValueError(
+                f"HF config: field 'layers_block_type' ({_brief(block)}) holds one block per layer (Mamba, attention, "
+                "MLP or MoE, as in Nemotron-H), which is not expressible: every simulated layer is a mixer and an FFN"
+            )
+        return [{"attention": "full_attention"}.get(str(k), str(k)) for k in block]
+    idxs = c.get("full_attn_idxs")
+    if isinstance(idxs, list):
+        return ["full_attention" if i in idxs else "conv" for i in range(layers)]
+    kind = c.get("model_type")
+    if kind in EVERY_NTH_FULL:
+        n = c.get("full_attention_interval", 4)
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"HF config: field 'full_attention_interval' must be an integer >= 1, got {n!r}")
+        return ["linear_attention" if (i + 1) % n else "full_attention" for i in range(layers)]
+    if kind in ALTERNATING:
+        return ["full_attention" if (i + 1) % 2 else "linear_attention" for i in range(layers)]
+    return None
 
 
 def windowed_layers(get: Callable[..., Any], types: list[str]) -> tuple[int, tuple[int, ...]]:
@@ -55,27 +85,38 @@ def windowed_layers(get: Callable[..., Any], types: list[str]) -> tuple[int, tup
 
 
 def kda_from_layer_types(c: dict, get: Callable[..., Any], types: list[str] | None) -> dict:
-    """Kimi Linear's transformers 5.x fields as the released ``linear_attn_config`` (KDA on its
-    ``linear_attention`` layers, 1-based as in the release); {} for any other config."""
-    if c.get("model_type") != "kimi_linear" or not types or "linear_attention" not in types:
+    """The delta-rule layers of transformers 5.x fields as a ``linear_attn_config`` (1-based layers, as in K3's
+    release): Kimi Linear's KDA (``linear_num_heads`` / ``linear_head_dim``), or Gated DeltaNet (Qwen3-Next,
+    Qwen3.5, OLMo-Hybrid: ``linear_num_key_heads`` / ``linear_num_value_heads`` and their widths, one decay per
+    value head: ``gate = "head"``); {} for any other config."""
+    if not types or "linear_attention" not in types:
+        return {}
+    layers = [i + 1 for i, t in enumerate(types) if t == "linear_attention"]
+    conv = int(get("linear_conv_kernel_dim") or 4)
+    if c.get("model_type") == "kimi_linear":
+        heads, dim = int(get("linear_num_heads") or 0), int(get("linear_head_dim") or 0)
+        return {"kda_layers": layers, "num_heads": heads, "head_dim": dim, "short_conv_kernel_size": conv}
+    if c.get("linear_num_value_heads") is None or c.get("linear_num_key_heads") is None:
         return {}
     return {
-        "kda_layers": [i + 1 for i, t in enumerate(types) if t == "linear_attention"],
-        "num_heads": int(get("linear_num_heads") or 0),
-        "head_dim": int(get("linear_head_dim") or 0),
-        "short_conv_kernel_size": int(get("linear_conv_kernel_dim") or 4),
+        "kda_layers": layers,
+        "num_heads": int(get("linear_num_value_heads")),
+        "head_dim": int(get("linear_value_head_dim") or 0),
+        "key_heads": int(get("linear_num_key_heads")),
+        "key_dim": int(get("linear_key_head_dim") or 0),
+        "short_conv_kernel_size": conv,
+        "gate": "head",
     }
 
 
 def check_mixers(c: dict, types: list[str] | None, kda: tuple[int, ...], mamba: tuple[int, ...]) -> None:
     """Raise, naming the HF field, when a layer's mixer is one the spec would price as something else."""
-    for key in SINGLE_BLOCK:
-        if c.get(key):
-            raise ValueError(
-                f"HF config: field {key!r} ({_brief(c[key])}) describes one block per layer (Mamba, attention, MLP "
-                "or MoE, as in Nemotron-H / Zamba), which is not expressible: every simulated layer is a mixer "
-                "followed by an FFN"
-            )
+    if c.get("hybrid_override_pattern"):
+        raise ValueError(
+            f"HF config: field 'hybrid_override_pattern' ({_brief(c['hybrid_override_pattern'])}) describes one block "
+            "per layer (Mamba, attention, MLP or MoE, as in Nemotron-H), which is not expressible: every simulated "
+            "layer is a mixer followed by an FFN"
+        )
     for key in PER_LAYER:
         v = c.get(key)
         if v and not (isinstance(v, list) and len(set(map(str, v))) == 1):

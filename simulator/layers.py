@@ -95,20 +95,23 @@ def _attention(spec: ModelSpec, kind: str) -> dict:
         return mamba_mixer(spec)
     if kind == "kda":
         nh, d = spec.kda_heads, spec.kda_head_dim
-        p, kda = nh * d, kda_terms(spec, KDA_CHUNK)
-        mat = 4 * h * p + p * h + h * d + d * p + h * nh  # q, k, v, g, o, f_a, f_b, beta
-        vec = 3 * p * spec.kda_conv + p + nh + d
+        p, pk, dk, kda = nh * d, spec.kda_key_width, spec.kda_key_dim or d, kda_terms(spec, KDA_CHUNK)
+        if spec.kda_gate == "head":  # Gated DeltaNet: q, k [pk], v and z [p], b and a [nh], o; norm gain [d]
+            mat, vec = h * (2 * pk + 2 * p + 2 * nh) + p * h, (2 * pk + p) * spec.kda_conv + 2 * nh + d
+        else:
+            mat = 4 * h * p + p * h + h * d + d * p + h * nh  # q, k, v, g, o, f_a, f_b, beta
+            vec = 3 * p * spec.kda_conv + p + nh + d
         return {
             "mat": mat,
             "vec": vec,
             "core": 0.0,
-            "kda": nh * (6 * d * d + 2 * KDA_CHUNK * 2 * d),
+            "kda": nh * (6 * dk * d + 2 * KDA_CHUNK * (dk + d)),
             "par": sum(t.nbytes for t in kda),
             "fn": sum(t.nbytes for t in kda if "selective+act" in t.removed_by),
             "s2": 0.0,
             "kv": 0.0,
             "cp_kv": 0.0,
-            "state": nh * d * 2 * d * 4,
+            "state": nh * dk * 2 * d * 4,
         }
     nh = spec.num_heads
     if kind == "mla":

@@ -50,11 +50,19 @@ class ModelSpec:
     kda_layers: tuple[int, ...] = ()
     """0-based indices of layers using KDA linear attention instead of ``attention``."""
     kda_heads: int = 0
-    """KDA heads."""
+    """KDA heads (Gated DeltaNet: value heads)."""
     kda_head_dim: int = 0
-    """KDA per-head key = value width."""
+    """KDA per-head key = value width (Gated DeltaNet: the value width)."""
     kda_conv: int = 4
     """KDA short-convolution taps on q, k, v."""
+    kda_gate: str = "channel"
+    """The delta rule's decay: ``channel`` (KDA: a low-rank channel-wise gate and a full-rank output gate) or
+    ``head`` (Gated DeltaNet, Qwen3-Next / Qwen3.5: one decay and one beta per value head from the hidden state,
+    an output gate z; its q and k may have their own head count and width)."""
+    kda_key_heads: int = 0
+    """Gated DeltaNet q / k heads (0: ``kda_heads``)."""
+    kda_key_dim: int = 0
+    """Gated DeltaNet q / k head width (0: ``kda_head_dim``)."""
     ffn_hidden: int = 0
     """Dense FFN width (the dense layers of an MoE model too)."""
     gated_ffn: bool = True
@@ -146,6 +154,10 @@ class ModelSpec:
             raise ValueError("ModelSpec.kda_layers must be 0-based indices below num_layers")
         if self.kda_layers and min(self.kda_heads, self.kda_head_dim) < 1:
             raise ValueError("ModelSpec.kda_heads and kda_head_dim must be > 0 when kda_layers is set")
+        if self.kda_gate not in ("channel", "head"):
+            raise ValueError(f"ModelSpec.kda_gate must be 'channel' or 'head', got {self.kda_gate!r}")
+        if self.kda_gate == "channel" and (self.kda_key_heads or self.kda_key_dim):
+            raise ValueError("ModelSpec.kda_key_heads / kda_key_dim are Gated DeltaNet's (kda_gate='head')")
         if self.num_experts and not 1 <= self.top_k <= self.num_experts:
             raise ValueError(f"ModelSpec.top_k must be in [1, num_experts], got {self.top_k}")
         if self.num_experts and self.moe_ffn_hidden < 1:
@@ -210,6 +222,11 @@ class ModelSpec:
             self.moe_layers
         ):
             raise ValueError("ModelSpec.moe_layers must be distinct 0-based indices below num_layers")
+
+    @property
+    def kda_key_width(self) -> int:
+        """Width of the delta rule's q (= k) projection: key heads x key width."""
+        return (self.kda_key_heads or self.kda_heads) * (self.kda_key_dim or self.kda_head_dim)
 
     @property
     def shared_width(self) -> int:

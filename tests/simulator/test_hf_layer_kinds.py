@@ -15,6 +15,7 @@ import pytest
 import transformers  # the dev extra: make test installs it, so a missing install fails here instead of skipping
 
 from moonep.console import main
+from simulator.layers import param_counts
 from simulator.specs import from_hf_config
 from tests.simulator.hf_moe_config_data import JAMBA_V01, QWEN2_57B_A14B
 
@@ -76,9 +77,9 @@ NEMOTRON_H_FIELDS = {
 @pytest.mark.parametrize(
     ("model_type", "change", "named"),
     [
-        ("qwen3_next", {}, "linear_attention"),  # Gated DeltaNet
         ("minimax", {}, "linear_attention"),  # lightning attention
-        ("qwen3_5_moe_text", {}, "linear_attention"),  # Gated DeltaNet
+        ("minimax", {"layer_types": None}, "linear_attention"),  # transformers' alternating default
+        ("bailing_hybrid", {}, "linear_attention"),  # linear attention without Gated DeltaNet's key / value heads
         ("falcon_h1", {}, "'falcon_h1' is not expressible"),  # attention and Mamba-2 side by side
         ("deepseek_v32", {}, "indexed_attention"),
         ("deepseek_v4", {}, "no cost model"),
@@ -86,6 +87,7 @@ NEMOTRON_H_FIELDS = {
         ("lfm2", {"full_attn_idxs": [0, 3], "layer_types": None}, "conv"),
         ("lfm2_moe", {"layer_types": ["conv", "conv", "full_attention"] * 8 + ["conv"] * 8}, "conv"),
         ("qwen3_moe", NEMOTRON_H_FIELDS | {"layer_types": None}, "hybrid_override_pattern"),
+        ("qwen3_moe", {"layers_block_type": ["mamba", "moe"] * 24, "layer_types": None}, "layers_block_type"),
         ("qwen3_moe", {"mamba_num_heads": 64, "mamba_head_dim": 64, "layer_types": None}, "mamba_num_heads"),
     ],
 )
@@ -111,6 +113,45 @@ def test_mlp_layer_types_that_disagree_with_first_k_dense_are_refused():
         from_hf_config(cfg | {"first_k_dense_replace": 2})
 
 
+QWEN3_NEXT_80B_A3B = {
+    "model_type": "qwen3_next",
+    "hidden_size": 2048,
+    "intermediate_size": 5120,
+    "num_hidden_layers": 48,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 2,
+    "head_dim": 256,
+    "vocab_size": 151936,
+    "num_experts": 512,
+    "num_experts_per_tok": 10,
+    "moe_intermediate_size": 512,
+    "shared_expert_intermediate_size": 512,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "full_attention_interval": 4,
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32,
+    "max_position_embeddings": 262144,
+    "tie_word_embeddings": False,
+}
+"""Qwen/Qwen3-Next-80B-A3B-Instruct ``config.json`` (cost fields): no ``layer_types``, a full-attention interval."""
+
+
+def test_gated_deltanet_hybrids_are_read_from_either_form():
+    """Qwen3-Next as published (``full_attention_interval``) and as transformers 5.x writes it (``layer_types``)
+    give one spec: Gated DeltaNet on three layers of four, gated full attention on the fourth; 80B total and
+    about 3B active (the card's "80B-A3B", embedding and head aside)."""
+    hub = from_hf_config(QWEN3_NEXT_80B_A3B)
+    five = from_hf_config(_default("qwen3_next") | {"intermediate_size": 5120, "_name_or_path": hub.name})
+    assert hub == five and hub.kda_layers == tuple(i for i in range(48) if (i + 1) % 4)
+    assert hub.kda_gate == "head" and (hub.kda_heads, hub.kda_key_heads) == (32, 16) and hub.attn_output_gate
+    c = param_counts(hub)
+    assert abs(c.total / 80e9 - 1) < 0.01 and abs((c.active - hub.vocab * hub.hidden) / 3e9 - 1) < 0.1
+
+
 def test_mamba2_hybrids_price_mamba_where_their_config_puts_it():
     granite = _default("granitemoehybrid")
     kinds = ["linear_attention"] * granite["num_hidden_layers"]
@@ -118,6 +159,8 @@ def test_mamba2_hybrids_price_mamba_where_their_config_puts_it():
     spec = from_hf_config(granite | {"layer_types": kinds})
     assert spec.mamba_heads == granite["mamba_n_heads"] and 3 not in spec.mamba_layers and 4 in spec.mamba_layers
     assert [m for m, _ in spec.layer_kinds()].count("mamba") == len(kinds) - 2
+    hub = granite | {"layer_types": None, "layers_block_type": ["mamba", "attention"] * 16}
+    assert from_hf_config(hub).mamba_layers == tuple(range(0, 32, 2))  # Granite-4's published spelling
     bamba = from_hf_config(_default("bamba") | {"attn_layer_indices": [5, 10]})
     assert set(range(32)) - set(bamba.mamba_layers) == {5, 10} and bamba.num_experts == 0
     with pytest.raises(ValueError, match="mamba_n_heads=128 x mamba_d_head=32 is not the Mamba inner width"):

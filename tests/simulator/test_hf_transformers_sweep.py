@@ -71,7 +71,7 @@ def _meta_params(obj) -> int | None:
     return sum(p.numel() for p in model.parameters())
 
 
-def test_every_loaded_moe_or_mamba_config_has_the_parameters_of_its_transformers_model():
+def test_every_loaded_moe_or_recurrent_config_has_the_parameters_of_its_transformers_model():
     """Total parameters within 1% of the transformers model (biases, norms and gate vectors are the rest)."""
     checked, off = 0, []
     for model_type, obj, text in _configs():
@@ -79,7 +79,7 @@ def test_every_loaded_moe_or_mamba_config_has_the_parameters_of_its_transformers
             spec = from_hf_config(text)
         except ValueError:
             continue
-        hf = _meta_params(obj) if spec.num_experts or spec.mamba_layers else None
+        hf = _meta_params(obj) if spec.num_experts or spec.mamba_layers or spec.kda_layers else None
         if hf:
             checked += 1
             ratio = param_counts(spec).total / hf
