@@ -121,7 +121,7 @@ NO_COST = frozenset(
     ("router_aux_loss_coef", "output_router_logits", "router_z_loss_coef", "norm_topk_prob", "routed_scaling_factor")
     + ("scoring_func", "aux_loss_alpha", "seq_aux", "ep_size", "router_jitter_noise", "moe_gate", "moe_use_aux_free")
     + ("use_qk_norm_in_moe", "moe_router_bias_update_rate", "moe_renormalize", "moe_router_activation_func")
-    + ("moe_norm_min",)
+    + ("moe_norm_min", "moe_routed_scaling_factor", "router_scaling_factor", "moe_router_scaling_factor")
 )
 """Expert fields that change the loss or the routing rule, not the step's FLOPs, memory or traffic."""
 

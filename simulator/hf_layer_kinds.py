@@ -1,15 +1,17 @@
-"""Which mixer each layer of a Hugging Face config runs: transformers 5.x ``layer_types`` and the single-block
-hybrid fields, read into the kinds the simulator prices, and refused, naming the field, where a kind is not one
-of them. A hybrid is never priced as all softmax attention.
+"""Which mixer and FFN each layer of a Hugging Face config runs: transformers 5.x ``layer_types`` /
+``mlp_layer_types`` (or what transformers derives when a published file states it another way), read into the
+kinds the simulator prices, and refused, naming the field, where a kind is not one of them. A hybrid is never
+priced as all softmax attention.
 
 Priced: ``full_attention``; ``sliding_attention`` (``sliding_window``); ``chunked_attention`` (Llama-4: a query
 sees its own ``attention_chunk_size`` chunk, priced as a window of the chunk: exact up to one chunk of sequence,
-at most the chunk's worth of keys above it); ``linear_attention`` where it is KDA (K3 / Kimi Linear:
-``linear_attn_config.kda_layers``, or Kimi Linear's transformers 5.x ``linear_num_heads`` / ``linear_head_dim``
-/ ``linear_conv_kernel_dim``) or Mamba-2 (Granite-4: ``mamba_n_heads``); Mamba via Jamba's ``attn_layer_period``
-/ ``attn_layer_offset`` or Bamba's ``attn_layer_indices``. Other linear attentions (Gated DeltaNet, lightning
-attention), DeepSeek's indexed sparse attention, convolution layers and single-block hybrids (Nemotron-H, Zamba:
-one Mamba, attention, MLP or MoE block per layer) have no cost model here and are refused.
+at most the chunk's worth of keys above it); ``linear_attention`` where it is a delta rule (KDA: K3 / Kimi
+Linear's ``linear_attn_config.kda_layers`` or ``linear_num_heads`` / ``linear_head_dim``; Gated DeltaNet:
+Qwen3-Next / Qwen3.5's ``linear_num_key_heads`` / ``linear_num_value_heads``) or Mamba-2 (Granite-4:
+``mamba_n_heads``); Mamba via Jamba's ``attn_layer_period`` / ``attn_layer_offset`` or Bamba's
+``attn_layer_indices``. Other linear attentions (lightning attention, Bailing's), DeepSeek's indexed sparse
+attention, convolution layers, parallel hybrids (Falcon-H1, in ``hf_families``) and single-block hybrids
+(Nemotron-H: one Mamba, attention, MLP or MoE block per layer) have no cost model here and are refused.
 """
 
 from __future__ import annotations
@@ -129,15 +131,15 @@ def check_mixers(c: dict, types: list[str] | None, kda: tuple[int, ...], mamba: 
         if unknown:
             raise ValueError(
                 f"HF config: layer_types kinds {unknown} have no cost model (priced: {', '.join(ATTENTION)}, and "
-                "linear_attention when it is KDA or Mamba-2): refusing to price those layers as full attention"
+                "linear_attention when it is a delta rule or Mamba-2): refusing to price those layers as full attention"
             )
         linear = tuple(i for i, t in enumerate(types) if t in ("linear_attention", "mamba"))
         if linear != tuple(sorted(set(kda) | set(mamba))):
-            what = "no KDA or Mamba-2 description" if not kda and not mamba else f"KDA / Mamba layers {kda + mamba}"
+            what = "no delta-rule or Mamba-2 fields" if not kda and not mamba else f"such layers {kda + mamba}"
             raise ValueError(
                 f"HF config: layer_types marks layers {list(linear)} linear_attention but the config gives {what} "
-                "(linear_attn_config.kda_layers, mamba_n_heads): only KDA and Mamba-2 linear attention are priced, "
-                "so refusing to price them as softmax attention"
+                "(linear_attn_config.kda_layers, linear_num_value_heads, mamba_n_heads): only KDA, Gated DeltaNet "
+                "and Mamba-2 are priced, so refusing to price them as softmax attention"
             )
     ssm = sorted(k for k in c if k.startswith(("mamba_", "ssm_")) and c[k] not in (None, False, 0))
     if ssm and not mamba and "attn_layer_period" not in c:

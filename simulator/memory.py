@@ -294,8 +294,8 @@ def inference_memory(
         if kind[0] == "mla":
             kv_per_token += (spec.kv_lora_rank + spec.qk_rope_dim) * kv_bytes
         elif kind[0] == "kda":
-            p = spec.kda_heads * spec.kda_head_dim
-            state_per_seq += st.kda_state_bytes / 2 + 3 * p * (spec.kda_conv - 1) * 2.0  # S (fp32) + conv taps
+            conv = 2 * spec.kda_key_width + spec.kda_heads * spec.kda_head_dim  # q, k and v channels
+            state_per_seq += st.kda_state_bytes / 2 + conv * (spec.kda_conv - 1) * 2.0  # S (fp32) + conv taps
         else:
             kv_per_token += 2 * spec.kv_heads * spec.dhead * kv_bytes / min(tp, spec.kv_heads)
     dense += embedding_params(spec) + head_params(spec)

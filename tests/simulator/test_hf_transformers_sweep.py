@@ -6,6 +6,7 @@ refused with a ValueError (exit 2 at the CLI). transformers is the real package 
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import json
 import warnings
@@ -22,8 +23,13 @@ pytestmark = pytest.mark.filterwarnings("ignore:HF config. expert fields not rea
 WORDS = ("expert", "moe", "mamba", "layer_types", "hybrid_override")
 
 
-def _configs():
+@functools.cache
+def _configs() -> tuple:
     """(model_type, config object, text config dict) of every class whose default config names ``WORDS``."""
+    return tuple(_each_config())
+
+
+def _each_config():
     for model_type in sorted(transformers.CONFIG_MAPPING.keys()):
         try:
             with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
