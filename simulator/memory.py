@@ -114,10 +114,13 @@ def _chunk_totals(spec: ModelSpec, layers: tuple[int, ...], par: ParallelConfig,
     t = par.micro_batch * par.seq_len / par.cp
     dense = expert = act = kv = kda = 0.0
     moe = 0
+    per_kind: dict[tuple[str, str], tuple[float, float, float]] = {}  # a chunk has a few kinds, many layers
     for i in layers:
         st = layer_stats(spec, kinds[i])
         dense, expert, moe = dense + st.dense_params, expert + st.expert_params, moe + (kinds[i][1] == "moe")
-        a, k, s = _layer_act(spec, par, st, t, flash)
+        if kinds[i] not in per_kind:
+            per_kind[kinds[i]] = _layer_act(spec, par, st, t, flash)
+        a, k, s = per_kind[kinds[i]]
         act, kv, kda = act + a, kv + k, kda + s
     return dense, expert, moe, act, kv, kda
 
