@@ -15,6 +15,7 @@ import pytest
 import transformers  # the dev extra: make test installs it, so a missing install fails here instead of skipping
 
 from moonep.console import main
+from simulator import ParallelConfig, simulate
 from simulator.layers import param_counts
 from simulator.specs import from_hf_config
 from tests.simulator.hf_moe_config_data import JAMBA_V01, QWEN2_57B_A14B
@@ -171,3 +172,15 @@ def test_layer_types_must_name_every_layer():
     with pytest.raises(ValueError, match="'layer_types' must list one kind per layer"):
         from_hf_config(QWEN2_57B_A14B | {"layer_types": ["full_attention"] * 3})
     assert from_hf_config(JAMBA_V01).mamba_layers  # Jamba's own placement fields still price its Mamba layers
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_next", "granitemoehybrid", "bamba", "kimi_linear"])
+def test_recurrent_hybrids_run_on_both_engines(model_type: str):
+    """A Gated DeltaNet, Mamba-2 or KDA hybrid prices its recurrent layers (the recurrent-kernel time is
+    nonzero) and runs through the analytic and the event engine alike."""
+    spec = from_hf_config(_default(model_type))
+    ep = 8 if spec.num_experts and spec.num_experts % 8 == 0 else 1
+    par = ParallelConfig(dp=64, ep=ep, seq_len=4096, global_batch_tokens=128 * 4096, zero_stage=1)
+    fast, events = simulate(spec, "gb200", par, 64), simulate(spec, "gb200", par, 64, engine="event")
+    assert fast.feasible and events.feasible, (fast.reason, events.reason)
+    assert fast.breakdown["kda"] > 0 and fast.tokens_per_s_per_gpu > 0 and events.tokens_per_s_per_gpu > 0
