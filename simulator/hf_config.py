@@ -12,6 +12,7 @@ from typing import Any
 from simulator.hf_families import (
     GATED_ATTENTION,
     check_family,
+    dense_ffn_width,
     family_fixed,
     flatten,
     mamba_fields,
@@ -81,7 +82,7 @@ def _fields(cfg: dict, c: dict, get: Callable[..., Any], name: str) -> dict:
         kda_gate=str(lin.get("gate", "channel")),
         kda_key_heads=int(lget("key_heads", 0)),
         kda_key_dim=int(lget("key_dim", 0)),
-        ffn_hidden=int(get(dense_width) or 0),
+        ffn_hidden=dense_ffn_width(c, int(get(dense_width) or 0)),
         **moe,
         mamba_layers=mamba,
         **(mamba_fields(c, get) if mamba else {}),

@@ -155,6 +155,19 @@ def check_family(c: dict) -> None:
         raise ValueError(f"HF config: model_type {kind!r} is not expressible: {NOT_EXPRESSIBLE[kind]}")
 
 
+def dense_ffn_width(c: dict, width: int) -> int:
+    """The dense MLP's width as the model builds it: LFM2's ``block_auto_adjust_ff_dim`` takes two thirds of
+    ``intermediate_size``, scales it by ``block_ffn_dim_multiplier`` and rounds up to ``block_multiple_of``."""
+    if not c.get("block_auto_adjust_ff_dim"):
+        return width
+    width = int(2 * width / 3)
+    mult = c.get("block_ffn_dim_multiplier")
+    if mult is not None:
+        step = int(c.get("block_multiple_of") or 1)
+        width = step * ((int(float(mult) * width) + step - 1) // step)
+    return width
+
+
 def family_fixed(c: dict) -> dict:
     """Parts a family always has that no field states: Llama-4's one shared expert (``Llama4TextMoe``),
     gpt-oss' per-head sinks and router bias, Qwen2-MoE's sigmoid gate on its shared expert."""
