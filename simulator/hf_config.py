@@ -125,6 +125,8 @@ NO_COST = frozenset(
     + ("moe_norm_min", "moe_routed_scaling_factor", "router_scaling_factor", "moe_router_scaling_factor")
 )
 """Expert fields that change the loss or the routing rule, not the step's FLOPs, memory or traffic."""
+SIZE_WORDS = frozenset(("size", "dim", "intermediate", "width", "num", "n", "count", "hidden", "rank"))
+"""Words of an expert field name that make it a size: unread, it would misprice the experts (an error)."""
 
 
 def _one_of(get: Callable[..., Any], names: tuple[str, ...], what: str) -> tuple[str | None, int]:
@@ -150,7 +152,7 @@ def _moe_fields(c: dict, get: Callable[..., Any], hidden: int, layers: int) -> d
             )
         return {}
     unread = [k for k in moe_keys if k not in READ_MOE and k not in NO_COST]
-    sized = [k for k in unread if any(w in k.lower() for w in ("size", "dim", "intermediate", "num_", "n_", "width"))]
+    sized = [k for k in unread if SIZE_WORDS & set(k.lower().rpartition(".")[2].split("_"))]
     if sized:
         raise ValueError(f"HF config: expert size fields {sized} are not read, so the experts would be priced wrong")
     if unread:

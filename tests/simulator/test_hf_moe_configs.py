@@ -68,9 +68,10 @@ def test_an_moe_config_under_unknown_names_is_refused_not_read_as_dense(fields: 
 def test_unread_expert_fields_are_warned_about():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        from_hf_config(MIXTRAL_8X7B | {"moe_capacity_factor": 1.25, "expert_dropout": 0.1})
+        from_hf_config(MIXTRAL_8X7B | {"moe_capacity_factor": 1.25, "expert_dropout": 0.1, "expert_selection_fn": "x"})
     said = " ".join(str(w.message) for w in caught)
     assert "moe_capacity_factor" in said and "expert_dropout" in said and "router_aux_loss_coef" not in said, said
+    assert "expert_selection_fn" in said  # a rule, not a size: read as a warning, not refused
 
 
 @pytest.mark.parametrize(
