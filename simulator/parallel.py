@@ -262,8 +262,11 @@ def infeasible_reason(spec: ModelSpec, hw: HardwareSpec, par: ParallelConfig, gp
         return f"TP {par.tp} does not divide the {hw.gpus_per_node} GPUs of a node (TP stays on NVLink)"
     if spec.num_heads % par.tp:
         return f"{spec.num_heads} attention heads are not divisible by TP {par.tp}"
-    if spec.kda_layers and spec.kda_heads % par.tp:
-        return f"{spec.kda_heads} KDA heads are not divisible by TP {par.tp}"
+    qk = spec.kda_key_heads or spec.kda_heads
+    if spec.kda_layers and (spec.kda_heads % par.tp or qk % par.tp):
+        return f"{spec.kda_heads} KDA heads ({qk} q/k) are not divisible by TP {par.tp}"
+    if spec.mamba_layers and spec.mamba_heads % par.tp:
+        return f"{spec.mamba_heads} Mamba-2 heads are not divisible by TP {par.tp}"
     if spec.kv_heads >= par.tp and spec.kv_heads % par.tp:
         return f"{spec.kv_heads} KV heads are not divisible by TP {par.tp}"
     if not spec.is_moe and par.ep > 1:

@@ -7,6 +7,7 @@ package, installed by ``make test``) and published ``config.json`` fields."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import json
 import warnings
@@ -16,7 +17,9 @@ import transformers  # the dev extra: make test installs it, so a missing instal
 
 from moonep.console import main
 from simulator import ParallelConfig, simulate
+from simulator.hardware import load_hardware
 from simulator.layers import param_counts
+from simulator.parallel import infeasible_reason
 from simulator.specs import from_hf_config
 from tests.simulator.hf_moe_config_data import JAMBA_V01, QWEN2_57B_A14B
 
@@ -184,3 +187,13 @@ def test_recurrent_hybrids_run_on_both_engines(model_type: str):
     fast, events = simulate(spec, "gb200", par, 64), simulate(spec, "gb200", par, 64, engine="event")
     assert fast.feasible and events.feasible, (fast.reason, events.reason)
     assert fast.breakdown["kda"] > 0 and fast.tokens_per_s_per_gpu > 0 and events.tokens_per_s_per_gpu > 0
+
+
+def test_tensor_parallel_must_split_recurrent_heads():
+    qwen = from_hf_config(_default("qwen3_next"))  # 32 value heads, 16 q/k heads
+    granite = from_hf_config(_default("granitemoehybrid"))  # 128 Mamba-2 heads
+    par, h100 = ParallelConfig(tp=8, dp=1, seq_len=4096, global_batch_tokens=8 * 4096), load_hardware("h100")
+    assert infeasible_reason(qwen, h100, par, 8) is None
+    odd = dataclasses.replace(qwen, kda_key_heads=12)
+    assert "(12 q/k) are not divisible by TP 8" in (infeasible_reason(odd, h100, par, 8) or "")
+    assert "Mamba-2 heads" in (infeasible_reason(dataclasses.replace(granite, mamba_heads=4), h100, par, 8) or "")
