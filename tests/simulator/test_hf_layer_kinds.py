@@ -83,6 +83,7 @@ NEMOTRON_H_FIELDS = {
     [
         ("minimax", {}, "linear_attention"),  # lightning attention
         ("minimax", {"layer_types": None}, "linear_attention"),  # transformers' alternating default
+        ("qwen3_next", {"layer_types": None, "full_attention_interval": 0}, "full_attention_interval"),
         ("bailing_hybrid", {}, "linear_attention"),  # linear attention without Gated DeltaNet's key / value heads
         ("falcon_h1", {}, "'falcon_h1' is not expressible"),  # attention and Mamba-2 side by side
         ("deepseek_v32", {}, "indexed_attention"),
