@@ -246,9 +246,15 @@ def _parallel_args(p: argparse.ArgumentParser) -> None:
 
 
 def _speed_args(p: argparse.ArgumentParser) -> None:
-    """Recipe knobs that change time only: EP overlap, CUDA graphs, FP8 attention."""
+    """Recipe knobs that change time only: EP overlap (and the SMs its kernels hold), CUDA graphs, FP8 attention."""
     p.add_argument(
         "--moe-a2a-overlap", action="store_true", help="overlap EP all-to-all with another micro-batch's compute"
+    )
+    p.add_argument(
+        "--ep-comm-sms",
+        type=int,
+        default=20,
+        help="SMs the EP dispatch/combine kernels hold, lost to the overlapped compute (DeepEP 20, HybridEP 32)",
     )
     p.add_argument(
         "--cuda-graph",

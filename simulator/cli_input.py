@@ -117,7 +117,12 @@ def _build(args, spec, hw):
 
 def _speed_knobs(args) -> dict:
     """``ParallelConfig`` fields of the ``cli._speed_args`` flags (``run``, ``whatif`` and ``search`` share them)."""
-    return {"moe_a2a_overlap": args.moe_a2a_overlap, "cuda_graph": args.cuda_graph, "fp8_attention": args.fp8_attention}
+    return {
+        "moe_a2a_overlap": args.moe_a2a_overlap,
+        "ep_comm_sms": args.ep_comm_sms,
+        "cuda_graph": args.cuda_graph,
+        "fp8_attention": args.fp8_attention,
+    }
 
 
 def _parallel(args, dp: int, seq: int, gbt: int) -> ParallelConfig:

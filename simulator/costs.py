@@ -171,7 +171,7 @@ def _layer(spec, hw, par, kind, t, tiers, scale, comm_scale, window=0):
     keep = 1.0 - eff.ep_overlap if par.schedule != "dualpipe" else 1.0
     f["ep"], b["ep"] = ep_f * keep, ep_b * keep
     if par.moe_a2a_overlap and par.schedule != "dualpipe" and ep_f + ep_b > 0:
-        f["ep"], b["ep"] = _overlapped_ep(par, f, b, ep_f * keep, ep_b * keep)
+        f["ep"], b["ep"] = _overlapped_ep(par, f, b, ep_f * keep, ep_b * keep, hw.sms)
     if hw.host is not None:  # a CPU rank: host-timed work and FLOPs, time-shared by the local ranks
         f["ep"], b["ep"] = _host_layer(spec, hw, par, kind, t, f, b, scale)
         f, b = host.time_share(hw, par, f), host.time_share(hw, par, b)
@@ -219,13 +219,15 @@ def steady_fraction(par: ParallelConfig) -> float:
     return 1.0 - sum(par.warmup_passes(r) / passes for r in range(p)) / p
 
 
-def _overlapped_ep(par, f, b, ep_f, ep_b) -> tuple[float, float]:
+def _overlapped_ep(par, f, b, ep_f, ep_b, sms: int) -> tuple[float, float]:
     """EP seconds left exposed with ``moe_a2a_overlap``: in a steady-state pair (this layer's forward of one
     micro-batch with its backward of another, as Megatron's combined 1F1B runs them) the dispatch/combine of one
     hides behind the other's compute, ``max(0, ep_f + ep_b - compute_f - compute_b)`` stays; lone warm-up and
-    cool-down passes keep theirs."""
+    cool-down passes keep theirs. The compute that runs beside the dispatch/combine kernels loses their
+    ``ParallelConfig.ep_comm_sms`` of the GPU's ``sms``: it takes ``sms / (sms - ep_comm_sms)`` as long."""
     compute = sum(f[k] + b[k] for k in COMPUTE_CLASSES if k != "recompute") + b["recompute"]
-    paired = max(0.0, ep_f + ep_b - compute)
+    shared = par.ep_comm_sms / (sms - par.ep_comm_sms) if 0 < par.ep_comm_sms < sms else 0.0
+    paired = max(0.0, ep_f + ep_b - compute) + shared * min(ep_f + ep_b, compute)
     phi = steady_fraction(par)
     scale = (phi * paired + (1.0 - phi) * (ep_f + ep_b)) / (ep_f + ep_b)
     return ep_f * scale, ep_b * scale

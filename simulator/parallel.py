@@ -106,6 +106,10 @@ class ParallelConfig:
     moe_a2a_overlap: bool = False
     """Overlap EP dispatch/combine of one micro-batch with another's compute in 1F1B/interleaved steady state
     (Megatron ``--overlap-moe-expert-parallel-comm``; DualPipe overlaps by construction)."""
+    ep_comm_sms: int = 20
+    """SMs the EP dispatch/combine kernels hold while they run (Megatron's ``moe_deepep_num_sms`` default 20; the
+    GB200/GB300 MXFP8 recipes give HybridEP 32): with ``moe_a2a_overlap`` the compute paired with them runs on
+    the other SMs."""
     fp8_attention: bool = False
     """Core attention in FP8 (TE ``fp8_dot_product_attention``; ``simulator.attention_model.FP8_SPEEDUP``)."""
     cuda_graph: str = "none"
@@ -134,7 +138,7 @@ class ParallelConfig:
         self._check_recipe()
 
     def _check_recipe(self) -> None:
-        for f in ("etp", "pp_first_layers", "pp_last_layers", "microbatch_group"):
+        for f in ("etp", "pp_first_layers", "pp_last_layers", "microbatch_group", "ep_comm_sms"):
             v = getattr(self, f)
             if v is None and f.startswith("pp_"):
                 continue
@@ -306,7 +310,7 @@ def _pipeline_reason(spec: ModelSpec, hw: HardwareSpec, par: ParallelConfig) -> 
         return f"--microbatch-group {par.microbatch_group} needs the interleaved schedule"
     if par.schedule == "dualpipe" and (p % 2 or m < 2 * p or m % 2):
         return f"dualpipe needs an even PP ({p}) and an even number of micro-batches >= 2 x PP (got {m})"
-    reason = _a2a_overlap_reason(spec, par)
+    reason = _a2a_overlap_reason(spec, hw, par)
     if reason:
         return reason
     if (par.precision == "fp8" or par.fp8_attention) and hw.fp8_tflops <= 0:
@@ -314,7 +318,7 @@ def _pipeline_reason(spec: ModelSpec, hw: HardwareSpec, par: ParallelConfig) -> 
     return None
 
 
-def _a2a_overlap_reason(spec: ModelSpec, par: ParallelConfig) -> str | None:
+def _a2a_overlap_reason(spec: ModelSpec, hw: HardwareSpec, par: ParallelConfig) -> str | None:
     """Megatron's checks on ``--overlap-moe-expert-parallel-comm`` (``TransformerConfig.__post_init__``): its
     combined 1F1B exists for PP 1 and the interleaved schedule only, needs EP, and splits layers into nodes that
     full recompute would fuse back."""
@@ -326,6 +330,8 @@ def _a2a_overlap_reason(spec: ModelSpec, par: ParallelConfig) -> str | None:
         return f"EP A2A overlap (--moe-a2a-overlap) needs PP 1 or the interleaved schedule (PP {par.pp}, 1F1B)"
     if par.recompute == "full":
         return "EP A2A overlap (--moe-a2a-overlap) cannot run with full recompute"
+    if hw.sms and not 0 <= par.ep_comm_sms < hw.sms:
+        return f"EP communication SMs {par.ep_comm_sms} must be in [0, {hw.sms}) ({hw.name} SMs)"
     return None
 
 

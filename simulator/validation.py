@@ -140,6 +140,7 @@ def published_config(row: Published) -> ParallelConfig:
         dispatcher=row.dispatcher,
         moe_a2a_overlap=row.moe_a2a_overlap,
         cuda_graph=row.cuda_graph,
+        ep_comm_sms=row.ep_comm_sms,
         fp8_attention=row.fp8_attention,
     )
 
@@ -163,7 +164,7 @@ def cli_args(row: Published) -> list[str]:
     args += ["--main-grads-dtype", row.main_grads_dtype]
     args += ["--recompute-modules", ",".join(row.recompute_modules)] if row.recompute_modules else []
     args += ["--cuda-graph", row.cuda_graph] + (["--fp8-attention"] if row.fp8_attention else [])
-    return args + (["--moe-a2a-overlap"] if row.moe_a2a_overlap else [])
+    return args + (["--moe-a2a-overlap", "--ep-comm-sms", str(row.ep_comm_sms)] if row.moe_a2a_overlap else [])
 
 
 def published_table(engine: str = "analytic") -> list[dict]:

@@ -161,3 +161,22 @@ def test_a2a_overlap_refuses_what_megatron_refuses():
     assert "full recompute" in infeasible_reason(qwen, H100, replace(flat, recompute="full"), 8)
     assert "EP > 1" in infeasible_reason(qwen, H100, replace(flat, ep=1), 8)
     assert "EP > 1" in infeasible_reason(load_model("llama3-8b"), H100, replace(flat, ep=1), 8)
+
+
+@settings(max_examples=25, deadline=None)
+@given(sms=st.integers(0, 100))
+def test_comm_sms_slow_only_the_compute_beside_the_overlapped_all_to_all(sms):
+    """The SMs EP kernels hold cost the overlapped compute ``sms / (132 - sms)`` of the hidden time (132 SMs on
+    an H100): more SMs, more exposed time; the all-to-all's own time does not change."""
+    on = replace(BASE, moe_a2a_overlap=True)
+    free, held = (
+        simulate(DSV3, H100, replace(on, ep_comm_sms=0), 1024),
+        simulate(DSV3, H100, replace(on, ep_comm_sms=sms), 1024),
+    )
+    more = simulate(DSV3, H100, replace(on, ep_comm_sms=sms + 10), 1024)
+    alone = simulate(DSV3, H100, BASE, 1024)
+    assert free.breakdown["ep"] <= held.breakdown["ep"] <= more.breakdown["ep"]
+    assert (held.breakdown["ep"] > free.breakdown["ep"]) == (sms > 0)
+    assert held.breakdown["gemm"] == free.breakdown["gemm"]  # the compute itself is unchanged: the EP term carries it
+    assert alone.ep_overlap["raw_s"] == held.ep_overlap["raw_s"]
+    assert "EP communication SMs 132" in (infeasible_reason(DSV3, H100, replace(on, ep_comm_sms=132), 1024) or "")
