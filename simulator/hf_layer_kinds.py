@@ -147,6 +147,17 @@ def check_mixers(c: dict, types: list[str] | None, kda: tuple[int, ...], mamba: 
             f"HF config: Mamba fields {ssm[:4]} but no Mamba layer placement this reader knows (Jamba's "
             "attn_layer_period / attn_layer_offset): refusing to price the model as attention only"
         )
+    linear = sorted(k for k in c if k.startswith("linear_num_") and c[k])
+    if linear and not kda:
+        raise ValueError(
+            f"HF config: linear-attention fields {linear} but no linear_attention layers this reader places "
+            "(layer_types, full_attention_interval): refusing to price the model as attention only"
+        )
+    if c.get("index_topk"):
+        raise ValueError(
+            f"HF config: index_topk={c['index_topk']}: indexed sparse attention (DeepSeek-V3.2) has no cost model: "
+            "refusing to price it as full attention"
+        )
 
 
 def mlp_kinds(c: dict, layers: int) -> tuple[str, ...] | None:

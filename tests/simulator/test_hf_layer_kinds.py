@@ -87,6 +87,8 @@ NEMOTRON_H_FIELDS = {
         ("bailing_hybrid", {}, "linear_attention"),  # linear attention without Gated DeltaNet's key / value heads
         ("falcon_h1", {}, "'falcon_h1' is not expressible"),  # attention and Mamba-2 side by side
         ("deepseek_v32", {}, "indexed_attention"),
+        ("deepseek_v32", {"layer_types": None}, "index_topk"),  # a published file: no layer_types
+        ("lara_mini", {"layer_types": None}, "linear_num_key_heads"),  # linear fields, no placement
         ("deepseek_v4", {}, "no cost model"),
         ("dots3_note", {}, "per_layer_config"),
         ("lfm2", {"full_attn_idxs": [0, 3], "layer_types": None}, "conv"),
@@ -112,7 +114,7 @@ def test_a_refused_hybrid_is_exit_2_on_one_line(tmp_path, capsys):
 
 
 def test_mlp_layer_types_that_disagree_with_first_k_dense_are_refused():
-    cfg = _default("deepseek_v32") | {"layer_types": None}
+    cfg = _default("deepseek_v32") | {"layer_types": None, "index_topk": None}
     assert from_hf_config(cfg).first_k_dense == cfg["first_k_dense_replace"]
     with pytest.raises(ValueError, match="mlp_layer_types and first_k_dense_replace=2 disagree"):
         from_hf_config(cfg | {"first_k_dense_replace": 2})
