@@ -148,7 +148,7 @@ def check_mixers(c: dict, types: list[str] | None, kda: tuple[int, ...], mamba: 
             "attn_layer_period / attn_layer_offset): refusing to price the model as attention only"
         )
     linear = sorted(k for k in c if k.startswith("linear_num_") and c[k])
-    if linear and not kda:
+    if linear and not kda and types is None:
         raise ValueError(
             f"HF config: linear-attention fields {linear} but no linear_attention layers this reader places "
             "(layer_types, full_attention_interval): refusing to price the model as attention only"
