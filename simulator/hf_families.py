@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from simulator.hf_layer_kinds import MOE_MLP_KINDS, mlp_kinds
+from simulator.hf_layer_kinds import MOE_MLP_KINDS, RECURRENT, mlp_kinds
 
 DBRX_TOP = {"d_model": "hidden_size", "n_heads": "num_attention_heads", "n_layers": "num_hidden_layers"}
 DBRX_TOP |= {"max_seq_len": "max_position_embeddings"}
@@ -101,7 +101,7 @@ def mamba_layer_ids(c: dict, get: Callable[..., Any], layers: int, types: list[s
     if not c.get("mamba_n_heads"):
         return ()
     if types is not None:
-        return tuple(i for i, t in enumerate(types) if t in ("linear_attention", "mamba"))
+        return tuple(i for i, t in enumerate(types) if t in RECURRENT)
     attn = _layer_list(c, "attn_layer_indices", layers)
     return tuple(i for i in range(layers) if i not in attn)
 

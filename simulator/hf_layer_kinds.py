@@ -21,6 +21,8 @@ from typing import Any
 
 ATTENTION = ("full_attention", "sliding_attention", "chunked_attention")
 """``layer_types`` kinds priced as softmax attention."""
+RECURRENT = ("linear_attention", "mamba")
+"""``layer_types`` kinds priced as a recurrent mixer (KDA, Gated DeltaNet or Mamba-2, from the config's fields)."""
 SINGLE_BLOCK_KINDS = ("moe", "mlp")
 """``layers_block_type`` entries of hybrids whose layers hold one block each (Nemotron-H: a mixer or an FFN, not
 both), which ``ModelSpec`` cannot express: every layer there is a mixer followed by an FFN."""
@@ -41,11 +43,14 @@ def layer_kinds(c: dict, layers: int) -> list[str] | None:
     types = c.get("layer_types")
     if types is None:
         types = _derived_kinds(c, layers)
-    if types is None:
-        return None
-    if not isinstance(types, list) or len(types) != layers or not all(isinstance(t, str) for t in types):
-        raise ValueError(f"HF config: field 'layer_types' must list one kind per layer ({layers}), got {_brief(types)}")
-    return types
+    return None if types is None else _kind_list("layer_types", types, layers)
+
+
+def _kind_list(key: str, kinds: Any, layers: int) -> list[str]:
+    """``kinds`` checked to be one kind name per layer (the HF field ``key``, for the message)."""
+    if not isinstance(kinds, list) or len(kinds) != layers or not all(isinstance(k, str) for k in kinds):
+        raise ValueError(f"HF config: field {key!r} must list one kind per layer ({layers}), got {_brief(kinds)}")
+    return kinds
 
 
 def _derived_kinds(c: dict, layers: int) -> list[str] | None:
@@ -127,13 +132,13 @@ def check_mixers(c: dict, types: list[str] | None, kda: tuple[int, ...], mamba: 
                 "expressible: every layer of a kind has one shape here"
             )
     if types is not None:
-        unknown = sorted(set(types) - set(ATTENTION) - {"linear_attention", "mamba"})
+        unknown = sorted(set(types) - set(ATTENTION) - set(RECURRENT))
         if unknown:
             raise ValueError(
                 f"HF config: layer_types kinds {unknown} have no cost model (priced: {', '.join(ATTENTION)}, and "
                 "linear_attention when it is a delta rule or Mamba-2): refusing to price those layers as full attention"
             )
-        linear = tuple(i for i, t in enumerate(types) if t in ("linear_attention", "mamba"))
+        linear = tuple(i for i, t in enumerate(types) if t in RECURRENT)
         if linear != tuple(sorted(set(kda) | set(mamba))):
             what = "no delta-rule or Mamba-2 fields" if not kda and not mamba else f"such layers {kda + mamba}"
             raise ValueError(
@@ -165,10 +170,7 @@ def mlp_kinds(c: dict, layers: int) -> tuple[str, ...] | None:
     kinds = c.get("mlp_layer_types")
     if kinds is None:
         return None
-    if not isinstance(kinds, list) or len(kinds) != layers or not all(isinstance(k, str) for k in kinds):
-        raise ValueError(
-            f"HF config: field 'mlp_layer_types' must list one kind per layer ({layers}), got {_brief(kinds)}"
-        )
+    _kind_list("mlp_layer_types", kinds, layers)
     unknown = sorted(set(kinds) - set(MOE_MLP_KINDS) - {"dense"})
     if unknown:
         raise ValueError(f"HF config: mlp_layer_types kinds {unknown} have no cost model (known: dense, sparse, moe)")

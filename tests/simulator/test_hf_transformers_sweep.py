@@ -15,7 +15,7 @@ import pytest
 import torch
 import transformers  # the dev extra: make test installs it, so a missing install fails here instead of skipping
 
-from simulator.hf_layer_kinds import ATTENTION, MOE_MLP_KINDS
+from simulator.hf_layer_kinds import ATTENTION, MOE_MLP_KINDS, RECURRENT
 from simulator.layers import param_counts
 from simulator.specs import from_hf_config
 
@@ -51,9 +51,9 @@ def _loads_as_priced(cfg: dict) -> bool:
     except ValueError:
         return False
     types = cfg.get("layer_types") or []
-    assert set(types) <= set(ATTENTION) | {"linear_attention", "mamba"}, types
+    assert set(types) <= set(ATTENTION) | set(RECURRENT), types
     recurrent = tuple(sorted(spec.kda_layers + spec.mamba_layers))
-    assert not types or tuple(i for i, t in enumerate(types) if t in ("linear_attention", "mamba")) == recurrent
+    assert not types or tuple(i for i, t in enumerate(types) if t in RECURRENT) == recurrent
     kinds = cfg.get("mlp_layer_types")
     if kinds:
         assert [f == "moe" for _, f in spec.layer_kinds()] == [k in MOE_MLP_KINDS for k in kinds]
