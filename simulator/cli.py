@@ -258,9 +258,10 @@ def _speed_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--cuda-graph",
-        choices=("none", "full"),
+        choices=("none", "modules", "full"),
         default="none",
-        help="full: one CUDA graph per step (Megatron full_iteration; no dropless host sync or launch gaps)",
+        help="modules: TE graphs of attention, router and MoE preprocessing (the dropless host sync stays); "
+        "full: one CUDA graph per step (Megatron full_iteration; no host sync or launch gaps)",
     )
     p.add_argument("--fp8-attention", action="store_true", help="core attention in FP8 (fp8_dot_product_attention)")
 

@@ -170,13 +170,14 @@ def _layer(spec, hw, par, kind, t, tiers, scale, comm_scale, window=0):
     f["tp"], b["tp"], f["cp"], b["cp"] = tp_f, tp_f, cp_f, cp_b
     keep = 1.0 - eff.ep_overlap if par.schedule != "dualpipe" else 1.0
     f["ep"], b["ep"] = ep_f * keep, ep_b * keep
-    if par.moe_a2a_overlap and par.schedule != "dualpipe" and ep_f + ep_b > 0:
-        f["ep"], b["ep"] = _overlapped_ep(par, f, b, ep_f * keep, ep_b * keep, hw.sms)
     if hw.host is not None:  # a CPU rank: host-timed work and FLOPs, time-shared by the local ranks
         f["ep"], b["ep"] = _host_layer(spec, hw, par, kind, t, f, b, scale)
         f, b = host.time_share(hw, par, f), host.time_share(hw, par, b)
         ep_f, ep_b = f["ep"], b["ep"]
     _recipe_terms(spec, hw, par, kind, t, f, b, s2, scale, roof, dense[0])
+    # after the recipe terms: the MoE bookkeeping, sync gaps and recomputed work are compute-stream time too
+    if par.moe_a2a_overlap and par.schedule != "dualpipe" and ep_f + ep_b > 0 and hw.host is None:
+        f["ep"], b["ep"] = _overlapped_ep(par, f, b, ep_f * keep, ep_b * keep, hw.sms)
     over = eff.layer_overhead_s
     f["elementwise"] += over / 3
     b["elementwise"] += 2 * over / 3
@@ -222,9 +223,10 @@ def steady_fraction(par: ParallelConfig) -> float:
 def _overlapped_ep(par, f, b, ep_f, ep_b, sms: int) -> tuple[float, float]:
     """EP seconds left exposed with ``moe_a2a_overlap``: in a steady-state pair (this layer's forward of one
     micro-batch with its backward of another, as Megatron's combined 1F1B runs them) the dispatch/combine of one
-    hides behind the other's compute, ``max(0, ep_f + ep_b - compute_f - compute_b)`` stays; lone warm-up and
-    cool-down passes keep theirs. The compute that runs beside the dispatch/combine kernels loses their
-    ``ParallelConfig.ep_comm_sms`` of the GPU's ``sms``: it takes ``sms / (sms - ep_comm_sms)`` as long."""
+    hides behind the other's compute-stream time (recomputed work and the MoE bookkeeping and sync gaps included:
+    the communication kernels run on their own stream), ``max(0, ep_f + ep_b - compute_f - compute_b)`` stays;
+    lone warm-up and cool-down passes keep theirs. The compute that runs beside the dispatch/combine kernels loses
+    their ``ParallelConfig.ep_comm_sms`` of the GPU's ``sms``: it takes ``sms / (sms - ep_comm_sms)`` as long."""
     compute = sum(f[k] + b[k] for k in COMPUTE_CLASSES if k != "recompute") + b["recompute"]
     shared = par.ep_comm_sms / (sms - par.ep_comm_sms) if 0 < par.ep_comm_sms < sms else 0.0
     paired = max(0.0, ep_f + ep_b - compute) + shared * min(ep_f + ep_b, compute)
@@ -237,12 +239,16 @@ def _dropless_bookkeeping(spec, par, t, eff, scale) -> float:
     """Forward seconds of the dropless dispatcher's per-copy work and per-layer device-to-host sync (the token
     counts decide the buffer sizes): ``moe_copy_ns`` per routed copy and ``moe_layer_fixed_s``, a third of each
     (the backward pays twice the forward). A token-dropping run (capacity factor) has fixed-size buffers and no
-    host sync, so neither applies; a full-iteration CUDA graph has neither the sync nor the launches and pays
-    ``moe_layer_graphed_s`` instead."""
+    host sync, so neither applies; per-module CUDA graphs keep the sync and fewer launches
+    (``moe_layer_module_graph_s``); a full-iteration graph has neither and pays ``moe_layer_graphed_s``."""
     if par.capacity_factor:
         return 0.0
     copies = t / par.tp * spec.top_k * eff.moe_copy_ns * 1e-9 * scale
-    fixed = eff.moe_layer_graphed_s if par.cuda_graph == "full" else eff.moe_layer_fixed_s
+    fixed = {
+        "none": eff.moe_layer_fixed_s,
+        "modules": eff.moe_layer_module_graph_s,
+        "full": eff.moe_layer_graphed_s,
+    }[par.cuda_graph]
     return (fixed + copies) / 3
 
 

@@ -4,8 +4,8 @@ Peak numbers are vendor datasheet values for dense (non-sparse) math; link bandw
 Efficiencies are the *only* tuning knobs and there is exactly one set per hardware (the issue's rule): the
 A100 set was fitted once to all eight Korthikanti et al. runs together (see ``simulator/README.md``); the Hopper
 and Blackwell sets are engineering estimates, to be replaced by ``moonep simulate calibrate`` profiles, except
-three software constants fitted to published runs (``SUSTAINED``, ``MOE_LAYER_FIXED_S``, ``MOE_LAYER_GRAPHED_S``;
-``simulator.software_fit``).
+four software constants fitted to published runs (``SUSTAINED`` and the MoE layer's fixed time eager, under
+per-module and under full-iteration CUDA graphs; ``simulator.software_fit``).
 """
 
 from __future__ import annotations
@@ -73,6 +73,9 @@ class Efficiency:
     moe_layer_graphed_s: float = 0.0
     """What stays of ``moe_layer_fixed_s`` under a full-iteration CUDA graph (``ParallelConfig.cuda_graph``): no
     host sync and no launches, but the layer's many short kernels still fill and drain the GPU one after another."""
+    moe_layer_module_graph_s: float = 0.0
+    """What stays of ``moe_layer_fixed_s`` under per-module CUDA graphs (``ParallelConfig.cuda_graph = modules``):
+    the router and preprocessing launch as one graph each, the host sync and the expert part's launches stay."""
 
     def __post_init__(self):
         check_types(self)
@@ -94,6 +97,7 @@ class Efficiency:
                 "grouped_half_rows",
                 "moe_layer_fixed_s",
                 "moe_layer_graphed_s",
+                "moe_layer_module_graph_s",
                 "moe_copy_ns",
             ),
         )
@@ -215,14 +219,16 @@ A100_EFFICIENCY = Efficiency(
 # backward / forward as Megatron's overlap_grad_reduce / overlap_param_gather do).
 GEMM_CEILING = {"bf16": 0.801, "fp8": 0.70}
 """Best-shape GEMM fraction of peak in a microbenchmark (sources above), Hopper and Blackwell."""
-SUSTAINED = 0.900
+SUSTAINED = 0.904
 """Fitted (simulator.software_fit): the share of the microbenchmark ceiling a training step sustains (clocks
 under a training power load, SMs lent to communication kernels, launch gaps), one number for every GPU."""
-MOE_LAYER_FIXED_S = 0.0043
+MOE_LAYER_FIXED_S = 0.0051
 """Fitted (simulator.software_fit): seconds per MoE layer per micro-batch, forward + backward, of dropless
 dispatcher work that does not scale with tokens (host syncs for the token counts, kernel launches)."""
 MOE_LAYER_GRAPHED_S = 0.0019
 """Fitted (simulator.software_fit): the same under a full-iteration CUDA graph (kernel fill and drain only)."""
+MOE_LAYER_MODULE_GRAPH_S = 0.0040
+"""Fitted (simulator.software_fit): the same under per-module CUDA graphs (router and preprocessing graphed)."""
 HOPPER_EFFICIENCY = Efficiency(
     gemm=GEMM_CEILING["bf16"] * SUSTAINED,
     gemm_fp8=GEMM_CEILING["fp8"] * SUSTAINED,
@@ -238,6 +244,7 @@ HOPPER_EFFICIENCY = Efficiency(
     grouped_gemm=1.0,
     moe_layer_fixed_s=MOE_LAYER_FIXED_S,
     moe_layer_graphed_s=MOE_LAYER_GRAPHED_S,
+    moe_layer_module_graph_s=MOE_LAYER_MODULE_GRAPH_S,
 )
 BLACKWELL_EFFICIENCY = HOPPER_EFFICIENCY
 # MoE terms: grouped_gemm is a kernel's speed relative to dense GEMMs of the same shapes (DeepGEMM's grouped

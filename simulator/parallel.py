@@ -113,10 +113,11 @@ class ParallelConfig:
     fp8_attention: bool = False
     """Core attention in FP8 (TE ``fp8_dot_product_attention``; ``simulator.attention_model.FP8_SPEEDUP``)."""
     cuda_graph: str = "none"
-    """CUDA graphs: ``none``, or ``full`` (Megatron ``cuda_graph_impl = full_iteration``: one graph per step,
-    which needs a sync-free MoE dispatch with static buffers: the dropless per-layer host sync and launch gaps of
-    ``Efficiency.moe_layer_fixed_s`` become ``moe_layer_graphed_s``). Per-module graphs (TE ``attn`` /
-    ``moe_router`` scopes) keep the host sync and are ``none`` here."""
+    """CUDA graphs: ``none``; ``modules`` (Megatron ``cuda_graph_impl = transformer_engine`` with the ``attn`` /
+    ``moe_router`` / ``moe_preprocess`` scopes: those launches become one graph each, the dropless host sync
+    stays: ``Efficiency.moe_layer_fixed_s`` becomes ``moe_layer_module_graph_s``); or ``full`` (``cuda_graph_impl
+    = full_iteration``: one graph per step, which needs a sync-free MoE dispatch with static buffers: neither the
+    sync nor the launches stay, ``moe_layer_graphed_s``)."""
 
     def __post_init__(self):
         for f in ("tp", "pp", "ep", "cp", "dp", "vpp", "micro_batch", "global_batch_tokens", "seq_len"):
@@ -166,7 +167,7 @@ class ParallelConfig:
             ("attn_res_impl", ("moonep", "release")),
             ("moe_probs", ("swiglu", "combine")),
             ("attn_out_cache", ("bf16", "e5m6", "fp8")),
-            ("cuda_graph", ("none", "full")),
+            ("cuda_graph", ("none", "modules", "full")),
         ):
             if getattr(self, f) not in allowed:
                 raise ValueError(f"ParallelConfig.{f} must be one of {allowed}, got {getattr(self, f)!r}")

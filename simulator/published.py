@@ -23,9 +23,10 @@ per row: the dispatcher (``flex`` with HybridEP/DeepEP -> ``deepep``, ``alltoall
 ``classic``), ``overlap_moe_expert_parallel_comm`` / ``moe_a2a_overlap`` (``a2a``), the recompute modules
 (``recompute_granularity = None`` -> ``none``; Megatron's default selective recompute is core attention), FSDP
 (the table's FSDP column), activation offloading (``cpu_offloading_num_layers``), the gradient buffer dtype
-(``grad_reduce_in_fp32``), the multi-token-prediction module, full-iteration CUDA graphs (``graph=full``), FP8
-attention (``fp8attn=1``) and the SMs HybridEP holds (``sms=32``). MoE runs are dropless with forced-balanced
-routing (the tables' footnote), so ``maxvio = 0``; ETP is 1.
+(``grad_reduce_in_fp32``), the multi-token-prediction module, full-iteration CUDA graphs (``graph=full``) or TE
+per-module graphs with the MoE router and preprocessing in scope (``graph=modules``), FP8 attention
+(``fp8attn=1``) and the SMs HybridEP holds (``sms=32``). MoE runs are dropless with forced-balanced routing (the
+tables' footnote), so ``maxvio = 0``; ETP is 1.
 """
 
 from __future__ import annotations
@@ -91,7 +92,8 @@ class Published:
     """The run trains DeepSeek-V3's multi-token-prediction module (the table says "w/ MTP")."""
     cuda_graph: str = "none"
     """``full`` where the recipe sets ``cuda_graph_impl = "full_iteration"`` (with the paged-stash sync-free MoE
-    dispatch); per-module TE graphs are ``none`` (see ``ParallelConfig.cuda_graph``)."""
+    dispatch); ``modules`` where it sets ``cuda_graph_impl = "transformer_engine"`` with the MoE router and
+    preprocessing in ``cuda_graph_scope`` (see ``ParallelConfig.cuda_graph``)."""
     fp8_attention: bool = False
     """The recipe sets ``fp8_dot_product_attention``."""
     ep_comm_sms: int = 20
@@ -120,17 +122,17 @@ qwen3-30b-a3b   | h100  |   16 | fp8  | 1024 | 1 | 4096 | 1 | 2 | 1 | 12 |  8 | 
 qwen3-235b-a22b | h100  |  256 | fp8  | 8192 | 1 | 4096 | 2 | 8 | 1 | 4  | 32 |  1712 |  253 | A 26.04.01 | a2a=1,recompute=none,recipe=qwen3_235b_a22b_pretrain_256gpu_h100_fp8cs_config
 gpt-oss-120b    | h100  |   64 | bf16 | 1280 | 1 | 4096 | 1 | 4 | 1 | 1  |  8 |  5824 |  158 | A 26.04.01 | modules=layernorm+moe_act,recipe=gpt_oss_120b_pretrain_64gpu_h100_bf16_config
 deepseek-v3     | h100  | 1024 | fp8  | 8192 | 1 | 4096 | 2 | 8 | 1 | 4  | 64 |  1297 |  338 | A 25.09 | a2a=1,dispatcher=deepep,modules=mla_up_proj,note=the 25.09 table has no precision column; its footnote gives the H100 FP8 block scaling
-deepseek-v3     | b200  |  256 | fp8  | 4096 | 1 | 4096 | 1 | 8 | 1 | 2  | 32 |  3328 |  864 | A 26.04.01 | dispatcher=deepep,a2a=1,modules=mla_up_proj+mlp,recipe=deepseek_v3_pretrain_256gpu_b200_fp8mx_config
+deepseek-v3     | b200  |  256 | fp8  | 4096 | 1 | 4096 | 1 | 8 | 1 | 2  | 32 |  3328 |  864 | A 26.04.01 | graph=modules,dispatcher=deepep,a2a=1,modules=mla_up_proj+mlp,recipe=deepseek_v3_pretrain_256gpu_b200_fp8mx_config
 deepseek-v3     | b200  |  256 | fp8  | 2048 | 1 | 4096 | 1 | 16 | 1 | 1 |  8 |  2139 |  557 | A 25.11 | dispatcher=classic,modules=mla_up_proj,mtp=1,note=DeepSeekV3 (w/ MTP)
 gpt-oss-120b    | b200  |   64 | bf16 | 1280 | 4 | 4096 | 1 | 1 | 1 | 1  |  8 | 13568 |  369 | A 26.04.01 | modules=layernorm+moe_act,recipe=gpt_oss_120b_pretrain_64gpu_b200_bf16_config
 qwen3-235b-a22b | b200  |  256 | fp8  | 8192 | 1 | 4096 | 1 | 8 | 1 | 1  |  8 |  3776 |  560 | A 26.04.01 | recompute=none,recipe=qwen3_235b_a22b_pretrain_256gpu_b200_fp8cs_config
-qwen3-30b-a3b   | b200  |    8 | fp8  |  512 | 4 | 4096 | 1 | 1 | 1 | 1  |  8 | 27136 |  619 | A 26.04.01 | dispatcher=deepep,recompute=none,recipe=qwen3_30b_a3b_pretrain_8gpu_b200_fp8mx_config
+qwen3-30b-a3b   | b200  |    8 | fp8  |  512 | 4 | 4096 | 1 | 1 | 1 | 1  |  8 | 27136 |  619 | A 26.04.01 | graph=modules,dispatcher=deepep,recompute=none,recipe=qwen3_30b_a3b_pretrain_8gpu_b200_fp8mx_config
 deepseek-v3     | gb200 |  256 | fp8  | 4096 | 1 | 4096 | 1 | 4 | 1 | 4  | 64 |  4912 | 1276 | C 26.08 | a2a=1,graph=full,sms=32,dispatcher=deepep,modules=mla_up_proj,recipe=deepseek_v3_pretrain_256gpu_gb200_fp8mx_config
-deepseek-v3     | gb200 |  256 | bf16 | 4096 | 1 | 4096 | 1 | 4 | 1 | 4  | 64 |  3139 |  782 | A 25.11 | dispatcher=deepep,modules=mla_up_proj,recipe=deepseek_v3_pretrain_256gpu_gb200_bf16_config,note=DeepSeekV3 (w/o MTP)
+deepseek-v3     | gb200 |  256 | bf16 | 4096 | 1 | 4096 | 1 | 4 | 1 | 4  | 64 |  3139 |  782 | A 25.11 | graph=modules,dispatcher=deepep,modules=mla_up_proj,recipe=deepseek_v3_pretrain_256gpu_gb200_bf16_config,note=DeepSeekV3 (w/o MTP)
 gpt-oss-120b    | gb200 |   64 | fp8  | 1280 | 4 | 4096 | 1 | 1 | 1 | 1  | 64 | 28672 |  934 | C 26.08 | dispatcher=deepep,a2a=1,graph=full,sms=32,fp8attn=1,recompute=none,recipe=gpt_oss_120b_pretrain_64gpu_gb200_fp8mx_config
 gpt-oss-120b    | gb200 |   64 | bf16 | 1280 | 4 | 4096 | 1 | 1 | 1 | 1  | 64 | 16640 |  452 | A 26.04.01 | a2a=1,modules=layernorm+moe_act,recipe=gpt_oss_120b_pretrain_64gpu_gb200_bf16_config
 qwen3-235b-a22b | gb200 |  256 | fp8  | 8192 | 1 | 4096 | 1 | 8 | 1 | 3  | 32 |  7280 | 1077 | C 26.08 | a2a=1,graph=full,sms=32,fp8attn=1,dispatcher=deepep,recompute=none,recipe=qwen3_235b_a22b_pretrain_256gpu_gb200_fp8mx_config
-qwen3-235b-a22b | gb200 |  256 | bf16 | 8192 | 1 | 4096 | 1 | 8 | 1 | 3  | 32 |  4916 |  728 | A 25.11 | dispatcher=deepep,recompute=none,note=the 25.11 BF16 recipe (VP 3; today's BF16 recipe has other sizes)
+qwen3-235b-a22b | gb200 |  256 | bf16 | 8192 | 1 | 4096 | 1 | 8 | 1 | 3  | 32 |  4916 |  728 | A 25.11 | graph=modules,dispatcher=deepep,recompute=none,note=the 25.11 BF16 recipe (VP 3; today's BF16 recipe has other sizes)
 qwen3-30b-a3b   | gb200 |    8 | fp8  |  512 | 4 | 4096 | 1 | 1 | 1 | 1  |  8 | 39936 |  923 | C 26.08 | a2a=1,graph=full,sms=32,fp8attn=1,dispatcher=deepep,recompute=none,recipe=qwen3_30b_a3b_pretrain_8gpu_gb200_fp8mx_config
 llama3-405b     | h100  | 1024 | fp8  | 1536 | 1 | 8192 | 8 | 8 | 2 | 8  |  1 |   326 |  822 | A 26.06 |
 llama3-70b      | h100  |   64 | fp8  |  256 | 1 | 8192 | 4 | 8 | 1 | 5  |  1 |  1664 |  731 | A 26.04.01 |

@@ -1,4 +1,4 @@
-"""The three constants the simulator fits to published runs: what the software stack sustains.
+"""The four constants the simulator fits to published runs: what the software stack sustains.
 
 First principles price the work (FLOPs at GEMM shapes, bytes, link bandwidths, schedules); microbenchmarks give
 the ceilings (``hardware.GEMM_CEILING``, ``simulator.gemm_model``). What neither gives is how much of a ceiling a
@@ -10,7 +10,9 @@ and only those, are fitted here, one number each for every GPU (Hopper and Black
 - ``moe_layer_fixed_s``: seconds per MoE layer per micro-batch (forward + backward) of dropless dispatcher work
   (host syncs for the token counts, kernel launches);
 - ``moe_layer_graphed_s``: the same under a full-iteration CUDA graph (no sync, no launches: kernel fill and
-  drain), pinned by the recipes that capture one (``Published.cuda_graph``).
+  drain), pinned by the recipes that capture one (``Published.cuda_graph``);
+- ``moe_layer_module_graph_s``: the same under per-module TE graphs (router and preprocessing graphed, the host
+  sync kept), pinned by the recipes that set them.
 
 They are fitted jointly on every published run the simulator knows (``simulator.published.ROWS`` and
 ``simulator.calibration_runs.ROWS``, 40+ runs on five systems), by coordinate descent with golden-section search on
@@ -34,6 +36,7 @@ from simulator.hardware import (
     GEMM_CEILING,
     MOE_LAYER_FIXED_S,
     MOE_LAYER_GRAPHED_S,
+    MOE_LAYER_MODULE_GRAPH_S,
     SUSTAINED,
     HardwareSpec,
     load_hardware,
@@ -41,7 +44,12 @@ from simulator.hardware import (
 from simulator.published import ROWS, Published
 from simulator.validation import KNOWN_MISSES, published_config, published_model, row_key
 
-BOUNDS = {"sustained": (0.5, 1.0), "moe_layer_fixed_s": (0.0, 0.01), "moe_layer_graphed_s": (0.0, 0.01)}
+BOUNDS = {
+    "sustained": (0.5, 1.0),
+    "moe_layer_fixed_s": (0.0, 0.01),
+    "moe_layer_graphed_s": (0.0, 0.01),
+    "moe_layer_module_graph_s": (0.0, 0.01),
+}
 """Search range of each constant (a fraction; seconds)."""
 
 
@@ -60,6 +68,7 @@ def with_constants(system: str, constants: dict[str, float]) -> HardwareSpec:
         gemm_fp8=GEMM_CEILING["fp8"] * k,
         moe_layer_fixed_s=constants["moe_layer_fixed_s"],
         moe_layer_graphed_s=constants["moe_layer_graphed_s"],
+        moe_layer_module_graph_s=constants["moe_layer_module_graph_s"],
     )
     return replace(hw, efficiency=eff)
 
@@ -86,7 +95,12 @@ def loss(rows: tuple[Published, ...], constants: dict[str, float]) -> float:
 
 def shipped() -> dict[str, float]:
     """The constants the presets carry now (``hardware.py``)."""
-    return {"sustained": SUSTAINED, "moe_layer_fixed_s": MOE_LAYER_FIXED_S, "moe_layer_graphed_s": MOE_LAYER_GRAPHED_S}
+    return {
+        "sustained": SUSTAINED,
+        "moe_layer_fixed_s": MOE_LAYER_FIXED_S,
+        "moe_layer_graphed_s": MOE_LAYER_GRAPHED_S,
+        "moe_layer_module_graph_s": MOE_LAYER_MODULE_GRAPH_S,
+    }
 
 
 def _golden(f, lo: float, hi: float, iters: int) -> float:

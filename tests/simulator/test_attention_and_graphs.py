@@ -65,16 +65,18 @@ def test_sliding_window_layers_cost_a_window_plus_a_tile():
     assert windowed / dense == pytest.approx(expected, rel=1e-9)
 
 
-def test_full_graph_replaces_the_dropless_sync_cost():
+@pytest.mark.parametrize("graph, constant", [("full", "moe_layer_graphed_s"), ("modules", "moe_layer_module_graph_s")])
+def test_cuda_graphs_replace_the_dropless_sync_cost(graph, constant):
+    """Each graph mode swaps the eager per-layer constant for its own, on MoE layers only."""
     eff = GB200.efficiency
-    assert eff.moe_layer_graphed_s > 0 and eff.moe_layer_fixed_s > 0
-    base, graphed = _chunk(QWEN, PAR), _chunk(QWEN, replace(PAR, cuda_graph="full"))
+    assert getattr(eff, constant) > 0 and eff.moe_layer_fixed_s > 0
+    base, graphed = _chunk(QWEN, PAR), _chunk(QWEN, replace(PAR, cuda_graph=graph))
     moe_layers = sum(1 for k in QWEN.layer_kinds() if k[1] == "moe")
     drop = (base.fwd["moe_fixed"] + base.bwd["moe_fixed"]) - (graphed.fwd["moe_fixed"] + graphed.bwd["moe_fixed"])
-    assert drop == pytest.approx(moe_layers * (eff.moe_layer_fixed_s - eff.moe_layer_graphed_s), rel=1e-9)
+    assert drop == pytest.approx(moe_layers * (eff.moe_layer_fixed_s - getattr(eff, constant)), rel=1e-9)
     dense = load_model("llama3-8b")
     dense_par = replace(PAR, ep=1, etp=0)
-    assert _chunk(dense, dense_par).tf == _chunk(dense, replace(dense_par, cuda_graph="full")).tf
+    assert _chunk(dense, dense_par).tf == _chunk(dense, replace(dense_par, cuda_graph=graph)).tf
 
 
 def test_lm_head_is_bf16_in_fp8_runs():
@@ -96,6 +98,8 @@ def test_cli_flags_reach_the_model(tmp_path):
     assert _tokens(tmp_path, ["--fp8-attention"]) > base
     graphed = _tokens(tmp_path, ["--cuda-graph", "full"])
     assert (graphed > base) == (GB200.efficiency.moe_layer_graphed_s < GB200.efficiency.moe_layer_fixed_s)
+    modules = _tokens(tmp_path, ["--cuda-graph", "modules"])
+    assert (modules > base) == (GB200.efficiency.moe_layer_module_graph_s < GB200.efficiency.moe_layer_fixed_s)
     assert _tokens(tmp_path, ["--cuda-graph", "full", "--fp8-attention"]) > graphed
 
 

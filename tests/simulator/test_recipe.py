@@ -12,7 +12,9 @@ from simulator.hardware import load_hardware
 from simulator.memory import inflight_chunks, peak_memory, rank_memory
 from simulator.network import ClusterSpec, cluster_tiers, group
 from simulator.parallel import _split, _split_reason, infeasible_reason
+from simulator.published import ROWS as PUBLISHED
 from simulator.specs import load_model
+from simulator.validation import published_config, published_model
 
 DSV3 = load_model("deepseek-v3")
 H100 = load_hardware("h100")
@@ -180,3 +182,20 @@ def test_comm_sms_slow_only_the_compute_beside_the_overlapped_all_to_all(sms):
     assert held.breakdown["gemm"] == free.breakdown["gemm"]  # the compute itself is unchanged: the EP term carries it
     assert alone.ep_overlap["raw_s"] == held.ep_overlap["raw_s"]
     assert "EP communication SMs 132" in (infeasible_reason(DSV3, H100, replace(on, ep_comm_sms=132), 1024) or "")
+
+
+def test_a2a_overlap_hides_behind_the_whole_compute_stream():
+    """The paired all-to-all hides behind everything on the compute stream, the MoE layer's fixed work (sync gaps,
+    bookkeeping kernels) included: on Qwen3-235B's 256-H100 recipe (EP 32 over four nodes, the all-to-all longer
+    than the layer's GEMMs) a larger fixed cost leaves less EP exposed, so the step grows by less than it adds."""
+    row = next(r for r in PUBLISHED if r.model == "qwen3-235b-a22b" and r.system == "h100")
+    spec, par = published_model(row), replace(published_config(row), ep_comm_sms=0)
+
+    def run(fixed: float):
+        hw = replace(H100, efficiency=replace(H100.efficiency, moe_layer_fixed_s=fixed))
+        return simulate(spec, hw, par, row.gpus)
+
+    lo, hi = run(0.0), run(0.004)
+    added = hi.breakdown["moe_fixed"] - lo.breakdown["moe_fixed"]
+    assert added > 0 and hi.breakdown["ep"] < lo.breakdown["ep"]
+    assert hi.step_time_s - lo.step_time_s < added
