@@ -211,6 +211,15 @@ class SimResult:
         return dict(self.__dict__)
 
 
+def _ep_overlap_model(spec: ModelSpec, par: ParallelConfig) -> str:
+    """What hides the EP all-to-all (``ep_overlap.model`` in the JSON)."""
+    if par.schedule == "dualpipe":
+        return "dualpipe pairs"
+    if par.moe_a2a_overlap:
+        return "steady-state pairs"
+    return "shared experts" if par.shared_expert_overlap and spec.shared_width else "none"
+
+
 def simulate(
     model,
     hardware,
@@ -287,9 +296,7 @@ def _fill_metrics(res, spec, hw, par, tiers, costs, pipe, pert) -> None:
         "raw_s": raw,
         "exposed_s": bd["ep"],
         "overlapped_fraction": max(0.0, 1.0 - bd["ep"] / raw) if raw > 0 else 0.0,
-        "model": "dualpipe pairs"
-        if par.schedule == "dualpipe"
-        else ("steady-state pairs" if par.moe_a2a_overlap else "none"),
+        "model": _ep_overlap_model(spec, par),
     }
     res.flops = flop_conventions(spec, par.seq_len, tokens / step / res.gpus, hw.bf16_tflops)
     if spec.is_moe:

@@ -251,6 +251,11 @@ def _speed_args(p: argparse.ArgumentParser) -> None:
         "--moe-a2a-overlap", action="store_true", help="overlap EP all-to-all with another micro-batch's compute"
     )
     p.add_argument(
+        "--moe-shared-expert-overlap",
+        action="store_true",
+        help="run the shared experts beside the EP all-to-all (Megatron moe_shared_expert_overlap)",
+    )
+    p.add_argument(
         "--ep-comm-sms",
         type=int,
         default=20,

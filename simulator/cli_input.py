@@ -119,6 +119,7 @@ def _speed_knobs(args) -> dict:
     """``ParallelConfig`` fields of the ``cli._speed_args`` flags (``run``, ``whatif`` and ``search`` share them)."""
     return {
         "moe_a2a_overlap": args.moe_a2a_overlap,
+        "shared_expert_overlap": args.moe_shared_expert_overlap,
         "ep_comm_sms": args.ep_comm_sms,
         "cuda_graph": args.cuda_graph,
         "fp8_attention": args.fp8_attention,

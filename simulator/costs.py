@@ -174,6 +174,10 @@ def _layer(spec, hw, par, kind, t, tiers, scale, comm_scale, window=0):
         f["ep"], b["ep"] = _host_layer(spec, hw, par, kind, t, f, b, scale)
         f, b = host.time_share(hw, par, f), host.time_share(hw, par, b)
         ep_f, ep_b = f["ep"], b["ep"]
+    elif par.shared_expert_overlap and par.schedule != "dualpipe" and ep_f + ep_b > 0 and spec.shared_width:
+        # the shared experts' GEMMs run on their own stream while each pass's all-to-all is in flight
+        sf, sb = (x / size for x in gemm_shapes.shared_expert_seconds(spec, roof, t, tp))
+        f["ep"], b["ep"] = max(0.0, f["ep"] - sf), max(0.0, b["ep"] - sb)
     _recipe_terms(spec, hw, par, kind, t, f, b, s2, scale, roof, dense[0])
     # after the recipe terms: the MoE bookkeeping, sync gaps and recomputed work are compute-stream time too
     if par.moe_a2a_overlap and par.schedule != "dualpipe" and ep_f + ep_b > 0 and hw.host is None:

@@ -79,6 +79,15 @@ def dense_seconds(spec: ModelSpec, kind: tuple[str, str], roof: Roof, t: float, 
 
 
 @lru_cache(maxsize=4096)
+def shared_expert_seconds(spec: ModelSpec, roof: Roof, t: float, tp: int) -> tuple[float, float]:
+    """(forward, backward) seconds of the shared experts' two GEMMs on one GPU (``_ffn``'s shapes)."""
+    fs, h = spec.shared_width, spec.hidden
+    f1, b1 = pass_seconds(roof, t, 2 * fs / tp, h)
+    f2, b2 = pass_seconds(roof, t, h, fs / tp)
+    return f1 + f2, b1 + b2
+
+
+@lru_cache(maxsize=4096)
 def expert_seconds(spec: ModelSpec, roof: Roof, rows: float, local: int, etp: int) -> tuple[float, float]:
     """(forward, backward) seconds of one GPU's routed-expert grouped GEMMs: ``local`` experts of ``rows`` rows."""
     d, f = spec.moe_latent_dim or spec.hidden, spec.moe_ffn_hidden

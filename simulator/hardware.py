@@ -222,7 +222,7 @@ GEMM_CEILING = {"bf16": 0.801, "fp8": 0.70}
 SUSTAINED = 0.904
 """Fitted (simulator.software_fit): the share of the microbenchmark ceiling a training step sustains (clocks
 under a training power load, SMs lent to communication kernels, launch gaps), one number for every GPU."""
-MOE_LAYER_FIXED_S = 0.0051
+MOE_LAYER_FIXED_S = 0.0052
 """Fitted (simulator.software_fit): seconds per MoE layer per micro-batch, forward + backward, of dropless
 dispatcher work that does not scale with tokens (host syncs for the token counts, kernel launches)."""
 MOE_LAYER_GRAPHED_S = 0.0019

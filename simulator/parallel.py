@@ -106,6 +106,10 @@ class ParallelConfig:
     moe_a2a_overlap: bool = False
     """Overlap EP dispatch/combine of one micro-batch with another's compute in 1F1B/interleaved steady state
     (Megatron ``--overlap-moe-expert-parallel-comm``; DualPipe overlaps by construction)."""
+    shared_expert_overlap: bool = False
+    """The shared experts run on a side stream beside the dispatch / combine all-to-all (Megatron
+    ``moe_shared_expert_overlap``): up to their GEMM time of each pass's EP is hidden. No effect without shared
+    experts or under DualPipe, as in Megatron; refused with ``moe_a2a_overlap`` and the ``moonep`` dispatcher."""
     ep_comm_sms: int = 20
     """SMs the EP dispatch/combine kernels hold while they run (Megatron's ``moe_deepep_num_sms`` default 20; the
     GB200/GB300 MXFP8 recipes give HybridEP 32): with ``moe_a2a_overlap`` the compute paired with them runs on
@@ -173,6 +177,14 @@ class ParallelConfig:
                 raise ValueError(f"ParallelConfig.{f} must be one of {allowed}, got {getattr(self, f)!r}")
         if not 0.0 <= self.offload_fraction <= 1.0:
             raise ValueError(f"ParallelConfig.offload_fraction must be in [0, 1], got {self.offload_fraction!r}")
+        clash = {  # Megatron's TransformerConfig refuses the first two; moonep has no shared-expert stream
+            "moe_a2a_overlap": self.moe_a2a_overlap,
+            "recompute module shared_experts": "shared_experts" in self.recompute_modules,
+            "the moonep dispatcher (classic or deepep run it)": self.dispatcher == "moonep",
+        }
+        bad = next((name for name, on in clash.items() if on), None)
+        if self.shared_expert_overlap and bad:
+            raise ValueError(f"ParallelConfig.shared_expert_overlap cannot run with {bad}")
 
     @property
     def gpus(self) -> int:

@@ -16,17 +16,17 @@ iteration times across data-parallel sizes at a fixed batch per replica: Nemotro
 Table 2: TP 8, DP 96 / 192 / 288, batch 384 / 768 / 1152 sequences of 4096, iteration 0.57 / 0.58 / 0.64 s, MFU
 34.3 / 33.3 / 30.5 %).
 
-**Recipe settings the tables do not give** are read from the recipe files of Megatron-Bridge as they stood when
-the row's release section was added (``src/megatron/bridge/perf_recipes/<family>/<system>/*.py`` from 26.08,
+**Recipe settings the tables do not give** are read from the recipe files of Megatron-Bridge as they stood when the
+row's release section was added (``src/megatron/bridge/perf_recipes/<family>/<system>/*.py`` from 26.08,
 ``scripts/performance/configs/<family>/`` before; the release branch where ``main`` had already moved) and stated
-per row: the dispatcher (``flex`` with HybridEP/DeepEP -> ``deepep``, ``alltoall`` ->
-``classic``), ``overlap_moe_expert_parallel_comm`` / ``moe_a2a_overlap`` (``a2a``), the recompute modules
-(``recompute_granularity = None`` -> ``none``; Megatron's default selective recompute is core attention), FSDP
-(the table's FSDP column), activation offloading (``cpu_offloading_num_layers``), the gradient buffer dtype
-(``grad_reduce_in_fp32``), the multi-token-prediction module, full-iteration CUDA graphs (``graph=full``) or TE
-per-module graphs with the MoE router and preprocessing in scope (``graph=modules``), FP8 attention
-(``fp8attn=1``) and the SMs HybridEP holds (``sms=32``). MoE runs are dropless with forced-balanced routing (the
-tables' footnote), so ``maxvio = 0``; ETP is 1.
+per row: the dispatcher (``flex`` with HybridEP/DeepEP -> ``deepep``, ``alltoall`` -> ``classic``),
+``overlap_moe_expert_parallel_comm`` / ``moe_a2a_overlap`` (``a2a``), ``moe_shared_expert_overlap`` (``shared``),
+the recompute modules (``recompute_granularity = None`` -> ``none``; Megatron's default selective recompute is core
+attention), FSDP (the table's FSDP column), activation offloading (``cpu_offloading_num_layers``), the gradient
+buffer dtype (``grad_reduce_in_fp32``), the multi-token-prediction module, full-iteration CUDA graphs
+(``graph=full``) or TE per-module graphs with the MoE router and preprocessing in scope (``graph=modules``), FP8
+attention (``fp8attn=1``) and the SMs HybridEP holds (``sms=32``). MoE runs are dropless with forced-balanced
+routing (the tables' footnote), so ``maxvio = 0``; ETP is 1.
 """
 
 from __future__ import annotations
@@ -78,6 +78,8 @@ class Published:
     """``deepep`` for Megatron's flex dispatcher (HybridEP / DeepEP), else ``classic`` all-to-all."""
     moe_a2a_overlap: bool = False
     """The recipe overlaps the EP all-to-all with another micro-batch's compute."""
+    shared_expert_overlap: bool = False
+    """The recipe runs the shared experts beside the all-to-all (``moe_shared_expert_overlap``, ``shared``)."""
     recompute: str = "selective"
     """``none`` where the recipe sets ``recompute_granularity = None``, else Megatron's selective default."""
     recompute_modules: tuple[str, ...] = ()
@@ -123,7 +125,7 @@ qwen3-235b-a22b | h100  |  256 | fp8  | 8192 | 1 | 4096 | 2 | 8 | 1 | 4  | 32 | 
 gpt-oss-120b    | h100  |   64 | bf16 | 1280 | 1 | 4096 | 1 | 4 | 1 | 1  |  8 |  5824 |  158 | A 26.04.01 | modules=layernorm+moe_act,recipe=gpt_oss_120b_pretrain_64gpu_h100_bf16_config
 deepseek-v3     | h100  | 1024 | fp8  | 8192 | 1 | 4096 | 2 | 8 | 1 | 4  | 64 |  1297 |  338 | A 25.09 | a2a=1,dispatcher=deepep,modules=mla_up_proj,note=the 25.09 table has no precision column; its footnote gives the H100 FP8 block scaling
 deepseek-v3     | b200  |  256 | fp8  | 4096 | 1 | 4096 | 1 | 8 | 1 | 2  | 32 |  3328 |  864 | A 26.04.01 | graph=modules,dispatcher=deepep,a2a=1,modules=mla_up_proj+mlp,recipe=deepseek_v3_pretrain_256gpu_b200_fp8mx_config
-deepseek-v3     | b200  |  256 | fp8  | 2048 | 1 | 4096 | 1 | 16 | 1 | 1 |  8 |  2139 |  557 | A 25.11 | dispatcher=classic,modules=mla_up_proj,mtp=1,note=DeepSeekV3 (w/ MTP)
+deepseek-v3     | b200  |  256 | fp8  | 2048 | 1 | 4096 | 1 | 16 | 1 | 1 |  8 |  2139 |  557 | A 25.11 | dispatcher=classic,shared=1,modules=mla_up_proj,mtp=1,note=DeepSeekV3 (w/ MTP)
 gpt-oss-120b    | b200  |   64 | bf16 | 1280 | 4 | 4096 | 1 | 1 | 1 | 1  |  8 | 13568 |  369 | A 26.04.01 | modules=layernorm+moe_act,recipe=gpt_oss_120b_pretrain_64gpu_b200_bf16_config
 qwen3-235b-a22b | b200  |  256 | fp8  | 8192 | 1 | 4096 | 1 | 8 | 1 | 1  |  8 |  3776 |  560 | A 26.04.01 | recompute=none,recipe=qwen3_235b_a22b_pretrain_256gpu_b200_fp8cs_config
 qwen3-30b-a3b   | b200  |    8 | fp8  |  512 | 4 | 4096 | 1 | 1 | 1 | 1  |  8 | 27136 |  619 | A 26.04.01 | graph=modules,dispatcher=deepep,recompute=none,recipe=qwen3_30b_a3b_pretrain_8gpu_b200_fp8mx_config
@@ -158,6 +160,7 @@ def _flag(value: str) -> bool:
 _SETTINGS = {
     "modules": ("recompute_modules", lambda v: tuple(v.split("+"))),
     "a2a": ("moe_a2a_overlap", _flag),
+    "shared": ("shared_expert_overlap", _flag),
     "fp8attn": ("fp8_attention", _flag),
     "fsdp": ("fsdp", _flag),
     "mtp": ("mtp", _flag),

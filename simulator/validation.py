@@ -139,6 +139,7 @@ def published_config(row: Published) -> ParallelConfig:
         main_grads_dtype=row.main_grads_dtype,
         dispatcher=row.dispatcher,
         moe_a2a_overlap=row.moe_a2a_overlap,
+        shared_expert_overlap=row.shared_expert_overlap,
         cuda_graph=row.cuda_graph,
         ep_comm_sms=row.ep_comm_sms,
         fp8_attention=row.fp8_attention,
@@ -164,6 +165,7 @@ def cli_args(row: Published) -> list[str]:
     args += ["--main-grads-dtype", row.main_grads_dtype]
     args += ["--recompute-modules", ",".join(row.recompute_modules)] if row.recompute_modules else []
     args += ["--cuda-graph", row.cuda_graph] + (["--fp8-attention"] if row.fp8_attention else [])
+    args += ["--moe-shared-expert-overlap"] if row.shared_expert_overlap else []
     return args + (["--moe-a2a-overlap", "--ep-comm-sms", str(row.ep_comm_sms)] if row.moe_a2a_overlap else [])
 
 

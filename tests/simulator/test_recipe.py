@@ -1,5 +1,6 @@
 """Recipe features of issue 18: memory knobs, MoE parallel folding, EP overlap, node dedup, uneven stages."""
 
+import json
 from dataclasses import replace
 
 import pytest
@@ -7,14 +8,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from simulator import ParallelConfig, simulate
-from simulator.costs import node_dedup, steady_fraction
+from simulator.costs import chunk_cost, node_dedup, steady_fraction
+from simulator.gemm_shapes import roof_for, shared_expert_seconds
 from simulator.hardware import load_hardware
 from simulator.memory import inflight_chunks, peak_memory, rank_memory
 from simulator.network import ClusterSpec, cluster_tiers, group
 from simulator.parallel import _split, _split_reason, infeasible_reason
 from simulator.published import ROWS as PUBLISHED
 from simulator.specs import load_model
-from simulator.validation import published_config, published_model
+from simulator.validation import cli_args, published_config, published_model
 
 DSV3 = load_model("deepseek-v3")
 H100 = load_hardware("h100")
@@ -199,3 +201,49 @@ def test_a2a_overlap_hides_behind_the_whole_compute_stream():
     added = hi.breakdown["moe_fixed"] - lo.breakdown["moe_fixed"]
     assert added > 0 and hi.breakdown["ep"] < lo.breakdown["ep"]
     assert hi.step_time_s - lo.step_time_s < added
+
+
+def test_shared_expert_overlap_hides_ep_behind_the_shared_experts_only():
+    """Megatron's ``moe_shared_expert_overlap``: the shared experts' GEMMs run beside each pass's all-to-all, so
+    ``max(0, ep - shared GEMMs)`` stays exposed; the all-to-all and the GEMMs themselves do not change, and a model
+    without shared experts (Qwen3) is unaffected, as in Megatron."""
+    par = replace(BASE, dispatcher="classic", tp=1, pp=8, vpp=1, schedule="1f1b", dp=128)
+    tiers = cluster_tiers(1024, H100, ClusterSpec())
+    moe = [i for i, k in enumerate(DSV3.layer_kinds()) if k[1] == "moe"][:1]
+    off = chunk_cost(DSV3, H100, par, moe, tiers)
+    on = chunk_cost(DSV3, H100, replace(par, shared_expert_overlap=True), moe, tiers)
+    sf, sb = shared_expert_seconds(DSV3, roof_for(H100, "fp8"), float(par.micro_batch * par.seq_len), 1)
+    assert on.fwd["ep"] == pytest.approx(max(0.0, off.fwd["ep"] - sf), rel=1e-9) and on.fwd["ep"] < off.fwd["ep"]
+    assert on.bwd["ep"] == pytest.approx(max(0.0, off.bwd["ep"] - sb), rel=1e-9)
+    assert on.ep_raw_fwd == off.ep_raw_fwd and on.fwd["gemm"] == off.fwd["gemm"]
+    assert simulate(DSV3, H100, replace(par, shared_expert_overlap=True), 1024).ep_overlap["model"] == "shared experts"
+    qwen, q_par = load_model("qwen3-235b-a22b"), replace(par, ep=8)
+    plain = simulate(qwen, H100, q_par, 1024)
+    flagged = simulate(qwen, H100, replace(q_par, shared_expert_overlap=True), 1024)
+    assert flagged.step_time_s == plain.step_time_s and flagged.ep_overlap["model"] == "none"
+
+
+@pytest.mark.parametrize(
+    "change, named",
+    [
+        ({"moe_a2a_overlap": True}, "moe_a2a_overlap"),
+        ({"dispatcher": "moonep"}, "moonep"),
+        ({"recompute_modules": ("shared_experts",)}, "shared_experts"),
+    ],
+)
+def test_shared_expert_overlap_refuses_what_megatron_refuses(change, named):
+    with pytest.raises(ValueError, match=named):
+        replace(BASE, **{"dispatcher": "classic", "shared_expert_overlap": True, **change})
+
+
+def test_shared_expert_overlap_flag_reaches_the_model_and_its_refusal_is_one_line(tmp_path, capsys):
+    """DeepSeek-V3's 25.11 B200 recipe (the all-to-all dispatcher with ``moe_shared_expert_overlap``) from the CLI."""
+    from moonep.console import main  # the CLI entry point, as a user runs it
+
+    row = next(r for r in PUBLISHED if r.shared_expert_overlap)
+    out = tmp_path / "r.json"
+    assert main(["simulate", "run", *cli_args(row), "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["ep_overlap"]["model"] == "shared experts"
+    assert main(["simulate", "run", *cli_args(row), "--moe-a2a-overlap"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "moe_a2a_overlap" in err[0]
