@@ -48,6 +48,8 @@ COMPUTE_CLASSES = (
 of activation offload."""
 """``host``: framework (Python + dispatcher) time of eager ops; nonzero only with a calibrated host profile."""
 COMM_CLASSES = ("tp", "cp", "ep")
+FULL_RECOMPUTE = ("gemm", "grouped_gemm", "imbalance", "attention", "kda", "elementwise", "moe_fixed", "tp", "cp", "ep")
+"""Forward work full recompute runs again in the backward."""
 
 
 @dataclass
@@ -154,18 +156,8 @@ def _layer(spec, hw, par, kind, t, tiers, scale, comm_scale, window=0):
     f["elementwise"] = t * eff.elementwise_bytes * spec.hidden * (rep + (1 - rep) / tp) / hbm + s2
     b = {k: 2.0 * v for k, v in f.items()}
     b["gemm"], b["grouped_gemm"], b["imbalance"] = gemm_fb[1], grouped_fb[1], grouped_fb[1] * (skew - 1.0)
-    # communication, raw seconds
-    act = t * spec.hidden * 2.0
-    tp_one = net.all_gather(act, net.group(tp, 1, tiers), tiers, comm_scale)
-    tp_f = 4 * tp_one * (1.0 - eff.tp_overlap)
-    cp_f = cp_b = 0.0
-    if par.cp > 1:
-        cpg = net.group(par.cp, tp, tiers)
-        if kind[0] == "kda":
-            cp_f = cp_b = net.all_gather(par.micro_batch * st.kda_state_bytes / tp * par.cp, cpg, tiers, comm_scale)
-        else:
-            ring = net.all_gather(t * st.cp_kv_bytes / tp * par.cp, cpg, tiers, comm_scale)
-            cp_f, cp_b = max(0.0, ring - f["attention"]), max(0.0, 2 * ring - b["attention"])
+    attention = (f["attention"], b["attention"])
+    tp_f, cp_f, cp_b = _tp_cp_seconds(par, st, kind, (t, spec.hidden), tiers, comm_scale, eff, attention)
     ep_f, ep_b = _ep_seconds(spec, par, st, t, tiers, comm_scale, skew) if kind[1] == "moe" else (0.0, 0.0)
     f["tp"], b["tp"], f["cp"], b["cp"] = tp_f, tp_f, cp_f, cp_b
     keep = 1.0 - eff.ep_overlap if par.schedule != "dualpipe" else 1.0
@@ -186,6 +178,23 @@ def _layer(spec, hw, par, kind, t, tiers, scale, comm_scale, window=0):
     f["elementwise"] += over / 3
     b["elementwise"] += 2 * over / 3
     return f, b, ep_f, ep_b
+
+
+def _tp_cp_seconds(par, st, kind, shape, tiers, comm_scale, eff, attention) -> tuple[float, float, float]:
+    """Seconds of one layer's TP collectives on its ``shape = (tokens, hidden)`` bf16 activations (each pass; what
+    TP overlap leaves) and its CP exchange (forward, backward): the KV ring beyond the ``attention`` (forward,
+    backward) it feeds, or KDA's chunk state."""
+    (t, h), tp = shape, par.tp
+    tp_one = net.all_gather(t * h * 2.0, net.group(tp, 1, tiers), tiers, comm_scale)
+    tp_f = 4 * tp_one * (1.0 - eff.tp_overlap)
+    if par.cp <= 1:
+        return tp_f, 0.0, 0.0
+    cpg = net.group(par.cp, tp, tiers)
+    if kind[0] == "kda":
+        cp = net.all_gather(par.micro_batch * st.kda_state_bytes / tp * par.cp, cpg, tiers, comm_scale)
+        return tp_f, cp, cp
+    ring = net.all_gather(t * st.cp_kv_bytes / tp * par.cp, cpg, tiers, comm_scale)
+    return tp_f, max(0.0, ring - attention[0]), max(0.0, 2 * ring - attention[1])
 
 
 def _host_layer(spec, hw, par, kind, t, f, b, scale) -> tuple[float, float]:
@@ -288,21 +297,7 @@ def _recompute(par: ParallelConfig, f: dict, s2: float) -> float:
     if par.recompute == "none":
         return 0.0
     if par.recompute == "full":
-        return sum(
-            f[k]
-            for k in (
-                "gemm",
-                "grouped_gemm",
-                "imbalance",
-                "attention",
-                "kda",
-                "elementwise",
-                "moe_fixed",
-                "tp",
-                "cp",
-                "ep",
-            )
-        )
+        return sum(f[k] for k in FULL_RECOMPUTE)
     extra = f["attention"] + s2 if par.recomputes("core_attn") else 0.0
     if par.recompute == "selective+act":
         extra += 0.3 * (f["elementwise"] - s2) + 0.5 * f["kda"]
