@@ -67,17 +67,17 @@ def norm_stats(spec: ModelSpec) -> int:
 
 
 def common_terms(spec: ModelSpec, kind: tuple[str, str]) -> list[ActTerm]:
-    """The two pre-norms: inputs (+ stats), outputs (the GEMM inputs of the sublayers), dropout masks."""
-    h = spec.hidden
-    out = [
-        _t("norm_in", 2 * (2 * h + norm_stats(spec)), "rep"),
-        # fused norm + first GEMM (TE LayerNormLinear) emits the fp8 copy only; Mamba/KDA projections likewise
-        _t("attn_norm_out", 2 * h, "rep", fp8=h, removed_by=("layernorm",)),
-        # dense: fused norm + FC1 (fp8 copy only); MoE: the router's bf16 GEMM keeps the bf16 output
-        _t("ffn_norm_out", 2 * h, "rep", fp8=h if kind[1] == "dense" else 2 * h, removed_by=("layernorm",)),
-    ]
+    """The pre-norm of each block the layer holds (two, or one in a single-block hybrid, where the other kind is
+    ``none``): inputs (+ stats), outputs (the GEMM inputs of the sublayers), dropout masks."""
+    h, blocks = spec.hidden, (kind[0] != "none") + (kind[1] != "none")
+    out = [_t("norm_in", blocks * (2 * h + norm_stats(spec)), "rep")]
+    if kind[0] != "none":  # fused norm + first GEMM (TE LayerNormLinear) emits the fp8 copy only; Mamba/KDA too
+        out.append(_t("attn_norm_out", 2 * h, "rep", fp8=h, removed_by=("layernorm",)))
+    if kind[1] != "none":  # dense: fused norm + FC1 (fp8 copy only); MoE: the router's bf16 GEMM keeps the bf16 one
+        fp8 = h if kind[1] == "dense" else 2 * h
+        out.append(_t("ffn_norm_out", 2 * h, "rep", fp8=fp8, removed_by=("layernorm",)))
     if spec.dropout:
-        out.append(_t("dropout_masks", 2 * h, "rep"))
+        out.append(_t("dropout_masks", blocks * h, "rep"))
     return out
 
 
@@ -110,6 +110,7 @@ def moe_terms(spec: ModelSpec) -> list[ActTerm]:
     """Router, fused permutation, routed experts (grouped GEMMs, SwiGLU), shared experts, LatentMoE projections."""
     h, e, k, fe = spec.hidden, spec.num_experts, spec.top_k, spec.moe_ffn_hidden
     de, fs, lat = spec.moe_latent_dim or h, spec.shared_width, spec.moe_latent_dim
+    act_in = 4 if spec.gated_experts else 2  # bytes per F of the activation's input: SwiGLU [2F], squared ReLU [F]
     out = [
         # fp32 scores [E] (sigmoid/softmax keep their output), top-k indices int64 [K] (the gather's), the
         # gathered scores [K] and their sum (the normalising division's)
@@ -117,7 +118,7 @@ def moe_terms(spec: ModelSpec) -> list[ActTerm]:
         _t("perm_map", 4 * k),  # int32 row map per routed copy (fused permute; the un-permute reuses it)
         _t("probs", 4 * k),  # fp32 permuted probability per copy (SwiGLU's, or the combine's)
         _t("expert_in", 2 * k * de, fp8=k * de),  # the permuted tokens, FC1's input
-        _t("expert_act_in", 4 * k * fe),  # SwiGLU input [2F] per copy
+        _t("expert_act_in", act_in * k * fe),  # the activation's input per copy
         _t("expert_act_out", 2 * k * fe, fp8=k * fe, removed_by=("moe_act", "selective+act")),  # FC2's input
         _t("expert_out", 2 * k * de, when="combine"),  # kept for d(probs) only when probs multiply at the combine
     ]
@@ -126,7 +127,7 @@ def moe_terms(spec: ModelSpec) -> list[ActTerm]:
     if fs:  # input is the MoE norm output (already counted); TE's fp8 copy of it comes on top in fp8 runs
         out += [
             _t("shared_in_fp8", 0, fp8=h, removed_by=("shared_experts",)),
-            _t("shared_act_in", 4 * fs, removed_by=("shared_experts",)),
+            _t("shared_act_in", act_in * fs, removed_by=("shared_experts",)),
             _t("shared_act_out", 2 * fs, fp8=fs, removed_by=("shared_experts", "selective+act")),
         ]
     if spec.shared_expert_gate:  # sigmoid(x w) [1] and the shared output it scales (not measured)

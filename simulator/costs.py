@@ -27,7 +27,7 @@ from simulator import gemm_shapes, host
 from simulator import network as net
 from simulator.attention_model import attention_seconds
 from simulator.hardware import HardwareSpec
-from simulator.layers import layer_stats
+from simulator.layers import blocks, layer_stats
 from simulator.modelspec import ModelSpec
 from simulator.parallel import ParallelConfig
 from simulator.replicas import replicas_per_rank
@@ -153,7 +153,9 @@ def _layer(spec, hw, par, kind, t, tiers, scale, comm_scale, window=0):
     s2 = 0.0 if eff.flash_attention else t * st.act_s2_per_s * s * 2.5 / tp / hbm
     # without sequence parallelism the norm/dropout share (act_rep of all saved bytes) is not split by TP
     rep = st.act_rep / (st.act_rep + st.act_par) if split == 1 and tp > 1 else 0.0
-    f["elementwise"] = t * eff.elementwise_bytes * spec.hidden * (rep + (1 - rep) / tp) / hbm + s2
+    # a single-block hybrid's layer holds one of the two blocks (norm, residual, activation), so half the bytes
+    half = blocks(kind) / 2
+    f["elementwise"] = half * t * eff.elementwise_bytes * spec.hidden * (rep + (1 - rep) / tp) / hbm + s2
     b = {k: 2.0 * v for k, v in f.items()}
     b["gemm"], b["grouped_gemm"], b["imbalance"] = gemm_fb[1], grouped_fb[1], grouped_fb[1] * (skew - 1.0)
     attention = (f["attention"], b["attention"])
@@ -186,7 +188,7 @@ def _tp_cp_seconds(par, st, kind, shape, tiers, comm_scale, eff, attention) -> t
     backward) it feeds, or KDA's chunk state."""
     (t, h), tp = shape, par.tp
     tp_one = net.all_gather(t * h * 2.0, net.group(tp, 1, tiers), tiers, comm_scale)
-    tp_f = 4 * tp_one * (1.0 - eff.tp_overlap)
+    tp_f = 2 * blocks(kind) * tp_one * (1.0 - eff.tp_overlap)  # an all-gather and a reduce-scatter per block
     if par.cp <= 1:
         return tp_f, 0.0, 0.0
     cpg = net.group(par.cp, tp, tiers)

@@ -21,6 +21,7 @@ from simulator.hf_families import (
     moe_layer_ids,
 )
 from simulator.hf_layer_kinds import check_mixers, kda_from_layer_types, layer_kinds, windowed_layers
+from simulator.hf_single_block import single_block_fields, single_blocks, with_layer_count
 from simulator.modelspec import MAX_SIZE, ModelSpec
 
 
@@ -46,21 +47,17 @@ def _fields(cfg: dict, c: dict, get: Callable[..., Any], name: str) -> dict:
     hidden, heads = int(get("hidden_size")), int(get("num_attention_heads"))
     layers = int(get("num_hidden_layers"))
     mla = get("kv_lora_rank") is not None
-    types = layer_kinds(c, layers)
-    lin = get("linear_attn_config") or kda_from_layer_types(c, get, types)
-    if not isinstance(lin, dict):
-        raise ValueError(f"HF config: field 'linear_attn_config' must be an object, got {lin!r}")
-    window, windowed = windowed_layers(get, types or [])
+    blocks = single_blocks(c)  # Nemotron-H: one block per layer (hf_single_block)
+    single = single_block_fields(c, get, blocks) if blocks else {}
+    types = None if blocks else layer_kinds(c, layers)
+    lin, kda = _linear_attention(c, get, types)
     lget = _hf_getter(lin)
-    kda_ids = lin.get("kda_layers", ())
-    if not isinstance(kda_ids, (list, tuple)) or not all(isinstance(i, int) and i >= 1 for i in kda_ids):
-        raise ValueError(f"HF config: 'linear_attn_config.kda_layers' must be 1-based layer numbers, got {kda_ids!r}")
-    kda = tuple(i - 1 for i in kda_ids)
+    window, windowed = windowed_layers(get, types or [])
     moe = _moe_fields(c, get, hidden, layers)
-    mamba = mamba_layer_ids(c, get, layers, types)
+    mamba = single["mamba_layers"] if blocks else mamba_layer_ids(c, get, layers, types)
     check_mixers(c, types, kda, mamba)
     dense_width = "intermediate_size_mlp" if c.get("intermediate_size_mlp") is not None else "intermediate_size"
-    return dict(
+    read = dict(
         name=name,
         hidden=hidden,
         num_layers=layers,
@@ -85,7 +82,7 @@ def _fields(cfg: dict, c: dict, get: Callable[..., Any], name: str) -> dict:
         ffn_hidden=dense_ffn_width(c, int(get(dense_width) or 0)),
         **moe,
         mamba_layers=mamba,
-        **(mamba_fields(c, get) if mamba else {}),
+        **(mamba_fields(c, get) if mamba and not blocks else {}),
         bias=bool(c.get("attention_bias") or c.get("use_bias")),
         sliding_window=window,
         sliding_window_layers=windowed,
@@ -95,6 +92,19 @@ def _fields(cfg: dict, c: dict, get: Callable[..., Any], name: str) -> dict:
         seq_len=min(int(get("max_position_embeddings") or 4096), 8192),
         mtp_layers=int(get("num_nextn_predict_layers") or 0),
     )
+    return read | single  # a single-block hybrid's layer placement and block shapes win
+
+
+def _linear_attention(c: dict, get: Callable[..., Any], types: list[str] | None) -> tuple[dict, tuple[int, ...]]:
+    """K3 / Kimi-Linear's ``linear_attn_config`` (or the one transformers 5.x fields give) and its KDA layers,
+    0-based (the release numbers them from 1)."""
+    lin = get("linear_attn_config") or kda_from_layer_types(c, get, types)
+    if not isinstance(lin, dict):
+        raise ValueError(f"HF config: field 'linear_attn_config' must be an object, got {lin!r}")
+    kda_ids = lin.get("kda_layers", ())
+    if not isinstance(kda_ids, (list, tuple)) or not all(isinstance(i, int) and i >= 1 for i in kda_ids):
+        raise ValueError(f"HF config: 'linear_attn_config.kda_layers' must be 1-based layer numbers, got {kda_ids!r}")
+    return lin, tuple(i - 1 for i in kda_ids)
 
 
 EXPERT_COUNT = ("n_routed_experts", "num_experts", "num_local_experts", "moe_num_experts")
@@ -104,8 +114,8 @@ SHARED = ("n_shared_experts", "num_shared_experts", "moe_num_shared_experts")
 SHARED_WIDTH = ("shared_expert_intermediate_size", "share_expert_dim", "shared_experts_intermediate_size")
 SHARED_WIDTH += ("moe_shared_expert_intermediate_size", "shared_intermediate_size")
 """Names of the always-active shared MLP's width (Qwen-MoE, Step-3.x, dots, Nemotron-H, Granite)."""
-LATENT = ("routed_expert_hidden_size", "moe_hidden_size")
-"""Names of the width routed experts run at behind a down/up projection (K3's LatentMoE, Muse Spark)."""
+LATENT = ("routed_expert_hidden_size", "moe_hidden_size", "moe_latent_size")
+"""Names of the width routed experts run at behind a down/up projection (K3's LatentMoE, Muse Spark, Nemotron-H)."""
 READ_MOE = frozenset(
     EXPERT_COUNT
     + TOP_K
@@ -123,6 +133,7 @@ NO_COST = frozenset(
     + ("scoring_func", "aux_loss_alpha", "seq_aux", "ep_size", "router_jitter_noise", "moe_gate", "moe_use_aux_free")
     + ("use_qk_norm_in_moe", "moe_router_bias_update_rate", "moe_renormalize", "moe_router_activation_func")
     + ("moe_norm_min", "moe_routed_scaling_factor", "router_scaling_factor", "moe_router_scaling_factor")
+    + ("moe_shared_expert_overlap",)
 )
 """Expert fields that change the loss or the routing rule, not the step's FLOPs, memory or traffic."""
 SIZE_WORDS = frozenset(("size", "dim", "intermediate", "width", "num", "n", "count", "hidden", "rank"))
@@ -240,8 +251,10 @@ _SPEC_TO_HF = {
     "mamba_d_state": "mamba_d_state",
     "mamba_d_conv": "mamba_d_conv",
     "mamba_expand": "mamba_expand",
-    "mamba_heads": "mamba_n_heads",
-    "mamba_groups": "mamba_n_groups",
+    "mamba_heads": "mamba_n_heads/mamba_num_heads",
+    "mamba_groups": "mamba_n_groups/n_groups",
+    "mixer_only_layers": "hybrid_override_pattern/layers_block_type",
+    "ffn_only_layers": "hybrid_override_pattern/layers_block_type",
 }
 """The HF field behind each ``ModelSpec`` field, for messages about an HF config (the first present of several)."""
 
@@ -264,6 +277,7 @@ def _hf_text(cfg: Any) -> tuple[dict, Callable[..., Any]]:
     if not isinstance(cfg, dict) or not isinstance(cfg.get("text_config", cfg), dict):
         raise ValueError("an HF config.json holds one JSON object (its text_config too)")
     c = flatten(cfg.get("text_config", cfg))
+    c = with_layer_count(c, single_blocks(c))
     for key in ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size"):
         if c.get(key) is None:
             raise ValueError(f"HF config: required field {key!r} is missing")

@@ -10,8 +10,9 @@ Linear's ``linear_attn_config.kda_layers`` or ``linear_num_heads`` / ``linear_he
 Qwen3-Next / Qwen3.5's ``linear_num_key_heads`` / ``linear_num_value_heads``) or Mamba-2 (Granite-4:
 ``mamba_n_heads``); Mamba via Jamba's ``attn_layer_period`` / ``attn_layer_offset`` or Bamba's
 ``attn_layer_indices``. Other linear attentions (lightning attention, Bailing's), DeepSeek's indexed sparse
-attention, convolution layers, parallel hybrids (Falcon-H1, in ``hf_families``) and single-block hybrids
-(Nemotron-H: one Mamba, attention, MLP or MoE block per layer) have no cost model here and are refused.
+attention, convolution layers and parallel hybrids (Falcon-H1, in ``hf_families``) have no cost model here and are
+refused. Single-block hybrids (Nemotron-H: one Mamba, attention, MLP or MoE block per layer) are read by
+``hf_single_block``.
 """
 
 from __future__ import annotations
@@ -23,9 +24,6 @@ ATTENTION = ("full_attention", "sliding_attention", "chunked_attention")
 """``layer_types`` kinds priced as softmax attention."""
 RECURRENT = ("linear_attention", "mamba")
 """``layer_types`` kinds priced as a recurrent mixer (KDA, Gated DeltaNet or Mamba-2, from the config's fields)."""
-SINGLE_BLOCK_KINDS = ("moe", "mlp")
-"""``layers_block_type`` entries of hybrids whose layers hold one block each (Nemotron-H: a mixer or an FFN, not
-both), which ``ModelSpec`` cannot express: every layer there is a mixer followed by an FFN."""
 EVERY_NTH_FULL = ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
 """Families whose file may give ``full_attention_interval`` (default 4) instead of ``layer_types``: full attention
 on every n-th layer, Gated DeltaNet on the others (transformers' config classes)."""
@@ -58,12 +56,7 @@ def _derived_kinds(c: dict, layers: int) -> list[str] | None:
     LFM2's ``full_attn_idxs`` (convolutions elsewhere), Qwen3-Next / Qwen3.5's ``full_attention_interval``, and
     the alternating default of MiniMax; None when the family has no such rule."""
     block = c.get("layers_block_type")
-    if isinstance(block, list):
-        if any(k in SINGLE_BLOCK_KINDS for k in block):
-            raise ValueError(
-                f"HF config: field 'layers_block_type' ({_brief(block)}) holds one block per layer (Mamba, attention, "
-                "MLP or MoE, as in Nemotron-H), which is not expressible: every simulated layer is a mixer and an FFN"
-            )
+    if isinstance(block, list):  # mixers only here: one with MLP / MoE blocks is a single-block hybrid
         return [{"attention": "full_attention"}.get(str(k), str(k)) for k in block]
     idxs = c.get("full_attn_idxs")
     if isinstance(idxs, list):
@@ -118,12 +111,6 @@ def kda_from_layer_types(c: dict, get: Callable[..., Any], types: list[str] | No
 
 def check_mixers(c: dict, types: list[str] | None, kda: tuple[int, ...], mamba: tuple[int, ...]) -> None:
     """Raise, naming the HF field, when a layer's mixer is one the spec would price as something else."""
-    if c.get("hybrid_override_pattern"):
-        raise ValueError(
-            f"HF config: field 'hybrid_override_pattern' ({_brief(c['hybrid_override_pattern'])}) describes one block "
-            "per layer (Mamba, attention, MLP or MoE, as in Nemotron-H), which is not expressible: every simulated "
-            "layer is a mixer followed by an FFN"
-        )
     for key in PER_LAYER:
         v = c.get(key)
         if v and not (isinstance(v, list) and len(set(map(str, v))) == 1):

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from simulator.hardware import HardwareSpec, HostSpec
-from simulator.layers import embedding_params, head_params, layer_stats
+from simulator.layers import blocks, embedding_params, head_params, layer_stats
 from simulator.modelspec import ModelSpec
 from simulator.parallel import ParallelConfig
 from simulator.replicas import replicas_per_rank
@@ -38,8 +38,8 @@ from simulator.replicas import replicas_per_rank
 # backward) costs ATTN_RES_OPS: (base, per source) ops forward and backward.
 # "moe" was recounted for the device-resident EP path (planner tables, layout and input checks as tensor ops:
 # about 160 more forward ops a layer than the numpy layout it replaced; fitted at 1 and 2 ranks within 2%).
-FWD_OPS = {"norm": 7, "kda": 205, "mla": 61, "mha": 84, "dense": 24, "moe": 315, "ends": 65}
-BWD_OPS = {"norm": 20, "kda": 266, "mla": 116, "mha": 132, "dense": 45, "moe": 182, "ends": 0}
+FWD_OPS = {"norm": 7, "kda": 205, "mla": 61, "mha": 84, "dense": 24, "moe": 315, "ends": 65, "none": 0}
+BWD_OPS = {"norm": 20, "kda": 266, "mla": 116, "mha": 132, "dense": 45, "moe": 182, "ends": 0, "none": 0}
 ATTN_RES_OPS = ((4, 12), (14, 26))
 """(forward, backward) ops of one AttnRes mix as (base, per source): counted on k3.attnres at 2, 3 and 5 sources."""
 MOE_SEGMENT_OPS = (21, 67)
@@ -164,8 +164,8 @@ def census(spec: ModelSpec, par: ParallelConfig) -> StepCensus:
     for kind, (sa, sf) in zip(spec.layer_kinds(), sources):
         mixes = [s for s in (sa, sf) if s] if spec.attn_res else []
         (f0, f1), (b0, b1) = ATTN_RES_OPS
-        f = fwd[kind[0]] + fwd[kind[1]] + 2 * fwd["norm"] + sum(f0 + f1 * s for s in mixes)
-        b = bwd[kind[0]] + bwd[kind[1]] + 2 * bwd["norm"] + sum(b0 + b1 * s for s in mixes)
+        f = fwd[kind[0]] + fwd[kind[1]] + blocks(kind) * fwd["norm"] + sum(f0 + f1 * s for s in mixes)
+        b = bwd[kind[0]] + bwd[kind[1]] + blocks(kind) * bwd["norm"] + sum(b0 + b1 * s for s in mixes)
         f_kind.setdefault(kind, []).append(f)
         b_kind.setdefault(kind, []).append(b)
     epn = spec.num_experts // par.ep if spec.is_moe else 0

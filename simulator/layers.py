@@ -89,8 +89,16 @@ class LayerStats:
     ``--recompute-modules`` names (core attention is priced from ``attn_flops_per_s`` instead)."""
 
 
+_NO_MIXER = {"mat": 0, "vec": 0, "core": 0.0, "kda": 0.0, "par": 0.0, "fn": 0.0, "s2": 0.0, "kv": 0.0}
+_NO_MIXER |= {"cp_kv": 0.0, "state": 0.0}
+_NO_FFN = {"mat": 0, "vec": 0, "experts": 0, "active_experts": 0, "grouped": 0.0, "par": 0.0, "fn": 0, "dim": 0}
+_NO_FFN |= {"eb": 0}
+
+
 def _attention(spec: ModelSpec, kind: str) -> dict:
     h = spec.hidden
+    if kind == "none":  # an FFN-only layer of a single-block hybrid
+        return dict(_NO_MIXER)
     if kind == "mamba":
         return mamba_mixer(spec)
     if kind == "kda":
@@ -148,6 +156,8 @@ def _attention(spec: ModelSpec, kind: str) -> dict:
 
 def _ffn(spec: ModelSpec, kind: str) -> dict:
     h = spec.hidden
+    if kind == "none":  # a mixer-only layer of a single-block hybrid
+        return dict(_NO_FFN)
     if kind == "dense":
         f = spec.ffn_hidden
         mat = (3 if spec.gated_ffn else 2) * h * f
@@ -165,10 +175,10 @@ def _ffn(spec: ModelSpec, kind: str) -> dict:
             "eb": 0,
         }
     e, k, fe = spec.num_experts, spec.top_k, spec.moe_ffn_hidden
-    de = spec.moe_latent_dim or h
-    one = 3 * de * fe
+    de, mats = spec.moe_latent_dim or h, 3 if spec.gated_experts else 2
+    one = mats * de * fe
     fs = spec.shared_width
-    mat = e * h + 3 * h * fs + (2 * h * spec.moe_latent_dim if spec.moe_latent_dim else 0)
+    mat = e * h + mats * h * fs + (2 * h * spec.moe_latent_dim if spec.moe_latent_dim else 0)
     vec = (e if spec.router_bias else 0) + spec.moe_latent_dim + (h if spec.shared_expert_gate else 0)
     par = _terms_bytes(moe_terms(spec))  # probabilities inside the SwiGLU: no expert output kept
     return {
@@ -205,7 +215,8 @@ def _modules(spec: ModelSpec, kind: tuple[str, str], terms: tuple[ActTerm, ...])
         fs = spec.shared_width
         out.append(("moe_act", dropped("moe_act"), 0.0))
         if fs:
-            out.append(("shared_experts", dropped("shared_experts"), 2.0 * 3 * h * fs))
+            mats = 3 if spec.gated_experts else 2
+            out.append(("shared_experts", dropped("shared_experts"), 2.0 * mats * h * fs))
     return tuple(out)
 
 
@@ -221,24 +232,31 @@ def act_terms(spec: ModelSpec, kind: tuple[str, str], a: dict, f: dict) -> tuple
         terms += kda_terms(spec, KDA_CHUNK)
     elif kind[0] == "mamba":
         terms += recurrent_terms(a["par"], a["fn"], kind[0])
-    else:
+    elif kind[0] != "none":
         terms += attention_terms(spec, kind[0])
-    terms += dense_ffn_terms(spec) if kind[1] == "dense" else moe_terms(spec)
+    if kind[1] != "none":
+        terms += dense_ffn_terms(spec) if kind[1] == "dense" else moe_terms(spec)
     return tuple(terms)
 
 
-def _norm_params(spec: ModelSpec) -> int:
+def _norm_params(spec: ModelSpec, kind: tuple[str, str]) -> int:
+    """Norm (and AttnRes) parameters of a layer: one pre-norm per block it holds."""
     h = spec.hidden
     if spec.attn_res:
         return 6 * h  # 4 RMSNorm gains + 2 AttnRes pseudo-queries (k3_architecture.md 3.2)
-    return 4 * h if spec.norm == "layernorm" else 2 * h
+    return (2 if spec.norm == "layernorm" else 1) * h * blocks(kind)
+
+
+def blocks(kind: tuple[str, str]) -> int:
+    """Blocks a layer holds: a mixer and an FFN (2), or one of them in a single-block hybrid (1)."""
+    return (kind[0] != "none") + (kind[1] != "none")
 
 
 @lru_cache(maxsize=256)
 def layer_stats(spec: ModelSpec, kind: tuple[str, str]) -> LayerStats:
     """Counts for one ``(attention, ffn)`` layer kind of ``spec``."""
     a, f = _attention(spec, kind[0]), _ffn(spec, kind[1])
-    dense = a["mat"] + a["vec"] + f["mat"] + f["vec"] + _norm_params(spec)
+    dense = a["mat"] + a["vec"] + f["mat"] + f["vec"] + _norm_params(spec, kind)
     terms = act_terms(spec, kind, a, f)
     rep = _terms_bytes(t for t in terms if t.bucket == "rep")  # norm inputs (+ stats) and outputs, dropout masks
     mixes, mixes_stacked = attn_res_bytes(spec)

@@ -1,7 +1,8 @@
 """``ModelSpec``: a decoder-only transformer described by the few numbers that cost and memory depend on.
 
 Each layer has a mixer kind (``mha`` incl. GQA, ``mla``, ``kda``, ``mamba``) and an FFN kind (``dense`` or ``moe``);
-``layer_kinds()`` lists them. Counting formulas live in ``simulator.layers``; presets and loaders in
+in a single-block hybrid (Nemotron-H) a layer holds one of the two and the other is ``none``. ``layer_kinds()``
+lists them. Counting formulas live in ``simulator.layers``; presets and loaders in
 ``simulator.specs`` and ``simulator.hf_config``.
 """
 
@@ -132,6 +133,14 @@ class ModelSpec:
     """Mamba-2 (SSD) heads over the inner width (HF ``mamba_n_heads``: Bamba, Granite-4); 0 = Mamba-1 (Jamba)."""
     mamba_groups: int = 1
     """Mamba-2 groups sharing one B and C projection (HF ``mamba_n_groups``)."""
+    mamba_inner_dim: int = 0
+    """Mamba inner width when a config gives it as heads x head width (Nemotron-H); 0 = ``mamba_expand * hidden``."""
+    mixer_only_layers: tuple[int, ...] = ()
+    """0-based indices of layers holding a mixer and no FFN (single-block hybrids: Nemotron-H's ``M`` and ``*``)."""
+    ffn_only_layers: tuple[int, ...] = ()
+    """0-based indices of layers holding an FFN and no mixer (Nemotron-H's ``E`` and ``-``)."""
+    gated_experts: bool = True
+    """Routed and shared experts are GLU (3 matrices) rather than 2-matrix (Nemotron-H's squared ReLU)."""
     seq_len: int = 4096
     """Default training sequence length."""
     mtp_layers: int = 0
@@ -193,6 +202,19 @@ class ModelSpec:
         if self.sliding_window_layers and self.sliding_window < 1:
             raise ValueError("ModelSpec.sliding_window must be > 0 when sliding_window_layers is set")
         self._check_shapes()
+        self._check_single_blocks()
+
+    def _check_single_blocks(self) -> None:
+        """A layer holds a mixer, an FFN or both; a mixer-only layer has no FFN kind, an FFN-only one no mixer."""
+        mixer, ffn = set(self.mixer_only_layers), set(self.ffn_only_layers)
+        if any(not 0 <= i < self.num_layers for i in mixer | ffn) or mixer & ffn:
+            raise ValueError("ModelSpec.mixer_only_layers / ffn_only_layers must be disjoint indices below num_layers")
+        if ffn & (set(self.kda_layers) | set(self.mamba_layers)):
+            raise ValueError("ModelSpec.ffn_only_layers must not be KDA or Mamba layers (those are mixers)")
+        if mixer & set(self.moe_layers):
+            raise ValueError("ModelSpec.mixer_only_layers must not be MoE layers (a mixer-only layer has no FFN)")
+        if (mixer or ffn) and self.is_moe and not self.moe_layers:
+            raise ValueError("ModelSpec.moe_layers must name the MoE layers of a single-block hybrid")
 
     def _check_shapes(self) -> None:
         """Sizes that are each valid but impossible together (a head narrower than one unit, groups of no expert)."""
@@ -235,8 +257,8 @@ class ModelSpec:
 
     @property
     def mamba_inner(self) -> int:
-        """Mamba inner (expanded) width ``mamba_expand * hidden``."""
-        return self.mamba_expand * self.hidden
+        """Mamba inner (expanded) width: ``mamba_inner_dim``, else ``mamba_expand * hidden``."""
+        return self.mamba_inner_dim or self.mamba_expand * self.hidden
 
     @property
     def mamba_rank(self) -> int:
@@ -256,7 +278,8 @@ class ModelSpec:
         return self.num_experts > 0
 
     def layer_kinds(self) -> tuple[tuple[str, str], ...]:
-        """``(mixer kind, ffn kind)`` per layer, kinds in {mha, mla, kda, mamba} x {dense, moe} (cached)."""
+        """``(mixer kind, ffn kind)`` per layer, kinds in {mha, mla, kda, mamba, none} x {dense, moe, none}
+        (cached)."""
         return _layer_kinds(self)
 
     def to_dict(self) -> dict:
@@ -285,7 +308,14 @@ class ModelSpec:
         return cls(**data)
 
 
-_TUPLE_FIELDS = ("kda_layers", "sliding_window_layers", "moe_layers", "mamba_layers")
+_TUPLE_FIELDS = (
+    "kda_layers",
+    "sliding_window_layers",
+    "moe_layers",
+    "mamba_layers",
+    "mixer_only_layers",
+    "ffn_only_layers",
+)
 _TYPES = {"int": int, "bool": bool, "str": str, "tuple[int, ...]": tuple}
 
 
@@ -305,8 +335,13 @@ def _check_field_types(spec: ModelSpec) -> None:
 @lru_cache(maxsize=64)
 def _layer_kinds(spec: ModelSpec) -> tuple[tuple[str, str], ...]:
     kda, mamba = set(spec.kda_layers), set(spec.mamba_layers)
+    mixer_only, ffn_only = set(spec.mixer_only_layers), set(spec.ffn_only_layers)
     moe = set(spec.moe_layers or range(spec.first_k_dense, spec.num_layers)) if spec.is_moe else set()
-    return tuple(
-        ("kda" if i in kda else "mamba" if i in mamba else spec.attention, "moe" if i in moe else "dense")
-        for i in range(spec.num_layers)
-    )
+
+    def mixer(i: int) -> str:
+        return "none" if i in ffn_only else "kda" if i in kda else "mamba" if i in mamba else spec.attention
+
+    def ffn(i: int) -> str:
+        return "none" if i in mixer_only else "moe" if i in moe else "dense"
+
+    return tuple((mixer(i), ffn(i)) for i in range(spec.num_layers))

@@ -1,6 +1,6 @@
 """Which mixer and FFN each layer of an HF config runs (issue 27's "every HF MoE config read right"): transformers
 5.x ``layer_types`` / ``mlp_layer_types`` read layer by layer, and every layer kind without a cost model (other
-linear attentions, indexed sparse attention, convolutions, single-block hybrids, per-layer shapes) refused by
+linear attentions, indexed sparse attention, convolutions, malformed single-block patterns, per-layer shapes) refused by
 name instead of priced as softmax attention. The configs are transformers' own config classes (the real
 package, installed by ``make test``) and published ``config.json`` fields."""
 
@@ -73,9 +73,11 @@ NEMOTRON_H_FIELDS = {
     "num_hidden_layers": 8,
     "hybrid_override_pattern": "MEM*EMEM",
     "mamba_num_heads": 64,
+    "mamba_head_dim": 64,
     "ssm_state_size": 128,
 }
-"""The fields a published Nemotron-H MoE ``config.json`` adds (each layer one block: M Mamba, E MoE, * attention)."""
+"""The fields a published Nemotron-H MoE ``config.json`` adds (each layer one block: M Mamba, E MoE, * attention;
+read by ``simulator.hf_single_block``)."""
 
 
 @pytest.mark.parametrize(
@@ -93,8 +95,10 @@ NEMOTRON_H_FIELDS = {
         ("dots3_note", {}, "per_layer_config"),
         ("lfm2", {"full_attn_idxs": [0, 3], "layer_types": None}, "conv"),
         ("lfm2_moe", {"layer_types": ["conv", "conv", "full_attention"] * 8 + ["conv"] * 8}, "conv"),
-        ("qwen3_moe", NEMOTRON_H_FIELDS | {"layer_types": None}, "hybrid_override_pattern"),
-        ("qwen3_moe", {"layers_block_type": ["mamba", "moe"] * 24, "layer_types": None}, "layers_block_type"),
+        ("qwen3_moe", NEMOTRON_H_FIELDS | {"layer_types": None, "hybrid_override_pattern": "MEM*XMEM"}, "pattern"),
+        ("qwen3_moe", NEMOTRON_H_FIELDS | {"layer_types": None, "num_hidden_layers": 9}, "block pattern lists 8"),
+        ("qwen3_moe", {"layers_block_type": ["conv", "moe"] * 24, "layer_types": None}, "layers_block_type"),
+        ("qwen3_moe", NEMOTRON_H_FIELDS | {"layer_types": None, "mamba_head_dim": None}, "mamba_head_dim"),
         ("qwen3_moe", {"mamba_num_heads": 64, "mamba_head_dim": 64, "layer_types": None}, "mamba_num_heads"),
     ],
 )
@@ -107,7 +111,8 @@ def test_layers_without_a_cost_model_are_refused_by_name(model_type: str, change
 
 def test_a_refused_hybrid_is_exit_2_on_one_line(tmp_path, capsys):
     path = tmp_path / "config.json"
-    path.write_text(json.dumps(QWEN2_57B_A14B | NEMOTRON_H_FIELDS | {"num_hidden_layers": 28}))
+    bad = NEMOTRON_H_FIELDS | {"hybrid_override_pattern": "MEM*EMEM?"}  # a block this reader does not know
+    path.write_text(json.dumps(QWEN2_57B_A14B | bad | {"num_hidden_layers": 9}))
     assert main(["simulate", "run", "--model", str(path), "--gpus", "8", "--hardware", "h100"]) == 2
     err = capsys.readouterr().err.strip()
     assert "hybrid_override_pattern" in err and len(err.splitlines()) == 1, err

@@ -57,6 +57,11 @@ def _loads_as_priced(cfg: dict) -> bool:
     kinds = cfg.get("mlp_layer_types")
     if kinds:
         assert [f == "moe" for _, f in spec.layer_kinds()] == [k in MOE_MLP_KINDS for k in kinds]
+    blocks = cfg.get("layers_block_type") or []
+    if "moe" in blocks or "mlp" in blocks:  # a single-block hybrid (Nemotron-H): one block per layer
+        got = [(m == "mamba", m == "none", f == "moe", f == "none") for m, f in spec.layer_kinds()]
+        ffn = ("moe", "mlp")
+        assert got == [(b in RECURRENT, b in ffn, b == "moe", b not in ffn) for b in blocks], (blocks, got)
     return True
 
 

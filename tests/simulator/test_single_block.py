@@ -1,0 +1,149 @@
+"""Single-block hybrids (Nemotron-H, the Nemotron 3 family): layers that hold a mixer or an FFN, not both
+(``ModelSpec.mixer_only_layers`` / ``ffn_only_layers``), 2-matrix squared-ReLU experts, and the Hugging Face
+reader of ``hybrid_override_pattern`` / ``layers_block_type`` (``simulator.hf_single_block``)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from moonep.console import main
+from simulator import ParallelConfig, simulate
+from simulator.hardware import load_hardware
+from simulator.hf_single_block import PATTERN
+from simulator.layers import layer_stats, param_counts
+from simulator.modelspec import ModelSpec
+from simulator.specs import from_hf_config
+
+H100 = load_hardware("h100")
+BASE = {"name": "hybrid", "hidden": 2048, "vocab": 32000, "num_heads": 16, "num_kv_heads": 4, "seq_len": 4096}
+MOE = {"num_experts": 64, "top_k": 4, "moe_ffn_hidden": 768, "num_shared_experts": 1}
+MAMBA2 = {"mamba_heads": 32, "mamba_groups": 4, "mamba_d_state": 64, "mamba_inner_dim": 4096}
+
+
+def _paired_and_split(n: int, mixers: str, ffn: str) -> tuple[ModelSpec, ModelSpec]:
+    """``n`` layers of a mixer and an FFN, and the same model with each layer cut into a mixer-only layer followed
+    by an FFN-only one (``mixers``: ``mamba`` / ``mha`` / ``alt`` alternating; ``ffn``: ``moe`` / ``dense``)."""
+    extra = (MOE if ffn == "moe" else {}) | MAMBA2 | {"ffn_hidden": 1536}
+    mamba = {"mamba": range(n), "mha": range(0), "alt": range(0, n, 2)}[mixers]
+    paired = ModelSpec(**BASE, **extra, num_layers=n, mamba_layers=tuple(mamba))
+    split = ModelSpec(
+        **BASE,
+        **extra,
+        num_layers=2 * n,
+        mamba_layers=tuple(2 * i for i in mamba),
+        mixer_only_layers=tuple(range(0, 2 * n, 2)),
+        ffn_only_layers=tuple(range(1, 2 * n, 2)),
+        moe_layers=tuple(range(1, 2 * n, 2)) if ffn == "moe" else (),
+    )
+    return paired, split
+
+
+@pytest.mark.parametrize(("mixers", "ffn"), [("alt", "moe"), ("mamba", "dense"), ("mha", "moe")])
+@pytest.mark.parametrize("pp", [1, 2])
+def test_cutting_each_layer_into_its_two_blocks_changes_nothing(mixers, ffn, pp):
+    """A layer's mixer and FFN as two single-block layers: the same weights, FLOPs, step time term by term and
+    memory (a norm per block either way; the elementwise and TP terms split between the blocks)."""
+    paired, split = _paired_and_split(8, mixers, ffn)
+    assert param_counts(paired) == param_counts(split)
+    ep = 4 if ffn == "moe" else 1
+    par = ParallelConfig(pp=pp, ep=ep, etp=1 if ep > 1 else 0, dp=8 // pp, tp=1, micro_batch=1, seq_len=4096)
+    par = replace(par, global_batch_tokens=64 * 4096, dispatcher="deepep", recompute="none")
+    a, b = simulate(paired, H100, par, 8), simulate(split, H100, par, 8)
+    assert a.feasible and b.feasible
+    assert b.step_time_s == pytest.approx(a.step_time_s, rel=1e-9)
+    for key, value in a.breakdown.items():
+        assert b.breakdown[key] == pytest.approx(value, rel=1e-9, abs=1e-12), key
+    assert b.memory_gib_per_gpu == pytest.approx(a.memory_gib_per_gpu, rel=1e-9)
+    assert b.tflops_per_gpu == pytest.approx(a.tflops_per_gpu, rel=1e-9)
+
+
+def test_squared_relu_experts_have_two_matrices():
+    gated = ModelSpec(**BASE, **MOE, num_layers=2)
+    plain = replace(gated, gated_experts=False)
+    one = BASE["hidden"] * MOE["moe_ffn_hidden"]
+    assert param_counts(gated).experts - param_counts(plain).experts == 2 * MOE["num_experts"] * one
+    g, p = layer_stats(gated, ("mha", "moe")), layer_stats(plain, ("mha", "moe"))
+    assert p.grouped_flops / g.grouped_flops == pytest.approx(2 / 3)
+    act = {t.name: t.nbytes for t in p.act_terms}
+    assert act["expert_act_in"] == 2 * MOE["top_k"] * MOE["moe_ffn_hidden"]  # squared ReLU keeps its [F] input
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        ({"mixer_only_layers": (0,), "ffn_only_layers": (0,)}, "disjoint"),
+        ({"mixer_only_layers": (9,)}, "below num_layers"),
+        ({"ffn_only_layers": (0,), "mamba_layers": (0,)}, "ffn_only_layers must not be KDA or Mamba"),
+        ({"mixer_only_layers": (1,), "ffn_only_layers": (0,), "moe_layers": (1,)}, "mixer_only_layers must not be MoE"),
+        ({"mixer_only_layers": (0,), "ffn_only_layers": (1,)}, "moe_layers must name the MoE layers"),
+    ],
+)
+def test_impossible_single_block_layouts_are_refused(change, named):
+    with pytest.raises(ValueError, match=named):
+        ModelSpec(**BASE, **MOE, **MAMBA2, ffn_hidden=1536, num_layers=4, **change)
+
+
+NANO = {
+    "model_type": "nemotron_h",
+    "architectures": ["NemotronHForCausalLM"],
+    "hybrid_override_pattern": "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME",
+    "num_hidden_layers": 52,
+    "hidden_size": 2688,
+    "vocab_size": 131072,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 2,
+    "head_dim": 128,
+    "mamba_num_heads": 64,
+    "mamba_head_dim": 64,
+    "n_groups": 8,
+    "ssm_state_size": 128,
+    "conv_kernel": 4,
+    "n_routed_experts": 128,
+    "num_experts_per_tok": 6,
+    "moe_intermediate_size": 1856,
+    "moe_shared_expert_intermediate_size": 3712,
+    "n_shared_experts": 1,
+    "intermediate_size": 1856,
+    "mlp_hidden_act": "relu2",
+    "max_position_embeddings": 262144,
+}
+"""NVIDIA-Nemotron-3-Nano-30B-A3B's published ``config.json`` (the fields that size it; Megatron-Bridge's
+``recipes/nemotronh/h100/nemotron_3_nano.py`` states the same architecture)."""
+
+
+def test_nemotron_3_nano_reads_as_published():
+    """31.6B parameters in all and 3.2B active without the input embedding (3.6B with it), as NVIDIA states for the
+    model; 23 Mamba-2, 23 MoE and 6 attention blocks, as its pattern says."""
+    spec = from_hf_config(NANO)
+    counts = param_counts(spec)
+    assert counts.total == pytest.approx(31.6e9, rel=0.005)
+    assert counts.active == pytest.approx(3.2e9, rel=0.02)
+    assert counts.active + counts.embedding == pytest.approx(3.6e9, rel=0.02)
+    kinds = spec.layer_kinds()
+    assert (kinds.count(("mamba", "none")), kinds.count(("none", "moe")), kinds.count(("mha", "none"))) == (23, 23, 6)
+    assert spec.mamba_inner == 64 * 64 and not spec.gated_experts and spec.router_bias
+
+
+def test_the_pattern_and_the_block_list_are_one_model():
+    """A published file's ``hybrid_override_pattern`` and transformers 5.x's ``layers_block_type`` (what its
+    ``NemotronHConfig`` writes, without ``num_hidden_layers``) read as the same spec."""
+    names = {"mamba": "linear_attention", "attention": "full_attention", "moe": "moe", "mlp": "mlp"}
+    listed = [names[PATTERN[ch]] for ch in NANO["hybrid_override_pattern"]]
+    other = {k: v for k, v in NANO.items() if k not in ("hybrid_override_pattern", "num_hidden_layers")}
+    assert from_hf_config(other | {"layers_block_type": listed}) == from_hf_config(NANO)
+
+
+def test_nemotron_3_nano_runs_from_its_config(tmp_path):
+    """The published recipe's layout (8 GB300, EP 8, MXFP8, per-module graphs) from the CLI: feasible, every
+    block priced (Mamba-2 scans in the recurrent channel, attention, experts, EP)."""
+    path, out = tmp_path / "config.json", tmp_path / "r.json"
+    path.write_text(json.dumps(NANO))
+    args = ["simulate", "run", "--model", str(path), "--hardware", "gb300", "--gpus", "8", "--ep", "8", "--etp", "1"]
+    args += ["--micro-batch", "4", "--seq-len", "8192", "--global-batch-tokens", str(512 * 8192)]
+    args += ["--precision", "fp8", "--dispatcher", "deepep", "--recompute", "none", "--cuda-graph", "modules"]
+    assert main([*args, "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["feasible"] and all(res["breakdown"][k] > 0 for k in ("kda", "attention", "grouped_gemm", "ep"))
