@@ -20,8 +20,15 @@ from simulator.hf_families import (
     model_name,
     moe_layer_ids,
 )
-from simulator.hf_layer_kinds import check_mixers, kda_from_layer_types, layer_kinds, windowed_layers
-from simulator.hf_single_block import single_block_fields, single_blocks, with_layer_count
+from simulator.hf_layer_kinds import (
+    check_mixers,
+    kda_from_layer_types,
+    layer_kinds,
+    single_block_fields,
+    single_blocks,
+    windowed_layers,
+    with_layer_count,
+)
 from simulator.modelspec import MAX_SIZE, ModelSpec
 
 
@@ -47,7 +54,7 @@ def _fields(cfg: dict, c: dict, get: Callable[..., Any], name: str) -> dict:
     hidden, heads = int(get("hidden_size")), int(get("num_attention_heads"))
     layers = int(get("num_hidden_layers"))
     mla = get("kv_lora_rank") is not None
-    blocks = single_blocks(c)  # Nemotron-H: one block per layer (hf_single_block)
+    blocks = single_blocks(c)  # Nemotron-H: one block per layer (hf_layer_kinds)
     single = single_block_fields(c, get, blocks) if blocks else {}
     types = None if blocks else layer_kinds(c, layers)
     lin, kda = _linear_attention(c, get, types)

@@ -77,7 +77,7 @@ NEMOTRON_H_FIELDS = {
     "ssm_state_size": 128,
 }
 """The fields a published Nemotron-H MoE ``config.json`` adds (each layer one block: M Mamba, E MoE, * attention;
-read by ``simulator.hf_single_block``)."""
+read by ``simulator.hf_layer_kinds``)."""
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,6 @@
 """Single-block hybrids (Nemotron-H, the Nemotron 3 family): layers that hold a mixer or an FFN, not both
 (``ModelSpec.mixer_only_layers`` / ``ffn_only_layers``), 2-matrix squared-ReLU experts, and the Hugging Face
-reader of ``hybrid_override_pattern`` / ``layers_block_type`` (``simulator.hf_single_block``)."""
+reader of ``hybrid_override_pattern`` / ``layers_block_type`` (``simulator.hf_layer_kinds``)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 from moonep.console import main
 from simulator import ParallelConfig, simulate
 from simulator.hardware import load_hardware
-from simulator.hf_single_block import PATTERN
+from simulator.hf_layer_kinds import PATTERN
 from simulator.layers import layer_stats, param_counts
 from simulator.modelspec import ModelSpec
 from simulator.specs import from_hf_config
@@ -147,3 +147,13 @@ def test_nemotron_3_nano_runs_from_its_config(tmp_path):
     assert main([*args, "--json", str(out)]) == 0
     res = json.loads(out.read_text())
     assert res["feasible"] and all(res["breakdown"][k] > 0 for k in ("kda", "attention", "grouped_gemm", "ep"))
+
+
+def test_a_dense_pattern_builds_no_experts():
+    """Nemotron-H's dense models (``M``, ``*`` and ``-`` blocks only) carry transformers' default expert fields,
+    which build nothing there: a dense spec whose MLP blocks have two matrices."""
+    dense = NANO | {"hybrid_override_pattern": "M-M-M*-M-", "num_hidden_layers": 9, "intermediate_size": 8192}
+    spec = from_hf_config(dense)
+    assert not spec.is_moe and spec.layer_kinds().count(("none", "dense")) == 4 and not spec.gated_ffn
+    mlp = layer_stats(spec, ("none", "dense"))
+    assert mlp.dense_params == 2 * NANO["hidden_size"] * 8192 + NANO["hidden_size"]  # up, down and the block's norm
