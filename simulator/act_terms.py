@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from simulator.modelspec import ModelSpec
+from simulator.modelspec import ModelSpec, blocks
 
 WHEN = ("", "flash", "combine", "mla_kv")
 """``flash``: only with flash attention (the non-flash softmax keeps ``act_s2_per_s`` instead); ``combine``: only
@@ -69,15 +69,15 @@ def norm_stats(spec: ModelSpec) -> int:
 def common_terms(spec: ModelSpec, kind: tuple[str, str]) -> list[ActTerm]:
     """The pre-norm of each block the layer holds (two, or one in a single-block hybrid, where the other kind is
     ``none``): inputs (+ stats), outputs (the GEMM inputs of the sublayers), dropout masks."""
-    h, blocks = spec.hidden, (kind[0] != "none") + (kind[1] != "none")
-    out = [_t("norm_in", blocks * (2 * h + norm_stats(spec)), "rep")]
+    h, n = spec.hidden, blocks(kind)
+    out = [_t("norm_in", n * (2 * h + norm_stats(spec)), "rep")]
     if kind[0] != "none":  # fused norm + first GEMM (TE LayerNormLinear) emits the fp8 copy only; Mamba/KDA too
         out.append(_t("attn_norm_out", 2 * h, "rep", fp8=h, removed_by=("layernorm",)))
     if kind[1] != "none":  # dense: fused norm + FC1 (fp8 copy only); MoE: the router's bf16 GEMM keeps the bf16 one
         fp8 = h if kind[1] == "dense" else 2 * h
         out.append(_t("ffn_norm_out", 2 * h, "rep", fp8=fp8, removed_by=("layernorm",)))
     if spec.dropout:
-        out.append(_t("dropout_masks", blocks * h, "rep"))
+        out.append(_t("dropout_masks", n * h, "rep"))
     return out
 
 

@@ -27,8 +27,8 @@ from simulator import gemm_shapes, host
 from simulator import network as net
 from simulator.attention_model import attention_seconds
 from simulator.hardware import HardwareSpec
-from simulator.layers import blocks, layer_stats
-from simulator.modelspec import ModelSpec
+from simulator.layers import layer_stats
+from simulator.modelspec import ModelSpec, blocks
 from simulator.parallel import ParallelConfig
 from simulator.replicas import replicas_per_rank
 

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from simulator.hardware import HardwareSpec, HostSpec
-from simulator.layers import blocks, embedding_params, head_params, layer_stats
-from simulator.modelspec import ModelSpec
+from simulator.layers import embedding_params, head_params, layer_stats
+from simulator.modelspec import ModelSpec, blocks
 from simulator.parallel import ParallelConfig
 from simulator.replicas import replicas_per_rank
 

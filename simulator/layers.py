@@ -30,7 +30,7 @@ from simulator.act_terms import (
     recurrent_terms,
 )
 from simulator.mamba_mixers import mamba_mixer
-from simulator.modelspec import ModelSpec
+from simulator.modelspec import ModelSpec, blocks
 
 KDA_CHUNK = 64
 RECOMPUTE_MODES = ("none", "selective", "selective+act", "full")
@@ -245,11 +245,6 @@ def _norm_params(spec: ModelSpec, kind: tuple[str, str]) -> int:
     if spec.attn_res:
         return 6 * h  # 4 RMSNorm gains + 2 AttnRes pseudo-queries (k3_architecture.md 3.2)
     return (2 if spec.norm == "layernorm" else 1) * h * blocks(kind)
-
-
-def blocks(kind: tuple[str, str]) -> int:
-    """Blocks a layer holds: a mixer and an FFN (2), or one of them in a single-block hybrid (1)."""
-    return (kind[0] != "none") + (kind[1] != "none")
 
 
 @lru_cache(maxsize=256)

@@ -345,3 +345,8 @@ def _layer_kinds(spec: ModelSpec) -> tuple[tuple[str, str], ...]:
         return "none" if i in mixer_only else "moe" if i in moe else "dense"
 
     return tuple((mixer(i), ffn(i)) for i in range(spec.num_layers))
+
+
+def blocks(kind: tuple[str, str]) -> int:
+    """Blocks a layer of ``kind`` holds: a mixer and an FFN (2), or one of them in a single-block hybrid (1)."""
+    return (kind[0] != "none") + (kind[1] != "none")
