@@ -42,17 +42,18 @@ def _paired_and_split(n: int, mixers: str, ffn: str) -> tuple[ModelSpec, ModelSp
 
 
 @pytest.mark.parametrize(("mixers", "ffn"), [("alt", "moe"), ("mamba", "dense"), ("mha", "moe")])
-@pytest.mark.parametrize("pp", [1, 2])
-def test_cutting_each_layer_into_its_two_blocks_changes_nothing(mixers, ffn, pp):
+@pytest.mark.parametrize(("pp", "tp"), [(1, 1), (2, 1), (1, 2)])
+def test_cutting_each_layer_into_its_two_blocks_changes_nothing(mixers, ffn, pp, tp):
     """A layer's mixer and FFN as two single-block layers: the same weights, FLOPs, step time term by term and
     memory (a norm per block either way; the elementwise and TP terms split between the blocks)."""
     paired, split = _paired_and_split(8, mixers, ffn)
     assert param_counts(paired) == param_counts(split)
     ep = 4 if ffn == "moe" else 1
-    par = ParallelConfig(pp=pp, ep=ep, etp=1 if ep > 1 else 0, dp=8 // pp, tp=1, micro_batch=1, seq_len=4096)
+    dp = 8 // pp // tp
+    par = ParallelConfig(pp=pp, ep=ep, etp=1 if ep > 1 else 0, dp=dp, tp=tp, micro_batch=1, seq_len=4096)
     par = replace(par, global_batch_tokens=64 * 4096, dispatcher="deepep", recompute="none")
     a, b = simulate(paired, H100, par, 8), simulate(split, H100, par, 8)
-    assert a.feasible and b.feasible
+    assert a.feasible and b.feasible and (a.breakdown["tp"] > 0) == (tp > 1)
     assert b.step_time_s == pytest.approx(a.step_time_s, rel=1e-9)
     for key, value in a.breakdown.items():
         assert b.breakdown[key] == pytest.approx(value, rel=1e-9, abs=1e-12), key
