@@ -110,7 +110,7 @@ def moe_terms(spec: ModelSpec) -> list[ActTerm]:
     """Router, fused permutation, routed experts (grouped GEMMs, SwiGLU), shared experts, LatentMoE projections."""
     h, e, k, fe = spec.hidden, spec.num_experts, spec.top_k, spec.moe_ffn_hidden
     de, fs, lat = spec.moe_latent_dim or h, spec.shared_width, spec.moe_latent_dim
-    act_in = 4 if spec.gated_experts else 2  # bytes per F of the activation's input: SwiGLU [2F], squared ReLU [F]
+    act_in = 2 * spec.expert_fc1  # bf16 bytes per F of the activation's input: SwiGLU [2F], squared ReLU [F]
     out = [
         # fp32 scores [E] (sigmoid/softmax keep their output), top-k indices int64 [K] (the gather's), the
         # gathered scores [K] and their sum (the normalising division's)

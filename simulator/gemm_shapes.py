@@ -55,7 +55,7 @@ def _ffn(spec: ModelSpec, kind: str) -> list[tuple[int, int, str]]:
     out = [(spec.num_experts, h, "n")]
     fs = spec.shared_width
     if fs:
-        out += [((2 if spec.gated_experts else 1) * fs, h, "n"), (h, fs, "k")]
+        out += [(spec.expert_fc1 * fs, h, "n"), (h, fs, "k")]
     if spec.moe_latent_dim:
         out += [(spec.moe_latent_dim, h, "n"), (h, spec.moe_latent_dim, "k")]
     return out
@@ -86,7 +86,7 @@ def dense_seconds(spec: ModelSpec, kind: tuple[str, str], roof: Roof, t: float, 
 def shared_expert_seconds(spec: ModelSpec, roof: Roof, t: float, tp: int) -> tuple[float, float]:
     """(forward, backward) seconds of the shared experts' two GEMMs on one GPU (``_ffn``'s shapes)."""
     fs, h = spec.shared_width, spec.hidden
-    f1, b1 = pass_seconds(roof, t, (2 if spec.gated_experts else 1) * fs / tp, h)
+    f1, b1 = pass_seconds(roof, t, spec.expert_fc1 * fs / tp, h)
     f2, b2 = pass_seconds(roof, t, h, fs / tp)
     return f1 + f2, b1 + b2
 
@@ -95,7 +95,7 @@ def shared_expert_seconds(spec: ModelSpec, roof: Roof, t: float, tp: int) -> tup
 def expert_seconds(spec: ModelSpec, roof: Roof, rows: float, local: int, etp: int) -> tuple[float, float]:
     """(forward, backward) seconds of one GPU's routed-expert grouped GEMMs: ``local`` experts of ``rows`` rows."""
     d, f = spec.moe_latent_dim or spec.hidden, spec.moe_ffn_hidden
-    f1, b1 = pass_seconds(roof, rows, (2 if spec.gated_experts else 1) * f / etp, d, local)
+    f1, b1 = pass_seconds(roof, rows, spec.expert_fc1 * f / etp, d, local)
     f2, b2 = pass_seconds(roof, rows, d, f / etp, local)
     return f1 + f2, b1 + b2
 

@@ -175,7 +175,7 @@ def _ffn(spec: ModelSpec, kind: str) -> dict:
             "eb": 0,
         }
     e, k, fe = spec.num_experts, spec.top_k, spec.moe_ffn_hidden
-    de, mats = spec.moe_latent_dim or h, 3 if spec.gated_experts else 2
+    de, mats = spec.moe_latent_dim or h, spec.expert_fc1 + 1
     one = mats * de * fe
     fs = spec.shared_width
     mat = e * h + mats * h * fs + (2 * h * spec.moe_latent_dim if spec.moe_latent_dim else 0)
@@ -215,8 +215,7 @@ def _modules(spec: ModelSpec, kind: tuple[str, str], terms: tuple[ActTerm, ...])
         fs = spec.shared_width
         out.append(("moe_act", dropped("moe_act"), 0.0))
         if fs:
-            mats = 3 if spec.gated_experts else 2
-            out.append(("shared_experts", dropped("shared_experts"), 2.0 * mats * h * fs))
+            out.append(("shared_experts", dropped("shared_experts"), 2.0 * (spec.expert_fc1 + 1) * h * fs))
     return tuple(out)
 
 

@@ -256,6 +256,12 @@ class ModelSpec:
         return self.shared_ffn_hidden or self.num_shared_experts * self.moe_ffn_hidden
 
     @property
+    def expert_fc1(self) -> int:
+        """FC1 outputs per unit of expert width (routed and shared): 2 for GLU (gate and up), 1 for squared ReLU;
+        an expert has ``expert_fc1 + 1`` matrices."""
+        return 2 if self.gated_experts else 1
+
+    @property
     def mamba_inner(self) -> int:
         """Mamba inner (expanded) width: ``mamba_inner_dim``, else ``mamba_expand * hidden``."""
         return self.mamba_inner_dim or self.mamba_expand * self.hidden
