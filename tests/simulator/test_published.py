@@ -59,7 +59,7 @@ def test_no_family_is_biased_one_way():
 
 def test_errors_no_worse_than_reported():
     """Regression guard at the README's numbers (dense meets the issue's 8%; MoE does not, see the README)."""
-    for kind, mae_cap, inside_min in (("moe", 0.155, 12), ("dense", 0.075, 10)):
+    for kind, mae_cap, inside_min in (("moe", 0.145, 11), ("dense", 0.075, 10)):
         errors = [abs(x - 1) for x in _family(kind)]
         assert sum(errors) / len(errors) <= mae_cap, (kind, format_published(TABLE))
         assert sum(e <= BAND for e in errors) >= inside_min, (kind, format_published(TABLE))
@@ -106,32 +106,46 @@ def test_shipped_constants_are_the_fit():
             assert software_fit.loss(rows, moved) > base, (key, sign)
 
 
-def test_the_fit_recovers_planted_constants():
-    """Rows whose published numbers are the simulator's own at known constants give those constants back (the
-    rows of each CUDA-graph mode pin its constant)."""
-    planted = {
-        "sustained": 0.7,
-        "moe_layer_fixed_s": 0.001,
-        "moe_layer_graphed_s": 0.002,
-        "moe_layer_module_graph_s": 0.0035,
-    }
+PLANTED = {
+    "sustained": 0.7,
+    "moe_layer_fixed_s": 0.001,
+    "moe_layer_graphed_s": 0.002,
+    "moe_layer_module_graph_s": 0.0035,
+}
+START = {
+    "sustained": 0.9,
+    "moe_layer_fixed_s": 0.003,
+    "moe_layer_graphed_s": 0.004,
+    "moe_layer_module_graph_s": 0.001,
+}
+
+
+def _planted_rows(slower: str = "", factor: float = 1.0) -> tuple:
+    """Rows whose published numbers are the simulator's own at ``PLANTED`` (the rows of each CUDA-graph mode pin its
+    constant), those of model ``slower`` made ``factor`` x slower than that."""
     rows = software_fit.fit_rows()
     moe = tuple(r for r in rows if r.is_moe and (r.system == "h100" or r.cuda_graph != "none"))
     rows = moe + tuple(r for r in rows if not r.is_moe)[:4]
-    errs = software_fit.log_errors(rows, planted)
-    made = tuple(
-        dataclasses.replace(r, tokens_per_s_per_gpu=r.tokens_per_s_per_gpu * math.exp(e)) for r, e in zip(rows, errs)
-    )
-    start = {
-        "sustained": 0.9,
-        "moe_layer_fixed_s": 0.003,
-        "moe_layer_graphed_s": 0.004,
-        "moe_layer_module_graph_s": 0.001,
-    }
-    got = software_fit.fit(made, start=start, sweeps=5)
-    assert got["sustained"] == pytest.approx(0.7, abs=0.01)
+    errs = software_fit.log_errors(rows, PLANTED)
+    scale = [math.exp(e) / (factor if r.model == slower else 1.0) for r, e in zip(rows, errs)]
+    return tuple(dataclasses.replace(r, tokens_per_s_per_gpu=r.tokens_per_s_per_gpu * k) for r, k in zip(rows, scale))
+
+
+def _assert_planted(got: dict) -> None:
+    assert got["sustained"] == pytest.approx(PLANTED["sustained"], abs=0.01)
     for key in ("moe_layer_fixed_s", "moe_layer_graphed_s", "moe_layer_module_graph_s"):
-        assert got[key] == pytest.approx(planted[key], abs=0.0002), key
+        assert got[key] == pytest.approx(PLANTED[key], abs=0.0002), key
+
+
+def test_the_fit_recovers_planted_constants():
+    _assert_planted(software_fit.fit(_planted_rows(), start=START, sweeps=5))
+
+
+def test_one_models_unexplained_cost_does_not_move_the_fit():
+    """The fit's error is absolute: one model's rows made 1.5x slower than the simulator at the planted constants
+    (as gpt-oss-120b's unexplained per-step cost makes its published rows) leave the constants where the other
+    rows put them; a squared error lets those rows pull every constant."""
+    _assert_planted(software_fit.fit(_planted_rows("gpt-oss-120b", 1.5), start=START, sweeps=5))
 
 
 def test_readme_table_is_the_code_output():
