@@ -8,7 +8,9 @@ The graph has one vertex per GPU, one NVSwitch per node, leaf switches and one a
 
 Edge attribute ``capacity`` is GB/s per direction; a leaf's spine uplink carries its downlink capacity divided
 by ``oversubscription``. Collectives see three tiers of per-GPU bandwidth read off the graph: inside a node
-(NVLink), inside a leaf domain (NIC) and across the spine (NIC / oversubscription). Ranks are laid out
+(NVLink), inside a leaf domain (NIC) and across the spine (NIC / oversubscription); a ring that leaves the node
+spreads its crossing traffic over the NICs of the group's members on each node (NCCL measures 192 GB/s all-reduce
+bus bandwidth across DGX-A100 nodes with eight 25 GB/s NICs, NVIDIA/nccl#812). Ranks are laid out
 TP fastest, then CP, then DP (EP groups are consecutive DP x CP ranks), then PP (Megatron's order), so a
 group of ``n`` ranks with rank stride ``st`` has ``k`` members per node and ``l`` per leaf domain.
 """
@@ -127,8 +129,12 @@ def group(n: int, stride: int, t: Tiers) -> Group:
 
 
 def _bottleneck(gr: Group, t: Tiers, scale: tuple[float, float, float]) -> tuple[float, float]:
+    """Bandwidth (B/s) and latency of a ring over ``gr``. A ring that leaves the node crosses between nodes once
+    per node per channel, and NCCL runs one channel through the NIC of each of the group's ``k`` members on a node
+    (its ring search spreads channels over NICs), so the node's crossing traffic shares ``k`` NICs: a group with
+    one member per node is held to one NIC, a whole node's ring to the lesser of NVLink and ``k`` NICs."""
     tier = gr.top_tier
-    bw = min(t.bw[i] * scale[i] for i in range(tier + 1))
+    bw = min(t.bw[i] * scale[i] * (gr.k if i else 1) for i in range(tier + 1))
     return bw * 1e9, t.alpha[tier]
 
 

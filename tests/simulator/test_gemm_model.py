@@ -112,7 +112,7 @@ def test_higher_tp_runs_further_from_peak():
     roof, kind, t = roof_for(hw, "bf16"), load_model("llama3-70b").layer_kinds()[0], 8192.0
     flops = layer_stats(spec, kind).gemm_flops * t
     eff = {tp: flops / tp / dense_seconds(spec, kind, roof, t, tp)[0] / roof.peak for tp in (1, 8)}
-    assert eff[8] < eff[1] <= roof.ceiling
+    assert eff[8] < eff[1] <= roof.ceiling * (1 + 1e-12)  # float rounding at the ceiling
 
 
 def test_readme_table_is_the_model_output():

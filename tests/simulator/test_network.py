@@ -48,3 +48,20 @@ def test_collectives_monotone_in_bytes(a, b, n, stride):
     for fn in (net.all_gather, net.all_reduce, net.all_to_all):
         assert fn(hi, g, t) >= fn(lo, g, t)
     assert net.all_to_all(hi, g, t, incast=1.5) >= net.all_to_all(hi, g, t)
+
+
+@settings(max_examples=30, deadline=None)
+@given(nbytes=st.floats(1e8, 1e11), nodes=st.sampled_from([2, 4, 16, 64]), stride=st.sampled_from([1, 2, 4, 8]))
+def test_a_ring_across_nodes_shares_its_members_nics(nbytes, nodes, stride):
+    """A ring that leaves the node crosses at the NICs of the group's members on each node (NCCL runs a channel
+    per NIC: 192 GB/s all-reduce bus bandwidth across DGX-A100 nodes with eight 25 GB/s NICs, NVIDIA/nccl#812):
+    ``k`` members per node move ``k`` times one member's bandwidth, up to NVLink. Latency aside, so big buffers."""
+    t = net.cluster_tiers(4096, load_hardware("h100"), net.ClusterSpec())
+    k = t.gpus_per_node // stride
+    g = net.group(nodes * k, stride, t)
+    assert g.k == k and g.top_tier >= 1
+    one_nic = min(t.bw[: g.top_tier + 1])
+    expect = min(t.bw[0], k * min(t.bw[1 : g.top_tier + 1]))
+    busy = net.all_gather(nbytes, g, t) - net.ring_latency(g, t)
+    assert busy == pytest.approx((g.n - 1) / g.n * nbytes / (expect * 1e9), rel=1e-9)
+    assert expect >= one_nic and (k == 1) == (expect == one_nic)
