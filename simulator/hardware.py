@@ -219,15 +219,15 @@ A100_EFFICIENCY = Efficiency(
 # backward / forward as Megatron's overlap_grad_reduce / overlap_param_gather do).
 GEMM_CEILING = {"bf16": 0.801, "fp8": 0.70}
 """Best-shape GEMM fraction of peak in a microbenchmark (sources above), Hopper and Blackwell."""
-SUSTAINED = 0.941
+SUSTAINED = 0.873
 """Fitted (simulator.software_fit): the share of the microbenchmark ceiling a training step sustains (clocks
 under a training power load, SMs lent to communication kernels, launch gaps), one number for every GPU."""
-MOE_LAYER_FIXED_S = 0.0046
+MOE_LAYER_FIXED_S = 0.0054
 """Fitted (simulator.software_fit): seconds per MoE layer per micro-batch, forward + backward, of dropless
 dispatcher work that does not scale with tokens (host syncs for the token counts, kernel launches)."""
-MOE_LAYER_GRAPHED_S = 0.0019
+MOE_LAYER_GRAPHED_S = 0.0016
 """Fitted (simulator.software_fit): the same under a full-iteration CUDA graph (kernel fill and drain only)."""
-MOE_LAYER_MODULE_GRAPH_S = 0.0033
+MOE_LAYER_MODULE_GRAPH_S = 0.0044
 """Fitted (simulator.software_fit): the same under per-module CUDA graphs (router and preprocessing graphed)."""
 HOPPER_EFFICIENCY = Efficiency(
     gemm=GEMM_CEILING["bf16"] * SUSTAINED,

@@ -90,8 +90,14 @@ class Published:
     offload_fraction: float = 0.0
     """Share of the layers whose activations the recipe offloads to the host (``cpu_offloading_num_layers`` over
     the layers)."""
+    pp_layout: tuple[int, int] | None = None
+    """Transformer layers of the first and of the last model chunk where the recipe's
+    ``pipeline_model_parallel_layout`` sets them (DeepSeek-V3's recipes: ``Et*4|(t*4|)*14tmL`` is 4 and 1, the last
+    chunk holding the MTP module and the loss); None: the even split."""
     mtp: bool = False
-    """The run trains DeepSeek-V3's multi-token-prediction module (the table says "w/ MTP")."""
+    """The run trains DeepSeek-V3's multi-token-prediction module: the table says "w/ MTP", or the recipe sets
+    ``mtp_num_layers = 1`` (every DeepSeek-V3 recipe but the 25.11 BF16 command-line runs, "w/o MTP"). The tables'
+    own model TFLOP/s agree: about 260 GFLOP per token with the module, 249 without."""
     cuda_graph: str = "none"
     """``full`` where the recipe sets ``cuda_graph_impl = "full_iteration"`` (with the paged-stash sync-free MoE
     dispatch); ``modules`` where it sets ``cuda_graph_impl = "transformer_engine"`` with the MoE router and
@@ -121,27 +127,26 @@ MOE_MODELS = ("deepseek-v3", "qwen3-30b-a3b", "qwen3-235b-a22b", "gpt-oss-120b",
 _TABLE = """
 qwen3-30b-a3b   | h100  |   16 | fp8  | 1024 | 1 | 4096 | 1 | 1 | 1 | 1  | 16 |  8826 |  203 | C 26.06 | dispatcher=deepep,recompute=none,recipe=qwen3_30b_a3b_pretrain_16gpu_h100_fp8cs_config
 qwen3-30b-a3b   | h100  |   16 | fp8  | 1024 | 1 | 4096 | 1 | 2 | 1 | 12 |  8 |  5113 |  118 | A 26.02 | dispatcher=deepep,a2a=1,recompute=none,note=issue 18's row: the PP 2 x VP 12 recipe of the 26.02 container
-qwen3-235b-a22b | h100  |  256 | fp8  | 8192 | 1 | 4096 | 2 | 8 | 1 | 4  | 32 |  1712 |  253 | A 26.04.01 | a2a=1,recompute=none,recipe=qwen3_235b_a22b_pretrain_256gpu_h100_fp8cs_config
+qwen3-235b-a22b | h100  |  256 | fp8  | 8192 | 1 | 4096 | 2 | 8 | 1 | 4  | 32 |  1712 |  253 | A 26.04.01 | layout=2+2,a2a=1,recompute=none,recipe=qwen3_235b_a22b_pretrain_256gpu_h100_fp8cs_config
 gpt-oss-120b    | h100  |   64 | bf16 | 1280 | 1 | 4096 | 1 | 4 | 1 | 1  |  8 |  5824 |  158 | A 26.04.01 | modules=layernorm+moe_act,recipe=gpt_oss_120b_pretrain_64gpu_h100_bf16_config
-deepseek-v3     | h100  | 1024 | fp8  | 8192 | 1 | 4096 | 2 | 8 | 1 | 4  | 64 |  1297 |  338 | A 25.09 | a2a=1,dispatcher=deepep,modules=mla_up_proj,note=the 25.09 table has no precision column; its footnote gives the H100 FP8 block scaling
-deepseek-v3     | b200  |  256 | fp8  | 4096 | 1 | 4096 | 1 | 8 | 1 | 2  | 32 |  3328 |  864 | A 26.04.01 | graph=modules,dispatcher=deepep,a2a=1,modules=mla_up_proj+mlp,recipe=deepseek_v3_pretrain_256gpu_b200_fp8mx_config
-deepseek-v3     | b200  |  256 | fp8  | 2048 | 1 | 4096 | 1 | 16 | 1 | 1 |  8 |  2139 |  557 | A 25.11 | dispatcher=classic,shared=1,modules=mla_up_proj,mtp=1,note=DeepSeekV3 (w/ MTP)
+deepseek-v3     | h100  | 1024 | fp8  | 8192 | 1 | 4096 | 2 | 8 | 1 | 4  | 64 |  1297 |  338 | A 25.09 | mtp=1,layout=1+0,a2a=1,dispatcher=deepep,modules=mla_up_proj,note=the 25.09 table has no precision column; its footnote gives the H100 FP8 block scaling
+deepseek-v3     | b200  |  256 | fp8  | 4096 | 1 | 4096 | 1 | 8 | 1 | 2  | 32 |  3328 |  864 | A 26.04.01 | mtp=1,layout=4+1,graph=modules,dispatcher=deepep,a2a=1,modules=mla_up_proj+mlp,recipe=deepseek_v3_pretrain_256gpu_b200_fp8mx_config
 gpt-oss-120b    | b200  |   64 | bf16 | 1280 | 4 | 4096 | 1 | 1 | 1 | 1  |  8 | 13568 |  369 | A 26.04.01 | modules=layernorm+moe_act,recipe=gpt_oss_120b_pretrain_64gpu_b200_bf16_config
-qwen3-235b-a22b | b200  |  256 | fp8  | 8192 | 1 | 4096 | 1 | 8 | 1 | 1  |  8 |  3776 |  560 | A 26.04.01 | recompute=none,recipe=qwen3_235b_a22b_pretrain_256gpu_b200_fp8cs_config
+qwen3-235b-a22b | b200  |  256 | fp8  | 8192 | 1 | 4096 | 1 | 8 | 1 | 1  |  8 |  3776 |  560 | A 26.04.01 | layout=11+11,recompute=none,recipe=qwen3_235b_a22b_pretrain_256gpu_b200_fp8cs_config
 qwen3-30b-a3b   | b200  |    8 | fp8  |  512 | 4 | 4096 | 1 | 1 | 1 | 1  |  8 | 27136 |  619 | A 26.04.01 | graph=modules,dispatcher=deepep,recompute=none,recipe=qwen3_30b_a3b_pretrain_8gpu_b200_fp8mx_config
-deepseek-v3     | gb200 |  256 | fp8  | 4096 | 1 | 4096 | 1 | 4 | 1 | 4  | 64 |  4912 | 1276 | C 26.08 | a2a=1,graph=full,sms=32,dispatcher=deepep,modules=mla_up_proj,recipe=deepseek_v3_pretrain_256gpu_gb200_fp8mx_config
-deepseek-v3     | gb200 |  256 | bf16 | 4096 | 1 | 4096 | 1 | 4 | 1 | 4  | 64 |  3139 |  782 | A 25.11 | graph=modules,dispatcher=deepep,modules=mla_up_proj,recipe=deepseek_v3_pretrain_256gpu_gb200_bf16_config,note=DeepSeekV3 (w/o MTP)
+deepseek-v3     | gb200 |  256 | fp8  | 4096 | 1 | 4096 | 1 | 4 | 1 | 4  | 64 |  4912 | 1276 | C 26.08 | mtp=1,layout=4+1,a2a=1,graph=full,sms=32,dispatcher=deepep,modules=mla_up_proj,recipe=deepseek_v3_pretrain_256gpu_gb200_fp8mx_config
+deepseek-v3     | gb200 |  256 | bf16 | 4096 | 1 | 4096 | 1 | 4 | 1 | 4  | 64 |  3139 |  782 | A 25.11 | layout=4+1,graph=modules,dispatcher=deepep,modules=mla_up_proj,recipe=deepseek_v3_pretrain_256gpu_gb200_bf16_config,note=DeepSeekV3 (w/o MTP)
 gpt-oss-120b    | gb200 |   64 | fp8  | 1280 | 4 | 4096 | 1 | 1 | 1 | 1  | 64 | 28672 |  934 | C 26.08 | dispatcher=deepep,a2a=1,graph=full,sms=32,fp8attn=1,recompute=none,recipe=gpt_oss_120b_pretrain_64gpu_gb200_fp8mx_config
 gpt-oss-120b    | gb200 |   64 | bf16 | 1280 | 4 | 4096 | 1 | 1 | 1 | 1  | 64 | 16640 |  452 | A 26.04.01 | a2a=1,modules=layernorm+moe_act,recipe=gpt_oss_120b_pretrain_64gpu_gb200_bf16_config
-qwen3-235b-a22b | gb200 |  256 | fp8  | 8192 | 1 | 4096 | 1 | 8 | 1 | 3  | 32 |  7280 | 1077 | C 26.08 | a2a=1,graph=full,sms=32,fp8attn=1,dispatcher=deepep,recompute=none,recipe=qwen3_235b_a22b_pretrain_256gpu_gb200_fp8mx_config
-qwen3-235b-a22b | gb200 |  256 | bf16 | 8192 | 1 | 4096 | 1 | 8 | 1 | 3  | 32 |  4916 |  728 | A 25.11 | graph=modules,dispatcher=deepep,recompute=none,note=the 25.11 BF16 recipe (VP 3; today's BF16 recipe has other sizes)
+qwen3-235b-a22b | gb200 |  256 | fp8  | 8192 | 1 | 4096 | 1 | 8 | 1 | 3  | 32 |  7280 | 1077 | C 26.08 | layout=3+3,a2a=1,graph=full,sms=32,fp8attn=1,dispatcher=deepep,recompute=none,recipe=qwen3_235b_a22b_pretrain_256gpu_gb200_fp8mx_config
+qwen3-235b-a22b | gb200 |  256 | bf16 | 8192 | 1 | 4096 | 1 | 8 | 1 | 3  | 32 |  4916 |  728 | A 25.11 | layout=3+3,graph=modules,dispatcher=deepep,recompute=none,note=the 25.11 BF16 recipe (VP 3; today's BF16 recipe has other sizes)
 qwen3-30b-a3b   | gb200 |    8 | fp8  |  512 | 4 | 4096 | 1 | 1 | 1 | 1  |  8 | 39936 |  923 | C 26.08 | a2a=1,graph=full,sms=32,fp8attn=1,dispatcher=deepep,recompute=none,recipe=qwen3_30b_a3b_pretrain_8gpu_gb200_fp8mx_config
-llama3-405b     | h100  | 1024 | fp8  | 1536 | 1 | 8192 | 8 | 8 | 2 | 8  |  1 |   326 |  822 | A 26.06 |
+llama3-405b     | h100  | 1024 | fp8  | 1536 | 1 | 8192 | 8 | 8 | 2 | 8  |  1 |   326 |  822 | A 26.06 | layout=1+1
 llama3-70b      | h100  |   64 | fp8  |  256 | 1 | 8192 | 4 | 8 | 1 | 5  |  1 |  1664 |  731 | A 26.04.01 |
 llama3-8b       | h100  |    8 | fp8  |  128 | 1 | 8192 | 1 | 1 | 1 | 1  |  1 | 14451 |  744 | A 25.11 | fsdp=1
-llama3-405b     | b200  |  128 | fp8  |   64 | 1 | 8192 | 4 | 8 | 2 | 8  |  1 |   661 | 1667 | A 25.11 |
+llama3-405b     | b200  |  128 | fp8  |   64 | 1 | 8192 | 4 | 8 | 2 | 8  |  1 |   661 | 1667 | A 25.11 | layout=1+1
 llama3-8b       | b200  |    8 | fp8  |  128 | 2 | 8192 | 1 | 1 | 1 | 1  |  1 | 30624 | 1576 | A 25.11 |
-llama3-405b     | gb200 |  256 | fp8  | 1536 | 1 | 8192 | 4 | 16 | 1 | 4 |  1 |   843 | 2129 | A 26.06 |
+llama3-405b     | gb200 |  256 | fp8  | 1536 | 1 | 8192 | 4 | 16 | 1 | 4 |  1 |   843 | 2129 | A 26.06 | layout=1+1
 llama3-70b      | gb200 |   64 | fp8  |  256 | 2 | 8192 | 1 | 1 | 1 | 1  |  1 |  4224 | 1892 | A 26.04.01 | fsdp=1,offload=0.5,recipe=llama3_70b_pretrain_64gpu_gb200_fp8cs_config (cpu_offloading_num_layers 40 of 80)
 llama3-8b       | gb200 |    8 | fp8  |  128 | 2 | 8192 | 1 | 1 | 1 | 1  |  1 | 31508 | 1622 | A 25.11 |
 nemotron4-15b   | h100  |  768 | bf16 |  384 | 1 | 4096 | 8 | 1 | 1 | 1  |  1 |  3593 |    0 | N15 | grads=fp32,note=DP 96, iteration 0.57 s, MFU 34.3%
@@ -164,6 +169,7 @@ _SETTINGS = {
     "fp8attn": ("fp8_attention", _flag),
     "fsdp": ("fsdp", _flag),
     "mtp": ("mtp", _flag),
+    "layout": ("pp_layout", lambda v: tuple(int(x) for x in v.split("+"))),
     "grads": ("main_grads_dtype", str),
     "graph": ("cuda_graph", str),
     "sms": ("ep_comm_sms", int),

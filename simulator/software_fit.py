@@ -18,7 +18,7 @@ They are fitted jointly on every published run the simulator knows (``simulator.
 ``simulator.calibration_runs.ROWS``, 40+ runs on five systems), by coordinate descent with golden-section search on
 the absolute log error of tokens/s/GPU, averaged per family (MoE, dense) and summed: the mean absolute error is
 what the validation is judged by, and unlike a squared error it does not let one family's unexplained cost (the
-gpt-oss-120b rows, about 1.5 s per step too fast, see the README) pull the constants every other run shares.
+gpt-oss-120b rows, 1 to 2 s per step too fast, see the README) pull the constants every other run shares.
 Never per row: a row moves a constant only by moving every row.
 Because the fit sees the validation rows, their in-sample errors are optimistic; ``leave_one_out`` refits
 without each row in turn and gives the out-of-sample error (``python -m simulator.software_fit`` prints both; the

@@ -143,6 +143,8 @@ def published_config(row: Published) -> ParallelConfig:
         cuda_graph=row.cuda_graph,
         ep_comm_sms=row.ep_comm_sms,
         fp8_attention=row.fp8_attention,
+        pp_first_layers=row.pp_layout[0] if row.pp_layout else None,
+        pp_last_layers=row.pp_layout[1] if row.pp_layout else None,
     )
 
 
@@ -162,6 +164,8 @@ def cli_args(row: Published) -> list[str]:
     args += ["--zero", "3" if row.fsdp else "1", "--dispatcher", row.dispatcher]
     args += ["--offload-fraction", str(row.offload_fraction)] if row.offload_fraction else []
     args += ["--mtp-layers", "1"] if row.mtp else []
+    layout = row.pp_layout or ()
+    args += ["--pp-first-layers", str(layout[0]), "--pp-last-layers", str(layout[1])] if layout else []
     args += ["--main-grads-dtype", row.main_grads_dtype]
     args += ["--recompute-modules", ",".join(row.recompute_modules)] if row.recompute_modules else []
     args += ["--cuda-graph", row.cuda_graph] + (["--fp8-attention"] if row.fp8_attention else [])

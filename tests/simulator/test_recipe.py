@@ -237,10 +237,13 @@ def test_shared_expert_overlap_refuses_what_megatron_refuses(change, named):
 
 
 def test_shared_expert_overlap_flag_reaches_the_model_and_its_refusal_is_one_line(tmp_path, capsys):
-    """DeepSeek-V3's 25.11 B200 recipe (the all-to-all dispatcher with ``moe_shared_expert_overlap``) from the CLI."""
+    """DeepSeek-V3's 25.11 B200 recipe (PP 16 x EP 8, the all-to-all dispatcher with ``moe_shared_expert_overlap``;
+    superseded in the validation table by the 26.04.01 row of the same GPUs) from the CLI."""
     from moonep.console import main  # the CLI entry point, as a user runs it
 
-    row = next(r for r in PUBLISHED if r.shared_expert_overlap)
+    newer = next(r for r in PUBLISHED if r.model == "deepseek-v3" and r.system == "b200")
+    row = replace(newer, gbs=2048, pp=16, vp=1, ep=8, dispatcher="classic", shared_expert_overlap=True,
+                  moe_a2a_overlap=False, cuda_graph="none", recompute_modules=("mla_up_proj",))  # fmt: skip
     out = tmp_path / "r.json"
     assert main(["simulate", "run", *cli_args(row), "--json", str(out)]) == 0
     assert json.loads(out.read_text())["ep_overlap"]["model"] == "shared experts"
