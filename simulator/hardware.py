@@ -4,8 +4,8 @@ Peak numbers are vendor datasheet values for dense (non-sparse) math; link bandw
 Efficiencies are the *only* tuning knobs and there is exactly one set per hardware (the issue's rule): the
 A100 set was fitted once to all eight Korthikanti et al. runs together (see ``simulator/README.md``); the Hopper
 and Blackwell sets are engineering estimates, to be replaced by ``moonep simulate calibrate`` profiles, except
-four software constants fitted to published runs (``SUSTAINED`` and the MoE layer's fixed time eager, under
-per-module and under full-iteration CUDA graphs; ``simulator.software_fit``).
+five software constants fitted to published runs (``SUSTAINED`` per architecture and the MoE layer's fixed time
+eager, under per-module and under full-iteration CUDA graphs; ``simulator.software_fit``).
 """
 
 from __future__ import annotations
@@ -215,23 +215,22 @@ A100_EFFICIENCY = Efficiency(
     network=0.80,
     flash_attention=False,
 )
-# Hopper/Blackwell: current Megatron/TE software (TP comm overlap; DP bucket collectives overlapped with the
-# backward / forward as Megatron's overlap_grad_reduce / overlap_param_gather do).
+# Hopper/Blackwell: current Megatron/TE (TP comm overlap; DP buckets overlapped, overlap_grad_reduce/param_gather).
 GEMM_CEILING = {"bf16": 0.801, "fp8": 0.70}
 """Best-shape GEMM fraction of peak in a microbenchmark (sources above), Hopper and Blackwell."""
-SUSTAINED = 0.873
-"""Fitted (simulator.software_fit): the share of the microbenchmark ceiling a training step sustains (clocks
-under a training power load, SMs lent to communication kernels, launch gaps), one number for every GPU."""
-MOE_LAYER_FIXED_S = 0.0054
+SUSTAINED = {"hopper": 0.946, "blackwell": 0.817}
+"""Fitted (simulator.software_fit): the share of the ceiling a training step sustains (clocks under load, SMs lent to
+communication, launch gaps), per architecture (Blackwell's ceiling is the unmeasured H100 fraction)."""
+MOE_LAYER_FIXED_S = 0.00519
 """Fitted (simulator.software_fit): seconds per MoE layer per micro-batch, forward + backward, of dropless
 dispatcher work that does not scale with tokens (host syncs for the token counts, kernel launches)."""
-MOE_LAYER_GRAPHED_S = 0.0016
+MOE_LAYER_GRAPHED_S = 0.00134
 """Fitted (simulator.software_fit): the same under a full-iteration CUDA graph (kernel fill and drain only)."""
-MOE_LAYER_MODULE_GRAPH_S = 0.0044
+MOE_LAYER_MODULE_GRAPH_S = 0.00378
 """Fitted (simulator.software_fit): the same under per-module CUDA graphs (router and preprocessing graphed)."""
 HOPPER_EFFICIENCY = Efficiency(
-    gemm=GEMM_CEILING["bf16"] * SUSTAINED,
-    gemm_fp8=GEMM_CEILING["fp8"] * SUSTAINED,
+    gemm=GEMM_CEILING["bf16"] * SUSTAINED["hopper"],
+    gemm_fp8=GEMM_CEILING["fp8"] * SUSTAINED["hopper"],
     gemm_half_gflop=0.0,
     attention=0.45,
     kda=0.30,
@@ -246,7 +245,8 @@ HOPPER_EFFICIENCY = Efficiency(
     moe_layer_graphed_s=MOE_LAYER_GRAPHED_S,
     moe_layer_module_graph_s=MOE_LAYER_MODULE_GRAPH_S,
 )
-BLACKWELL_EFFICIENCY = HOPPER_EFFICIENCY
+_BW = SUSTAINED["blackwell"]
+BLACKWELL_EFFICIENCY = replace(HOPPER_EFFICIENCY, gemm=GEMM_CEILING["bf16"] * _BW, gemm_fp8=GEMM_CEILING["fp8"] * _BW)
 # MoE terms: grouped_gemm is a kernel's speed relative to dense GEMMs of the same shapes (DeepGEMM's grouped
 # contiguous kernels run the DeepSeek-V3 expert shapes at its dense rates); moe_copy_ns stays 0 (a per-copy
 # cost, measured by `simulate calibrate` on a GPU: none was fitted, the dispatcher's bytes are priced instead).

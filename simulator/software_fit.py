@@ -1,18 +1,22 @@
-"""The four constants the simulator fits to published runs: what the software stack sustains.
+"""The five constants the simulator fits to published runs: what the software stack sustains.
 
 First principles price the work (FLOPs at GEMM shapes, bytes, link bandwidths, schedules); microbenchmarks give
 the ceilings (``hardware.GEMM_CEILING``, ``simulator.gemm_model``). What neither gives is how much of a ceiling a
 real training step sustains, and the MoE layer's per-micro-batch work that does not scale with tokens. Those,
-and only those, are fitted here, one number each for every GPU (Hopper and Blackwell alike):
+and only those, are fitted here:
 
-- ``sustained``: the share of the microbenchmark GEMM ceilings (BF16 and FP8) a training step keeps (clocks under
-  a training power load, SMs lent to communication kernels, launch gaps);
+- ``sustained_hopper`` / ``sustained_blackwell``: the share of the microbenchmark GEMM ceilings (BF16 and FP8) a
+  training step keeps (clocks under a training power load, SMs lent to communication kernels, launch gaps), one
+  per architecture: no Blackwell GEMM ceiling was measured (``hardware.GEMM_CEILING`` uses the H100 fraction), so
+  its share carries what Blackwell's microbenchmarks would have said;
 - ``moe_layer_fixed_s``: seconds per MoE layer per micro-batch (forward + backward) of dropless dispatcher work
   (host syncs for the token counts, kernel launches);
 - ``moe_layer_graphed_s``: the same under a full-iteration CUDA graph (no sync, no launches: kernel fill and
   drain), pinned by the recipes that capture one (``Published.cuda_graph``);
 - ``moe_layer_module_graph_s``: the same under per-module TE graphs (router and preprocessing graphed, the host
   sync kept), pinned by the recipes that set them.
+
+The three MoE constants are one number each for every GPU.
 
 They are fitted jointly on every published run the simulator knows (``simulator.published.ROWS`` and
 ``simulator.calibration_runs.ROWS``, 40+ runs on five systems), by coordinate descent with golden-section search on
@@ -23,8 +27,8 @@ Never per row: a row moves a constant only by moving every row.
 Because the fit sees the validation rows, their in-sample errors are optimistic; ``leave_one_out`` refits
 without each row in turn and gives the out-of-sample error (``python -m simulator.software_fit`` prints both; the
 README quotes them). Issue 18's Qwen3-30B-A3B H100 row is kept out (``validation.KNOWN_MISSES``). More constants
-(per architecture, per dtype, attention) were tried and rejected: the published bf16 Hopper rows are too few to
-pin them, and they soaked up one model family's unexplained cost (gpt-oss-120b, see the README).
+(per dtype, attention, per-architecture MoE costs) were tried and rejected: the published bf16 Hopper rows are too
+few to pin them, and they soaked up one model family's unexplained cost (gpt-oss-120b, see the README).
 """
 
 from __future__ import annotations
@@ -47,7 +51,8 @@ from simulator.published import ROWS, Published
 from simulator.validation import KNOWN_MISSES, published_config, published_model, row_key
 
 BOUNDS = {
-    "sustained": (0.5, 1.0),
+    "sustained_hopper": (0.5, 1.0),
+    "sustained_blackwell": (0.5, 1.0),
     "moe_layer_fixed_s": (0.0, 0.01),
     "moe_layer_graphed_s": (0.0, 0.01),
     "moe_layer_module_graph_s": (0.0, 0.01),
@@ -63,7 +68,7 @@ def fit_rows() -> tuple[Published, ...]:
 def with_constants(system: str, constants: dict[str, float]) -> HardwareSpec:
     """The preset of ``system`` with ``constants`` in place of the shipped ones (GPU presets with an ``arch``)."""
     hw = load_hardware(system)
-    k = constants["sustained"]
+    k = constants[f"sustained_{hw.arch}"]
     eff = replace(
         hw.efficiency,
         gemm=GEMM_CEILING["bf16"] * k,
@@ -98,7 +103,8 @@ def loss(rows: tuple[Published, ...], constants: dict[str, float]) -> float:
 def shipped() -> dict[str, float]:
     """The constants the presets carry now (``hardware.py``)."""
     return {
-        "sustained": SUSTAINED,
+        "sustained_hopper": SUSTAINED["hopper"],
+        "sustained_blackwell": SUSTAINED["blackwell"],
         "moe_layer_fixed_s": MOE_LAYER_FIXED_S,
         "moe_layer_graphed_s": MOE_LAYER_GRAPHED_S,
         "moe_layer_module_graph_s": MOE_LAYER_MODULE_GRAPH_S,

@@ -67,7 +67,7 @@ def test_no_family_is_biased_one_way():
 
 def test_errors_no_worse_than_reported():
     """Regression guard at the README's numbers (dense meets the issue's 8%; MoE does not, see the README)."""
-    for kind, mae_cap, inside_min in (("moe", 0.135, 11), ("dense", 0.085, 10)):
+    for kind, mae_cap, inside_min in (("moe", 0.135, 10), ("dense", 0.06, 11)):
         errors = [abs(x - 1) for x in _family(kind)]
         assert sum(errors) / len(errors) <= mae_cap, (kind, format_published(TABLE))
         assert sum(e <= BAND for e in errors) >= inside_min, (kind, format_published(TABLE))
@@ -108,20 +108,22 @@ def test_shipped_constants_are_the_fit():
     shipped = software_fit.shipped()
     base = software_fit.loss(rows, shipped)
     for key in shipped:
-        step = 0.02 if key == "sustained" else 0.0003
+        step = 0.02 if key.startswith("sustained") else 0.0003
         for sign in (-1, 1):
             moved = {**shipped, key: shipped[key] + sign * step}
             assert software_fit.loss(rows, moved) > base, (key, sign)
 
 
 PLANTED = {
-    "sustained": 0.7,
+    "sustained_hopper": 0.7,
+    "sustained_blackwell": 0.8,
     "moe_layer_fixed_s": 0.001,
     "moe_layer_graphed_s": 0.002,
     "moe_layer_module_graph_s": 0.0035,
 }
 START = {
-    "sustained": 0.9,
+    "sustained_hopper": 0.9,
+    "sustained_blackwell": 0.9,
     "moe_layer_fixed_s": 0.003,
     "moe_layer_graphed_s": 0.004,
     "moe_layer_module_graph_s": 0.001,
@@ -140,7 +142,8 @@ def _planted_rows(slower: str = "", factor: float = 1.0) -> tuple:
 
 
 def _assert_planted(got: dict) -> None:
-    assert got["sustained"] == pytest.approx(PLANTED["sustained"], abs=0.01)
+    for key in ("sustained_hopper", "sustained_blackwell"):
+        assert got[key] == pytest.approx(PLANTED[key], abs=0.01), key
     for key in ("moe_layer_fixed_s", "moe_layer_graphed_s", "moe_layer_module_graph_s"):
         assert got[key] == pytest.approx(PLANTED[key], abs=0.0002), key
 
