@@ -51,8 +51,7 @@ from simulator.published import ROWS, Published
 from simulator.validation import KNOWN_MISSES, published_config, published_model, row_key
 
 BOUNDS = {
-    "sustained_hopper": (0.5, 1.0),
-    "sustained_blackwell": (0.5, 1.0),
+    **{f"sustained_{arch}": (0.5, 1.0) for arch in SUSTAINED},
     "moe_layer_fixed_s": (0.0, 0.01),
     "moe_layer_graphed_s": (0.0, 0.01),
     "moe_layer_module_graph_s": (0.0, 0.01),
@@ -103,8 +102,7 @@ def loss(rows: tuple[Published, ...], constants: dict[str, float]) -> float:
 def shipped() -> dict[str, float]:
     """The constants the presets carry now (``hardware.py``)."""
     return {
-        "sustained_hopper": SUSTAINED["hopper"],
-        "sustained_blackwell": SUSTAINED["blackwell"],
+        **{f"sustained_{arch}": share for arch, share in SUSTAINED.items()},
         "moe_layer_fixed_s": MOE_LAYER_FIXED_S,
         "moe_layer_graphed_s": MOE_LAYER_GRAPHED_S,
         "moe_layer_module_graph_s": MOE_LAYER_MODULE_GRAPH_S,
