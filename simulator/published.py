@@ -23,7 +23,9 @@ per row: the dispatcher (``flex`` with HybridEP/DeepEP -> ``deepep``, ``alltoall
 ``overlap_moe_expert_parallel_comm`` / ``moe_a2a_overlap`` (``a2a``), ``moe_shared_expert_overlap`` (``shared``),
 the recompute modules (``recompute_granularity = None`` -> ``none``; Megatron's default selective recompute is core
 attention), FSDP (the table's FSDP column), activation offloading (``cpu_offloading_num_layers``), the gradient
-buffer dtype (``grad_reduce_in_fp32``), the multi-token-prediction module, full-iteration CUDA graphs
+buffer dtype (``grad_reduce_in_fp32``), the multi-token-prediction module (``mtp_num_layers``), the layers of
+the first and last pipeline chunk (``layout=first+last``, from ``pipeline_model_parallel_layout`` or
+``account_for_embedding/loss_in_pipeline_split``), full-iteration CUDA graphs
 (``graph=full``) or TE per-module graphs with the MoE router and preprocessing in scope (``graph=modules``), FP8
 attention (``fp8attn=1``) and the SMs HybridEP holds (``sms=32``). MoE runs are dropless with forced-balanced
 routing (the tables' footnote), so ``maxvio = 0``; ETP is 1.
