@@ -269,6 +269,12 @@ def _speed_args(p: argparse.ArgumentParser) -> None:
         "full: one CUDA graph per step (Megatron full_iteration; no host sync or launch gaps)",
     )
     p.add_argument("--fp8-attention", action="store_true", help="core attention in FP8 (fp8_dot_product_attention)")
+    p.add_argument(
+        "--fused-expert-mlp",
+        action="store_true",
+        help="experts as TE op-fuser grouped ops (use_transformer_engine_op_fuser): expert biases and the "
+        "activation clamp cost nothing extra (default: Megatron's eager path, which pays for them)",
+    )
 
 
 def _usage_error(exc: Exception) -> int:

@@ -123,6 +123,7 @@ def _speed_knobs(args) -> dict:
         "ep_comm_sms": args.ep_comm_sms,
         "cuda_graph": args.cuda_graph,
         "fp8_attention": args.fp8_attention,
+        "fused_expert_mlp": args.fused_expert_mlp,
     }
 
 

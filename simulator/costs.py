@@ -27,7 +27,7 @@ from simulator import gemm_shapes, host
 from simulator import network as net
 from simulator.attention_model import attention_seconds
 from simulator.hardware import HardwareSpec
-from simulator.layers import layer_stats
+from simulator.layers import eager_expert_bytes, layer_stats
 from simulator.modelspec import ModelSpec, blocks
 from simulator.parallel import ParallelConfig
 from simulator.replicas import replicas_per_rank
@@ -213,7 +213,9 @@ def _host_layer(spec, hw, par, kind, t, f, b, scale) -> tuple[float, float]:
 
 
 def _recipe_terms(spec, hw, par, kind, t, f, b, s2, scale, roof, dense_f) -> None:
-    """In place: MoE fixed costs, recompute (modes and ``--recompute-modules``) and activation offload."""
+    """In place: MoE fixed costs, recompute (modes and ``--recompute-modules``), the bytes Megatron's eager expert
+    path moves for an expert bias or activation clamp (``layers.eager_expert_bytes``; none when the experts are
+    fused, ``ParallelConfig.fused_expert_mlp``) and activation offload."""
     st, eff = layer_stats(spec, kind), hw.efficiency
     hbm = hw.hbm_tbps * 1e12 * eff.hbm / scale
     if kind[1] == "moe" and hw.host is None:
@@ -222,6 +224,13 @@ def _recipe_terms(spec, hw, par, kind, t, f, b, s2, scale, roof, dense_f) -> Non
     # recomputed GEMMs run at the layer's own dense GEMM rate (``dense_f``: its forward GEMM seconds, from shapes)
     gemm_rate = t * st.gemm_flops / par.tp / dense_f if dense_f > 0 else roof.peak * roof.ceiling
     b["recompute"] = _recompute(par, f, s2) + _module_recompute(par, st, t, gemm_rate)
+    if kind[1] == "moe" and hw.host is None and not par.fused_expert_mlp:  # Megatron's eager expert epilogue
+        fwd, bwd, redo = eager_expert_bytes(spec)
+        per_byte = t / par.tp * spec.top_k * _capacity(par)[0] / hbm  # seconds per byte of each routed copy
+        redo = fwd if par.recompute == "full" else redo if par.recomputes("moe_act") else 0.0
+        f["elementwise"] += per_byte * fwd
+        b["elementwise"] += per_byte * bwd
+        b["recompute"] += per_byte * redo
     if par.offload_fraction and hw.host is None:
         f["offload"], b["offload"] = _offload(spec, hw, par, st, t, f, b)
 

@@ -218,15 +218,15 @@ A100_EFFICIENCY = Efficiency(
 # Hopper/Blackwell: current Megatron/TE (TP comm overlap; DP buckets overlapped, overlap_grad_reduce/param_gather).
 GEMM_CEILING = {"bf16": 0.801, "fp8": 0.70}
 """Best-shape GEMM fraction of peak in a microbenchmark (sources above), Hopper and Blackwell."""
-SUSTAINED = {"hopper": 0.946, "blackwell": 0.817}
+SUSTAINED = {"hopper": 0.946, "blackwell": 0.794}
 """Fitted (simulator.software_fit): the share of the ceiling a training step sustains (clocks under load, SMs lent to
 communication, launch gaps), per architecture (Blackwell's ceiling is the unmeasured H100 fraction)."""
-MOE_LAYER_FIXED_S = 0.00519
+MOE_LAYER_FIXED_S = 0.00510
 """Fitted (simulator.software_fit): seconds per MoE layer per micro-batch, forward + backward, of dropless
 dispatcher work that does not scale with tokens (host syncs for the token counts, kernel launches)."""
-MOE_LAYER_GRAPHED_S = 0.00134
+MOE_LAYER_GRAPHED_S = 0.00120
 """Fitted (simulator.software_fit): the same under a full-iteration CUDA graph (kernel fill and drain only)."""
-MOE_LAYER_MODULE_GRAPH_S = 0.00378
+MOE_LAYER_MODULE_GRAPH_S = 0.00284
 """Fitted (simulator.software_fit): the same under per-module CUDA graphs (router and preprocessing graphed)."""
 HOPPER_EFFICIENCY = Efficiency(
     gemm=GEMM_CEILING["bf16"] * SUSTAINED["hopper"],

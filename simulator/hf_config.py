@@ -199,10 +199,21 @@ def _moe_fields(c: dict, get: Callable[..., Any], hidden: int, layers: int) -> d
         "first_k_dense": first,
         "moe_layers": () if first or len(ids) == layers else ids,
         "moe_latent_dim": latent if latent != hidden else 0,
+        "glu_clamp": _glu_clamp(get),
         "router_bias": get("topk_method") == "noaux_tc" or fixed.pop("router_bias", False),
         **fixed,
         **_expert_groups(get),
     }
+
+
+def _glu_clamp(get: Callable[..., Any]) -> float:
+    """gpt-oss' ``swiglu_limit``: the experts' activation inputs are clamped to it (absent or null: none)."""
+    value = get("swiglu_limit")
+    if value is None:
+        return 0.0
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+        raise ValueError(f"HF config: swiglu_limit={value!r} must be a finite number >= 0")
+    return float(value)
 
 
 def _expert_groups(get: Callable[..., Any]) -> dict:

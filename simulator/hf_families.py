@@ -170,12 +170,12 @@ def dense_ffn_width(c: dict, width: int) -> int:
 
 def family_fixed(c: dict) -> dict:
     """Parts a family always has that no field states: Llama-4's one shared expert (``Llama4TextMoe``),
-    gpt-oss' per-head sinks and router bias, Qwen2-MoE's sigmoid gate on its shared expert."""
+    gpt-oss' per-head sinks, router and expert biases, Qwen2-MoE's sigmoid gate on its shared expert."""
     kind = str(c.get("model_type", ""))
     if kind.startswith("llama4"):
         return {"num_shared_experts": 1}
     if kind == "gpt_oss":
-        return {"attn_sinks": True, "router_bias": True}
+        return {"attn_sinks": True, "router_bias": True, "expert_bias": True}
     if kind == "qwen2_moe" or c.get("shared_expert_intermediate_size"):
         return {"shared_expert_gate": True}
     return {}

@@ -363,3 +363,23 @@ def model_flops_per_token(spec: ModelSpec, seq_len: int, causal: bool = False) -
         k = min(keys, spec.sliding_window) if i in windowed else keys
         fwd += st.gemm_flops + st.grouped_flops + st.attn_flops_per_s * k + st.kda_flops
     return 3.0 * fwd
+
+
+EAGER_BIAS_BYTES = (28.0, 40.0)
+"""HBM bytes per FC2 output element of one routed copy that Megatron's eager ``TEGroupedMLP._apply_bias`` moves
+(forward, backward): FC2's bias comes back per expert and is added as ``t + b * p`` in fp32, expert by expert, then
+concatenated and cast back to bf16. Counted on megatron-core's own code (tests/simulator/test_eager_expert.py)."""
+EAGER_CLAMP_BYTES = (8.0, 15.0)
+"""The same per FC1 output element for the clamp that ``weighted_bias_quick_geglu_impl`` applies before its fused
+activation (``activation_func_clamp_value``): two clamps and a concatenation forward; backward, each clamp's
+masked gradient (compare, and, where) and the chunk's concatenation."""
+
+
+def eager_expert_bytes(spec: ModelSpec) -> tuple[float, float, float]:
+    """(forward, backward, recomputed forward) HBM bytes per routed copy that Megatron's eager expert path moves
+    outside its fused kernels for an expert bias and an activation clamp (FC1's bias is in its GEMM epilogue)."""
+    fc1 = spec.expert_fc1 * spec.moe_ffn_hidden
+    out = spec.moe_latent_dim or spec.hidden
+    bias = EAGER_BIAS_BYTES if spec.expert_bias else (0.0, 0.0)
+    clamp = EAGER_CLAMP_BYTES if spec.glu_clamp else (0.0, 0.0)
+    return bias[0] * out + clamp[0] * fc1, bias[1] * out + clamp[1] * fc1, clamp[0] * fc1

@@ -97,6 +97,10 @@ class ModelSpec:
     """Router carries a per-expert selection bias (aux-free balancing)."""
     bias: bool = False
     """Linear layers carry biases (GPT/Megatron)."""
+    expert_bias: bool = False
+    """Routed experts carry biases (gpt-oss); priced by ``ParallelConfig.fused_expert_mlp``."""
+    glu_clamp: float = 0.0
+    """Clamp on the gated activation's two inputs (gpt-oss ``swiglu_limit`` 7.0; 0: none)."""
     norm: str = "rmsnorm"
     """``rmsnorm`` (gain only) or ``layernorm`` (gain and bias)."""
     attn_res: bool = False
@@ -184,6 +188,8 @@ class ModelSpec:
             raise ValueError(f"ModelSpec.seq_len must be >= 1, got {self.seq_len}")
         if self.mtp_layers < 0:
             raise ValueError(f"ModelSpec.mtp_layers must be >= 0, got {self.mtp_layers}")
+        if not 0 <= self.glu_clamp < float("inf"):
+            raise ValueError(f"ModelSpec.glu_clamp must be a finite number >= 0, got {self.glu_clamp!r}")
         if self.attn_res_block_size < 0:
             raise ValueError(f"ModelSpec.attn_res_block_size must be >= 0, got {self.attn_res_block_size}")
         if any(not 0 <= i < self.num_layers for i in self.sliding_window_layers):
@@ -322,7 +328,7 @@ _TUPLE_FIELDS = (
     "mixer_only_layers",
     "ffn_only_layers",
 )
-_TYPES = {"int": int, "bool": bool, "str": str, "tuple[int, ...]": tuple}
+_TYPES = {"int": int, "float": (int, float), "bool": bool, "str": str, "tuple[int, ...]": tuple}
 
 
 def _check_field_types(spec: ModelSpec) -> None:

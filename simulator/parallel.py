@@ -68,8 +68,7 @@ class ParallelConfig:
     """Extra modules recomputed in the backward (Megatron ``--recompute-modules`` names, see
     ``RECOMPUTE_MODULES``); ignored by ``full``."""
     activation_dtype: str = "auto"
-    """Saved GEMM-input activations: bf16, fp8 (1 byte, as TE keeps them in fp8 runs), auto = fp8 iff precision
-    is fp8."""
+    """Saved GEMM-input activations: bf16, fp8 (1 byte, as TE keeps them in fp8 runs) or auto (fp8 in fp8 runs)."""
     offload_fraction: float = 0.0
     """Fraction of each layer's saved activations moved to host memory between forward and backward (PCIe)."""
     pp_first_layers: int | None = None
@@ -80,14 +79,12 @@ class ParallelConfig:
     ``account_for_loss_in_pipeline_split``); with vpp = 1 ``--decoder-last-pipeline-num-layers``."""
     microbatch_group: int = 0
     """Contiguous micro-batches N per virtual stage of the interleaved schedule (Megatron
-    ``--microbatch-group-size-per-virtual-pipeline-stage``), in [PP, micro-batches]; 0 means PP (Megatron's
-    default)."""
+    ``--microbatch-group-size-per-virtual-pipeline-stage``), in [PP, micro-batches]; 0 means PP (the default)."""
     capacity_factor: float = 0.0
     """Token-dropping MoE: each expert takes at most ``capacity_factor`` x its mean tokens (Megatron
     ``--moe-expert-capacity-factor``); 0 means dropless."""
     pad_to_capacity: bool = False
-    """Pad every expert's input to its capacity (Megatron ``--moe-pad-expert-input-to-capacity``); needs a
-    capacity factor."""
+    """Pad every expert's input to its capacity (``--moe-pad-expert-input-to-capacity``); needs a capacity factor."""
     moment_dtype: str = "fp32"
     """Adam moments m and v (``--exp-avg-dtype`` / ``--exp-avg-sq-dtype``): fp32 or bf16."""
     main_grads_dtype: str = "fp32"
@@ -114,6 +111,9 @@ class ParallelConfig:
     """SMs the EP dispatch/combine kernels hold while they run (Megatron's ``moe_deepep_num_sms`` default 20; the
     GB200/GB300 MXFP8 recipes give HybridEP 32): with ``moe_a2a_overlap`` the compute paired with them runs on
     the other SMs."""
+    fused_expert_mlp: bool = False
+    """Experts as TE op-fuser grouped ops (Megatron ``use_transformer_engine_op_fuser``): biases, clamp and router
+    probabilities stay in the kernels. Off: Megatron's eager path (``simulator.layers.eager_expert_bytes``)."""
     fp8_attention: bool = False
     """Core attention in FP8 (TE ``fp8_dot_product_attention``; ``simulator.attention_model.FP8_SPEEDUP``)."""
     cuda_graph: str = "none"

@@ -25,10 +25,11 @@ the recompute modules (``recompute_granularity = None`` -> ``none``; Megatron's 
 attention), FSDP (the table's FSDP column), activation offloading (``cpu_offloading_num_layers``), the gradient
 buffer dtype (``grad_reduce_in_fp32``), the multi-token-prediction module (``mtp_num_layers``), the layers of
 the first and last pipeline chunk (``layout=first+last``, from ``pipeline_model_parallel_layout`` or
-``account_for_embedding/loss_in_pipeline_split``), full-iteration CUDA graphs
-(``graph=full``) or TE per-module graphs with the MoE router and preprocessing in scope (``graph=modules``), FP8
-attention (``fp8attn=1``) and the SMs HybridEP holds (``sms=32``). MoE runs are dropless with forced-balanced
-routing (the tables' footnote), so ``maxvio = 0``; ETP is 1.
+``account_for_embedding/loss_in_pipeline_split``), full-iteration CUDA graphs (``graph=full``) or TE per-module
+graphs with the MoE router and preprocessing in scope (``graph=modules``), FP8 attention (``fp8attn=1``), TE's
+op-fuser for the experts (``use_transformer_engine_op_fuser``, ``fuser=1``: every full-iteration recipe sets it)
+and the SMs HybridEP holds (``sms=32``). MoE runs are dropless with forced-balanced routing (the tables'
+footnote), so ``maxvio = 0``; ETP is 1.
 """
 
 from __future__ import annotations
@@ -106,6 +107,8 @@ class Published:
     preprocessing in ``cuda_graph_scope`` (see ``ParallelConfig.cuda_graph``)."""
     fp8_attention: bool = False
     """The recipe sets ``fp8_dot_product_attention``."""
+    fused_expert_mlp: bool = False
+    """The recipe sets ``use_transformer_engine_op_fuser`` (``fuser=1``): the experts run as fused grouped ops."""
     ep_comm_sms: int = 20
     """SMs the recipe gives the EP dispatcher (``sms``): Megatron's ``moe_deepep_num_sms`` default 20 (the NCCL
     all-to-all is taken as the same), 32 where the full-iteration MXFP8 recipes set ``moe_hybridep_num_sms``."""
@@ -136,13 +139,13 @@ deepseek-v3     | b200  |  256 | fp8  | 4096 | 1 | 4096 | 1 | 8 | 1 | 2  | 32 | 
 gpt-oss-120b    | b200  |   64 | bf16 | 1280 | 4 | 4096 | 1 | 1 | 1 | 1  |  8 | 13568 |  369 | A 26.04.01 | modules=layernorm+moe_act,recipe=gpt_oss_120b_pretrain_64gpu_b200_bf16_config
 qwen3-235b-a22b | b200  |  256 | fp8  | 8192 | 1 | 4096 | 1 | 8 | 1 | 1  |  8 |  3776 |  560 | A 26.04.01 | layout=11+11,recompute=none,recipe=qwen3_235b_a22b_pretrain_256gpu_b200_fp8cs_config
 qwen3-30b-a3b   | b200  |    8 | fp8  |  512 | 4 | 4096 | 1 | 1 | 1 | 1  |  8 | 27136 |  619 | A 26.04.01 | graph=modules,dispatcher=deepep,recompute=none,recipe=qwen3_30b_a3b_pretrain_8gpu_b200_fp8mx_config
-deepseek-v3     | gb200 |  256 | fp8  | 4096 | 1 | 4096 | 1 | 4 | 1 | 4  | 64 |  4912 | 1276 | C 26.08 | mtp=1,layout=4+1,a2a=1,graph=full,sms=32,dispatcher=deepep,modules=mla_up_proj,recipe=deepseek_v3_pretrain_256gpu_gb200_fp8mx_config
+deepseek-v3     | gb200 |  256 | fp8  | 4096 | 1 | 4096 | 1 | 4 | 1 | 4  | 64 |  4912 | 1276 | C 26.08 | mtp=1,layout=4+1,a2a=1,graph=full,fuser=1,sms=32,dispatcher=deepep,modules=mla_up_proj,recipe=deepseek_v3_pretrain_256gpu_gb200_fp8mx_config
 deepseek-v3     | gb200 |  256 | bf16 | 4096 | 1 | 4096 | 1 | 4 | 1 | 4  | 64 |  3139 |  782 | A 25.11 | layout=4+1,graph=modules,dispatcher=deepep,modules=mla_up_proj,recipe=deepseek_v3_pretrain_256gpu_gb200_bf16_config,note=DeepSeekV3 (w/o MTP)
-gpt-oss-120b    | gb200 |   64 | fp8  | 1280 | 4 | 4096 | 1 | 1 | 1 | 1  | 64 | 28672 |  934 | C 26.08 | dispatcher=deepep,a2a=1,graph=full,sms=32,fp8attn=1,recompute=none,recipe=gpt_oss_120b_pretrain_64gpu_gb200_fp8mx_config
+gpt-oss-120b    | gb200 |   64 | fp8  | 1280 | 4 | 4096 | 1 | 1 | 1 | 1  | 64 | 28672 |  934 | C 26.08 | dispatcher=deepep,a2a=1,graph=full,fuser=1,sms=32,fp8attn=1,recompute=none,recipe=gpt_oss_120b_pretrain_64gpu_gb200_fp8mx_config
 gpt-oss-120b    | gb200 |   64 | bf16 | 1280 | 4 | 4096 | 1 | 1 | 1 | 1  | 64 | 16640 |  452 | A 26.04.01 | a2a=1,modules=layernorm+moe_act,recipe=gpt_oss_120b_pretrain_64gpu_gb200_bf16_config
-qwen3-235b-a22b | gb200 |  256 | fp8  | 8192 | 1 | 4096 | 1 | 8 | 1 | 3  | 32 |  7280 | 1077 | C 26.08 | layout=3+3,a2a=1,graph=full,sms=32,fp8attn=1,dispatcher=deepep,recompute=none,recipe=qwen3_235b_a22b_pretrain_256gpu_gb200_fp8mx_config
+qwen3-235b-a22b | gb200 |  256 | fp8  | 8192 | 1 | 4096 | 1 | 8 | 1 | 3  | 32 |  7280 | 1077 | C 26.08 | layout=3+3,a2a=1,graph=full,fuser=1,sms=32,fp8attn=1,dispatcher=deepep,recompute=none,recipe=qwen3_235b_a22b_pretrain_256gpu_gb200_fp8mx_config
 qwen3-235b-a22b | gb200 |  256 | bf16 | 8192 | 1 | 4096 | 1 | 8 | 1 | 3  | 32 |  4916 |  728 | A 25.11 | layout=3+3,graph=modules,dispatcher=deepep,recompute=none,note=the 25.11 BF16 recipe (VP 3; today's BF16 recipe has other sizes)
-qwen3-30b-a3b   | gb200 |    8 | fp8  |  512 | 4 | 4096 | 1 | 1 | 1 | 1  |  8 | 39936 |  923 | C 26.08 | a2a=1,graph=full,sms=32,fp8attn=1,dispatcher=deepep,recompute=none,recipe=qwen3_30b_a3b_pretrain_8gpu_gb200_fp8mx_config
+qwen3-30b-a3b   | gb200 |    8 | fp8  |  512 | 4 | 4096 | 1 | 1 | 1 | 1  |  8 | 39936 |  923 | C 26.08 | a2a=1,graph=full,fuser=1,sms=32,fp8attn=1,dispatcher=deepep,recompute=none,recipe=qwen3_30b_a3b_pretrain_8gpu_gb200_fp8mx_config
 llama3-405b     | h100  | 1024 | fp8  | 1536 | 1 | 8192 | 8 | 8 | 2 | 8  |  1 |   326 |  822 | A 26.06 | layout=1+1
 llama3-70b      | h100  |   64 | fp8  |  256 | 1 | 8192 | 4 | 8 | 1 | 5  |  1 |  1664 |  731 | A 26.04.01 |
 llama3-8b       | h100  |    8 | fp8  |  128 | 1 | 8192 | 1 | 1 | 1 | 1  |  1 | 14451 |  744 | A 25.11 | fsdp=1
@@ -169,6 +172,7 @@ _SETTINGS = {
     "a2a": ("moe_a2a_overlap", _flag),
     "shared": ("shared_expert_overlap", _flag),
     "fp8attn": ("fp8_attention", _flag),
+    "fuser": ("fused_expert_mlp", _flag),
     "fsdp": ("fsdp", _flag),
     "mtp": ("mtp", _flag),
     "layout": ("pp_layout", lambda v: tuple(int(x) for x in v.split("+"))),

@@ -170,7 +170,8 @@ def nemotron4_15b() -> ModelSpec:
 
 def gpt_oss_120b() -> ModelSpec:
     """gpt-oss-120b: 36 layers, H 2880, 64 heads of 64 (8 KV), 128 experts top-4 of width 2880, every other layer
-    a 128-token sliding window (HF ``layer_types``), biases on attention and experts."""
+    a 128-token sliding window (HF ``layer_types``), biases on attention and experts, activation inputs clamped
+    to 7 (HF ``swiglu_limit``)."""
     return ModelSpec(
         name="gpt-oss-120b",
         hidden=2880,
@@ -183,6 +184,8 @@ def gpt_oss_120b() -> ModelSpec:
         top_k=4,
         moe_ffn_hidden=2880,
         bias=True,
+        expert_bias=True,
+        glu_clamp=7.0,
         sliding_window=128,
         sliding_window_layers=tuple(range(0, 36, 2)),
         seq_len=4096,

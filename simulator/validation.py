@@ -143,6 +143,7 @@ def published_config(row: Published) -> ParallelConfig:
         cuda_graph=row.cuda_graph,
         ep_comm_sms=row.ep_comm_sms,
         fp8_attention=row.fp8_attention,
+        fused_expert_mlp=row.fused_expert_mlp,
         pp_first_layers=row.pp_layout[0] if row.pp_layout else None,
         pp_last_layers=row.pp_layout[1] if row.pp_layout else None,
     )
@@ -170,6 +171,7 @@ def cli_args(row: Published) -> list[str]:
     args += ["--recompute-modules", ",".join(row.recompute_modules)] if row.recompute_modules else []
     args += ["--cuda-graph", row.cuda_graph] + (["--fp8-attention"] if row.fp8_attention else [])
     args += ["--moe-shared-expert-overlap"] if row.shared_expert_overlap else []
+    args += ["--fused-expert-mlp"] if row.fused_expert_mlp else []
     return args + (["--moe-a2a-overlap", "--ep-comm-sms", str(row.ep_comm_sms)] if row.moe_a2a_overlap else [])
 
 

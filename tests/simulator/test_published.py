@@ -1,4 +1,4 @@
-"""The published runs (simulator/published.py, simulator/calibration_runs.py) and the four constants fitted to them
+"""The published runs (simulator/published.py, simulator/calibration_runs.py) and the five constants fitted to them
 (simulator/software_fit.py): every row cited and feasible with the memory techniques its source states, no
 family biased one way, the errors no worse than the README reports, `moonep simulate run` reproducing every
 row, and the shipped constants being the fit's optimum.
@@ -67,7 +67,7 @@ def test_no_family_is_biased_one_way():
 
 def test_errors_no_worse_than_reported():
     """Regression guard at the README's numbers (dense meets the issue's 8%; MoE does not, see the README)."""
-    for kind, mae_cap, inside_min in (("moe", 0.135, 10), ("dense", 0.06, 11)):
+    for kind, mae_cap, inside_min in (("moe", 0.091, 12), ("dense", 0.05, 11)):
         errors = [abs(x - 1) for x in _family(kind)]
         assert sum(errors) / len(errors) <= mae_cap, (kind, format_published(TABLE))
         assert sum(e <= BAND for e in errors) >= inside_min, (kind, format_published(TABLE))
@@ -154,7 +154,7 @@ def test_the_fit_recovers_planted_constants():
 
 def test_one_models_unexplained_cost_does_not_move_the_fit():
     """The fit's error is absolute: one model's rows made 1.5x slower than the simulator at the planted constants
-    (as gpt-oss-120b's unexplained per-step cost makes its published rows) leave the constants where the other
+    (as gpt-oss-120b's unexplained Blackwell cost makes its published rows) leave the constants where the other
     rows put them; a squared error lets those rows pull every constant."""
     _assert_planted(software_fit.fit(_planted_rows("gpt-oss-120b", 1.5), start=START, sweeps=5))
 
