@@ -10,6 +10,8 @@ from dataclasses import replace
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -56,10 +58,15 @@ def megatron():
     return TEGroupedMLP, fused_bias_geglu
 
 
-@pytest.mark.parametrize("counts", [(512,) * 8, (0, 1, 2000, 3, 700, 0, 1250, 136)], ids=["even", "skewed"])
-def test_bias_bytes_are_the_ones_megatron_moves(megatron, counts):
+@settings(max_examples=25, deadline=None)
+@given(
+    counts=st.lists(st.integers(0, 700), min_size=1, max_size=16).filter(lambda c: sum(c) >= 16 * len(c)),
+    h=st.sampled_from([64, 384]),
+)
+def test_bias_bytes_are_the_ones_megatron_moves(megatron, counts, h):
+    """Any split of the routed copies over the local experts (empty experts included), any width."""
     grouped_mlp, _ = megatron
-    n, h = sum(counts), 384
+    n = sum(counts)
     g = torch.Generator().manual_seed(0)
     out = torch.randn(n, h, generator=g, dtype=torch.bfloat16, requires_grad=True)
     bias = [torch.randn(h, generator=g, dtype=torch.bfloat16, requires_grad=True) for _ in counts]
