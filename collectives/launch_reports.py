@@ -3,8 +3,9 @@
 A rank that raises writes its traceback to ``rank<N>.err`` (``rank<N>.peer`` when it only saw a peer fail: a
 ``CollectiveError``), rank 0 writes its result to ``result.pkl``, and a rank that found ``fn`` writes
 ``rank<N>.started``. When a rank fails the launcher turns those files, the exit status, and (under mpiexec) the
-launcher's output into one ``LaunchError`` naming the root cause: a rank's own exception, else the first rank to
-die without one, else a rank that only saw a peer fail. Pickles travel only between our own processes, through
+launcher's output into one ``LaunchError`` naming the root cause: a rank's own exception (one raised inside ``fn``
+before one raised while joining the job), else the first rank to die without one, else a rank that only saw a
+peer fail. Pickles travel only between our own processes, through
 files in our own temporary folder, never from a user's file.
 """
 
@@ -60,8 +61,8 @@ def read_result(tmp: str) -> Any:
 
 
 def failure(tmp: str, first_rank: int, exitcode: int | None) -> LaunchError:
-    """Name the root cause: a rank's own exception, else the first rank to die without one (killed), else a
-    rank that only saw a peer fail."""
+    """Name the root cause: a rank's own exception (raised inside ``fn`` first), else the first rank to die without
+    one (killed), else a rank that only saw a peer fail."""
     reports = {suffix: {} for suffix in (".err", ".peer")}
     for name in sorted(os.listdir(tmp)):
         for suffix, found in reports.items():
@@ -69,7 +70,10 @@ def failure(tmp: str, first_rank: int, exitcode: int | None) -> LaunchError:
                 with open(os.path.join(tmp, name)) as f:
                     found[int(name[4 : -len(suffix)])] = f.read()
     if reports[".err"]:
-        rank = min(reports[".err"])
+        # fn raising outranks a failure while joining the job: a peer that raised and exited can break a
+        # handshake still under way on another rank (gloo's connectFullMesh: "Connection closed by peer")
+        ran = [r for r in reports[".err"] if os.path.exists(os.path.join(tmp, f"rank{r}.started"))]
+        rank = min(ran or reports[".err"])
         return LaunchError(rank, reports[".err"][rank])
     if first_rank not in reports[".peer"] and exitcode is not None and exitcode != 0 and first_rank >= 0:
         if exitcode < 0:

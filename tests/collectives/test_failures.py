@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from collectives import CollectiveError, LaunchError, launch
+from collectives.launch_reports import failure
 from collectives.warm_start import PRELOAD_ENV
 from tests.collectives.conftest import needs_mpi
 
@@ -179,3 +180,19 @@ def test_script_without_main_guard_gets_a_hint(tmp_path):
     )
     assert proc.returncode != 0
     assert "__main__" in proc.stderr and "guard" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_fn_raising_outranks_a_rank_that_failed_joining(tmp_path):
+    """The race behind a flaky CI run: rank 1 raised in fn and exited while rank 0 was still in gloo's
+    connectFullMesh, so rank 0 failed too ("Connection closed by peer"); both wrote an ``.err``. The launcher must
+    name rank 1, whose fn raised, not the lower rank that only failed to join."""
+    (tmp_path / "rank0.err").write_text("RuntimeError: Gloo connectFullMesh failed ... Connection closed by peer")
+    (tmp_path / "rank1.started").write_text("")
+    (tmp_path / "rank1.err").write_text("KeyError: 'boom from rank one'")
+    (tmp_path / "rank2.started").write_text("")
+    (tmp_path / "rank2.peer").write_text("CollectiveError: rank 1 failed")
+    error = failure(str(tmp_path), 0, 1)
+    assert error.rank == 1 and "boom from rank one" in error.details
+    (tmp_path / "rank1.started").unlink()  # nobody reached fn: the lowest rank's own exception, as before
+    (tmp_path / "rank2.started").unlink()
+    assert failure(str(tmp_path), 0, 1).rank == 0
