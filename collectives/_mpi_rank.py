@@ -77,6 +77,7 @@ def main(folder: str) -> None:
         comm = MPICommunicator(
             timeout=opts.timeout, validate=opts.validate, tracer=tracer_from_env(rank, opts.trace_dir)
         )
+        open(os.path.join(folder, f"rank{rank}.started"), "w").close()  # fn is running: see launch_reports.failure
         result = job["fn"](comm, **job["kwargs"])
         if rank == 0:
             write_result(folder, result)
