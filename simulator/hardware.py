@@ -87,20 +87,8 @@ class Efficiency:
         for f in ("tp_overlap", "dp_overlap", "ep_overlap"):
             if not 0 <= getattr(self, f) <= 1:
                 raise ValueError(f"Efficiency.{f} must be in [0, 1], got {getattr(self, f)!r}")
-        check_finite(
-            self,
-            (
-                "gemm_half_gflop",
-                "elementwise_bytes",
-                "step_overhead_s",
-                "layer_overhead_s",
-                "grouped_half_rows",
-                "moe_layer_fixed_s",
-                "moe_layer_graphed_s",
-                "moe_layer_module_graph_s",
-                "moe_copy_ns",
-            ),
-        )
+        # every other number (the fractions above are in range already) is finite and >= 0
+        check_finite(self, tuple(f.name for f in fields(self) if f.type == "float"))
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -221,6 +209,13 @@ GEMM_CEILING = {"bf16": 0.801, "fp8": 0.70}
 SUSTAINED = {"hopper": 0.946, "blackwell": 0.794}
 """Fitted (simulator.software_fit): the share of the ceiling a training step sustains (clocks under load, SMs lent to
 communication, launch gaps), per architecture (Blackwell's ceiling is the unmeasured H100 fraction)."""
+
+
+def sustained_gemm(share: float) -> dict[str, float]:
+    """``Efficiency``'s GEMM fields at ``share`` of the ``GEMM_CEILING`` s."""
+    return {"gemm": GEMM_CEILING["bf16"] * share, "gemm_fp8": GEMM_CEILING["fp8"] * share}
+
+
 MOE_LAYER_FIXED_S = 0.00510
 """Fitted (simulator.software_fit): seconds per MoE layer per micro-batch, forward + backward, of dropless
 dispatcher work that does not scale with tokens (host syncs for the token counts, kernel launches)."""
@@ -229,8 +224,7 @@ MOE_LAYER_GRAPHED_S = 0.00120
 MOE_LAYER_MODULE_GRAPH_S = 0.00284
 """Fitted (simulator.software_fit): the same under per-module CUDA graphs (router and preprocessing graphed)."""
 HOPPER_EFFICIENCY = Efficiency(
-    gemm=GEMM_CEILING["bf16"] * SUSTAINED["hopper"],
-    gemm_fp8=GEMM_CEILING["fp8"] * SUSTAINED["hopper"],
+    **sustained_gemm(SUSTAINED["hopper"]),
     gemm_half_gflop=0.0,
     attention=0.45,
     kda=0.30,
@@ -245,8 +239,7 @@ HOPPER_EFFICIENCY = Efficiency(
     moe_layer_graphed_s=MOE_LAYER_GRAPHED_S,
     moe_layer_module_graph_s=MOE_LAYER_MODULE_GRAPH_S,
 )
-_BW = SUSTAINED["blackwell"]
-BLACKWELL_EFFICIENCY = replace(HOPPER_EFFICIENCY, gemm=GEMM_CEILING["bf16"] * _BW, gemm_fp8=GEMM_CEILING["fp8"] * _BW)
+BLACKWELL_EFFICIENCY = replace(HOPPER_EFFICIENCY, **sustained_gemm(SUSTAINED["blackwell"]))
 # MoE terms: grouped_gemm is a kernel's speed relative to dense GEMMs of the same shapes (DeepGEMM's grouped
 # contiguous kernels run the DeepSeek-V3 expert shapes at its dense rates); moe_copy_ns stays 0 (a per-copy
 # cost, measured by `simulate calibrate` on a GPU: none was fitted, the dispatcher's bytes are priced instead).

@@ -39,13 +39,13 @@ from dataclasses import replace
 from simulator.analytic import simulate
 from simulator.calibration_runs import ROWS as CALIBRATION
 from simulator.hardware import (
-    GEMM_CEILING,
     MOE_LAYER_FIXED_S,
     MOE_LAYER_GRAPHED_S,
     MOE_LAYER_MODULE_GRAPH_S,
     SUSTAINED,
     HardwareSpec,
     load_hardware,
+    sustained_gemm,
 )
 from simulator.published import ROWS, Published
 from simulator.validation import KNOWN_MISSES, published_config, published_model, row_key
@@ -67,11 +67,9 @@ def fit_rows() -> tuple[Published, ...]:
 def with_constants(system: str, constants: dict[str, float]) -> HardwareSpec:
     """The preset of ``system`` with ``constants`` in place of the shipped ones (GPU presets with an ``arch``)."""
     hw = load_hardware(system)
-    k = constants[f"sustained_{hw.arch}"]
     eff = replace(
         hw.efficiency,
-        gemm=GEMM_CEILING["bf16"] * k,
-        gemm_fp8=GEMM_CEILING["fp8"] * k,
+        **sustained_gemm(constants[f"sustained_{hw.arch}"]),
         moe_layer_fixed_s=constants["moe_layer_fixed_s"],
         moe_layer_graphed_s=constants["moe_layer_graphed_s"],
         moe_layer_module_graph_s=constants["moe_layer_module_graph_s"],
