@@ -20,7 +20,7 @@ from multiprocessing import spawn
 
 import torch
 
-from collectives.launch_reports import record_failure, write_result
+from collectives.launch_reports import mark_started, record_failure, write_result
 from collectives.mpi_backend import _WATCHDOG, MPICommunicator
 from collectives.trace import tracer_from_env
 
@@ -77,7 +77,7 @@ def main(folder: str) -> None:
         comm = MPICommunicator(
             timeout=opts.timeout, validate=opts.validate, tracer=tracer_from_env(rank, opts.trace_dir)
         )
-        open(os.path.join(folder, f"rank{rank}.started"), "w").close()  # fn is running: see launch_reports.failure
+        mark_started(folder, rank)  # fn is running: see launch_reports.failure
         result = job["fn"](comm, **job["kwargs"])
         if rank == 0:
             write_result(folder, result)

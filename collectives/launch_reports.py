@@ -44,6 +44,16 @@ def record_failure(tmp: str, rank: int, exc: BaseException, comm: Communicator |
             comm.tracer.close()
 
 
+def mark_started(tmp: str, rank: int) -> None:
+    """In a rank whose communicator is up: ``fn`` is about to run (``failure`` tells the two kinds of failure
+    apart by this file)."""
+    open(os.path.join(tmp, f"rank{rank}.started"), "w").close()
+
+
+def _started(tmp: str, rank: int) -> bool:
+    return os.path.exists(os.path.join(tmp, f"rank{rank}.started"))
+
+
 def write_result(tmp: str, result: Any) -> None:
     """In rank 0: pickle ``fn``'s result to ``result.pkl`` (atomically: a reader never sees half a file)."""
     with open(os.path.join(tmp, "result.pkl.part"), "wb") as f:
@@ -72,13 +82,13 @@ def failure(tmp: str, first_rank: int, exitcode: int | None) -> LaunchError:
     if reports[".err"]:
         # fn raising outranks a failure while joining the job: a peer that raised and exited can break a
         # handshake still under way on another rank (gloo's connectFullMesh: "Connection closed by peer")
-        ran = [r for r in reports[".err"] if os.path.exists(os.path.join(tmp, f"rank{r}.started"))]
+        ran = [r for r in reports[".err"] if _started(tmp, r)]
         rank = min(ran or reports[".err"])
         return LaunchError(rank, reports[".err"][rank])
     if first_rank not in reports[".peer"] and exitcode is not None and exitcode != 0 and first_rank >= 0:
         if exitcode < 0:
             return LaunchError(first_rank, f"killed by signal {signal.Signals(-exitcode).name}")
-        if os.path.exists(os.path.join(tmp, f"rank{first_rank}.started")):
+        if _started(tmp, first_rank):
             return LaunchError(
                 first_rank,
                 f"exited with status {exitcode} while running {_fn_name(tmp)} without raising a Python exception "

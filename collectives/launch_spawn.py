@@ -26,7 +26,15 @@ import torch
 from torch.distributed import FileStore  # pyright: ignore[reportPrivateImportUsage]  # public API; torch re-exports it without `as`
 
 from collectives.base import Communicator
-from collectives.launch_reports import LaunchError, failure, mpi_failure, read_result, record_failure, write_result
+from collectives.launch_reports import (
+    LaunchError,
+    failure,
+    mark_started,
+    mpi_failure,
+    read_result,
+    record_failure,
+    write_result,
+)
 from collectives.nvshmem_backend import NVSHMEMCommunicator
 from collectives.torch_backend import init_torch
 from collectives.warm_start import adopt_launcher_state, launcher_state, preload_modules, start_context
@@ -113,8 +121,7 @@ def _spawned_rank(rank: int, world_size: int, tmp: str, fn, kwargs: dict, opts: 
     try:
         torch.set_num_threads(opts.threads_per_rank)
         comm = _rank_communicator(rank, world_size, tmp, opts)
-        # fn was found and is running: see launch_reports.failure
-        open(os.path.join(tmp, f"rank{rank}.started"), "w").close()
+        mark_started(tmp, rank)  # fn was found and is running: see launch_reports.failure
         result = fn(comm, **kwargs)
         if rank == 0:
             write_result(tmp, result)
