@@ -25,6 +25,9 @@ from dataclasses import dataclass
 
 from simulator.modelspec import ModelSpec, blocks
 
+GLU_INPUTS = ("ffn_act_in", "expert_act_in", "shared_act_in")
+"""The SwiGLU inputs (``[2F]`` per token or routed copy) that ``ParallelConfig.activation_fp8_input_store`` keeps
+in fp8."""
 WHEN = ("", "flash", "combine", "mla_kv")
 """``flash``: only with flash attention (the non-flash softmax keeps ``act_s2_per_s`` instead); ``combine``: only
 when the routing probabilities are applied at the combine (``ParallelConfig.moe_probs``); ``mla_kv``: reported as

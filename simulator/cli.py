@@ -242,6 +242,11 @@ def _parallel_args(p: argparse.ArgumentParser) -> None:
         default="bf16",
         help="dtype of the one cached copy of the attention output (DeepSeek-V3: e5m6)",
     )
+    p.add_argument(
+        "--activation-fp8-input-store",
+        action="store_true",
+        help="keep SwiGLU inputs in fp8 for the backward (Megatron activation_func_fp8_input_store; DeepSeek-V3)",
+    )
     _speed_args(p)
 
 

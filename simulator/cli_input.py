@@ -156,6 +156,7 @@ def _parallel(args, dp: int, seq: int, gbt: int) -> ParallelConfig:
         attn_res_impl=args.attn_res_impl,
         moe_probs=args.moe_probs,
         attn_out_cache=args.attn_out_cache,
+        activation_fp8_input_store=args.activation_fp8_input_store,
         **_speed_knobs(args),
         microbatch_group=args.microbatch_group,
         capacity_factor=args.moe_capacity_factor,

@@ -10,12 +10,11 @@ Modelling choices (why, not just what):
   forward, as many backward (the re-gathers for weight gradients are overlapped, as Megatron does).
 - CP ring attention passes K/V around the ring under the attention kernel (exposed only past it); CP-KDA
   all-gathers the fp32 transfer state ``(M, B)`` of each sequence (not overlapped, it is small).
-- MoE: dispatch + combine forward, their transposes backward. ``classic``: the busiest EP rank has
-  ``(1 + maxvio)`` x the mean tokens, so expert GEMMs and the all-to-all (incast) scale by it, the excess
-  reported as ``imbalance``. ``moonep``: exact balance, plus the replica-weight traffic of the busiest
-  receiver (``replicas.replicas_per_rank``: priced by ``planner.plan`` on a synthetic load of that ``maxvio``, or
-  the closed-form upper bound ``min(E/EP, ceil(maxvio E/EP))`` without the planner) per layer per micro-batch,
-  fetched forward, fetched again and their gradients returned backward.
+- MoE: dispatch + combine forward, their transposes backward. ``classic``: the busiest EP rank has ``(1 + maxvio)``
+  x the mean tokens, so expert GEMMs and the all-to-all (incast) scale by it, the excess is ``imbalance``.
+  ``moonep``: exact balance, plus the replica-weight traffic of the busiest receiver (``replicas_per_rank``:
+  ``planner.plan`` on a synthetic load of that ``maxvio``, or the bound ``min(E/EP, ceil(maxvio E/EP))``) per
+  layer per micro-batch, fetched forward, fetched again and their gradients returned backward.
 """
 
 from __future__ import annotations
@@ -25,6 +24,7 @@ from dataclasses import dataclass, field
 
 from simulator import gemm_shapes, host
 from simulator import network as net
+from simulator.act_terms import GLU_INPUTS
 from simulator.attention_model import attention_seconds
 from simulator.hardware import HardwareSpec
 from simulator.layers import eager_expert_bytes, layer_stats
@@ -45,8 +45,7 @@ COMPUTE_CLASSES = (
     "host",
 )
 """``moe_fixed``: router, permute/unpermute bytes and the per-layer dropless sync; ``offload``: exposed PCIe time
-of activation offload."""
-"""``host``: framework (Python + dispatcher) time of eager ops; nonzero only with a calibrated host profile."""
+of activation offload; ``host``: framework time of eager ops (nonzero only with a calibrated host profile)."""
 COMM_CLASSES = ("tp", "cp", "ep")
 FULL_RECOMPUTE = ("gemm", "grouped_gemm", "imbalance", "attention", "kda", "elementwise", "moe_fixed", "tp", "cp", "ep")
 """Forward work full recompute runs again in the backward."""
@@ -117,9 +116,8 @@ def _ep_seconds(spec, par, st, t, tiers, comm_scale, skew) -> tuple[float, float
 
 
 def _capacity(par: ParallelConfig) -> tuple[float, float]:
-    """(rows per routed expert as a multiple of the dropless balanced mean, busiest expert's rows / that): the
-    routing skew ``1 + maxvio`` (only the non-``moonep`` dispatchers see it) capped by a capacity factor
-    (``ParallelConfig.moe_load``; padding to capacity sends and computes the padded rows)."""
+    """(rows per routed expert over the dropless balanced mean, busiest expert's rows / that): the skew ``1 +
+    maxvio`` (non-``moonep`` dispatchers) capped by a capacity factor (``moe_load``; padded rows count)."""
     load, busy = par.moe_load(1.0 + par.maxvio if par.dispatcher != "moonep" else 1.0)
     return load, busy / load
 
@@ -231,6 +229,9 @@ def _recipe_terms(spec, hw, par, kind, t, f, b, s2, scale, roof, dense_f) -> Non
         f["elementwise"] += per_byte * fwd
         b["elementwise"] += per_byte * bwd
         b["recompute"] += per_byte * redo
+    if par.activation_fp8_input_store:  # SwiGLU inputs cast to e4m3 and back by unfused ops: 3 B/element each way
+        glu = t / par.tp * sum(x.nbytes for x in st.act_terms if x.name in GLU_INPUTS) / 2 * 3.0 / hbm
+        f["elementwise"], b["elementwise"] = f["elementwise"] + glu, b["elementwise"] + glu
     if par.offload_fraction and hw.host is None:
         f["offload"], b["offload"] = _offload(spec, hw, par, st, t, f, b)
 

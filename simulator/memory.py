@@ -18,6 +18,7 @@ import math
 from dataclasses import replace
 from functools import lru_cache
 
+from simulator.act_terms import GLU_INPUTS
 from simulator.events import static_order
 from simulator.hardware import HardwareSpec
 from simulator.layers import embedding_params, head_params, layer_stats
@@ -54,8 +55,9 @@ CACHE_BYTES = {"e5m6": 1.5, "fp8": 1.0}
 
 def saved_bytes_per_token(spec: ModelSpec, par: ParallelConfig, st, flash: bool) -> float:
     """Activation bytes one token leaves on the GPU for the backward in one layer: ``st.act_terms`` (what the
-    fused kernels keep, ``simulator.act_terms``) after fp8 storage, the attention-output cache, recomputed
-    modules, the probabilities' place and offload; a non-flash softmax adds ``act_s2_per_s`` per key position."""
+    fused kernels keep, ``simulator.act_terms``) after fp8 storage (GEMM inputs; SwiGLU inputs with
+    ``activation_fp8_input_store``), the attention-output cache, recomputed modules, the probabilities' place and
+    offload; a non-flash softmax adds ``act_s2_per_s`` per key position."""
     split = par.tp if (par.sequence_parallel or par.tp == 1) else 1
     mixes = st.act_attn_res_stacked if par.attn_res_impl == "release" else st.act_attn_res
     rep, par_bytes = mixes, 0.0
@@ -67,6 +69,8 @@ def saved_bytes_per_token(spec: ModelSpec, par: ParallelConfig, st, flash: bool)
         if any(par.recompute == m or par.recomputes(m) for m in term.removed_by):
             continue
         nbytes = term.fp8 if par.fp8_activations else term.nbytes
+        if par.activation_fp8_input_store and term.name in GLU_INPUTS:
+            nbytes = term.nbytes / 2  # the e4m3 copy of the bf16 [2F] input
         if term.name == "attn_out" and par.attn_out_cache != "bf16" and not spec.attn_output_gate:
             nbytes = term.nbytes / 2 * CACHE_BYTES[par.attn_out_cache]  # one copy serves flash and the out-proj
         if term.bucket == "rep":

@@ -93,9 +93,12 @@ class ParallelConfig:
     """What a Block AttnRes mix keeps for the backward: ``moonep`` (k3.attnres: sources by reference) or
     ``release`` (the released ``_apply_attn_res``: fp32 stacks of the sources); models without AttnRes ignore it."""
     moe_probs: str = "swiglu"
-    """Where the MoE routing probability multiplies an expert's path: ``swiglu`` (inside the activation,
-    Megatron's ``weighted_bias_swiglu`` / ``--moe-apply-probs-on-input`` family, moonep's K3: the expert output is
-    not kept) or ``combine`` (at the weighted un-permutation: each routed copy's output [K, H] is kept)."""
+    """Where the MoE routing probability multiplies an expert's path: ``swiglu`` (inside the activation, Megatron's
+    ``weighted_bias_swiglu``, moonep's K3: the expert output is not kept) or ``combine`` (at the weighted
+    un-permutation: each routed copy's output [K, H] is kept)."""
+    activation_fp8_input_store: bool = False
+    """SwiGLU inputs (dense FFN, routed and shared experts) kept as fp8 e4m3 for the backward (Megatron
+    ``activation_func_fp8_input_store``, DeepSeek-V3 section 3.3.2), cast there and back by unfused ops."""
     attn_out_cache: str = "bf16"
     """The attention-output projection's input, which flash attention also keeps as its ``o``: ``bf16`` (one bf16
     copy, plus TE's fp8 copy in fp8 runs), ``e5m6`` (DeepSeek-V3 section 3.3.2: one 12-bit copy for both
@@ -242,9 +245,8 @@ class ParallelConfig:
         return min(m, p - rank - 1 + ahead)
 
     def moe_load(self, skew: float = 1.0) -> tuple[float, float]:
-        """(mean, busiest) rows per expert as multiples of the balanced dropless mean, for a busiest-expert load
-        of ``skew`` x the mean: dropless ``(1, skew)``; with a capacity factor c each expert keeps at most c x
-        the mean, ``(min(1, c), min(skew, c))``, and padding fills every expert to ``(c, c)``."""
+        """(mean, busiest) rows per expert over the balanced dropless mean, the busiest expert at ``skew`` x the
+        mean: dropless ``(1, skew)``; capacity factor c ``(min(1, c), min(skew, c))``; padded to it ``(c, c)``."""
         c = self.capacity_factor
         if not c:
             return 1.0, skew
@@ -288,6 +290,9 @@ def infeasible_reason(spec: ModelSpec, hw: HardwareSpec, par: ParallelConfig, gp
         return f"{spec.kv_heads} KV heads are not divisible by TP {par.tp}"
     if not spec.is_moe and par.ep > 1:
         return f"EP {par.ep} > 1 on a dense model"
+    if par.activation_fp8_input_store and (not spec.gated_ffn or not spec.gated_experts or spec.glu_clamp):
+        why = "clamped" if spec.glu_clamp else "not gated"
+        return f"--activation-fp8-input-store needs SwiGLU FFNs, as Megatron's does; {spec.name}'s are {why}"
     if spec.is_moe and spec.num_experts % par.ep:
         return f"{spec.num_experts} experts are not divisible by EP {par.ep}"
     if par.global_batch_tokens % par.seq_len:
@@ -367,12 +372,8 @@ def stage_layers(spec: ModelSpec, par: ParallelConfig) -> tuple[tuple[int, ...],
     """Layer indices of each model chunk, in pipeline order: ``pp * vpp`` contiguous chunks, the first and last
     holding ``pp_first_layers`` / ``pp_last_layers`` when set (0: an embedding-only / head-only chunk) and the
     rest split near-evenly."""
-    return _split(
-        spec.num_layers,
-        par.pp * (par.vpp if par.schedule == "interleaved" else 1),
-        par.pp_first_layers,
-        par.pp_last_layers,
-    )
+    stages = par.pp * (par.vpp if par.schedule == "interleaved" else 1)
+    return _split(spec.num_layers, stages, par.pp_first_layers, par.pp_last_layers)
 
 
 @lru_cache(maxsize=1024)
