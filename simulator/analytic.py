@@ -135,10 +135,16 @@ def _pair(a: ChunkCost, b: ChunkCost) -> float:
     return max(ca + cb, a.ep_raw_fwd + b.ep_raw_bwd, ca + a.ep_raw_fwd, cb + b.ep_raw_bwd)
 
 
-@lru_cache(maxsize=4096)
 def _dualpipe_counts(par: ParallelConfig, rank: int) -> tuple:
     """``((entry, count), ...)`` of the rank's DualPipe order; entry = ((kind, phase), ...)."""
-    return tuple(Counter(tuple(e) for e in dualpipe_order(par, rank)).items())
+    return _dualpipe_counts_of(par.pp, par.micro_batches, rank)
+
+
+@lru_cache(maxsize=4096)
+def _dualpipe_counts_of(pp: int, micro_batches: int, rank: int) -> tuple:
+    # the order depends on PP and the micro-batch count only: one entry serves every layout that shares them
+    bare = ParallelConfig(pp=pp, seq_len=1, global_batch_tokens=micro_batches, schedule="dualpipe")
+    return tuple(Counter(tuple(e) for e in dualpipe_order(bare, rank)).items())
 
 
 def _dualpipe(par: ParallelConfig, costs: list[list[ChunkCost]], P: float) -> float:

@@ -15,6 +15,7 @@ holds ``p + 1`` micro-batches of its two chunks and two weight copies. Full reco
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import replace
 from functools import lru_cache
 
@@ -114,19 +115,25 @@ def _full_working_set(spec: ModelSpec, par: ParallelConfig, t: float, flash: boo
 @lru_cache(maxsize=4096)
 def _chunk_totals(spec: ModelSpec, layers: tuple[int, ...], par: ParallelConfig, flash: bool) -> tuple:
     """(dense params, expert params, MoE layers, activation, MLA KV, KDA state bytes per micro-batch)."""
-    kinds = spec.layer_kinds()
+    kinds, per_kind = spec.layer_kinds(), _kind_totals(spec, par, flash)
+    totals = [0.0] * 6
+    for kind, n in Counter(kinds[i] for i in layers).items():
+        for j, x in enumerate(per_kind[kind]):
+            totals[j] += n * x
+    dense, expert, moe, act, kv, kda = totals
+    return dense, expert, int(moe), act, kv, kda
+
+
+@lru_cache(maxsize=256)
+def _kind_totals(spec: ModelSpec, par: ParallelConfig, flash: bool) -> dict:
+    """Per layer kind of ``spec``: (dense params, expert params, is MoE, activation, MLA KV, KDA state bytes per
+    micro-batch); a layout's chunks share it, so each kind's saved bytes are worked out once per layout."""
     t = par.micro_batch * par.seq_len / par.cp
-    dense = expert = act = kv = kda = 0.0
-    moe = 0
-    per_kind: dict[tuple[str, str], tuple[float, float, float]] = {}  # a chunk has a few kinds, many layers
-    for i in layers:
-        st = layer_stats(spec, kinds[i])
-        dense, expert, moe = dense + st.dense_params, expert + st.expert_params, moe + (kinds[i][1] == "moe")
-        if kinds[i] not in per_kind:
-            per_kind[kinds[i]] = _layer_act(spec, par, st, t, flash)
-        a, k, s = per_kind[kinds[i]]
-        act, kv, kda = act + a, kv + k, kda + s
-    return dense, expert, moe, act, kv, kda
+    out = {}
+    for kind in set(spec.layer_kinds()):
+        st = layer_stats(spec, kind)
+        out[kind] = (st.dense_params, st.expert_params, float(kind[1] == "moe"), *_layer_act(spec, par, st, t, flash))
+    return out
 
 
 def rank_memory(spec: ModelSpec, hw: HardwareSpec, par: ParallelConfig, rank: int) -> dict[str, float]:
