@@ -121,7 +121,11 @@ def test_a_skipped_collective_is_named_from_the_profiler_and_the_flight_recorder
     assert "rank 0 in all_reduce" in text and "rank 1 in " in text  # the calls each rank is stuck in
 
 
+@pytest.mark.host_noise
 def test_a_clean_run_reports_nothing_in_any_format(tmp_path_factory, tmp_path, capsys):
+    """A real 2-rank clean run is silent in every format. Host noise: on a loaded 2-core CI host (2026-12-05) the
+    JSON lines of one clean run showed rank 1's compute slower from step 3 (slow_compute, confidence 0.72), the
+    same contention as the 100-clean-steps test; the synthetic clean traces of test_detectors always run."""
     out = run_job("clean", tmp_path_factory)
     for sub in ("profiler", "jsonl", "detector", "fr"):
         code, report, text = diagnose(os.path.join(out, sub), tmp_path, capsys)
