@@ -351,6 +351,7 @@ def param_counts(spec: ModelSpec) -> ParamCounts:
     )
 
 
+@lru_cache(maxsize=256)
 def model_flops_per_token(spec: ModelSpec, seq_len: int, causal: bool = False) -> float:
     """Training model FLOPs per token (3 x forward, LM head included, no recompute). Attention counts every
     query-key pair (full square, the default) or, with ``causal``, the mean ``(s + 1) / 2`` keys a query sees;

@@ -125,9 +125,11 @@ def _golden(f, lo: float, hi: float, iters: int) -> float:
     return (a + b) / 2
 
 
-def fit(rows: tuple[Published, ...], start: dict[str, float] | None = None, sweeps: int = 3) -> dict[str, float]:
+def fit(
+    rows: tuple[Published, ...], start: dict[str, float] | None = None, sweeps: int = 3, iters: int = 18
+) -> dict[str, float]:
     """Coordinate descent from ``start`` (default: the shipped constants): each constant in turn by golden-section
-    search within ``BOUNDS``, ``sweeps`` times over all of them."""
+    search (``iters`` steps, each narrowing the bracket 0.618x) within ``BOUNDS``, ``sweeps`` times over all."""
     constants = dict(start or shipped())
     for _ in range(sweeps):
         for key in constants:
@@ -136,7 +138,7 @@ def fit(rows: tuple[Published, ...], start: dict[str, float] | None = None, swee
             def at(x: float, key: str = key) -> float:
                 return loss(rows, {**constants, key: x})
 
-            constants[key] = _golden(at, lo, hi, iters=18)
+            constants[key] = _golden(at, lo, hi, iters=iters)
     return constants
 
 

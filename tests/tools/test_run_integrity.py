@@ -95,13 +95,16 @@ def test_a_clock_offset_no_longer_hides_a_straggler(demo_trace, tmp_path, capsys
     _, _, same_clock = _diagnose(write_dir(tmp_path / "same", demo_trace), tmp_path, capsys)
     assert same_clock is not None
     found = [f for f in same_clock["findings"] if f["ranks"] == [1]]
-    # injected at step 10; on a shared 2-core host a noisy step or two before it can open the slow stretch early
-    assert found and 6 <= found[0]["onset_step"] <= 11, same_clock["findings"]
+    # injected at step 10. This test is about clocks, not onset accuracy (tests/tools/test_accuracy.py, on a quiet
+    # host): a loaded 2-core CI host once made steps 10-13 of the real run read milder (+2 ms/step from step 3,
+    # +11 from 14), so the reported rise was step 14. Any onset within the injected episode will do here.
+    assert found and 6 <= found[0]["onset_step"] <= 16, same_clock["findings"]
     recs = dict(demo_trace) | {skewed: _shifted(demo_trace[skewed], offset)}  # before: "no straggler found"
     code, text, report = _diagnose(write_dir(tmp_path / "t", recs), tmp_path, capsys)
     assert report is not None, text
     slow = [f for f in report["findings"] if f["ranks"] == [1]]
     assert code == 1 and slow and slow[0]["onset_step"] == found[0]["onset_step"], text
+    assert slow[0]["evidence"].get("earlier_onset_step") == found[0]["evidence"].get("earlier_onset_step"), text
     relative = offset if skewed == 1 else -offset  # reported against rank 0's clock
     assert list(report["clock_offsets_s"]) == ["1"], report["clock_offsets_s"]
     assert abs(report["clock_offsets_s"]["1"] - relative) < 2e-3, report["clock_offsets_s"]
