@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from moonep.console import main
-from tests.tools.test_foreign_jobs import on_a_second_run_if_the_first_fails
+from tests.tools.test_foreign_jobs import on_a_fresh_run_if_one_fails
 from tools.analysis import build_tables
 from tools.detector import DetectorConfig, StragglerDetector
 from tools.findings import diagnose
@@ -231,4 +231,4 @@ def test_the_detector_names_the_slow_rank_of_a_real_ddp_job(scenario, kind, tmp_
         near = [f for f in live if f["kind"] == kind and f["ranks"] == [1] and abs(f["onset_step"] - 10) <= 2]
         assert near and not [f for f in live if 0 in f["ranks"] and f["kind"] != "step_slowdown"], live
 
-    on_a_second_run_if_the_first_fails(check, scenario, tmp_path_factory)
+    on_a_fresh_run_if_one_fails(check, scenario, tmp_path_factory)
