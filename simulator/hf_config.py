@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from simulator.hf_families import (
+    EXPERT_WIDTH_IS_INTERMEDIATE,
     GATED_ATTENTION,
     check_family,
     dense_ffn_width,
@@ -184,6 +185,13 @@ def _moe_fields(c: dict, get: Callable[..., Any], hidden: int, layers: int) -> d
     width = int(get(w_name) or 0)  # Mixtral, Jamba, gpt-oss, Llama-4, DBRX: intermediate_size is the expert's
     if not width:
         raise ValueError(f"HF config: an MoE config ({count_name}={experts}) needs its expert width {w_name} > 0")
+    kind = c.get("model_type")
+    if w_name == "intermediate_size" and kind not in EXPERT_WIDTH_IS_INTERMEDIATE:
+        warnings.warn(
+            f"HF config: model_type {kind!r} is not a family the loader knows and has no moe_intermediate_size: "
+            f"its routed experts are priced intermediate_size={width} wide, as Mixtral's and OLMoE's mean it",
+            stacklevel=4,
+        )
     fixed = family_fixed(c)
     latent = _one_of(get, LATENT, "routed experts' hidden width")[1]
     ids, _ = moe_layer_ids(c, get, layers)

@@ -168,6 +168,35 @@ def dense_ffn_width(c: dict, width: int) -> int:
     return width
 
 
+EXPERT_WIDTH_IS_INTERMEDIATE = frozenset(
+    [
+        "aria_text",
+        "cohere2_moe",
+        "dbrx",
+        "flex_olmo",
+        "gpt_oss",
+        "granitemoe",
+        "granitemoe_swa",
+        "granitemoehybrid",
+        "granitemoeshared",
+        "hunyuan_v1_moe",
+        "jamba",
+        "llama4_text",
+        "minimax",
+        "minimax_m2",
+        "minimax_m3_vl_text",
+        "mixtral",
+        "olmoe",
+        "openai_privacy_filter",
+        "phimoe",
+    ]
+)
+"""``model_type`` s whose routed experts are ``intermediate_size`` wide (they have no ``moe_intermediate_size``):
+every such MoE family of transformers 5.25, read from its config classes (tests/simulator/test_hf_transformers_sweep.py
+holds the list against the installed transformers). Another family without ``moe_intermediate_size`` is priced
+the same way, with a warning that says so."""
+
+
 def family_fixed(c: dict) -> dict:
     """Parts a family always has that no field states: Llama-4's one shared expert (``Llama4TextMoe``),
     gpt-oss' per-head sinks, router and expert biases, Qwen2-MoE's sigmoid gate on its shared expert."""

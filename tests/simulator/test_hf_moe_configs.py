@@ -37,6 +37,19 @@ def test_mixtral_reads_its_expert_width_from_intermediate_size(tmp_path):
     assert 46.0e9 < counts.total < 47.5e9 and 12.5e9 < counts.active < 13.2e9, counts
 
 
+def test_an_unknown_family_sized_by_intermediate_size_is_priced_so_and_says_it():
+    """A family the loader does not know, with experts but no ``moe_intermediate_size``: priced as Mixtral is (the
+    expert is ``intermediate_size`` wide), with a warning naming the model type and the width; Mixtral is quiet."""
+    unknown = MIXTRAL_8X7B | {"model_type": "foo_moe", "architectures": ["FooMoeForCausalLM"]}
+    for cfg, warns in ((unknown, True), (MIXTRAL_8X7B | {"model_type": "mixtral"}, False)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            spec = from_hf_config(cfg)
+        said = [str(w.message) for w in caught if "moe_intermediate_size" in str(w.message)]
+        assert spec.moe_ffn_hidden == 14336
+        assert bool(said) == warns and (not warns or "'foo_moe'" in said[0] and "intermediate_size=14336" in said[0])
+
+
 def test_qwen2_moe_keeps_its_shared_expert(tmp_path):
     spec = _load(QWEN2_57B_A14B, tmp_path)
     assert spec.num_shared_experts * spec.moe_ffn_hidden == 20480

@@ -15,6 +15,7 @@ import pytest
 import torch
 import transformers  # the dev extra: make test installs it, so a missing install fails here instead of skipping
 
+from simulator.hf_families import EXPERT_WIDTH_IS_INTERMEDIATE
 from simulator.hf_layer_kinds import ATTENTION, MOE_MLP_KINDS, RECURRENT
 from simulator.layers import param_counts
 from simulator.specs import from_hf_config
@@ -100,3 +101,29 @@ def test_every_loaded_config_has_the_parameters_of_its_transformers_model():
             if abs(ratio - 1) > 0.01:
                 off.append((model_type, round(ratio, 4)))
     assert checked >= 25 and not off, (checked, off)
+
+
+def test_only_families_not_known_to_size_experts_by_intermediate_size_warn():
+    """Each loading MoE family of the installed transformers whose experts are ``intermediate_size`` wide is in
+    ``EXPERT_WIDTH_IS_INTERMEDIATE`` and loads without the width warning; a family with ``moe_intermediate_size``
+    is not in it. (A family newer than the list warns, and is still priced as its parameter count says above.)"""
+    checked = 0
+    for model_type, _, text, _ in _configs():
+        with warnings.catch_warnings(record=True) as caught, contextlib.redirect_stderr(io.StringIO()):
+            warnings.simplefilter("always")
+            try:
+                spec = from_hf_config(text)
+            except ValueError:
+                continue
+        said = [str(w.message) for w in caught if "has no moe_intermediate_size" in str(w.message)]
+        kind = text.get("model_type")
+        if not spec.is_moe:
+            continue
+        if text.get("moe_intermediate_size") is not None:
+            assert kind not in EXPERT_WIDTH_IS_INTERMEDIATE and not said, (model_type, said)
+        elif kind in EXPERT_WIDTH_IS_INTERMEDIATE:
+            assert not said, (model_type, said)
+            checked += 1
+        else:
+            assert said and repr(kind) in said[0], (model_type, kind)
+    assert checked >= 10, checked
