@@ -5,6 +5,8 @@ checked the same way. ``simulator.cli`` prints a ``UsageError`` as one line with
 from __future__ import annotations
 
 import math
+import sys
+import warnings
 from dataclasses import replace
 
 from simulator.hardware import load_hardware
@@ -45,11 +47,16 @@ def check_sizes(args) -> None:
 
 
 def _load(args):
-    """(model spec, hardware); a bad preset name or file is a ``UsageError``."""
+    """(model spec, hardware); a bad preset name or file is a ``UsageError``; what the loaders warn about (an HF
+    config's unread expert fields, a width taken by convention) is one ``warning:`` line each on stderr."""
     try:
-        spec, hw = load_model(args.model), load_hardware(args.hardware)
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            spec, hw = load_model(args.model), load_hardware(args.hardware)
     except (ValueError, OSError, TypeError) as exc:
         raise UsageError(str(exc)) from None
+    for w in said:
+        print(f"warning: {w.message}", file=sys.stderr)
     if getattr(args, "mtp_layers", None) is not None:  # in range: check_sizes
         spec = replace(spec, mtp_layers=args.mtp_layers)
     return spec, hw

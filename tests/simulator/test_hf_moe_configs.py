@@ -10,6 +10,7 @@ import warnings
 
 import pytest
 
+from moonep.console import main
 from simulator.layers import layer_stats, param_counts
 from simulator.specs import from_hf_config, load_model
 from tests.simulator.hf_moe_config_data import (
@@ -48,6 +49,16 @@ def test_an_unknown_family_sized_by_intermediate_size_is_priced_so_and_says_it()
         said = [str(w.message) for w in caught if "moe_intermediate_size" in str(w.message)]
         assert spec.moe_ffn_hidden == 14336
         assert bool(said) == warns and (not warns or "'foo_moe'" in said[0] and "intermediate_size=14336" in said[0])
+
+
+def test_the_cli_says_the_width_it_used_in_one_line(tmp_path, capsys):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(MIXTRAL_8X7B | {"model_type": "foo_moe", "moe_capacity_factor": 1.25}))
+    # 0 or 1 (out of memory at this layout): either way the run is priced and the loader warnings come first
+    assert main(["simulate", "run", "--model", str(path), "--hardware", "h100", "--gpus", "64", "--ep", "8"]) in (0, 1)
+    warned = [x for x in capsys.readouterr().err.splitlines() if "warning" in x.lower()]
+    assert len(warned) == 2 and all(x.startswith("warning: HF config: ") for x in warned), warned
+    assert "'foo_moe'" in " ".join(warned) and "moe_capacity_factor" in " ".join(warned), warned
 
 
 def test_qwen2_moe_keeps_its_shared_expert(tmp_path):
