@@ -23,6 +23,7 @@ from simulator.cli_input import (
     check_sizes,
     choice_list,
     int_list,
+    load_saying_warnings,
     parse_links,
     parse_slow,
     setup,
@@ -137,7 +138,7 @@ def _register_saved_bytes(sub) -> None:
 
 def _saved_bytes(args) -> int:
     try:
-        spec = load_model(args.model)
+        spec = load_saying_warnings(load_model, args.model)
         rows = measured(args.measured) if args.measured else None
     except ValueError as exc:
         print(f"moonep simulate saved-bytes: {exc}", file=sys.stderr)

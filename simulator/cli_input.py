@@ -46,17 +46,24 @@ def check_sizes(args) -> None:
         raise UsageError(f"--max-seconds: must be a finite number > 0, got {v}")
 
 
-def _load(args):
-    """(model spec, hardware); a bad preset name or file is a ``UsageError``; what the loaders warn about (an HF
-    config's unread expert fields, a width taken by convention) is one ``warning:`` line each on stderr."""
-    try:
-        with warnings.catch_warnings(record=True) as said:
-            warnings.simplefilter("always")
-            spec, hw = load_model(args.model), load_hardware(args.hardware)
-    except (ValueError, OSError, TypeError) as exc:
-        raise UsageError(str(exc)) from None
+def load_saying_warnings(load, name):
+    """``load(name)``, with what the loader warns about (an HF config's unread expert fields, an expert width
+    taken by convention) printed as one ``warning:`` line each on stderr; its errors propagate."""
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        out = load(name)
     for w in said:
         print(f"warning: {w.message}", file=sys.stderr)
+    return out
+
+
+def _load(args):
+    """(model spec, hardware); a bad preset name or file is a ``UsageError``."""
+    try:
+        spec = load_saying_warnings(load_model, args.model)
+        hw = load_saying_warnings(load_hardware, args.hardware)
+    except (ValueError, OSError, TypeError) as exc:
+        raise UsageError(str(exc)) from None
     if getattr(args, "mtp_layers", None) is not None:  # in range: check_sizes
         spec = replace(spec, mtp_layers=args.mtp_layers)
     return spec, hw
