@@ -130,7 +130,7 @@ def _register_saved_bytes(sub) -> None:
         "saved-bytes",
         help="saved bytes per token per layer by module: the simulator's, beside a measured k3-memory report",
     )
-    sb.add_argument("--model", default="k3", help="preset or config.json (default k3)")
+    sb.add_argument("--model", default="k3", help="preset, config.json or HF model folder (default k3)")
     sb.add_argument("--measured", metavar="FILE", help="a 'moonep bench k3-memory --json' report to put beside")
     sb.add_argument("--json", metavar="FILE", help="write the table as JSON")
     sb.set_defaults(func=_saved_bytes)
@@ -160,7 +160,7 @@ def _model_args(p: argparse.ArgumentParser) -> None:
         "--model",
         default="k3",
         help="preset (k3, kimi-k2, deepseek-v3, llama3-405b, gpt3-175b, "
-        "gpt-22b/175b/530b/1t) or a config.json / ModelSpec JSON",
+        "gpt-22b/175b/530b/1t), a config.json / ModelSpec JSON, or an HF model folder",
     )
     p.add_argument(
         "--hardware", default="h200", help="a100, h100, h800, h200, b200, gb200, b300, gb300 or a hardware JSON"

@@ -237,7 +237,8 @@ PRESETS: dict[str, Callable[[], ModelSpec]] = {
 
 
 def load_model(name_or_path: str | os.PathLike | ModelSpec | Any) -> ModelSpec:
-    """A preset name, a path to an HF ``config.json`` or a ``ModelSpec`` JSON, or a K3Config-like object."""
+    """A preset name, a path to an HF ``config.json`` (or to the model folder that holds it, as a downloaded HF
+    model is laid out) or a ``ModelSpec`` JSON, or a K3Config-like object."""
     if isinstance(name_or_path, ModelSpec):
         return name_or_path
     if not isinstance(name_or_path, (str, os.PathLike)):
@@ -247,6 +248,10 @@ def load_model(name_or_path: str | os.PathLike | ModelSpec | Any) -> ModelSpec:
         return PRESETS[key.lower()]()
     if not os.path.exists(key):
         raise ValueError(f"model {key!r} is neither a preset ({', '.join(PRESETS)}) nor an existing file")
+    if os.path.isdir(key):
+        if not os.path.isfile(os.path.join(key, "config.json")):
+            raise ValueError(f"model folder {key!r} holds no config.json (give the config file or an HF model folder)")
+        key = os.path.join(key, "config.json")
     with open(key) as f:
         try:
             data = json.load(f)

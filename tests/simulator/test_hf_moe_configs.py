@@ -61,6 +61,16 @@ def test_the_cli_says_the_width_it_used_in_one_line(tmp_path, capsys):
     assert "'foo_moe'" in " ".join(warned) and "moe_capacity_factor" in " ".join(warned), warned
 
 
+def test_an_hf_model_folder_is_read_through_its_config_json(tmp_path):
+    """``--model`` may name the downloaded model's folder; a folder without config.json is one clear error."""
+    (tmp_path / "mixtral").mkdir()
+    (tmp_path / "mixtral" / "config.json").write_text(json.dumps(MIXTRAL_8X7B))
+    assert load_model(str(tmp_path / "mixtral")) == load_model(str(tmp_path / "mixtral" / "config.json"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="holds no config.json"):
+        load_model(str(tmp_path / "empty"))
+
+
 def test_qwen2_moe_keeps_its_shared_expert(tmp_path):
     spec = _load(QWEN2_57B_A14B, tmp_path)
     assert spec.num_shared_experts * spec.moe_ffn_hidden == 20480
