@@ -143,8 +143,9 @@ def test_a_killed_launcher_leaves_no_ranks_behind(tmp_path, start, how):
     assert len(ranks) == 2, "the ranks never started"
     proc.send_signal(how)
     proc.wait(timeout=30)
-    time.sleep(1.5)
-    alive = [pid for pid in ranks if _running(pid)]
+    deadline = time.monotonic() + 5.0  # parent-death signal or the warm rank's launcher watch: at once, or a 0.5 s poll
+    while (alive := [pid for pid in ranks if _running(pid)]) and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert not alive, f"ranks {alive} outlived their launcher"
 
 

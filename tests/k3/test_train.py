@@ -33,10 +33,16 @@ def _metrics(run_dir: str) -> list[dict]:
         return [json.loads(line) for line in f]
 
 
-def test_ep4_equals_ep1_over_five_steps(tmp_path):
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory) -> dict:
+    """The 5-step single-rank run both equality tests (EP=4, CP=2) compare with."""
+    return train(_cfg(tmp_path_factory.mktemp("one-rank"), "ep1", world_size=1))
+
+
+def test_ep4_equals_ep1_over_five_steps(tmp_path, one_rank):
     """Same losses within 1e-5 relative (fp32; only summation order differs): would catch a wrong DP grad
     sum, a world-size-dependent init or batch, or expert grads lost in moonep's replica/reduce path."""
-    one = train(_cfg(tmp_path, "ep1", world_size=1))
+    one = one_rank
     four = train(_cfg(tmp_path, "ep4", world_size=4))
     assert len(one["losses"]) == len(four["losses"]) == 5
     for a, b in zip(one["losses"], four["losses"]):
@@ -78,10 +84,11 @@ def test_loss_falls_on_real_text(tmp_path):
     assert out["val_loss"] is not None and out["val_loss"] < first
 
 
-def test_cp2_equals_cp1_over_five_steps(tmp_path):
+def test_cp2_equals_cp1_over_five_steps(tmp_path, one_rank):
     """Context parallel (KDA through cp_kda's CP entry points, MLA by gathering keys/values) gives the same
     losses within 1e-5 relative: would catch a wrong causal offset, a missing conv halo, or lost key grads."""
-    one = train(_cfg(tmp_path, "cp1", world_size=1))
+    one = one_rank
     two = train(_cfg(tmp_path, "cp2", world_size=2, cp=2))
+    assert len(one["losses"]) == len(two["losses"]) == 5
     for a, b in zip(one["losses"], two["losses"]):
         assert abs(a - b) <= 1e-5 * abs(a), (one["losses"], two["losses"])
