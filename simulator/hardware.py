@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import MISSING, asdict, dataclass, field, fields, replace
+from dataclasses import MISSING, asdict, field, fields, replace
 from typing import Any
 
-from simulator.field_checks import check_finite, check_types
+from simulator.field_checks import check_finite, check_types, frozen_config
 from simulator.host_spec import HostSpec
 
 
-@dataclass(kw_only=True, frozen=True)
+@frozen_config
 class Efficiency:
     """Achieved fraction of peak per op class, overlap fractions and software behaviour of one hardware."""
 
@@ -91,7 +91,7 @@ class Efficiency:
         check_finite(self, tuple(f.name for f in fields(self) if f.type == "float"))
 
 
-@dataclass(kw_only=True, frozen=True)
+@frozen_config
 class HardwareSpec:
     """One accelerator type and its node: peaks, memory, links."""
 

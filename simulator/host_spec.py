@@ -3,12 +3,12 @@ which re-exports it)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import fields
 
-from simulator.field_checks import check_finite
+from simulator.field_checks import check_finite, frozen_config
 
 
-@dataclass(kw_only=True, frozen=True)
+@frozen_config
 class HostSpec:
     """Host-bound costs of eager PyTorch on a calibrated machine (CPU ranks; written by ``simulate calibrate``).
 

@@ -273,11 +273,17 @@ def _walk(order: tuple, acts: tuple, grads: tuple) -> tuple[float, float]:
 def peak_memory(spec: ModelSpec, hw: HardwareSpec, par: ParallelConfig) -> tuple[int, dict[str, float]]:
     """(rank, bytes by item) of the pipeline rank with the largest total."""
     best = None
-    for r in range(par.pp):
-        mem = rank_memory(spec, hw, par, r)
+    for r, mem in enumerate(pipeline_memory(spec, hw, par)):
         if best is None or sum(mem.values()) > sum(best[1].values()):
             best = (r, mem)
-    return best
+    return best[0], dict(best[1])
+
+
+@lru_cache(maxsize=64)
+def pipeline_memory(spec: ModelSpec, hw: HardwareSpec, par: ParallelConfig) -> tuple[dict[str, float], ...]:
+    """``rank_memory`` of every pipeline rank, kept for the next call: a search screens a layout's memory and then
+    simulates it, which prices it again with each rank's optimizer. Read-only (a shared cache)."""
+    return tuple(rank_memory(spec, hw, par, r) for r in range(par.pp))
 
 
 def inference_memory(

@@ -8,15 +8,17 @@ lists them. Counting formulas live in ``simulator.layers``; presets and loaders 
 
 from __future__ import annotations
 
-from dataclasses import MISSING, asdict, dataclass, fields
+from dataclasses import MISSING, asdict, fields
 from functools import lru_cache
+
+from simulator.field_checks import frozen_config
 
 ATTENTION_KINDS = ("mha", "mla")
 MAX_SIZE = 2**31 - 1
 """Largest size a spec field takes (widths, counts, lengths): far above any model, far below float overflow."""
 
 
-@dataclass(kw_only=True, frozen=True)
+@frozen_config
 class ModelSpec:
     """A decoder-only transformer (dense or MoE; softmax, MLA or KDA attention per layer)."""
 

@@ -1,16 +1,16 @@
 """``ParallelConfig``: how one training job is split, plus the feasibility rules with readable reasons.
 
 Sizes: TP x CP x PP x DP = GPUs; experts fold over a stage's TP x CP x DP ranks as EP x ETP x expert-DP (MoE
-parallel folding: EP x ETP divides TP x CP x DP; ETP defaults to TP). A step processes ``global_batch_tokens`` tokens in
-``micro_batches = global_batch_tokens / seq_len / (DP x micro_batch)`` micro-batches per pipeline.
-"""
+parallel folding: EP x ETP divides TP x CP x DP; ETP defaults to TP). A step processes ``global_batch_tokens``
+tokens in ``micro_batches = global_batch_tokens / seq_len / (DP x micro_batch)`` micro-batches per pipeline."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from functools import lru_cache
 
+from simulator.field_checks import frozen_config
 from simulator.hardware import HardwareSpec
 from simulator.layers import RECOMPUTE_MODES
 from simulator.modelspec import ModelSpec
@@ -22,7 +22,7 @@ DISPATCHERS = ("moonep", "classic", "deepep")
 PRECISIONS = ("bf16", "fp8")
 
 
-@dataclass(kw_only=True, frozen=True)
+@frozen_config
 class ParallelConfig:
     """Parallel sizes, batch and the training recipe knobs that change time or memory."""
 

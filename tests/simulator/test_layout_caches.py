@@ -1,7 +1,13 @@
 """The search's caches give what the plain loops give: a chunk's memory totals (``memory._chunk_totals``, built
 from per-kind values shared by a layout's chunks) against a layer-by-layer sum, and DualPipe's op counts (cached on
-PP, micro-batches and rank) against counting the layout's own ``dualpipe_order``."""
+PP, micro-batches and rank) against counting the layout's own ``dualpipe_order``; the specs' hash worked out once
+(``field_checks.hash_once``) against dataclass's own, and the pipeline ranks' memory kept between calls against
+``rank_memory`` each time."""
 
+import dataclasses
+import pickle
+import subprocess
+import sys
 from collections import Counter
 
 import pytest
@@ -10,8 +16,9 @@ from hypothesis import strategies as st
 
 from simulator.analytic import _dualpipe_counts
 from simulator.events import dualpipe_order
+from simulator.hardware import load_hardware
 from simulator.layers import layer_stats
-from simulator.memory import _chunk_totals, _layer_act
+from simulator.memory import _chunk_totals, _layer_act, peak_memory, pipeline_memory, rank_memory
 from simulator.parallel import ParallelConfig, stage_layers
 from simulator.specs import load_model
 
@@ -73,3 +80,56 @@ def test_dualpipe_counts_are_the_layouts_own(half_pp, extra, seq):
     for rank in range(pp):
         want = Counter(tuple(e) for e in dualpipe_order(par, rank))
         assert dict(_dualpipe_counts(par, rank)) == want
+
+
+def _field_hash(obj) -> int:
+    """What dataclass's generated ``__hash__`` returns: the tuple of the compared fields."""
+    return hash(tuple(getattr(obj, f.name) for f in dataclasses.fields(obj) if f.compare))
+
+
+@settings(max_examples=30, deadline=None)
+@given(model=st.sampled_from(MODELS), hardware=st.sampled_from(["h100", "b200", "gb200"]), tp=st.sampled_from([1, 2]))
+def test_hash_once_is_the_field_hash_and_follows_equality(model, hardware, tp):
+    spec, hw, par = load_model(model), load_hardware(hardware), ParallelConfig(tp=tp, seq_len=4096)
+    for obj in (spec, hw, hw.efficiency, par):
+        assert hash(obj) == _field_hash(obj)
+        assert hash(obj) == hash(obj)  # the kept value
+        twin = dataclasses.replace(obj)  # a fresh equal instance: same hash, same cache slot
+        assert twin == obj and hash(twin) == hash(obj)
+        assert "_hash_once" not in dataclasses.asdict(obj)
+        other = dataclasses.replace(obj, name=obj.name + "-x") if hasattr(obj, "name") else None
+        if other is not None:
+            assert other != obj and hash(other) == _field_hash(other)
+    assert hash(dataclasses.replace(par, tp=2 * tp)) != hash(par)
+
+
+@pytest.mark.spawns
+def test_pickled_spec_hashes_again_in_another_process():
+    """String hashes are salted per process: a pickled spec must not carry the sender's value."""
+    spec = load_model("deepseek-v3")
+    hash(spec)
+    blob = pickle.dumps(spec)
+    assert "_hash_once" not in pickle.loads(blob).__dict__
+    code = (
+        "import pickle, sys, dataclasses\n"
+        "s = pickle.loads(sys.stdin.buffer.read())\n"
+        "print(hash(s) == hash(tuple(getattr(s, f.name) for f in dataclasses.fields(s) if f.compare)))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], input=blob, capture_output=True, timeout=60, check=True)
+    assert out.stdout.strip() == b"True"
+
+
+@pytest.mark.parametrize(
+    "model,pp,schedule", [("k3", 4, "dualpipe"), ("deepseek-v3", 8, "1f1b"), ("llama3-70b", 4, "interleaved")]
+)
+def test_pipeline_memory_is_rank_memory_and_peak_is_a_copy(model, pp, schedule):
+    spec, hw = load_model(model), load_hardware("h200")
+    par = ParallelConfig(
+        pp=pp, vpp=2 if schedule == "interleaved" else 1, schedule=schedule, seq_len=4096, global_batch_tokens=4096 * 64
+    )
+    ranks = pipeline_memory(spec, hw, par)
+    assert list(ranks) == [rank_memory(spec, hw, par, r) for r in range(pp)]
+    rank, mem = peak_memory(spec, hw, par)
+    assert sum(mem.values()) == max(sum(m.values()) for m in ranks)
+    mem["activations"] = -1.0  # a caller's edit stays its own
+    assert peak_memory(spec, hw, par)[1] == ranks[rank] == rank_memory(spec, hw, par, rank)
