@@ -7,9 +7,11 @@ sharded by TP (ZeRO over DP x CP); routed experts by EP x TP (ZeRO over the DP x
 Activations per layer follow ``layers.LayerStats``; in-flight micro-batches follow the schedule: 1F1B rank r
 holds ``min(m, p - r)``; interleaved rank r holds ``(p - r - 1) * 2 + (v - 1) * N + 1`` chunks (Megatron's
 warm-up with N contiguous micro-batches, default p, which gives the paper's ``1 + (p-1)/(p v)`` factor on rank
-0); ZeRO 2/3 price the unsharded gradients where activations + gradients peak (``_zero_peak``); DualPipe
-holds ``p + 1`` micro-batches of its two chunks and two weight copies. Full recompute keeps each layer's
-``[t, H]`` input plus one layer's working set.
+0); DualPipe holds ``p + 1`` micro-batches (``p - h`` of its first-direction stage, ``h + 1`` of the other,
+``h = min(r, p-1-r)``) and two weight copies. Unlike chunks of one rank (an uneven first or last stage, the MTP
+module and the logits on the last) are weighted by what each holds at the rank's peak (``simulator.inflight``
+walks the op order). ZeRO 2/3 price the unsharded gradients where activations + gradients peak (``_zero_peak``).
+Full recompute keeps each layer's ``[t, H]`` input plus one layer's working set.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from functools import lru_cache
 from simulator.act_terms import GLU_INPUTS
 from simulator.events import static_order
 from simulator.hardware import HardwareSpec
+from simulator.inflight import peak_inflight
 from simulator.layers import embedding_params, head_params, layer_stats
 from simulator.modelspec import ModelSpec
 from simulator.parallel import ParallelConfig, rank_chunks, stage_layers
@@ -29,17 +32,6 @@ from simulator.replicas import replicas_per_rank
 
 GIB = float(2**30)
 MEMORY_ITEMS = ("params", "grads", "optimizer", "activations", "kda_states", "mla_kv", "ep_buffers", "reserved")
-
-
-def inflight_chunks(par: ParallelConfig, rank: int) -> float:
-    """Chunks' activations alive at the peak on pipeline rank ``rank`` (unit: one chunk, one micro-batch)."""
-    m, p, v = par.micro_batches, par.pp, par.vpp
-    if par.schedule == "dualpipe":
-        return float(min(m, p + 1))  # p + 1 micro-batches, each through one of the rank's two chunks
-    # Megatron's warm-up (``ParallelConfig.warmup_passes``) plus the pass that peaks. With EP A2A overlap the
-    # warm-up holds that pass already: combined 1F1B runs each forward beside a backward that frees layer by layer
-    peak = 0 if par.moe_a2a_overlap else 1
-    return float(min(m * (v if par.schedule == "interleaved" else 1), par.warmup_passes(rank) + peak))
 
 
 def _layer_act(spec: ModelSpec, par: ParallelConfig, st, t: float, flash: bool) -> tuple[float, float, float]:
@@ -139,31 +131,29 @@ def _kind_totals(spec: ModelSpec, par: ParallelConfig, flash: bool) -> dict:
 def rank_memory(spec: ModelSpec, hw: HardwareSpec, par: ParallelConfig, rank: int) -> dict[str, float]:
     """Bytes by item (``MEMORY_ITEMS``) on pipeline rank ``rank``."""
     chunks = stage_layers(spec, par)
-    mine = rank_chunks(par)[rank]
+    mine, last = rank_chunks(par)[rank], len(chunks) - 1
     t = par.micro_batch * par.seq_len / par.cp
     flash = hw.efficiency.flash_attention
-    live = inflight_chunks(par, rank) / len(mine)  # micro-batches per chunk of this rank
+    totals = [_chunk_totals(spec, chunks[c], par, flash) for c in mine]
+    # the multi-token-prediction modules sit after the last layer: their layers' saved bytes go with that chunk
+    mtp_act = t * mtp_act_bytes(spec, par, flash)
+    counts = peak_inflight(par, rank, tuple(tot[3] + (mtp_act if c == last else 0.0) for c, tot in zip(mine, totals)))
     dense = expert = act = kv = kda = 0.0
     moe_layers = 0
-    for c in mine:
-        d, e, n, a, k, s = _chunk_totals(spec, chunks[c], par, flash)
+    for c, (d, e, n, a, k, s), live in zip(mine, totals, counts):
         dense, expert, moe_layers = dense + d, expert + e, moe_layers + n
         act, kv, kda = act + a * live, kv + k * live, kda + s * live
         if c == 0:
             dense += embedding_params(spec)
-        if c == len(chunks) - 1:
+        if c == last:
             dense += head_params(spec) if not spec.tie_embeddings else spec.vocab * spec.hidden
-    if len(chunks) - 1 in mine:  # the multi-token-prediction modules sit after the last layer (their weights)
-        d, e = mtp_params(spec)
-        dense, expert = dense + d, expert + e
+            mtp_dense, mtp_expert = mtp_params(spec)
+            dense, expert = dense + mtp_dense, expert + mtp_expert
+            # MTP layers per micro-batch in flight, the bf16 logits + fp32 loss buffer of the main head and of each
+            # MTP depth (all depths' losses are in the graph together until its backward)
+            act += mtp_act * live + t * spec.vocab * 6.0 / par.tp * (1 + getattr(spec, "mtp_layers", 0))
     if par.recompute == "full":
         act += _full_working_set(spec, par, t, flash)
-    if len(chunks) - 1 in mine:
-        act += t * spec.vocab * 6.0 / par.tp  # bf16 logits + fp32 loss buffer
-        # MTP modules: their layers' saved bytes per micro-batch in flight, and their own logits (all depths'
-        # losses are in the graph together until its backward)
-        act += t * mtp_act_bytes(spec, par, flash) * live
-        act += t * spec.vocab * 6.0 / par.tp * getattr(spec, "mtp_layers", 0)
     params, grads, optim = _state_bytes(spec, par, dense, expert, mine, chunks)
     if par.zero_stage == 2:  # unsharded gradients where activations + gradients peak; at most ZeRO-1's buffer
         full = _state_bytes(spec, replace(par, zero_stage=1), dense, expert, mine, chunks)[1]
@@ -171,7 +161,7 @@ def rank_memory(spec: ModelSpec, hw: HardwareSpec, par: ParallelConfig, rank: in
             fresh = full
         else:
             walked, fresh = _zero_peak(spec, par, rank, flash)
-            act += walked - sum(_chunk_totals(spec, chunks[c], par, flash)[3] * live for c in mine)
+            act += walked - sum(tot[3] * live for tot, live in zip(totals, counts))
         grads = min(full, grads + fresh)
     ep_buf = 0.0
     if moe_layers:

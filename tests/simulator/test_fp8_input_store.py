@@ -121,10 +121,14 @@ def test_models_without_swiglu_are_refused(capsys, model):
     assert "--activation-fp8-input-store" in err and len(err.strip().splitlines()) == 1
 
 
-def test_deepseek_v3_report_run_fits_only_with_its_fp8_swiglu_cache():
+@pytest.mark.parametrize("first,last", [(3, 2), (None, None)])
+def test_deepseek_v3_report_run_fits_only_with_its_fp8_swiglu_cache(first, last):
+    """With the split guessed above and with the even one (rank 0: stage 0's 3 dense layers, 16 micro-batches in
+    flight, and stage 15's 4 MoE layers with the MTP module and the logits, 1: ``simulator.inflight``)."""
     spec = replace(load_model("deepseek-v3"), mtp_layers=1)
-    without = simulate(spec, "h800", DSV3_RUN, 2048)
-    stored = simulate(spec, "h800", replace(DSV3_RUN, activation_fp8_input_store=True), 2048)
+    run = replace(DSV3_RUN, pp_first_layers=first, pp_last_layers=last)
+    without = simulate(spec, "h800", run, 2048)
+    stored = simulate(spec, "h800", replace(run, activation_fp8_input_store=True), 2048)
     assert stored.feasible, stored.reason
     assert not without.feasible and "out of memory" in without.reason
     assert stored.memory_gib_per_gpu < without.memory_gib_per_gpu

@@ -9,7 +9,8 @@ from moonep.console import main
 from simulator.analytic import simulate
 from simulator.events import static_order
 from simulator.hardware import load_hardware
-from simulator.memory import inflight_chunks, peak_memory, rank_memory
+from simulator.inflight import inflight_chunks
+from simulator.memory import peak_memory, rank_memory
 from simulator.parallel import ParallelConfig, stage_layers
 from simulator.specs import load_model
 

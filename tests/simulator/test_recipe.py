@@ -11,7 +11,8 @@ from simulator import ParallelConfig, simulate
 from simulator.costs import chunk_cost, node_dedup, steady_fraction
 from simulator.gemm_shapes import roof_for, shared_expert_seconds
 from simulator.hardware import load_hardware
-from simulator.memory import inflight_chunks, peak_memory, rank_memory
+from simulator.inflight import inflight_chunks
+from simulator.memory import peak_memory, rank_memory
 from simulator.network import ClusterSpec, cluster_tiers, group
 from simulator.parallel import _split, _split_reason, infeasible_reason
 from simulator.published import ROWS as PUBLISHED
