@@ -40,7 +40,7 @@ def inflight_candidates(par: ParallelConfig, rank: int) -> tuple[tuple[float, ..
     if par.chunks == 1:
         return ((inflight_chunks(par, rank),),)
     if par.schedule == "dualpipe":
-        if p % 2 or m < 2 * p or m % 2:  # no DualPipe order (``infeasible_reason`` says why): the total, even
+        if not has_dualpipe_order(par):  # ``infeasible_reason`` says why; the total, split evenly
             half = inflight_chunks(par, rank) / 2
             return ((half, half),)
         h = min(rank, p - 1 - rank)  # rank holds p - h of its first-direction stage, h + 1 of the other
@@ -64,6 +64,18 @@ def inflight_chunks(par: ParallelConfig, rank: int) -> float:
     # warm-up holds that pass already: combined 1F1B runs each forward beside a backward that frees layer by layer
     peak = 0 if par.moe_a2a_overlap else 1
     return float(min(m * (v if par.schedule == "interleaved" else 1), par.warmup_passes(rank) + peak))
+
+
+def has_dualpipe_order(par: ParallelConfig) -> bool:
+    """DualPipe's order exists: an even PP and an even number of micro-batches >= 2 x PP."""
+    p, m = par.pp, par.micro_batches
+    return not (p % 2 or m < 2 * p or m % 2)
+
+
+def dualpipe_ops(par: ParallelConfig, rank: int) -> tuple[tuple[str, int, int], ...]:
+    """DualPipe's ops of ``rank`` as ``static_order`` gives Megatron's, ``(kind, 0, local_chunk)``, in the order
+    the walk counts them (a pair's forward first); the micro-batch is left out (0)."""
+    return tuple((kind, 0, j) for step in _steps(par, rank) for kind, j in step)
 
 
 def walk_candidates(par: ParallelConfig, rank: int) -> tuple[tuple[float, ...], ...]:

@@ -21,10 +21,10 @@ from collections import Counter
 from dataclasses import replace
 from functools import lru_cache
 
-from simulator.act_terms import GLU_INPUTS
+from simulator.act_terms import kept_bytes_per_token
 from simulator.events import static_order
 from simulator.hardware import HardwareSpec
-from simulator.inflight import peak_inflight
+from simulator.inflight import dualpipe_ops, has_dualpipe_order, peak_inflight
 from simulator.layers import embedding_params, head_params, layer_stats
 from simulator.modelspec import ModelSpec
 from simulator.parallel import ParallelConfig, rank_chunks, stage_layers
@@ -42,38 +42,11 @@ def _layer_act(spec: ModelSpec, par: ParallelConfig, st, t: float, flash: bool) 
     return t * saved_bytes_per_token(spec, par, st, flash), t * st.mla_kv, par.micro_batch * st.kda_state_bytes / par.tp
 
 
-CACHE_BYTES = {"e5m6": 1.5, "fp8": 1.0}
-"""Bytes per element of ``ParallelConfig.attn_out_cache`` (E5M6: 12 bits, DeepSeek-V3 report section 3.3.2)."""
-
-
 def saved_bytes_per_token(spec: ModelSpec, par: ParallelConfig, st, flash: bool) -> float:
-    """Activation bytes one token leaves on the GPU for the backward in one layer: ``st.act_terms`` (what the
-    fused kernels keep, ``simulator.act_terms``) after fp8 storage (GEMM inputs; SwiGLU inputs with
-    ``activation_fp8_input_store``), the attention-output cache, recomputed modules, the probabilities' place and
-    offload; a non-flash softmax adds ``act_s2_per_s`` per key position."""
-    split = par.tp if (par.sequence_parallel or par.tp == 1) else 1
-    mixes = st.act_attn_res_stacked if par.attn_res_impl == "release" else st.act_attn_res
-    rep, par_bytes = mixes, 0.0
-    for term in st.act_terms:
-        if term.when == "mla_kv" or (term.when == "flash" and not flash):
-            continue
-        if term.when == "combine" and par.moe_probs != "combine":
-            continue
-        if any(par.recompute == m or par.recomputes(m) for m in term.removed_by):
-            continue
-        nbytes = term.fp8 if par.fp8_activations else term.nbytes
-        if par.activation_fp8_input_store and term.name in GLU_INPUTS:
-            nbytes = term.nbytes / 2  # the e4m3 copy of the bf16 [2F] input
-        if term.name == "attn_out" and par.attn_out_cache != "bf16" and not spec.attn_output_gate:
-            nbytes = term.nbytes / 2 * CACHE_BYTES[par.attn_out_cache]  # one copy serves flash and the out-proj
-        if term.bucket == "rep":
-            rep += nbytes
-        else:
-            par_bytes += nbytes
-    act = rep / split + par_bytes / par.tp
-    if not flash and not par.recomputes("core_attn"):
-        act += st.act_s2_per_s * par.seq_len / par.tp
-    return act * (1.0 - par.offload_fraction)
+    """Activation bytes one token leaves on the GPU for the backward in one layer: what it keeps
+    (``act_terms.kept_bytes_per_token``: the fused kernels' terms after fp8 storage, the attention-output cache,
+    recomputed modules and the probabilities' place) less the share offloaded to the host."""
+    return kept_bytes_per_token(spec, par, st, flash) * (1.0 - par.offload_fraction)
 
 
 def mtp_act_bytes(spec: ModelSpec, par: ParallelConfig, flash: bool) -> float:
@@ -157,7 +130,7 @@ def rank_memory(spec: ModelSpec, hw: HardwareSpec, par: ParallelConfig, rank: in
     params, grads, optim = _state_bytes(spec, par, dense, expert, mine, chunks)
     if par.zero_stage == 2:  # unsharded gradients where activations + gradients peak; at most ZeRO-1's buffer
         full = _state_bytes(spec, replace(par, zero_stage=1), dense, expert, mine, chunks)[1]
-        if par.schedule == "dualpipe":  # no op walk: both directions' backwards start at the peak (upper bound)
+        if par.schedule == "dualpipe" and not has_dualpipe_order(par):  # no order to walk: the upper bound
             fresh = full
         else:
             walked, fresh = _zero_peak(spec, par, rank, flash)
@@ -221,11 +194,11 @@ def _biggest_layer(spec, par: ParallelConfig, mine, chunks) -> float:
 
 def _zero_peak(spec: ModelSpec, par: ParallelConfig, rank: int, flash: bool) -> tuple[float, float]:
     """(activations, unsharded gradient bytes) at the rank's peak of their sum under ZeRO 2/3, walking its op
-    order (``events.static_order``): a forward adds its chunk's activations; the first backward of a chunk makes
-    the chunk's unsharded gradients while its activations are still alive, and they stay until the step's
-    reduce-scatter (gradient accumulation over micro-batches, as FSDP ``no_sync`` / Megatron keep them); each
-    backward then frees its activations. So the activation peak, at the end of the warm-up, has no gradients
-    yet, and the gradients' peak, at the end, almost no activations."""
+    order (``events.static_order``; DualPipe's ``inflight.dualpipe_ops``): a forward adds its chunk's
+    activations; the first backward of a chunk makes the chunk's unsharded gradients while its activations are
+    still alive, and they stay until the step's reduce-scatter (gradient accumulation over micro-batches, as FSDP
+    ``no_sync`` / Megatron keep them); each backward then frees its activations. So the activation peak, at the
+    end of the warm-up, has no gradients yet, and the gradients' peak, at the end, almost no activations."""
     chunks, mine = stage_layers(spec, par), rank_chunks(par)[rank]
     g_bytes = par.grad_bytes
     last, mtp = len(chunks) - 1, mtp_params(spec)
@@ -238,7 +211,8 @@ def _zero_peak(spec: ModelSpec, par: ParallelConfig, rank: int, flash: bool) -> 
             e += mtp[1]
         acts.append(a)
         grads.append((d / par.tp + e / (par.ep * par.expert_tp)) * g_bytes)
-    return _walk(tuple(static_order(par, rank)), tuple(acts), tuple(grads))
+    order = dualpipe_ops(par, rank) if par.schedule == "dualpipe" else tuple(static_order(par, rank))
+    return _walk(order, tuple(acts), tuple(grads))
 
 
 @lru_cache(maxsize=1024)

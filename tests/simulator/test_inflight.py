@@ -127,3 +127,25 @@ def test_dualpipe_rank_zero_keeps_its_last_stage_once():
     # the even split (8.5 + 8.5) it replaces is far from it: rank 0's two chunks are unlike
     even = 8.5 * (first + last + t * mtp_act_bytes(spec, DSV3, flash)) + logits
     assert even > want + 5 * GIB
+
+
+@settings(max_examples=30, deadline=None)
+@given(half_pp=st.integers(1, 6), extra=st.integers(0, 8), model=st.sampled_from(["deepseek-v3", "llama3-70b"]))
+def test_dualpipe_zero2_walk_finds_both_gradients_at_the_activation_peak(half_pp, extra, model):
+    """ZeRO-2 under DualPipe walks its order: each chunk's first backward runs before (or in the pair that makes)
+    the rank's activation peak, so the unsharded gradients of both chunks sit on top of it and ZeRO-2 keeps what
+    ZeRO-1 keeps there (the bound this used to assume, now derived)."""
+    spec, hw, pp = load_model(model), load_hardware("h100"), 2 * half_pp
+    par = ParallelConfig(
+        pp=pp,
+        ep=8 if spec.is_moe else 1,
+        dp=8,
+        seq_len=4096,
+        global_batch_tokens=4096 * 8 * (2 * pp + 2 * extra),
+        schedule="dualpipe",
+        recompute="selective",
+    )
+    for rank in range(pp):
+        one, two = (rank_memory(spec, hw, replace(par, zero_stage=z), rank) for z in (1, 2))
+        assert two["grads"] == pytest.approx(one["grads"], rel=1e-12)
+        assert two["activations"] == pytest.approx(one["activations"], rel=1e-12)

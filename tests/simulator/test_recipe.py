@@ -8,11 +8,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from simulator import ParallelConfig, simulate
-from simulator.costs import chunk_cost, node_dedup, steady_fraction
+from simulator.costs import _offload, chunk_cost, node_dedup, steady_fraction
 from simulator.gemm_shapes import roof_for, shared_expert_seconds
 from simulator.hardware import load_hardware
 from simulator.inflight import inflight_chunks
-from simulator.memory import peak_memory, rank_memory
+from simulator.layers import layer_stats
+from simulator.memory import _layer_act, peak_memory, rank_memory
 from simulator.network import ClusterSpec, cluster_tiers, group
 from simulator.parallel import _split, _split_reason, infeasible_reason
 from simulator.published import ROWS as PUBLISHED
@@ -79,6 +80,38 @@ def test_recompute_modules_and_offload_cost_time():
     off = simulate(DSV3, slow_pcie, replace(BASE, offload_fraction=0.5), 1024)
     assert off.breakdown["offload"] > 0 and off.step_time_s > res.step_time_s
     assert abs(sum(off.breakdown.values()) - off.step_time_s) < 1e-6 * off.step_time_s
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    model=st.sampled_from(["deepseek-v3", "llama3-70b", "k3"]),
+    recompute=st.sampled_from(["none", "selective", "selective+act", "full"]),
+    modules=st.sampled_from([(), ("layernorm",), ("mla_up_proj", "moe_act"), ("layernorm", "mlp_act", "moe_act")]),
+    fp8=st.booleans(),
+    store=st.booleans(),
+    fraction=st.sampled_from([0.25, 0.5, 1.0]),
+    hardware=st.sampled_from(["h100", "a100"]),
+)
+def test_offload_moves_the_bytes_memory_takes_off_the_gpu(model, recompute, modules, fp8, store, fraction, hardware):
+    """What the offload sends to the host each forward (and back each backward) is what the memory model removes
+    from the GPU: after recompute, fp8 storage and the SwiGLU-input store, not the layer's bf16 saved set."""
+    spec, hw = load_model(model), load_hardware(hardware)
+    par = replace(
+        BASE,
+        recompute=recompute,
+        recompute_modules=modules if recompute == "selective" else (),
+        precision="fp8" if fp8 and hw.fp8_tflops else "bf16",
+        activation_fp8_input_store=store and not spec.glu_clamp,
+        offload_fraction=fraction,
+    )
+    flash, t = hw.efficiency.flash_attention, par.micro_batch * par.seq_len / par.cp
+    idle = dict.fromkeys(("gemm", "grouped_gemm", "attention", "kda", "elementwise"), 0.0)  # nothing hides it
+    for kind in set(spec.layer_kinds()):
+        st_ = layer_stats(spec, kind)
+        kept = _layer_act(spec, replace(par, offload_fraction=0.0), st_, t, flash)[0]
+        on_gpu = _layer_act(spec, par, st_, t, flash)[0]
+        to_host, back = _offload(spec, hw, par, st_, t, idle, idle)
+        assert to_host == back == pytest.approx((kept - on_gpu) / (hw.pcie_gbps * 1e9), rel=1e-12)
 
 
 def test_folding_spans_tp_ranks_and_is_validated():
