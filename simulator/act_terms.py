@@ -22,13 +22,8 @@ norm output (the router's bf16 GEMM keeps it; the shared expert's fp8 copy comes
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from simulator.modelspec import ModelSpec, blocks
-
-if TYPE_CHECKING:  # layers and parallel import this module
-    from simulator.layers import LayerStats
-    from simulator.parallel import ParallelConfig
 
 GLU_INPUTS = ("ffn_act_in", "expert_act_in", "shared_act_in")
 """The SwiGLU inputs (``[2F]`` per token or routed copy) that ``ParallelConfig.activation_fp8_input_store`` keeps
@@ -192,37 +187,3 @@ __all__ = [
     "moe_terms",
     "recurrent_terms",
 ]
-
-
-CACHE_BYTES = {"e5m6": 1.5, "fp8": 1.0}
-"""Bytes per element of ``ParallelConfig.attn_out_cache`` (E5M6: 12 bits, DeepSeek-V3 report section 3.3.2)."""
-
-
-def kept_bytes_per_token(spec: ModelSpec, par: ParallelConfig, st: LayerStats, flash: bool) -> float:
-    """Activation bytes one token's layer keeps for the backward, on the GPU or offloaded: ``st.act_terms`` after
-    fp8 storage (GEMM inputs; SwiGLU inputs with ``activation_fp8_input_store``), the attention-output cache,
-    recomputed modules and the probabilities' place; a non-flash softmax adds ``act_s2_per_s`` per key position.
-    The memory model keeps ``1 - offload_fraction`` of it on the GPU, the offload moves the rest each way."""
-    split = par.tp if (par.sequence_parallel or par.tp == 1) else 1
-    rep = st.act_attn_res_stacked if par.attn_res_impl == "release" else st.act_attn_res
-    par_bytes = 0.0
-    for term in st.act_terms:
-        if term.when == "mla_kv" or (term.when == "flash" and not flash):
-            continue
-        if term.when == "combine" and par.moe_probs != "combine":
-            continue
-        if any(par.recompute == m or par.recomputes(m) for m in term.removed_by):
-            continue
-        nbytes = term.fp8 if par.fp8_activations else term.nbytes
-        if par.activation_fp8_input_store and term.name in GLU_INPUTS:
-            nbytes = term.nbytes / 2  # the e4m3 copy of the bf16 [2F] input
-        if term.name == "attn_out" and par.attn_out_cache != "bf16" and not spec.attn_output_gate:
-            nbytes = term.nbytes / 2 * CACHE_BYTES[par.attn_out_cache]  # one copy serves flash and the out-proj
-        if term.bucket == "rep":
-            rep += nbytes
-        else:
-            par_bytes += nbytes
-    act = rep / split + par_bytes / par.tp
-    if not flash and not par.recomputes("core_attn"):
-        act += st.act_s2_per_s * par.seq_len / par.tp
-    return act

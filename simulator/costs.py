@@ -1,7 +1,8 @@
 """Per-chunk costs of one micro-batch: compute by op class and communication by collective, in seconds.
 
-Both engines (``analytic``, ``events``) price work with these functions and differ only in how they schedule it.
-A *chunk* is one stage's layers on one pipeline rank; ``t`` is one micro-batch's tokens per GPU (``mb * seq / CP``).
+Both engines (``analytic`` and ``events``) price work with these functions, so they differ only in how they
+schedule it. A *chunk* is the contiguous layers one pipeline rank runs for one model stage (``parallel.
+stage_layers``); ``t`` below is the tokens of one micro-batch on one GPU, ``micro_batch * seq_len / CP``.
 
 Modelling choices (why, not just what):
 - Backward = 2 x forward for every op class (weight and input gradients).
@@ -23,9 +24,10 @@ from dataclasses import dataclass, field
 
 from simulator import gemm_shapes, host
 from simulator import network as net
-from simulator.act_terms import GLU_INPUTS, kept_bytes_per_token
+from simulator.act_terms import GLU_INPUTS
 from simulator.attention_model import attention_seconds
 from simulator.hardware import HardwareSpec
+from simulator.kept_bytes import offload_seconds
 from simulator.layers import eager_expert_bytes, layer_stats
 from simulator.modelspec import ModelSpec, blocks
 from simulator.parallel import ParallelConfig
@@ -101,11 +103,13 @@ def _ep_seconds(spec, par, st, t, tiers, comm_scale, skew) -> tuple[float, float
     """Raw (forward, backward) seconds of one MoE layer's EP traffic: dispatch, combine, replica weights."""
     if par.ep <= 1:
         return 0.0, 0.0
+    tp = par.tp
     epg = net.group(par.ep, par.expert_tp, tiers)
-    rows = t / par.tp * spec.top_k * st.dispatch_dim * _capacity(par)[0]  # dropped copies are not sent
+    rows = t / tp * spec.top_k * st.dispatch_dim * _capacity(par)[0]  # dropped copies are not sent
     disp = rows * (1.03 if par.precision == "fp8" else 2.0)  # fp8 payload + one fp32 scale per 128
-    replica_bytes = replicas_per_rank(spec, par) * st.expert_bytes_bf16 / par.expert_tp
-    weights = net.all_to_all(replica_bytes, epg, tiers, comm_scale)
+    weights = net.all_to_all(
+        replicas_per_rank(spec, par) * st.expert_bytes_bf16 / par.expert_tp, epg, tiers, comm_scale
+    )
     remote = node_dedup(spec, epg) if par.dispatcher == "deepep" else 1.0
     tokens = net.all_to_all(rows * 2.0, epg, tiers, comm_scale, incast=skew, remote=remote)
     ep_f = net.all_to_all(disp, epg, tiers, comm_scale, incast=skew, remote=remote) + tokens + weights
@@ -230,7 +234,7 @@ def _recipe_terms(spec, hw, par, kind, t, f, b, s2, scale, roof, dense_f) -> Non
         glu = t / par.tp * sum(x.nbytes for x in st.act_terms if x.name in GLU_INPUTS) / 2 * 3.0 / hbm
         f["elementwise"], b["elementwise"] = f["elementwise"] + glu, b["elementwise"] + glu
     if par.offload_fraction and hw.host is None:
-        f["offload"], b["offload"] = _offload(spec, hw, par, st, t, f, b)
+        f["offload"], b["offload"] = offload_seconds(spec, hw, par, st, t, f)
 
 
 def steady_fraction(par: ParallelConfig) -> float:
@@ -289,19 +293,6 @@ def _module_recompute(par: ParallelConfig, st, t: float, gemm_rate: float) -> fl
     if par.recompute == "full":
         return 0.0
     return sum(t * flops / par.tp / gemm_rate for name, _, flops in st.module_bytes if flops and par.recomputes(name))
-
-
-def _offload(spec, hw, par, st, t, f, b) -> tuple[float, float]:
-    """Exposed PCIe seconds of moving the ``offload_fraction`` of what the layer keeps that memory takes off the GPU:
-    to the host in the forward, back in the backward, each hidden behind that pass's compute of the layer."""
-    if par.recompute == "full":  # the layer input alone
-        kept = 2.0 * spec.hidden / (par.tp if (par.sequence_parallel or par.tp == 1) else 1)
-    else:
-        kept = kept_bytes_per_token(spec, par, st, hw.efficiency.flash_attention)
-    nbytes = t * kept * par.offload_fraction
-    move = nbytes / (hw.pcie_gbps * 1e9)
-    busy_f = sum(f[k] for k in ("gemm", "grouped_gemm", "attention", "kda", "elementwise"))
-    return max(0.0, move - busy_f), max(0.0, move - 2 * busy_f)
 
 
 def _recompute(par: ParallelConfig, f: dict, s2: float) -> float:

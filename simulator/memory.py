@@ -21,10 +21,10 @@ from collections import Counter
 from dataclasses import replace
 from functools import lru_cache
 
-from simulator.act_terms import kept_bytes_per_token
 from simulator.events import static_order
 from simulator.hardware import HardwareSpec
 from simulator.inflight import dualpipe_ops, has_dualpipe_order, peak_inflight
+from simulator.kept_bytes import kept_bytes_per_token
 from simulator.layers import embedding_params, head_params, layer_stats
 from simulator.modelspec import ModelSpec
 from simulator.parallel import ParallelConfig, rank_chunks, stage_layers
@@ -44,7 +44,7 @@ def _layer_act(spec: ModelSpec, par: ParallelConfig, st, t: float, flash: bool) 
 
 def saved_bytes_per_token(spec: ModelSpec, par: ParallelConfig, st, flash: bool) -> float:
     """Activation bytes one token leaves on the GPU for the backward in one layer: what it keeps
-    (``act_terms.kept_bytes_per_token``: the fused kernels' terms after fp8 storage, the attention-output cache,
+    (``kept_bytes.kept_bytes_per_token``: the fused kernels' terms after fp8 storage, the attention-output cache,
     recomputed modules and the probabilities' place) less the share offloaded to the host."""
     return kept_bytes_per_token(spec, par, st, flash) * (1.0 - par.offload_fraction)
 

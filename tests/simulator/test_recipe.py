@@ -8,10 +8,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from simulator import ParallelConfig, simulate
-from simulator.costs import _offload, chunk_cost, node_dedup, steady_fraction
+from simulator.costs import chunk_cost, node_dedup, steady_fraction
 from simulator.gemm_shapes import roof_for, shared_expert_seconds
 from simulator.hardware import load_hardware
 from simulator.inflight import inflight_chunks
+from simulator.kept_bytes import offload_seconds
 from simulator.layers import layer_stats
 from simulator.memory import _layer_act, peak_memory, rank_memory
 from simulator.network import ClusterSpec, cluster_tiers, group
@@ -110,7 +111,7 @@ def test_offload_moves_the_bytes_memory_takes_off_the_gpu(model, recompute, modu
         st_ = layer_stats(spec, kind)
         kept = _layer_act(spec, replace(par, offload_fraction=0.0), st_, t, flash)[0]
         on_gpu = _layer_act(spec, par, st_, t, flash)[0]
-        to_host, back = _offload(spec, hw, par, st_, t, idle, idle)
+        to_host, back = offload_seconds(spec, hw, par, st_, t, idle)
         assert to_host == back == pytest.approx((kept - on_gpu) / (hw.pcie_gbps * 1e9), rel=1e-12)
 
 
