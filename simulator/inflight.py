@@ -110,7 +110,7 @@ def _steps(par: ParallelConfig, rank: int) -> list[list[tuple[str, int]]]:
     warm = par.warmup_passes(rank)
     steady = len(order) - 2 * warm  # after the warm-up: forward, backward, forward, ...; then the cool-down
     steps = [[op] for op in order[:warm]]
-    steps += [[(order[i + 1]), order[i]] for i in range(warm, warm + steady, 2)]  # the backward frees first
+    steps += [[order[i + 1], order[i]] for i in range(warm, warm + steady, 2)]  # the backward frees first
     return steps + [[op] for op in order[warm + steady :]]
 
 
