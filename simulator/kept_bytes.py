@@ -45,17 +45,21 @@ def kept_bytes_per_token(spec: ModelSpec, par: ParallelConfig, st: LayerStats, f
     return act
 
 
+def kept_layer_bytes(spec: ModelSpec, par: ParallelConfig, st: LayerStats, flash: bool) -> float:
+    """Bytes per token the layer keeps under its recompute mode: full recompute keeps only its ``[t, H]`` input
+    (the rest is rebuilt in the backward), any other mode ``kept_bytes_per_token``."""
+    if par.recompute == "full":
+        return 2.0 * spec.hidden / (par.tp if (par.sequence_parallel or par.tp == 1) else 1)
+    return kept_bytes_per_token(spec, par, st, flash)
+
+
 def offload_seconds(
     spec: ModelSpec, hw: HardwareSpec, par: ParallelConfig, st: LayerStats, t: float, f: dict
 ) -> tuple[float, float]:
     """Exposed (forward, backward) PCIe seconds of moving the ``offload_fraction`` of what the layer keeps, for
     ``t`` tokens: to the host in the forward, back in the backward, each hidden behind that pass's compute of the
     layer (``f``: the forward's seconds by class)."""
-    if par.recompute == "full":  # the layer input alone
-        kept = 2.0 * spec.hidden / (par.tp if (par.sequence_parallel or par.tp == 1) else 1)
-    else:
-        kept = kept_bytes_per_token(spec, par, st, hw.efficiency.flash_attention)
-    nbytes = t * kept * par.offload_fraction
+    nbytes = t * kept_layer_bytes(spec, par, st, hw.efficiency.flash_attention) * par.offload_fraction
     move = nbytes / (hw.pcie_gbps * 1e9)
     busy_f = sum(f[k] for k in ("gemm", "grouped_gemm", "attention", "kda", "elementwise"))
     return max(0.0, move - busy_f), max(0.0, move - 2 * busy_f)

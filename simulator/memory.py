@@ -24,7 +24,7 @@ from functools import lru_cache
 from simulator.events import static_order
 from simulator.hardware import HardwareSpec
 from simulator.inflight import dualpipe_ops, has_dualpipe_order, peak_inflight
-from simulator.kept_bytes import kept_bytes_per_token
+from simulator.kept_bytes import kept_bytes_per_token, kept_layer_bytes
 from simulator.layers import embedding_params, head_params, layer_stats
 from simulator.modelspec import ModelSpec
 from simulator.parallel import ParallelConfig, rank_chunks, stage_layers
@@ -36,9 +36,8 @@ MEMORY_ITEMS = ("params", "grads", "optimizer", "activations", "kda_states", "ml
 
 def _layer_act(spec: ModelSpec, par: ParallelConfig, st, t: float, flash: bool) -> tuple[float, float, float]:
     """(activations, mla_kv, kda_state) bytes of one layer for one micro-batch, on the GPU (offload deducted)."""
-    split = par.tp if (par.sequence_parallel or par.tp == 1) else 1
     if par.recompute == "full":
-        return t * 2.0 * spec.hidden / split * (1.0 - par.offload_fraction), 0.0, 0.0
+        return t * kept_layer_bytes(spec, par, st, flash) * (1.0 - par.offload_fraction), 0.0, 0.0
     return t * saved_bytes_per_token(spec, par, st, flash), t * st.mla_kv, par.micro_batch * st.kda_state_bytes / par.tp
 
 
