@@ -15,6 +15,7 @@ from simulator.inflight import _walk_counts, inflight_candidates, inflight_chunk
 from simulator.memory import GIB, _chunk_totals, mtp_act_bytes, rank_memory
 from simulator.parallel import ParallelConfig, rank_chunks, stage_layers
 from simulator.specs import load_model
+from tests.simulator.test_fp8_input_store import DSV3_RUN
 
 SEQ = 4096
 
@@ -93,27 +94,8 @@ def test_weighted_peak_is_the_walks_largest_step(schedule, half_pp, vpp, extra, 
     assert sum(n * b for n, b in zip(got, chunk_bytes)) == pytest.approx(every_step, rel=1e-12, abs=1e-6)
 
 
-# DeepSeek-V3 on 2048 H800 (arXiv 2412.19437, sections 3.2-3.3): PP 16 DualPipe, EP 64 over 8 nodes, DP 128 with
-# ZeRO-1, no TP, 4096 tokens per sequence, 15,360 sequences per step, one MTP module; its memory techniques:
-# RMSNorm and MLA up-projections recomputed, SwiGLU inputs cached in FP8 with the output recomputed, FP8 GEMM
-# inputs, the attention output in E5M6, BF16 AdamW moments, FP32 master weights and gradients.
-DSV3 = ParallelConfig(
-    pp=16,
-    ep=64,
-    dp=128,
-    precision="fp8",
-    seq_len=4096,
-    global_batch_tokens=4096 * 15360,
-    micro_batch=1,
-    dispatcher="deepep",
-    schedule="dualpipe",
-    recompute="selective",
-    recompute_modules=("mla_up_proj", "layernorm", "moe_act"),
-    activation_fp8_input_store=True,
-    moment_dtype="bf16",
-    attn_out_cache="e5m6",
-    zero_stage=1,
-)
+DSV3 = replace(DSV3_RUN, pp_first_layers=None, pp_last_layers=None, activation_fp8_input_store=True)
+"""DeepSeek-V3's own 2048-H800 recipe (``test_fp8_input_store.DSV3_RUN``) with the even layer split."""
 
 
 def test_dualpipe_rank_zero_keeps_its_last_stage_once():
