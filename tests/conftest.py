@@ -60,6 +60,10 @@ def pytest_configure(config):
     set-up of its fixtures, whatever their scope, to its teardown. Collection may (an import that asks ldconfig)."""
     if os.environ.get(FAST_ENV) != "1":
         return
+    # matplotlib's first import on a machine asks fc-list for the system fonts (a process) and caches the answer
+    # under ~/.cache/matplotlib: ask before the guard, or a fresh machine's first plotting test reads as spawning
+    import matplotlib.font_manager  # noqa: F401
+
     popen_init, process_start = subprocess.Popen.__init__, multiprocessing.process.BaseProcess.start
 
     def refuse(original):
