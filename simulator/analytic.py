@@ -25,8 +25,8 @@ from simulator.costs import COMM_CLASSES, COMPUTE_CLASSES, ChunkCost, chunk_cost
 from simulator.events import dualpipe_order, simulate_pipeline
 from simulator.hardware import HardwareSpec, load_hardware
 from simulator.host import step_host
-from simulator.layers import embedding_params, head_params, layer_stats, model_flops_per_token
-from simulator.memory import GIB, mtp_params, peak_memory, pipeline_memory
+from simulator.layers import layer_stats, model_flops_per_token
+from simulator.memory import GIB, chunk_end_params, peak_memory, pipeline_memory
 from simulator.network import ClusterSpec
 from simulator.parallel import ParallelConfig, infeasible_reason, rank_chunks, stage_layers
 from simulator.replicas import replica_model, replicas_per_rank
@@ -85,11 +85,8 @@ def dp_seconds(
         for i in chunks[c]:
             st = layer_stats(spec, kinds[i])
             dense, expert = dense + st.dense_params, expert + st.expert_params
-        dense += embedding_params(spec) if c == 0 else 0
-        dense += head_params(spec) if c == len(chunks) - 1 else 0
-        if c == len(chunks) - 1:  # the MTP modules' weights reduce with the last stage's
-            mtp_dense, mtp_expert = mtp_params(spec)
-            dense, expert = dense + mtp_dense, expert + mtp_expert
+        end_dense, end_expert = chunk_end_params(spec, c, len(chunks))
+        dense, expert = dense + end_dense, expert + end_expert
     grads, gathers = [], []
     for params, n, stride in (
         (dense / par.tp, par.dp * par.cp, par.tp),

@@ -115,12 +115,9 @@ def rank_memory(spec: ModelSpec, hw: HardwareSpec, par: ParallelConfig, rank: in
     for c, (d, e, n, a, k, s), live in zip(mine, totals, counts):
         dense, expert, moe_layers = dense + d, expert + e, moe_layers + n
         act, kv, kda = act + a * live, kv + k * live, kda + s * live
-        if c == 0:
-            dense += embedding_params(spec)
+        end_dense, end_expert = chunk_end_params(spec, c, len(chunks))
+        dense, expert = dense + end_dense, expert + end_expert
         if c == last:
-            dense += head_params(spec) if not spec.tie_embeddings else spec.vocab * spec.hidden
-            mtp_dense, mtp_expert = mtp_params(spec)
-            dense, expert = dense + mtp_dense, expert + mtp_expert
             # MTP layers per micro-batch in flight, the bf16 logits + fp32 loss buffer of the main head and of each
             # MTP depth (all depths' losses are in the graph together until its backward)
             act += mtp_act * live + t * spec.vocab * 6.0 / par.tp * (1 + getattr(spec, "mtp_layers", 0))
@@ -164,6 +161,22 @@ def mtp_params(spec: ModelSpec) -> tuple[float, float]:
     return n * (st.dense_params + 2.0 * spec.hidden * spec.hidden + 2.0 * spec.hidden), n * st.expert_params
 
 
+def chunk_end_params(spec: ModelSpec, chunk: int, n_chunks: int) -> tuple[float, float]:
+    """(dense, expert) parameters chunk ``chunk`` of ``n_chunks`` holds beyond its layers: the word (and position)
+    embedding on the first; the LM head, final norm and MTP modules on the last. A tied head on a chunk of its own
+    keeps a copy of the word embedding (Megatron's last stage allocates ``output_layer.weight`` and all-reduces its
+    gradient with the first stage's); a model in one chunk uses the embedding itself. Memory, ZeRO's walk and the
+    data-parallel reduction all count a rank's parameters with this one rule."""
+    dense = float(embedding_params(spec)) if chunk == 0 else 0.0
+    expert = 0.0
+    if chunk == n_chunks - 1:
+        mtp_dense, mtp_expert = mtp_params(spec)
+        copy = spec.vocab * spec.hidden if spec.tie_embeddings and n_chunks > 1 else 0
+        dense += head_params(spec) + copy + mtp_dense
+        expert += mtp_expert
+    return dense, expert
+
+
 def _state_bytes(spec, par: ParallelConfig, dense: float, expert: float, mine, chunks) -> tuple[float, float, float]:
     """(weights, gradients, optimizer) bytes of the rank's ``dense`` / ``expert`` parameters. ZeRO shards over
     DP x CP (experts over their expert-data ranks): 1 the optimizer, 2 also the gradient accumulators (their
@@ -200,14 +213,11 @@ def _zero_peak(spec: ModelSpec, par: ParallelConfig, rank: int, flash: bool) -> 
     end of the warm-up, has no gradients yet, and the gradients' peak, at the end, almost no activations."""
     chunks, mine = stage_layers(spec, par), rank_chunks(par)[rank]
     g_bytes = par.grad_bytes
-    last, mtp = len(chunks) - 1, mtp_params(spec)
     acts, grads = [], []
     for c in mine:
         d, e, _, a, _, _ = _chunk_totals(spec, chunks[c], par, flash)
-        d += embedding_params(spec) if c == 0 else 0.0
-        if c == last:
-            d += mtp[0] + (head_params(spec) if not spec.tie_embeddings else spec.vocab * spec.hidden)
-            e += mtp[1]
+        end_dense, end_expert = chunk_end_params(spec, c, len(chunks))
+        d, e = d + end_dense, e + end_expert
         acts.append(a)
         grads.append((d / par.tp + e / (par.ep * par.expert_tp)) * g_bytes)
     order = dualpipe_ops(par, rank) if par.schedule == "dualpipe" else tuple(static_order(par, rank))
