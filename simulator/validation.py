@@ -116,6 +116,31 @@ def format_rows(rows: list[dict], pub: str, pred: str) -> str:
     return "\n".join(lines)
 
 
+_MODE_LABEL = {"full": "full", "selective": "selective+SP", "none": "none (no SP)"}
+
+
+def format_a100_tables() -> tuple[str, str]:
+    """The README's two A100 tables (markdown): iteration time, both engines, with the predicted MFU; activation
+    memory per GPU."""
+    lines = [
+        "| model | GPUs | recompute | published s | analytic s | error | event s | error | MFU (pred.) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for a, e in zip(time_table(), time_table(engine="event")):
+        lines.append(
+            f"| {a['model']} | {a['gpus']} | {_MODE_LABEL[a['recompute']]} | {a['published_s']:.2f} | "
+            f"{a['predicted_s']:.2f} | {a['error']:+.1%} | {e['predicted_s']:.2f} | {e['error']:+.1%} | "
+            f"{a['mfu']:.1%} |"
+        )
+    memory = ["| model | recompute | published | predicted | error |", "|---|---|---|---|---|"]
+    for r in memory_table():
+        memory.append(
+            f"| {r['model']} | {_MODE_LABEL[r['recompute']]} | {r['published_gib']:.2f} | {r['predicted_gib']:.2f} | "
+            f"{r['error']:+.1%} |"
+        )
+    return "\n".join(lines), "\n".join(memory)
+
+
 # ------------------------------------------------------------------ published Megatron-Bridge runs (MoE, dense)
 def published_config(row: Published) -> ParallelConfig:
     """The row's recipe as a ``ParallelConfig`` (fields the table does not give: see ``simulator.published``)."""
