@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention.bias import causal_lower_right
 
 from k3.config import K3Config
 from k3.layers import RMSNorm
@@ -79,6 +78,8 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     if T_k == T_q:
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
     elif q.is_cuda:
+        from torch.nn.attention.bias import causal_lower_right  # heavy: loads torch._dynamo (1.2-1.5 s a process)
+
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(T_q, T_k), scale=scale)
     else:
         mask = causal_mask(T_q, T_k, T_k - T_q, q.device)
