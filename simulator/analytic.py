@@ -25,8 +25,8 @@ from simulator.costs import COMM_CLASSES, COMPUTE_CLASSES, ChunkCost, chunk_cost
 from simulator.events import dualpipe_order, simulate_pipeline
 from simulator.hardware import HardwareSpec, load_hardware
 from simulator.host import step_host
-from simulator.layers import layer_stats, model_flops_per_token
-from simulator.memory import GIB, chunk_end_params, peak_memory, pipeline_memory
+from simulator.layers import model_flops_per_token
+from simulator.memory import GIB, chunk_end_params, chunk_params, peak_memory, pipeline_memory
 from simulator.network import ClusterSpec
 from simulator.parallel import ParallelConfig, infeasible_reason, rank_chunks, stage_layers
 from simulator.replicas import replica_model, replicas_per_rank
@@ -79,14 +79,14 @@ def dp_seconds(
     """Exposed data-parallel seconds of one pipeline rank per step: gradient reduce-scatter (all-reduce without
     ZeRO) and bf16 parameter all-gather in Megatron's buckets (``simulator.dp_comm``), ``overlap`` x the (backward,
     forward) ``windows`` of one micro-batch hiding them (0: none hidden); ZeRO-3 gathers again per pass."""
-    chunks, kinds = stage_layers(spec, par), spec.layer_kinds()
+    chunks = stage_layers(spec, par)
     dense = expert = 0.0
     for c in rank_chunks(par)[rank]:
-        for i in chunks[c]:
-            st = layer_stats(spec, kinds[i])
-            dense, expert = dense + st.dense_params, expert + st.expert_params
-        end_dense, end_expert = chunk_end_params(spec, c, len(chunks))
-        dense, expert = dense + end_dense, expert + end_expert
+        (layer_dense, layer_expert), (end_dense, end_expert) = (
+            chunk_params(spec, chunks[c]),
+            chunk_end_params(spec, c, len(chunks)),
+        )
+        dense, expert = dense + layer_dense + end_dense, expert + layer_expert + end_expert
     grads, gathers = [], []
     for params, n, stride in (
         (dense / par.tp, par.dp * par.cp, par.tp),

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 
 from simulator import network as net
 
@@ -44,9 +45,11 @@ def bucket_size(dp: int) -> int:
     return max(BUCKET_MIN_PARAMS, BUCKET_PARAMS_PER_DP_RANK * dp)
 
 
+@lru_cache(maxsize=8192)
 def buckets(params: float, bytes_per_param: float, group: net.Group, tiers: net.Tiers, op: str, scale) -> Buckets:
     """``params`` local parameters in default-size buckets, each moved by ``op`` (``reduce_scatter``,
-    ``all_gather`` or ``all_reduce``) over ``group``."""
+    ``all_gather`` or ``all_reduce``) over ``group``. Kept per arguments: a search's layouts that differ in
+    micro-batch or recompute move the same buckets."""
     if params <= 0 or group.n <= 1:
         return Buckets(0, 0.0)
     count = max(1, math.ceil(params / bucket_size(group.n)))

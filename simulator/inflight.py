@@ -18,6 +18,8 @@ vectors no other one of the walk dominates, so a rank's peak for any bytes per c
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 from simulator.events import dualpipe_order, static_order
 from simulator.parallel import ParallelConfig
 
@@ -29,9 +31,12 @@ def peak_inflight(par: ParallelConfig, rank: int, chunk_bytes: tuple[float, ...]
     """Micro-batches alive per local chunk (``parallel.rank_chunks`` order) where ``sum(count x chunk_bytes)`` peaks
     on pipeline rank ``rank``; ``chunk_bytes`` is one micro-batch's activations of each local chunk."""
     candidates = inflight_candidates(par, rank)
+    if len(candidates) == 1:
+        return candidates[0]
     return max(candidates, key=lambda counts: sum(n * b for n, b in zip(counts, chunk_bytes)))
 
 
+@lru_cache(maxsize=8192)
 def inflight_candidates(par: ParallelConfig, rank: int) -> tuple[tuple[float, ...], ...]:
     """The undominated per-chunk count vectors of ``rank``'s walk (module docstring): closed forms for one chunk
     and for DualPipe (``walk_candidates`` is their twin, a test holds them equal); interleaved layouts walk,

@@ -79,13 +79,30 @@ def _full_working_set(spec: ModelSpec, par: ParallelConfig, t: float, flash: boo
 @lru_cache(maxsize=4096)
 def _chunk_totals(spec: ModelSpec, layers: tuple[int, ...], par: ParallelConfig, flash: bool) -> tuple:
     """(dense params, expert params, MoE layers, activation, MLA KV, KDA state bytes per micro-batch)."""
-    kinds, per_kind = spec.layer_kinds(), _kind_totals(spec, par, flash)
+    per_kind = _kind_totals(spec, par, flash)
     totals = [0.0] * 6
-    for kind, n in Counter(kinds[i] for i in layers).items():
+    for kind, n in _kind_counts(spec, layers):
         for j, x in enumerate(per_kind[kind]):
             totals[j] += n * x
     dense, expert, moe, act, kv, kda = totals
     return dense, expert, int(moe), act, kv, kda
+
+
+@lru_cache(maxsize=4096)
+def _kind_counts(spec: ModelSpec, layers: tuple[int, ...]) -> tuple[tuple[tuple, int], ...]:
+    """(layer kind, count) of a chunk's ``layers``; a search's many layouts cut the same chunks again and again."""
+    kinds = spec.layer_kinds()
+    return tuple(Counter(kinds[i] for i in layers).items())
+
+
+@lru_cache(maxsize=4096)
+def chunk_params(spec: ModelSpec, layers: tuple[int, ...]) -> tuple[float, float]:
+    """(dense, expert) parameters of a chunk's ``layers`` (its embedding and head: ``chunk_end_params``)."""
+    dense = expert = 0.0
+    for kind, n in _kind_counts(spec, layers):
+        st = layer_stats(spec, kind)
+        dense, expert = dense + n * st.dense_params, expert + n * st.expert_params
+    return dense, expert
 
 
 @lru_cache(maxsize=256)
@@ -256,7 +273,22 @@ def peak_memory(spec: ModelSpec, hw: HardwareSpec, par: ParallelConfig) -> tuple
 def pipeline_memory(spec: ModelSpec, hw: HardwareSpec, par: ParallelConfig) -> tuple[dict[str, float], ...]:
     """``rank_memory`` of every pipeline rank, kept for the next call: a search screens a layout's memory and then
     simulates it, which prices it again with each rank's optimizer. Read-only (a shared cache)."""
-    return tuple(rank_memory(spec, hw, par, r) for r in range(par.pp))
+    return tuple(_kept_rank_memory(spec, hw, par, r) for r in range(par.pp))
+
+
+def exceeds_memory(spec: ModelSpec, hw: HardwareSpec, par: ParallelConfig, limit: float) -> bool:
+    """Whether some pipeline rank needs more than ``limit`` bytes (``rank_memory``'s total). Rank 0 (the most
+    micro-batches in flight) and the last (the logits) are tried first and the first rank over answers: a search
+    screens far more layouts out than in. The ranks priced are kept for ``pipeline_memory``."""
+    p = par.pp
+    return any(
+        sum(_kept_rank_memory(spec, hw, par, r).values()) > limit for r in dict.fromkeys((0, p - 1, *range(1, p)))
+    )
+
+
+@lru_cache(maxsize=1024)
+def _kept_rank_memory(spec: ModelSpec, hw: HardwareSpec, par: ParallelConfig, rank: int) -> dict[str, float]:
+    return rank_memory(spec, hw, par, rank)
 
 
 def inference_memory(

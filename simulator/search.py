@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 from simulator.analytic import simulate
 from simulator.hardware import load_hardware
 from simulator.layers import RECOMPUTE_MODES
-from simulator.memory import GIB, peak_memory
+from simulator.memory import GIB, exceeds_memory
 from simulator.network import ClusterSpec
 from simulator.parallel import SCHEDULES, ParallelConfig, infeasible_reason
 from simulator.specs import load_model
@@ -140,10 +140,8 @@ def search(
         if bar is not None:
             bar.update(1)
         why = infeasible_reason(spec, hw, par, gpus)
-        if why is None:
-            _, mem = peak_memory(spec, hw, par)
-            if sum(mem.values()) > hw.hbm_gib * GIB:
-                why = "out of memory"
+        if why is None and exceeds_memory(spec, hw, par, hw.hbm_gib * GIB):
+            why = "out of memory"
         if why is not None:
             reasons[_reason_class(why)] += 1
             continue

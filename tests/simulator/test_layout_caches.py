@@ -2,7 +2,9 @@
 from per-kind values shared by a layout's chunks) against a layer-by-layer sum, and DualPipe's op counts (cached on
 PP, micro-batches and rank) against counting the layout's own ``dualpipe_order``; the specs' hash worked out once
 (``field_checks.hash_once``) against dataclass's own, and the pipeline ranks' memory kept between calls against
-``rank_memory`` each time."""
+``rank_memory`` each time; the memory screen that stops at the first rank over the limit against the heaviest
+rank, a chunk's parameters against a layer-by-layer sum, and the DP buckets kept per arguments against a fresh
+pricing."""
 
 import dataclasses
 import pickle
@@ -18,7 +20,15 @@ from simulator.analytic import _dualpipe_counts
 from simulator.events import dualpipe_order
 from simulator.hardware import load_hardware
 from simulator.layers import layer_stats
-from simulator.memory import _chunk_totals, _layer_act, peak_memory, pipeline_memory, rank_memory
+from simulator.memory import (
+    _chunk_totals,
+    _layer_act,
+    chunk_params,
+    exceeds_memory,
+    peak_memory,
+    pipeline_memory,
+    rank_memory,
+)
 from simulator.parallel import ParallelConfig, stage_layers
 from simulator.specs import load_model
 
@@ -133,3 +143,55 @@ def test_pipeline_memory_is_rank_memory_and_peak_is_a_copy(model, pp, schedule):
     assert sum(mem.values()) == max(sum(m.values()) for m in ranks)
     mem["activations"] = -1.0  # a caller's edit stays its own
     assert peak_memory(spec, hw, par)[1] == ranks[rank] == rank_memory(spec, hw, par, rank)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    model=st.sampled_from(MODELS),
+    pp=st.sampled_from([1, 2, 3, 4, 8]),
+    schedule=st.sampled_from(["1f1b", "interleaved"]),
+    cut=st.floats(0.0, 1.0),
+)
+def test_the_memory_screen_answers_as_the_heaviest_rank(model, pp, schedule, cut):
+    """``exceeds_memory`` stops at the first rank over the limit (rank 0, the last, then the rest): it answers
+    what the heaviest rank's total says, for limits below, at and above every rank's total; what it priced is
+    what ``pipeline_memory`` then returns."""
+    spec, hw = load_model(model), load_hardware("h200")
+    par = ParallelConfig(
+        pp=pp,
+        vpp=2 if schedule == "interleaved" and pp > 1 else 1,
+        schedule=schedule if pp > 1 else "1f1b",
+        seq_len=4096,
+        global_batch_tokens=4096 * 64,
+    )
+    totals = [sum(rank_memory(spec, hw, par, r).values()) for r in range(pp)]
+    low, high = min(totals), max(totals)
+    for limit in (low * (1 - cut), low + cut * (high - low), high, high * (1 + cut), *totals):
+        assert exceeds_memory(spec, hw, par, limit) == (high > limit), (limit, totals)
+    assert [sum(m.values()) for m in pipeline_memory(spec, hw, par)] == totals
+
+
+@settings(max_examples=30, deadline=None)
+@given(model=st.sampled_from(MODELS), pp=st.sampled_from([1, 2, 4, 8]), vpp=st.sampled_from([1, 2, 3]))
+def test_chunk_params_are_the_layer_by_layer_sum(model, pp, vpp):
+    spec = load_model(model)
+    par = ParallelConfig(pp=pp, vpp=vpp, schedule="interleaved" if vpp > 1 else "1f1b", seq_len=4096)
+    for layers in stage_layers(spec, par):
+        dense = sum(layer_stats(spec, spec.layer_kinds()[i]).dense_params for i in layers)
+        expert = sum(layer_stats(spec, spec.layer_kinds()[i]).expert_params for i in layers)
+        assert chunk_params(spec, layers) == (dense, expert)
+
+
+def test_bucket_costs_are_kept_per_arguments_and_equal_a_fresh_pricing():
+    """``dp_comm.buckets`` is kept per its own (hashable, immutable) arguments: a second call returns what pricing
+    them afresh gives."""
+    from simulator import dp_comm
+    from simulator import network as net
+
+    tiers = net.cluster_tiers(1024, load_hardware("h100"), net.ClusterSpec())
+    for n, stride in ((8, 1), (64, 8), (128, 8)):
+        group = net.group(n, stride, tiers)
+        for op in ("reduce_scatter", "all_gather", "all_reduce"):
+            kept = dp_comm.buckets(3.5e9, 4.0, group, tiers, op, (1.0, 1.0, 1.0))
+            fresh = dp_comm.buckets.__wrapped__(3.5e9, 4.0, group, tiers, op, (1.0, 1.0, 1.0))
+            assert kept == fresh and kept.count >= 1 and kept.each_s > 0
