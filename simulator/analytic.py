@@ -82,10 +82,8 @@ def dp_seconds(
     chunks = stage_layers(spec, par)
     dense = expert = 0.0
     for c in rank_chunks(par)[rank]:
-        (layer_dense, layer_expert), (end_dense, end_expert) = (
-            chunk_params(spec, chunks[c]),
-            chunk_end_params(spec, c, len(chunks)),
-        )
+        layer_dense, layer_expert = chunk_params(spec, chunks[c])
+        end_dense, end_expert = chunk_end_params(spec, c, len(chunks))
         dense, expert = dense + layer_dense + end_dense, expert + layer_expert + end_expert
     grads, gathers = [], []
     for params, n, stride in (

@@ -288,6 +288,7 @@ def exceeds_memory(spec: ModelSpec, hw: HardwareSpec, par: ParallelConfig, limit
 
 @lru_cache(maxsize=1024)
 def _kept_rank_memory(spec: ModelSpec, hw: HardwareSpec, par: ParallelConfig, rank: int) -> dict[str, float]:
+    """``rank_memory``, kept: the ranks the screen prices serve the simulation that follows. Read-only."""
     return rank_memory(spec, hw, par, rank)
 
 
