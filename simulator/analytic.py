@@ -26,7 +26,7 @@ from simulator.events import dualpipe_order, simulate_pipeline
 from simulator.hardware import HardwareSpec, load_hardware
 from simulator.host import step_host
 from simulator.layers import model_flops_per_token
-from simulator.memory import GIB, chunk_end_params, chunk_params, peak_memory, pipeline_memory
+from simulator.memory import GIB, chunk_end_params, chunk_params, kept_rank_memory, peak_memory
 from simulator.network import ClusterSpec
 from simulator.parallel import ParallelConfig, infeasible_reason, rank_chunks, stage_layers
 from simulator.replicas import replica_model, replicas_per_rank
@@ -106,7 +106,7 @@ def optimizer_seconds(spec: ModelSpec, hw: HardwareSpec, par: ParallelConfig, ra
     if hw.host is not None:
         return step_host(spec, hw, par)[0] * scale
 
-    mem = pipeline_memory(spec, hw, par)[rank]
+    mem = kept_rank_memory(spec, hw, par, rank)
     local_params = mem["optimizer"] / (12.0 if par.moment_dtype == "fp32" else 8.0)
     return local_params * 30.0 / (hw.hbm_tbps * 1e12 * hw.efficiency.hbm) * scale
 

@@ -269,26 +269,25 @@ def peak_memory(spec: ModelSpec, hw: HardwareSpec, par: ParallelConfig) -> tuple
     return best[0], dict(best[1])
 
 
-@lru_cache(maxsize=64)
 def pipeline_memory(spec: ModelSpec, hw: HardwareSpec, par: ParallelConfig) -> tuple[dict[str, float], ...]:
-    """``rank_memory`` of every pipeline rank, kept for the next call: a search screens a layout's memory and then
-    simulates it, which prices it again with each rank's optimizer. Read-only (a shared cache)."""
-    return tuple(_kept_rank_memory(spec, hw, par, r) for r in range(par.pp))
+    """``kept_rank_memory`` of every pipeline rank. Read-only (a shared cache)."""
+    return tuple(kept_rank_memory(spec, hw, par, r) for r in range(par.pp))
 
 
 def exceeds_memory(spec: ModelSpec, hw: HardwareSpec, par: ParallelConfig, limit: float) -> bool:
     """Whether some pipeline rank needs more than ``limit`` bytes (``rank_memory``'s total). Rank 0 (the most
     micro-batches in flight) and the last (the logits) are tried first and the first rank over answers: a search
-    screens far more layouts out than in. The ranks priced are kept for ``pipeline_memory``."""
+    screens far more layouts out than in. The ranks priced are kept (``kept_rank_memory``)."""
     p = par.pp
     return any(
-        sum(_kept_rank_memory(spec, hw, par, r).values()) > limit for r in dict.fromkeys((0, p - 1, *range(1, p)))
+        sum(kept_rank_memory(spec, hw, par, r).values()) > limit for r in dict.fromkeys((0, p - 1, *range(1, p)))
     )
 
 
 @lru_cache(maxsize=1024)
-def _kept_rank_memory(spec: ModelSpec, hw: HardwareSpec, par: ParallelConfig, rank: int) -> dict[str, float]:
-    """``rank_memory``, kept: the ranks the screen prices serve the simulation that follows. Read-only."""
+def kept_rank_memory(spec: ModelSpec, hw: HardwareSpec, par: ParallelConfig, rank: int) -> dict[str, float]:
+    """``rank_memory``, kept for the next call: a search screens a layout's memory, then simulates it and prices
+    each rank's optimizer from the same bytes. Read-only (a shared cache)."""
     return rank_memory(spec, hw, par, rank)
 
 
