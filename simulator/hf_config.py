@@ -13,6 +13,7 @@ from simulator.hf_families import (
     EXPERT_WIDTH_IS_INTERMEDIATE,
     GATED_ATTENTION,
     check_family,
+    check_whole,
     dense_ffn_width,
     family_fixed,
     flatten,
@@ -72,7 +73,7 @@ def _fields(cfg: dict, c: dict, get: Callable[..., Any], name: str) -> dict:
         vocab=int(get("vocab_size")),
         num_heads=heads,
         num_kv_heads=0 if mla else int(get("num_key_value_heads") or heads),
-        head_dim=0 if mla else int(get("head_dim") or hidden // heads),
+        head_dim=0 if mla else int(get("head_dim") or (hidden // heads if heads else 0)),  # heads 0: named below
         attention="mla" if mla else "mha",
         q_lora_rank=int(get("q_lora_rank") or 0),
         kv_lora_rank=int(get("kv_lora_rank") or 0),
@@ -317,8 +318,7 @@ def _hf_getter(c: dict) -> Callable[..., Any]:
         v = c.get(key, default)
         if v is None or key in _HF_OTHER or (isinstance(v, bool) and key in _HF_BOOL):
             return v
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or (isinstance(v, float) and not v.is_integer()):
-            raise ValueError(f"HF config: field {key!r} must be a whole number, got {v!r}")
+        check_whole(key, v)
         if not 0 <= v <= MAX_SIZE:
             raise ValueError(f"HF config: field {key!r} must be in [0, {MAX_SIZE}], got {v!r}")
         return v

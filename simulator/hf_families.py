@@ -222,10 +222,17 @@ def model_name(cfg: dict) -> str:
     return " ".join(p for p in (str(kind), archs) if p) or "hf"
 
 
+def check_whole(key: str, v: Any) -> None:
+    """ValueError naming HF field ``key`` unless ``v`` is a whole number (an int or an integral float, not a bool)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or (isinstance(v, float) and not v.is_integer()):
+        raise ValueError(f"HF config: field {key!r} must be a whole number, got {v!r}")
+
+
 def _int(get: Callable[..., Any], key: str, default: int, low: int = 0) -> int:
     v = get(key)
     if v is None:
         return default
+    check_whole(key, v)  # a field that may also be a word ("auto") skips the getter's check
     if v < low:
         raise ValueError(f"HF config: field {key!r} must be >= {low}, got {v!r}")
     return int(v)
