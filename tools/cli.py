@@ -8,7 +8,8 @@
     moonep bench detector --json detector.json
 
 Exit status: 0 no finding, 1 findings (scripts can alert on it), 2 usage or input errors, and for an empty
-trace or (without ``--partial``) an incomplete one: an expected rank missing, a rank short of steps, a dropped line.
+trace or (without ``--partial``) an incomplete one: an expected rank missing, a rank short of steps, a dropped line,
+or fewer steps than a finding needs (``steps.needed`` in the JSON).
 """
 
 from __future__ import annotations
@@ -26,10 +27,11 @@ from collectives.faults import parse_data_delays, parse_link_delay_specs, parse_
 from moonep_base import check_folder, write_json
 from tools.bench import bench_telemetry
 from tools.bench_detector import bench_detector
+from tools.detect import Thresholds
 from tools.follow import follow
 from tools.plots import plot
 from tools.probe import ProbeConfig, run_probe
-from tools.report import analyse, format_report
+from tools.report import analyse, format_report, too_short
 from tools.traces import TraceFormatError
 from tools.workload import WorkloadConfig, run_local
 
@@ -257,6 +259,8 @@ def _finish(trace_dir: str, probe, json_path, plot_dir, *, world_size=None, part
         return _err(f"{trace_dir}: no trace records with steps in any accepted format: nothing to diagnose")
     if not cov["complete"] and not partial and cov["ranks"] and cov["steps"]:
         return _err(f"{trace_dir}: incomplete trace ({_gaps(cov)}); pass --partial to diagnose what it holds")
+    if too_short(report) and not report["findings"] and not partial:
+        return _err(f"{trace_dir}: {too_short(report).removeprefix('no verdict: ')}, or pass --partial")
     return 1 if report["findings"] else 0
 
 
@@ -292,6 +296,16 @@ def _demo(args) -> int:
         )
     except ValueError as exc:
         return _err(str(exc))
+    need = Thresholds().min_evidence_steps
+    if cfg.steps < need:
+        return _err(
+            f"--steps {cfg.steps}: the diagnosis needs {need} (a slowdown must last {need} steps to be told from noise)"
+        )
+    for fault in (*cfg.slowdowns, *cfg.data_delays, *cfg.link_delays):
+        if cfg.steps - fault.from_step < need:  # a legitimate experiment (blips are ignored), so a note, not an error
+            last = cfg.steps - fault.from_step
+            note = f"note: the fault from step {fault.from_step} lasts {last} steps; a finding needs {need}"
+            print(f"{note}, so it will go unnamed")
     if args.trace_dir:
         try:
             check_folder("--trace-dir", args.trace_dir)

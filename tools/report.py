@@ -123,15 +123,29 @@ def analyse(
         tables = build_tables(folder.traces)
     for w in caught:
         warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-    findings = diagnose(tables, thresholds) + folder.findings
+    th = thresholds or Thresholds()
+    findings = diagnose(tables, th) + folder.findings
     if probe:
         findings = apply_probe(findings, probe)
     notes = [str(w.message) for w in caught] + folder.notes + tables.notes
     report = build_report(tables, findings, trace_dir=os.fspath(trace_dir), probe=probe, notes=notes)
+    report["steps"]["needed"] = th.min_evidence_steps  # a slowdown must last this long to be told from a blip
     report["coverage"] = folder.coverage.to_json()
     report["format"] = folder.format
     report.update(folder.extra)
     return report, tables
+
+
+def too_short(report: dict) -> str:
+    """Why the trace is too short for a verdict ("" when it is long enough): a per-step finding needs
+    ``steps.needed`` steps from its onset, so fewer steps than that rule nothing out."""
+    steps = report["steps"]
+    if not 0 < steps["count"] < steps.get("needed", 0):
+        return ""
+    return (
+        f"no verdict: {steps['count']} step{'s' * (steps['count'] != 1)} are too few (a slowdown must last "
+        f"{steps['needed']} steps to be told from noise); trace more steps"
+    )
 
 
 def format_report(report: dict) -> str:
@@ -150,7 +164,10 @@ def format_report(report: dict) -> str:
     empty = cov is not None and (not cov["ranks"] or not cov["steps"])
     if not report["findings"] and not empty:
         complete = cov is None or cov["complete"]
-        lines.append("no straggler found" if complete else "no straggler found in what this PARTIAL trace holds")
+        lines.append(
+            too_short(report)
+            or ("no straggler found" if complete else "no straggler found in what this PARTIAL trace holds")
+        )
     for f in report["findings"]:
         wi = f["what_if_step_time_s"]
         gain = f", step {wi * 1e3:.1f} ms without it" if wi is not None else ""

@@ -73,6 +73,27 @@ def test_cli_diagnose_json_plots_and_exit_codes(tmp_path, capsys):
     assert main(["diagnose", str(tmp_path / "missing")], packages=["tools"]) == 2
 
 
+@pytest.mark.parametrize("steps", [1, 4, 7])
+def test_a_trace_too_short_for_a_verdict_says_so_not_no_straggler(tmp_path, capsys, steps):
+    """Catches: a 2x slow rank in a 4-step profiler window reported as "no straggler found", exit 0."""
+    short = write_dir(tmp_path / "short", make_records(steps=steps, slow=(1, 2.0, 0)))
+    report, _ = analyse(short)
+    assert report["findings"] == [] and report["steps"] == {"first": 0, "last": steps - 1, "count": steps, "needed": 8}
+    assert main(["diagnose", short], packages=["tools"]) == 2
+    out, err = capsys.readouterr()
+    assert "no straggler found" not in out and f"no verdict: {steps} step" in out
+    assert err.startswith(f"error: {short}: {steps} step") and "\n" not in err.strip() and "--partial" in err
+    assert main(["diagnose", short, "--partial"], packages=["tools"]) == 0
+    assert "no verdict" in capsys.readouterr().out
+    long = write_dir(tmp_path / "long", make_records(steps=8, slow=(1, 2.0, 0)))  # the same rank, the needed steps
+    assert main(["diagnose", long], packages=["tools"]) == 1 and "ranks [1]" in capsys.readouterr().out
+
+
+def test_demo_refuses_fewer_steps_than_a_verdict_needs(capsys):
+    assert main(["straggler-demo", "--steps", "7"], packages=["tools"]) == 2
+    assert "--steps 7: the diagnosis needs 8" in capsys.readouterr().err
+
+
 def test_cli_rejects_bad_injection_naming_the_part(capsys):
     assert main(["straggler-demo", "--inject-slowdown", "rank=1,factr=2"], packages=["tools"]) == 2
     assert "'rank=1,factr=2'" in capsys.readouterr().err
