@@ -20,7 +20,8 @@ from tools.probe import ProbeConfig, run_probe
 from tools.report import SCHEMA_VERSION, analyse, apply_probe, format_report
 from tools.sources import FORMATS, load_folder
 from tools.telemetry import Sampler
-from tools.traces import Coverage, TraceFormatError, TraceWarning, load_dir, load_dir_coverage
+from tools.trace_lines import TraceWarning
+from tools.traces import Coverage, TraceFormatError, load_dir, load_dir_coverage
 from tools.workload import WorkloadConfig, run_local, run_workload
 
 __all__ = [

@@ -8,6 +8,8 @@ transfer time, which excludes waiting for late arrivers by construction.
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 
 from tools.analysis import Tables
@@ -151,7 +153,9 @@ def _links(t: Tables, th: Thresholds) -> list[Finding]:
 def rank_scores(t: Tables) -> list[dict]:
     """Per rank: the NVRx-style score (1 best; peer median over this rank's normalised compute, median over
     steps) and the median compute, data and routed tokens per step."""
-    med = np.nan_to_num(np.nanmedian(t.norm_compute_s, axis=0)) if t.ranks else np.zeros(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # a step no rank computed in (Flight Recorder dumps): NaN
+        med = np.nan_to_num(np.nanmedian(t.norm_compute_s, axis=0)) if t.ranks else np.zeros(0)
     out = []
     for i, r in enumerate(t.ranks):
         with np.errstate(all="ignore"):

@@ -17,7 +17,8 @@ from typing import TextIO
 from tools.analysis import build_tables
 from tools.detect import Thresholds
 from tools.findings import diagnose
-from tools.traces import RankTrace, TraceWarning, _add, parse_lines
+from tools.trace_lines import TraceWarning, parse_lines
+from tools.traces import RankTrace, _add
 
 _RANK_FILE = re.compile(r"^rank(\d+)\.jsonl$")
 

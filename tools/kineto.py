@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import math
 import os
 import re
 import zlib
@@ -99,7 +100,8 @@ def rank_and_world(doc: dict, path: str, rank_from: str | None) -> tuple[int, in
 def _seconds(doc: dict, ts: float) -> float:
     """Epoch seconds of a Chrome ``ts`` (microseconds after ``baseTimeNanoseconds``), so that ranks and Flight
     Recorder dumps of one host compare directly."""
-    return (doc.get("baseTimeNanoseconds") or 0) / 1e9 + ts / 1e6
+    base = doc.get("baseTimeNanoseconds")
+    return (base if _number(base) else 0) / 1e9 + ts / 1e6
 
 
 def _group_of(args: dict) -> tuple[int, ...] | None:
@@ -110,7 +112,8 @@ def _group_of(args: dict) -> tuple[int, ...] | None:
             ranks = json.loads(ranks)
         except ValueError:
             ranks = None
-    return tuple(int(r) for r in ranks) if isinstance(ranks, list) and ranks else None
+    good = isinstance(ranks, list) and ranks and all(_number(r) and r == int(r) >= 0 for r in ranks)
+    return tuple(int(r) for r in ranks) if good else None
 
 
 class _Events:
@@ -136,7 +139,8 @@ class _Events:
     def _add(self, doc, e, world, kernel_collectives: bool) -> None:
         t0 = _seconds(doc, float(e["ts"]))
         t1 = t0 + max(0.0, float(e["dur"])) / 1e6
-        name, cat, args = str(e.get("name", "")), str(e.get("cat", "")), e.get("args") or {}
+        name, cat, args = str(e.get("name", "")), str(e.get("cat", "")), e.get("args")
+        args = args if isinstance(args, dict) else {}  # a damaged event keeps its span, not its details
         step = PROFILER_STEP.match(name)
         if step:
             self.steps.append((int(step.group(1)), t0, t1))
@@ -165,7 +169,8 @@ def _pg_count(doc: dict) -> int:
 
 
 def _number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
+    """A finite JSON number (``NaN`` / ``Infinity`` in a damaged file are not times)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and -math.inf < x < math.inf
 
 
 def _windows(ev: _Events) -> tuple[list[tuple[int, float, float]], str]:

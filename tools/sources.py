@@ -21,7 +21,7 @@ import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from tools import clocks, flight_recorder, kineto
+from tools import clocks, flight_recorder, fr_dumps, kineto
 from tools.detect import Finding
 from tools.traces import Coverage, RankTrace, TraceFormatError, coverage_for, load_dir_coverage
 
@@ -59,7 +59,7 @@ def classify(trace_dir: str) -> dict[str, list[str]]:
             out["jsonl"].append(path)
         elif kineto.looks_like_kineto(path):
             out["kineto"].append(path)
-        elif flight_recorder.looks_like_fr(path):
+        elif fr_dumps.looks_like_fr(path):
             out["flight_recorder"].append(path)
         else:
             out["ignored"].append(path)
@@ -158,10 +158,11 @@ def _check_one_run(rank: int, items: list[tuple[str, dict]]) -> None:
     for path, doc in items:
         host = (e for e in doc["traceEvents"] if isinstance(e, dict) and e.get("cat") in ("cpu_op", "user_annotation"))
         pid = next((e.get("pid") for e in host), None)  # GPU events carry the device as their pid
-        pids.setdefault(pid, path)
-        if doc.get("trace_id") is not None and doc["trace_id"] in ids:
-            raise TraceFormatError(f"{path}: the same trace as {ids[doc['trace_id']]} (rank {rank} twice)")
-        ids[doc.get("trace_id") or path] = path
+        pids.setdefault(repr(pid), path)  # repr: a damaged file's pid or trace id may be a list or an object
+        trace = repr(doc.get("trace_id")) if doc.get("trace_id") is not None else None
+        if trace is not None and trace in ids:
+            raise TraceFormatError(f"{path}: the same trace as {ids[trace]} (rank {rank} twice)")
+        ids[trace or path] = path
     if len(pids) > 1:
         files = ", ".join(pids.values())
         raise TraceFormatError(f"two runs in one folder: rank {rank} has traces of {len(pids)} processes ({files})")
@@ -172,7 +173,7 @@ def _flight_recorder(paths: list[str], rank_from: str | None):
         return None
     by_rank: dict[int, str] = {}
     for path in paths:
-        rank = flight_recorder.rank_of(path, rank_from)
+        rank = fr_dumps.rank_of(path, rank_from)
         if rank is None:
             raise TraceFormatError(
                 f"{path}: a Flight Recorder dump without a rank in its name (dumps are named <prefix><rank>); "
@@ -181,7 +182,7 @@ def _flight_recorder(paths: list[str], rank_from: str | None):
         if rank in by_rank:
             raise TraceFormatError(f"{path}: a second Flight Recorder dump of rank {rank} (first: {by_rank[rank]})")
         by_rank[rank] = path
-    return flight_recorder.analyse_fr(flight_recorder.read_flight_recorder(by_rank))
+    return flight_recorder.analyse_fr(fr_dumps.read_flight_recorder(by_rank))
 
 
 def _check_same_world(folder: Folder, fr, files) -> None:

@@ -16,28 +16,19 @@ descheduled on a shared host (noise of the host, not of the rank) does not look 
 
 from __future__ import annotations
 
-import json
-import math
 import os
 import re
-import warnings
 from collections import defaultdict
 from dataclasses import dataclass, field
 
 from tools.intervals import clip, length
+from tools.trace_lines import number, parse_lines, warn_dropped
 
 COLLECTIVE_OPS = frozenset(
     ("all_to_all_single", "all_gather", "all_reduce", "reduce_scatter", "broadcast", "barrier", "send", "recv")
     + ("validate",)
 )
 _RANK_FILE = re.compile(r"^rank(\d+)\.jsonl$")
-WARN_LINES = 5
-"""Dropped lines of one file warned about one by one; the rest are counted in one more warning."""
-_REQUIRED = {"op": str, "rank": int, "t_enter": (int, float), "t_exit": (int, float)}
-
-
-class TraceWarning(UserWarning):
-    """A trace file or line was skipped; the message names the file."""
 
 
 class TraceFormatError(ValueError):
@@ -112,67 +103,6 @@ class RankTrace:
     later (a followed trace) are shifted as they arrive."""
 
 
-def _number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-
-def _problem(rec) -> str | None:
-    """Why ``rec`` is not a valid trace record (None when it is)."""
-    if not isinstance(rec, dict):
-        return "not a JSON object"
-    if rec.get("kind") == "header":
-        ws = rec.get("world_size")
-        return None if ws is None or (isinstance(ws, int) and not isinstance(ws, bool) and ws >= 1) else "bad header"
-    for key, kind in _REQUIRED.items():
-        if not isinstance(rec.get(key), kind) or isinstance(rec.get(key), bool):
-            return f"field {key!r} missing or of the wrong type"
-    for key in ("t_enter", "t_exit", "cpu_s"):
-        if key in rec and _number(rec[key]) and not math.isfinite(rec[key]):
-            return f"{key} is {rec[key]} (not finite)"
-    step = rec.get("step")
-    if not (step is None or (isinstance(step, int) and not isinstance(step, bool))):
-        return "step is not an integer"
-    return None if rec["t_exit"] >= rec["t_enter"] else "t_exit before t_enter"
-
-
-def parse_lines(path: str, text: str, dropped: list[str] | None = None) -> list[dict]:
-    """Valid records of one file's text. Each invalid line is dropped and appended to ``dropped`` (when given)
-    as ``path:line: why``; the first ``WARN_LINES`` of a file are each a ``TraceWarning``, the rest one more
-    warning with their count (a file of another schema is one warning, not one a line)."""
-    lines = text.split("\n")
-    complete, tail = lines[:-1], lines[-1]  # text after the last newline was cut mid-write
-    records, bad = [], []
-    for number, line in enumerate(complete, 1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            rec, why = None, "not JSON"
-        else:
-            why = _problem(rec)
-        if why is None:
-            records.append(rec)
-            continue
-        bad.append(f"{path}:{number}: {why}; line dropped")
-    if tail.strip():
-        bad.append(f"{path}:{len(lines)}: last line truncated (run still writing, or killed); line dropped")
-    for message in bad[:WARN_LINES]:
-        _drop(message, dropped)
-    if len(bad) > WARN_LINES:  # a file of another schema (a per-step timing log): one summary, not a warning a line
-        what = "no line is a trace record (not this format?)" if not records else "more lines dropped"
-        _drop(f"{path}: {len(bad) - WARN_LINES} {what}; {len(bad)} of {len(bad) + len(records)} lines dropped", None)
-        if dropped is not None:
-            dropped.extend(bad[WARN_LINES:])
-    return records
-
-
-def _drop(message: str, dropped: list[str] | None) -> None:
-    warnings.warn(message, TraceWarning, stacklevel=3)
-    if dropped is not None:
-        dropped.append(message)
-
-
 def _add(trace: RankTrace, rec: dict) -> None:
     if rec.get("kind") == "header":
         return
@@ -198,14 +128,14 @@ def _add(trace: RankTrace, rec: dict) -> None:
         trace.data[step] += t1 - t0
         return
     cpu = rec.get("cpu_s")
-    busy = float(cpu) if _number(cpu) and cpu >= 0 else t1 - t0
+    busy = float(cpu) if number(cpu) and cpu >= 0 else t1 - t0
     off = max(0.0, (t1 - t0) - busy)
     trace.offcpu[step] += off
     phase = trace.phases[step].setdefault(op, [t0, t1, 0.0, 0.0, 0.0])
     phase[0], phase[1] = min(phase[0], t0), max(phase[1], t1)
     phase[2] += busy
     phase[3] += off
-    phase[4] += 0.0 if _number(cpu) and cpu >= 0 else t1 - t0
+    phase[4] += 0.0 if number(cpu) and cpu >= 0 else t1 - t0
     trace.compute[step] += busy
     seconds, tokens = trace.compute_ops[step].get(op, (0.0, 0))
     trace.compute_ops[step][op] = (seconds + busy, tokens + int(rec.get("tokens") or 0))
@@ -325,7 +255,7 @@ def load_dir_coverage(
             with open(path, encoding="utf-8") as f:
                 text = f.read()
         except (OSError, UnicodeDecodeError) as exc:
-            _drop(f"{path}: unreadable ({type(exc).__name__}); file skipped", dropped)
+            warn_dropped(f"{path}: unreadable ({type(exc).__name__}); file skipped", dropped)
             continue
         before = len(dropped)
         records = parse_lines(path, text, dropped)
@@ -346,7 +276,7 @@ def load_dir_coverage(
 def _check_one_file(path: str, rank: int, records: list[dict]) -> str | None:
     """The run id of one rank file (None: its writer recorded none). Raises ``TraceFormatError`` for a file that
     holds another rank's records (a copy of another rank's file) or two runs (a reused folder)."""
-    other = next((rec["rank"] for rec in records if rec["rank"] != rank), None)
+    other = next((rec["rank"] for rec in records if rec.get("rank", rank) != rank), None)  # a header may omit it
     if other is not None:
         raise TraceFormatError(
             f"{path}: holds records of rank {other}, not of rank {rank} (a copy of another rank's file?): "

@@ -213,7 +213,8 @@ def test_the_detector_depends_on_torch_and_pure_tools_modules_only():
             assert top not in ("collectives", "moonep", "moonep_base", "simulator", "k3"), (mod, name)
             if top == "tools":
                 todo.append(name)
-    pure = ("detector", "analysis", "calls", "clocks", "detect", "findings", "gaps", "traces", "intervals")
+    pure = ("detector", "analysis", "calls", "clocks", "detect", "findings", "gaps", "traces", "trace_lines")
+    pure += ("intervals",)
     assert done == {f"tools.{m}" for m in pure}
 
 

@@ -16,7 +16,8 @@ from tests.tools.synth import make_records, write_dir
 from tools.analysis import build_tables, load_tables
 from tools.detect import Finding, Thresholds, _rolling, _rolling_loop, level_shift
 from tools.findings import diagnose, rank_scores
-from tools.traces import TraceWarning, load_dir, load_dir_coverage, parse_lines
+from tools.trace_lines import TraceWarning, parse_lines
+from tools.traces import load_dir, load_dir_coverage
 
 
 def run(tmp_path, **kw):

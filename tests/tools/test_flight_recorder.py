@@ -13,7 +13,8 @@ import shutil
 import pytest
 
 from moonep.console import main
-from tools.flight_recorder import SafeUnpickler, analyse_fr, load_dump, rank_of, read_flight_recorder
+from tools.flight_recorder import analyse_fr
+from tools.fr_dumps import SafeUnpickler, load_dump, rank_of, read_flight_recorder
 from tools.traces import TraceFormatError
 
 FIXTURE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "flight_recorder")
