@@ -23,6 +23,7 @@ import pickle
 import re
 from dataclasses import dataclass, field
 
+from tools.trace_lines import number, whole
 from tools.traces import TraceFormatError
 
 _TRAILING_DIGITS = re.compile(r"(\d+)$")
@@ -155,7 +156,7 @@ def _group(entry: dict, pg_config: dict, fallback: tuple[int, ...]) -> tuple[str
             ranks = json.loads(ranks)
         except ValueError:
             ranks = None
-    good = isinstance(ranks, list) and ranks and all(_whole(r) and r >= 0 for r in ranks)
+    good = isinstance(ranks, list) and ranks and all(whole(r) and r >= 0 for r in ranks)
     return desc or name, tuple(ranks) if good else fallback
 
 
@@ -164,10 +165,6 @@ def _where(frames) -> str:
         if isinstance(f, dict) and "site-packages" not in str(f.get("filename", "")):
             return f"{os.path.basename(str(f.get('filename')))}:{f.get('line')} ({f.get('name')})"
     return ""
-
-
-def _whole(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
 
 
 _TIMES = ("time_created_ns", "time_discovered_started_ns", "time_discovered_completed_ns")
@@ -181,11 +178,11 @@ def entry_problem(entry) -> str | None:
     if entry.get("is_p2p") is True:
         return None
     seq = entry.get("collective_seq_id")
-    if not (_whole(seq) and seq >= 0):
+    if not (whole(seq) and seq >= 0):
         return f"collective_seq_id {seq!r} is not a sequence number"
     for key in _TIMES:
         t = entry.get(key)
-        if t is not None and not (isinstance(t, (int, float)) and not isinstance(t, bool) and 0 <= t < math.inf):
+        if t is not None and not (number(t) and 0 <= t < math.inf):
             return f"{key} {t!r} is not a time"
     bad = next((k for k, kind in _TYPES.items() if entry.get(k) is not None and not isinstance(entry[k], kind)), None)
     return None if bad is None else f"{bad} is not a {_TYPES[bad].__name__}"
@@ -211,10 +208,11 @@ def read_flight_recorder(paths: dict[int, str]) -> FRRun:
     for rank, path in sorted(paths.items()):
         doc = load_dump(path)
         pg_config = doc.get("pg_config") if isinstance(doc.get("pg_config"), dict) else {}
-        problems = [why for e in doc["entries"] if (why := entry_problem(e))]
+        checked = [(e, entry_problem(e)) for e in doc["entries"]]
+        problems = [why for _, why in checked if why]
         if problems:  # a damaged or hand-edited dump: what is left is still read
             warnings.append(f"{path}: {len(problems)} entries dropped (the first: {problems[0]})")
-        mine = [c for e in doc["entries"] if not entry_problem(e) and (c := _call(e, pg_config, fallback))]
+        mine = [c for e, why in checked if not why and (c := _call(e, pg_config, fallback))]
         mine.sort(key=lambda c: (c.pg, c.seq))
         calls[rank] = mine
         if mine:

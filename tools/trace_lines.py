@@ -24,7 +24,8 @@ def number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
-def _whole(x) -> bool:
+def whole(x) -> bool:
+    """An integer, not a bool (JSON's true is an int to Python)."""
     return isinstance(x, int) and not isinstance(x, bool)
 
 
@@ -34,8 +35,8 @@ def _problem(rec) -> str | None:
         return "not a JSON object"
     if rec.get("kind") == "header":
         ws, run, rank = rec.get("world_size"), rec.get("run_id"), rec.get("rank")
-        good = (ws is None or (_whole(ws) and ws >= 1)) and (run is None or isinstance(run, str))
-        good = good and (rank is None or (_whole(rank) and rank >= 0))
+        good = (ws is None or (whole(ws) and ws >= 1)) and (run is None or isinstance(run, str))
+        good = good and (rank is None or (whole(rank) and rank >= 0))
         return None if good else "bad header"
     for key, kind in _REQUIRED.items():
         if not isinstance(rec.get(key), kind) or isinstance(rec.get(key), bool):
@@ -44,10 +45,10 @@ def _problem(rec) -> str | None:
         if key in rec and number(rec[key]) and not math.isfinite(rec[key]):
             return f"{key} is {rec[key]} (not finite)"
     step = rec.get("step")
-    if not (step is None or _whole(step)):
+    if not (step is None or whole(step)):
         return "step is not an integer"
     group = rec.get("group")
-    if group is not None and not (isinstance(group, list) and all(_whole(g) and g >= 0 for g in group)):
+    if group is not None and not (isinstance(group, list) and all(whole(g) and g >= 0 for g in group)):
         return "group is not a list of ranks"
     for key in ("bytes", "tokens"):  # counts a writer may leave out, never of another type
         if rec.get(key) is not None and not (number(rec[key]) and 0 <= rec[key] < math.inf):
