@@ -175,7 +175,7 @@ def entry_problem(entry) -> str | None:
     """Why ``entry`` is not a collective a dump could hold (None when it is; point-to-point ones are skipped)."""
     if not isinstance(entry, dict):
         return "not a JSON object"
-    if entry.get("is_p2p") is True:
+    if entry.get("is_p2p"):  # skipped by ``_call`` whatever else it holds
         return None
     seq = entry.get("collective_seq_id")
     if not (whole(seq) and seq >= 0):
