@@ -259,8 +259,9 @@ def _finish(trace_dir: str, probe, json_path, plot_dir, *, world_size=None, part
         return _err(f"{trace_dir}: no trace records with steps in any accepted format: nothing to diagnose")
     if not cov["complete"] and not partial and cov["ranks"] and cov["steps"]:
         return _err(f"{trace_dir}: incomplete trace ({_gaps(cov)}); pass --partial to diagnose what it holds")
-    if too_short(report) and not report["findings"] and not partial:
-        return _err(f"{trace_dir}: {too_short(report).removeprefix('no verdict: ')}, or pass --partial")
+    short = too_short(report)
+    if short and not report["findings"] and not partial:
+        return _err(f"{trace_dir}: {short}, or pass --partial")
     return 1 if report["findings"] else 0
 
 

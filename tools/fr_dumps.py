@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import io
 import json
-import math
 import os
 import pickle
 import re
 from dataclasses import dataclass, field
 
-from tools.trace_lines import number, whole
+from tools.trace_lines import count, whole
 from tools.traces import TraceFormatError
 
 _TRAILING_DIGITS = re.compile(r"(\d+)$")
@@ -182,7 +181,7 @@ def entry_problem(entry) -> str | None:
         return f"collective_seq_id {seq!r} is not a sequence number"
     for key in _TIMES:
         t = entry.get(key)
-        if t is not None and not (number(t) and 0 <= t < math.inf):
+        if t is not None and not count(t):
             return f"{key} {t!r} is not a time"
     bad = next((k for k, kind in _TYPES.items() if entry.get(k) is not None and not isinstance(entry[k], kind)), None)
     return None if bad is None else f"{bad} is not a {_TYPES[bad].__name__}"

@@ -143,7 +143,7 @@ def too_short(report: dict) -> str:
     if not 0 < steps["count"] < steps.get("needed", 0):
         return ""
     return (
-        f"no verdict: {steps['count']} step{'s' * (steps['count'] != 1)} are too few (a slowdown must last "
+        f"{steps['count']} step{'s' * (steps['count'] != 1)} are too few (a slowdown must last "
         f"{steps['needed']} steps to be told from noise); trace more steps"
     )
 
@@ -164,10 +164,9 @@ def format_report(report: dict) -> str:
     empty = cov is not None and (not cov["ranks"] or not cov["steps"])
     if not report["findings"] and not empty:
         complete = cov is None or cov["complete"]
-        lines.append(
-            too_short(report)
-            or ("no straggler found" if complete else "no straggler found in what this PARTIAL trace holds")
-        )
+        found = "no straggler found" if complete else "no straggler found in what this PARTIAL trace holds"
+        short = too_short(report)
+        lines.append(f"no verdict: {short}" if short else found)
     for f in report["findings"]:
         wi = f["what_if_step_time_s"]
         gain = f", step {wi * 1e3:.1f} ms without it" if wi is not None else ""

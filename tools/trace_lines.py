@@ -24,6 +24,11 @@ def number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
+def count(x) -> bool:
+    """A finite number >= 0 (bytes, tokens, nanoseconds)."""
+    return number(x) and 0 <= x < math.inf
+
+
 def whole(x) -> bool:
     """An integer, not a bool (JSON's true is an int to Python)."""
     return isinstance(x, int) and not isinstance(x, bool)
@@ -51,7 +56,7 @@ def _problem(rec) -> str | None:
     if group is not None and not (isinstance(group, list) and all(whole(g) and g >= 0 for g in group)):
         return "group is not a list of ranks"
     for key in ("bytes", "tokens"):  # counts a writer may leave out, never of another type
-        if rec.get(key) is not None and not (number(rec[key]) and 0 <= rec[key] < math.inf):
+        if rec.get(key) is not None and not count(rec[key]):
             return f"{key} is not a count"
     return None if rec["t_exit"] >= rec["t_enter"] else "t_exit before t_enter"
 
@@ -63,7 +68,7 @@ def parse_lines(path: str, text: str, dropped: list[str] | None = None) -> list[
     lines = text.split("\n")
     complete, tail = lines[:-1], lines[-1]  # text after the last newline was cut mid-write
     records, bad = [], []
-    for number, line in enumerate(complete, 1):
+    for line_no, line in enumerate(complete, 1):
         if not line.strip():
             continue
         try:
@@ -75,7 +80,7 @@ def parse_lines(path: str, text: str, dropped: list[str] | None = None) -> list[
         if why is None:
             records.append(rec)
             continue
-        bad.append(f"{path}:{number}: {why}; line dropped")
+        bad.append(f"{path}:{line_no}: {why}; line dropped")
     if tail.strip():
         bad.append(f"{path}:{len(lines)}: last line truncated (run still writing, or killed); line dropped")
     for message in bad[:WARN_LINES]:
