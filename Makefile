@@ -40,16 +40,19 @@ demo: $(VENV)/.core
 roundtrip: $(VENV)/.core
 	$(VENV)/bin/moonep roundtrip --world-size 4 --json out/roundtrip.json
 
-# Every test in two runs: the ones that start no process (test-fast's) on two pytest-xdist workers, one per core,
-# each test file whole on one worker (its module fixtures stay shared); then the ones marked spawns one at a time,
-# since their ranks take the cores and some of them time what they run.
+# Every test in three runs: the ones that start no process (test-fast's) on two pytest-xdist workers, one per core,
+# each test file whole on one worker (its module fixtures stay shared); then the ones marked spawns, also two at a
+# time (most of their time is process start-up and waiting on timeouts); last, one at a time, those also marked
+# solo, whose verdicts rest on the times their ranks measure (tests/conftest.py).
 FAST_PYTEST = MOONEP_TEST_FAST=1 TQDM_DISABLE=1 MPLBACKEND=Agg $(PY) -m pytest -q -n 2 --dist loadfile
+SPAWN_PYTEST = TQDM_DISABLE=1 MPLBACKEND=Agg $(PY) -m pytest -q
 test: $(VENV)/.dev
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/pyright
 	$(FAST_PYTEST)
-	TQDM_DISABLE=1 MPLBACKEND=Agg $(PY) -m pytest -q -m spawns
+	$(SPAWN_PYTEST) -m "spawns and not solo" -n 2 --dist loadfile
+	$(SPAWN_PYTEST) -m "spawns and solo"
 
 # The edit loop: lint, then every test that starts no process (tests/conftest.py: @pytest.mark.spawns is left out,
 # and a test that starts a process unmarked fails). make test runs everything, these included.

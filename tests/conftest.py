@@ -12,6 +12,11 @@ Without a GPU, numba-cuda kernels run under numba's CUDA simulator (``NUMBA_ENAB
 start processes: local ranks, torchrun, a command line in a subprocess) are deselected, and any other test that
 starts a process fails, naming itself, so the tier stays fast and the marks stay true. ``make test`` runs both.
 
+``@pytest.mark.solo`` (with ``spawns``): the test's verdict rests on times its ranks measure (a slow rank or link
+found, a clean probe, a calibrated prediction, a timeout's bound), so another test's ranks on the same cores would
+move it. ``make test`` runs the other ``spawns`` tests two at a time (most of their time is process start-up and
+waits), then these one at a time.
+
 ``MOONEP_GPU_CHECK=1`` (set by ``make gpu-check``): every skip is turned into a failure carrying the skip reason.
 The GPU checks skip wherever their GPU, library or driver is missing, so on the machine meant to run them a skip
 means a check silently did not happen.
@@ -40,6 +45,9 @@ os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
 
 
 def pytest_collection_modifyitems(config, items):
+    loose = [item.nodeid for item in items if "solo" in item.keywords and "spawns" not in item.keywords]
+    if loose:  # a solo test without spawns would run in the no-process tier, beside another test
+        raise pytest.UsageError(f"marked solo but not spawns: {', '.join(loose)}")
     if os.environ.get(FAST_ENV) == "1":
         spawning = [item for item in items if "spawns" in item.keywords]
         items[:] = [item for item in items if "spawns" not in item.keywords]

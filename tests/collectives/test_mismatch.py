@@ -205,6 +205,7 @@ def _rank_env(rank: int, port: int) -> dict:
 
 @pytest.mark.parametrize("accept", [True, False], ids=["accepts-never-answers", "listens-never-accepts"])
 @pytest.mark.spawns
+@pytest.mark.solo
 def test_rendezvous_on_a_held_port_fails_within_the_timeout_on_every_rank(accept):
     """Rank 1's store client waited for the squatter's first answer without limit (>100 s for timeout=8)."""
     timeout, squatter = 3.0, Squatter(accept)

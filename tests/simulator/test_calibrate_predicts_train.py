@@ -142,6 +142,7 @@ def _pooled_ratio(rounds: list[tuple[float, float]]) -> float:
 
 
 @pytest.mark.spawns
+@pytest.mark.solo
 @pytest.mark.slow
 def test_calibrated_profile_prices_tiny_k3_train_step(rounds):
     """On any host: the calibrate -> profile -> predict path prices the step to within ``SANITY`` in at least one

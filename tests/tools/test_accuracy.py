@@ -44,6 +44,7 @@ def test_slowdown_1_2x_found_on_right_rank_within_10_steps(tmp_path):
 
 
 @pytest.mark.spawns
+@pytest.mark.solo
 def test_link_delay_attributed_to_its_pair(tmp_path):
     """Catches: a slow link blamed on a rank's compute, or on the wrong pair."""
     spec = "src=1,dst=3,ms=80,from_step=4"  # well above this shared host's step jitter (30 ms is found 3 in 4)
@@ -67,6 +68,7 @@ def test_100_clean_steps_raise_no_alarm(tmp_path):
 
 
 @pytest.mark.spawns
+@pytest.mark.solo
 def test_skewed_router_blamed_on_routing_not_hardware(tmp_path):
     report = diagnose_run(tmp_path, steps=24, skew=0.5, hot_rank=1)
     assert ("routing_imbalance", [1]) in kinds(report)
@@ -74,6 +76,7 @@ def test_skewed_router_blamed_on_routing_not_hardware(tmp_path):
 
 
 @pytest.mark.spawns
+@pytest.mark.solo
 def test_clean_probe_has_no_slow_pair(tmp_path, capsys):
     """Through the issue's spelling `moonep diagnose probe --world-size N` (alias of `moonep probe`), at the
     default 5 rounds: with 3, a loaded CI host kept one pair of 4 ranks on 2 cores descheduled in every round
@@ -85,6 +88,7 @@ def test_clean_probe_has_no_slow_pair(tmp_path, capsys):
 
 
 @pytest.mark.spawns
+@pytest.mark.solo
 def test_demo_command_finds_a_slow_data_loader(tmp_path, capsys):
     rc = main(
         [
@@ -108,6 +112,7 @@ def test_demo_command_finds_a_slow_data_loader(tmp_path, capsys):
 
 
 @pytest.mark.spawns
+@pytest.mark.solo
 def test_telemetry_benchmark_reports_ratio(tmp_path):
     result = bench_telemetry(world_size=2, steps=24, blocks=4, interval_s=0.05)
     assert len(result["pair_ratios"]) == 2

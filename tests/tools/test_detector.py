@@ -219,6 +219,7 @@ def test_the_detector_depends_on_torch_and_pure_tools_modules_only():
 
 
 @pytest.mark.spawns
+@pytest.mark.solo
 @pytest.mark.parametrize(("scenario", "kind"), [("sleep", "host_idle"), ("slow_data", "data_loader")])
 def test_the_detector_names_the_slow_rank_of_a_real_ddp_job(scenario, kind, tmp_path_factory):
     """Rank 0's own findings in the real 2-rank gloo DDP job (``ddp_job.py``, run once per session and shared

@@ -19,7 +19,8 @@ import pytest
 
 from moonep.console import main
 
-pytestmark = pytest.mark.spawns  # every test here starts processes: make test-fast leaves them out
+# every test here starts processes, and judges the times its ranks measure (make test runs it alone)
+pytestmark = [pytest.mark.spawns, pytest.mark.solo]
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))

@@ -89,6 +89,7 @@ def demo_trace(tmp_path_factory) -> dict[int, list[dict]]:
 
 
 @pytest.mark.spawns
+@pytest.mark.solo
 @pytest.mark.parametrize("skewed, offset", [(1, -0.5), (1, 0.5), (0, -0.5), (0, 0.05)])
 def test_a_clock_offset_no_longer_hides_a_straggler(demo_trace, tmp_path, capsys, skewed: int, offset: float):
     """The offset run gets the diagnosis of the same run on one clock: the same straggler from the same step."""

@@ -16,7 +16,8 @@ import pytest
 from tools.report import analyse
 from tools.traces import load_dir
 
-pytestmark = pytest.mark.spawns  # the shared fixture trains K3 on 4 local ranks
+# the shared fixture trains K3 on 4 local ranks, and the slow rank is told by the times they measure
+pytestmark = [pytest.mark.spawns, pytest.mark.solo]
 
 STEPS = 16  # onset + the detectors' 10 evidence steps + 2 steps for a late onset
 SLOW_FROM = 4  # rank 2 computes 1.5x from here
