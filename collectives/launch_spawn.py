@@ -38,6 +38,7 @@ from collectives.launch_reports import (
 from collectives.nvshmem_backend import NVSHMEMCommunicator
 from collectives.torch_backend import init_torch
 from collectives.warm_start import adopt_launcher_state, launcher_state, preload_modules, start_context
+from moonep_base import UsageError
 
 BACKENDS = ("torch", "mpi", "nvshmem")
 
@@ -66,7 +67,25 @@ class LaunchOptions:
             raise ValueError(f"threads_per_rank must be >= 1, got {self.threads_per_rank}")
 
 
+def check_local_limits(world_size: int) -> None:
+    """``UsageError`` when this machine's limits cannot hold ``world_size`` local ranks: each rank is a process, and
+    gloo connects every pair, so each rank holds a socket per peer (``RLIMIT_NPROC``, ``RLIMIT_NOFILE``)."""
+    import resource  # optional: POSIX only
+
+    for name, limit, need, fix in (
+        ("processes per user", resource.RLIMIT_NPROC, world_size, "ulimit -u"),
+        ("open files per process", resource.RLIMIT_NOFILE, world_size + 64, "ulimit -n"),
+    ):
+        soft = resource.getrlimit(limit)[0]
+        if soft != resource.RLIM_INFINITY and need > soft:
+            raise UsageError(
+                f"world_size {world_size}: {world_size} local ranks need about {need} {name}, more than this "
+                f"machine's limit of {soft} (`{fix}`); start fewer ranks, or launch across machines"
+            )
+
+
 def launch_spawn(fn, world_size: int, opts: LaunchOptions, kwargs: dict, job_timeout: float | None):
+    check_local_limits(world_size)
     ctx = start_context()  # spawn, or warm from a forkserver (collectives.warm_start)
     state = launcher_state() if preload_modules() else None
     with tempfile.TemporaryDirectory(prefix="moonep-launch-") as tmp:
@@ -182,6 +201,8 @@ def _terminate(procs, grace_s: float = 2.0) -> None:
             p.terminate()
     end = time.monotonic() + grace_s
     for p in procs:
+        if p.pid is None:  # never started: the start loop was cut short (SIGTERM, a failed start)
+            continue
         p.join(max(0.0, end - time.monotonic()))
         if p.is_alive():
             p.kill()

@@ -9,6 +9,8 @@ It holds what every package shares:
   leaf parser sets ``func=handler`` with ``handler(args) -> int``. ``build_parser`` builds the tree from any list of
   such functions and ``run`` parses and dispatches. ``python -m <package>`` passes its own ``register`` alone
   (``run_package``); the ``moonep`` console script (``moonep.console``) gathers every package's.
+- ``UsageError``: a user mistake that only a library call below the command line can see (``collectives.launch``
+  asked for more local ranks than this machine's limits hold). ``run`` prints it as one line, exit 2.
 - ``lazy_exports`` (``moonep_base.lazy``): the PEP 562 ``__getattr__`` / ``__dir__`` pair that lets a package's
   public names resolve on first use, so ``import <package>.cli`` stays light.
 
@@ -27,7 +29,12 @@ from typing import Any
 
 from moonep_base.lazy import lazy_exports
 
-__all__ = ["build_parser", "check_folder", "lazy_exports", "run", "run_package", "write_json"]
+__all__ = ["UsageError", "build_parser", "check_folder", "lazy_exports", "run", "run_package", "write_json"]
+
+
+class UsageError(ValueError):
+    """Bad input from the user, found by library code under a command: ``run`` prints it as one line, exit 2."""
+
 
 Register = Callable[[Any, Any], None]
 """``register(commands, bench)`` of a package's ``cli.py``."""
@@ -46,9 +53,9 @@ def build_parser(registers: Sequence[Register], prog: str, description: str | No
 
 
 def run(parser: argparse.ArgumentParser, argv: Sequence[str] | None = None) -> int:
-    """Parse ``argv`` (default ``sys.argv[1:]``) and call the chosen handler; help and exit 2 without one. An
-    ``OSError`` on a path the user gave (``--json`` naming a folder, an unwritable ``--plot``) is one line and
-    exit 2; any other ``OSError`` propagates."""
+    """Parse ``argv`` (default ``sys.argv[1:]``) and call the chosen handler; help and exit 2 without one. A
+    ``UsageError`` is one line and exit 2, as is an ``OSError`` on a path the user gave (``--json`` naming a
+    folder, an unwritable ``--plot``); any other ``OSError`` propagates."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     func = getattr(args, "func", None)
@@ -56,6 +63,9 @@ def run(parser: argparse.ArgumentParser, argv: Sequence[str] | None = None) -> i
         return _usage(parser)
     try:
         return int(func(args) or 0)
+    except UsageError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     except OSError as exc:
         given = _path_given(argv, exc)
         if given is None:

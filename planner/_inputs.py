@@ -42,15 +42,21 @@ def as_counts(x: Any, name: str, ndim: int, check_sign: bool = True) -> np.ndarr
 
     Floating inputs are accepted only when every value is a whole number (e.g. counts summed in float).
     """
-    a = to_numpy(x)
+    shape = "[R, E]" if ndim == 2 else "[R]"
+    try:
+        a = to_numpy(x)
+    except ValueError:  # numpy's "inhomogeneous shape": nested lists of unequal lengths
+        raise ValueError(f"{name} must be {ndim}-D {shape} with rows of equal length") from None
     if a.ndim != ndim:
-        shape = "[R, E]" if ndim == 2 else "[R]"
         raise ValueError(f"{name} must be {ndim}-D {shape}, got shape {tuple(a.shape)}")
     if a.dtype == np.bool_ or not (np.issubdtype(a.dtype, np.integer) or np.issubdtype(a.dtype, np.floating)):
         raise ValueError(f"{name} must hold integer counts, got dtype {a.dtype}")
     floating = np.issubdtype(a.dtype, np.floating)
     if floating and a.size and not (np.all(np.isfinite(a)) and np.all(a == np.floor(a))):
         raise ValueError(f"{name} must hold integer counts, got non-integer values")
+    if floating and a.size and np.abs(a).max() >= 2.0**63:  # the int64 cast below would wrap it
+        idx = tuple(int(i) for i in np.unravel_index(int(np.argmax(np.abs(a))), a.shape))
+        raise ValueError(f"{name} must hold counts below 2**63, got {a[idx]:g} at index {idx}")
     out = np.ascontiguousarray(a, dtype=np.int64)
     if check_sign and out.size and out.min() < 0:
         idx = tuple(int(i) for i in np.unravel_index(int(np.argmin(out)), out.shape))

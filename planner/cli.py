@@ -51,20 +51,39 @@ def register(commands, bench) -> None:
     d.set_defaults(func=device_bench_command)
 
 
+def _read_load(path: str):
+    """[R, E] int64 counts from a ``--load`` JSON file; ValueError naming the file and what is wrong in it."""
+    from planner._inputs import as_counts  # heavy: numpy
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except OSError as exc:
+        raise ValueError(f"--load {path}: {exc.strerror or exc}") from None
+    except ValueError as exc:  # not UTF-8, or not JSON
+        raise ValueError(f"--load {path}: not a JSON file ({exc})") from None
+    if isinstance(data, dict):  # files written before the rename say "tokens_per_expert"
+        key = next((k for k in ("slots_per_expert", "tokens_per_expert") if k in data), None)
+        if key is None:
+            raise ValueError(f"{path}: a JSON object needs the key 'slots_per_expert', got keys {sorted(data)[:8]}")
+        data = data[key]
+    if not isinstance(data, list) or not all(isinstance(row, list) for row in data):
+        raise ValueError(f"{path}: expected an [R, E] list of lists of counts, got {type(data).__name__}")
+    for r, row in enumerate(data):
+        for e, v in enumerate(row):  # JSON true is not a count; a whole number past 64 bits has no dtype
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise ValueError(f"{path}: row {r}, column {e}: {json.dumps(v)[:40]} is not a count")
+            if isinstance(v, int) and abs(v) >= 2**63:
+                raise ValueError(f"{path}: row {r}, column {e}: {v} does not fit in 64 bits")
+    return as_counts(data, path, 2)
+
+
 def _load_counts(args):
     """[R, E] counts from --load or --synthetic; ValueError with the reason otherwise."""
-    import numpy as np  # heavy: numpy; --help stays light
-
     from planner.synthetic import synthetic_counts  # heavy: numba kernels
 
     if args.load:
-        with open(args.load) as f:
-            data = json.load(f)
-        if isinstance(data, dict):  # files written before the rename say "tokens_per_expert"
-            data = data.get("slots_per_expert", data.get("tokens_per_expert"))
-        T = np.asarray(data)
-        if T.ndim != 2:
-            raise ValueError(f"{args.load}: expected an [R, E] list of lists, got shape {T.shape}")
+        T = _read_load(args.load)
         for name, want, got in (("--ranks", args.ranks, T.shape[0]), ("--experts", args.experts, T.shape[1])):
             if want is not None and want != got:
                 raise ValueError(f"{name}={want} but {args.load} has {got}")
@@ -76,6 +95,8 @@ def _load_counts(args):
             raise ValueError(f"{name}: must be >= 1, got {v}")
     if not 1 <= args.topk <= args.experts:
         raise ValueError(f"--topk: must be in [1, --experts={args.experts}], got {args.topk}")
+    if args.seed < 0:
+        raise ValueError(f"--seed: must be >= 0, got {args.seed}")
     return synthetic_counts(args.synthetic, args.ranks, args.experts, args.topk, args.tokens, args.seed)
 
 
@@ -99,13 +120,15 @@ def plan_command(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         print(f"moonep plan: {exc}", file=sys.stderr)
         return 2
+    except MemoryError as exc:  # e.g. --ranks 100000 --experts 100000: numpy's [R, E] tables
+        print(f"moonep plan: the load is too large for this machine's memory ({exc})", file=sys.stderr)
+        return 2
     before = home_loads(T)
     R = p.num_ranks
     replicas = [[int(e) for e in row if e >= 0] for row in p.experts_to_copy]
     print(f"{'rank':>5} {'before':>10} {'after':>10} {'donor':>6}  replicas")
     for r in range(R):
         print(f"{r:>5} {int(before[r]):>10} {int(p.recv_counts[r]):>10} {int(p.donor[r]):>6}  {replicas[r]}")
-    mean = before.mean() if before.mean() > 0 else 1.0
     result = {
         "R": R,
         "E": p.num_experts,
@@ -116,7 +139,7 @@ def plan_command(args: argparse.Namespace) -> int:
         "replicas": replicas,
         "num_replicas": p.num_replicas,
         "migrated_rows": p.migrated,
-        "balance_before": float(before.max() / mean),
+        "balance_before": float(before.max() / before.mean()) if before.any() else 1.0,  # as metrics.balance
         "balance_after": balance(p),
     }
     if R <= 256:
