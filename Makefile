@@ -42,8 +42,8 @@ roundtrip: $(VENV)/.core
 
 # Every test in three runs: the ones that start no process (test-fast's) on two pytest-xdist workers, one per core,
 # each test file whole on one worker (its module fixtures stay shared); then the ones marked spawns, also two at a
-# time (most of their time is process start-up and waiting on timeouts); last, one at a time, those also marked
-# solo, whose verdicts rest on the times their ranks measure (tests/conftest.py).
+# time (their ranks leave the cores idle part of the time: start-up, waits on timeouts); last, one at a time, those
+# also marked solo, whose verdicts rest on the times their ranks measure (tests/conftest.py).
 FAST_PYTEST = MOONEP_TEST_FAST=1 TQDM_DISABLE=1 MPLBACKEND=Agg $(PY) -m pytest -q -n 2 --dist loadfile
 SPAWN_PYTEST = TQDM_DISABLE=1 MPLBACKEND=Agg $(PY) -m pytest -q
 test: $(VENV)/.dev

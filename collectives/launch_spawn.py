@@ -70,8 +70,10 @@ class LaunchOptions:
 def check_local_limits(world_size: int) -> None:
     """``UsageError`` when this machine's limits cannot hold ``world_size`` local ranks: each rank is a process, and
     gloo connects every pair, so each rank holds a socket per peer (``RLIMIT_NPROC``, ``RLIMIT_NOFILE``)."""
-    import resource  # optional: POSIX only
-
+    try:
+        import resource  # optional: POSIX only
+    except ImportError:  # no such limits to read
+        return
     for name, limit, need, fix in (
         ("processes per user", resource.RLIMIT_NPROC, world_size, "ulimit -u"),
         ("open files per process", resource.RLIMIT_NOFILE, world_size + 64, "ulimit -n"),

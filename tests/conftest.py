@@ -14,8 +14,8 @@ starts a process fails, naming itself, so the tier stays fast and the marks stay
 
 ``@pytest.mark.solo`` (with ``spawns``): the test's verdict rests on times its ranks measure (a slow rank or link
 found, a clean probe, a calibrated prediction, a timeout's bound), so another test's ranks on the same cores would
-move it. ``make test`` runs the other ``spawns`` tests two at a time (most of their time is process start-up and
-waits), then these one at a time.
+move it. ``make test`` runs the other ``spawns`` tests two at a time (their ranks leave the cores idle part of the
+time: start-up, waits on timeouts), then these one at a time.
 
 ``MOONEP_GPU_CHECK=1`` (set by ``make gpu-check``): every skip is turned into a failure carrying the skip reason.
 The GPU checks skip wherever their GPU, library or driver is missing, so on the machine meant to run them a skip
