@@ -187,6 +187,9 @@ def bench_command(args: argparse.Namespace) -> int:
     """Run the planner benchmark, print tables, write JSON."""
     from planner.bench import format_report, run  # heavy: numba kernels
 
+    if args.seed < 0:  # numpy's own refusal is a traceback that does not name the flag
+        print(f"error: --seed: must be >= 0, got {args.seed}", file=sys.stderr)
+        return 2
     result = run(quick=args.quick, seed=args.seed)
     print(format_report(result))
     if args.json:

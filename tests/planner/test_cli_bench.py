@@ -7,6 +7,7 @@ import json
 
 import numpy as np
 import pytest
+import torch  # at collection: torch's first import asks ldconfig, a process the no-process tier refuses in a test
 
 from planner import cli
 
@@ -38,6 +39,12 @@ def test_bench_quick_writes_stable_json(tmp_path, capsys):
     assert data["sticky"]["balance"] == 1.0 and data["sticky"]["copies_ratio"] >= 0
     assert all(t["balance"] == 1.0 for t in data["topology"])
     assert "plan us" in capsys.readouterr().out
+
+
+def test_bench_refuses_a_negative_seed_in_one_line(capsys):
+    """Catches numpy's "expected non-negative integer" traceback, which named no flag."""
+    assert run(["bench", "planner", "--quick", "--seed", "-1"]) == 2
+    assert capsys.readouterr().err == "error: --seed: must be >= 0, got -1\n"
 
 
 def test_plan_command_synthetic_with_plot_and_json(tmp_path, capsys):
@@ -149,8 +156,6 @@ def test_device_planner_bench_on_cpu_checks_its_plans(tmp_path, capsys):
 
 def test_device_planner_bench_on_cuda_or_a_clear_error(capsys):
     """With a GPU the CUDA run's plans equal the numpy planner's; without one, exit 2 naming the reason."""
-    import torch
-
     code = run(["bench", "device-planner", "--device", "cuda", "--quick"])
     if torch.cuda.is_available():
         assert code == 0 and "True" in capsys.readouterr().out
