@@ -18,7 +18,7 @@ from tqdm import tqdm
 from planner import _kernel
 from planner.core import plan
 from planner.eplb import gpu_loads, rebalance_experts
-from planner.metrics import EXPERT_BYTES, ROW_BYTES, balance, internode, internode_bound, new_copies
+from planner.metrics import EXPERT_BYTES, ROW_BYTES, balance, internode, internode_bound, load_balance, new_copies
 from planner.slack import CostModel
 from planner.synthetic import SYNTHETIC_LOADS, drifting_trace, router_counts, zipf_counts
 from planner.verify import verify
@@ -66,7 +66,7 @@ def latency_case(R: int, E: int, K: int, S: int, skew: float, seed: int, quick: 
         "eplb_us": round(eplb_us, 2),
         "speedup_vs_eplb": round(eplb_us / plan_us, 2),
         "balance": balance(p),
-        "eplb_balance": round(float(loads.max() / loads.mean()), 6),
+        "eplb_balance": round(load_balance(loads), 6),
         "replicas": p.num_replicas,
         "migrated_rows": p.migrated,
         "plan_us_min": round(plan_min, 2),

@@ -107,7 +107,7 @@ def plan_command(args: argparse.Namespace) -> int:
     from planner.core import plan  # heavy: numba kernels
 
     # heavy: numba kernels
-    from planner.metrics import balance, home_loads, internode, min_migration, unplanned_internode_rows
+    from planner.metrics import balance, home_loads, internode, load_balance, min_migration, unplanned_internode_rows
 
     try:
         T = _load_counts(args)
@@ -139,7 +139,7 @@ def plan_command(args: argparse.Namespace) -> int:
         "replicas": replicas,
         "num_replicas": p.num_replicas,
         "migrated_rows": p.migrated,
-        "balance_before": float(before.max() / before.mean()) if before.any() else 1.0,  # as metrics.balance
+        "balance_before": load_balance(before),
         "balance_after": balance(p),
     }
     if R <= 256:

@@ -22,7 +22,11 @@ EXPERT_BYTES = 3 * 7168 * 2048 * 2
 
 def balance(plan: Plan) -> float:
     """max / mean real rows per rank (1.0 = perfect; with unequal floor/ceil caps, max/mean of the caps)."""
-    rows = plan.recv_counts
+    return load_balance(plan.recv_counts)
+
+
+def load_balance(rows: np.ndarray) -> float:
+    """max / mean of per-rank rows ``[R]``: 1.0 is perfect, and so is a load with no rows at all."""
     mean = rows.mean()
     return float(rows.max() / mean) if mean > 0 else 1.0
 
