@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import gzip
 import json
-import math
 import os
 import re
 import zlib
 
 from tools.intervals import merge, subtract
 from tools.steps import anchor, once_per_period
+from tools.trace_lines import finite
 from tools.traces import Collective, RankTrace, TraceFormatError
 
 COLLECTIVE_NAME = re.compile(r"^(?:gloo|nccl|mpi|ucc|xccl|c10d):([A-Za-z_]+)")
@@ -101,7 +101,7 @@ def _seconds(doc: dict, ts: float) -> float:
     """Epoch seconds of a Chrome ``ts`` (microseconds after ``baseTimeNanoseconds``), so that ranks and Flight
     Recorder dumps of one host compare directly."""
     base = doc.get("baseTimeNanoseconds")
-    return (base if _number(base) else 0) / 1e9 + ts / 1e6
+    return (base if finite(base) else 0) / 1e9 + ts / 1e6
 
 
 def _group_of(args: dict) -> tuple[int, ...] | None:
@@ -112,7 +112,7 @@ def _group_of(args: dict) -> tuple[int, ...] | None:
             ranks = json.loads(ranks)
         except ValueError:
             ranks = None
-    good = isinstance(ranks, list) and ranks and all(_number(r) and r == int(r) >= 0 for r in ranks)
+    good = isinstance(ranks, list) and ranks and all(finite(r) and r == int(r) >= 0 for r in ranks)
     return tuple(int(r) for r in ranks) if good else None
 
 
@@ -130,7 +130,7 @@ class _Events:
         )
         for _, doc in docs:
             for e in doc["traceEvents"]:
-                if isinstance(e, dict) and e.get("ph") == "X" and _number(e.get("ts")) and _number(e.get("dur")):
+                if isinstance(e, dict) and e.get("ph") == "X" and finite(e.get("ts")) and finite(e.get("dur")):
                     self._add(doc, e, world, has_kernel_collectives)
         for spans in (self.collectives, self.host, self.kernels):
             spans.sort(key=lambda x: x[0])
@@ -166,11 +166,6 @@ def _pg_count(doc: dict) -> int:
     info = doc.get("distributedInfo")
     count = info.get("pg_count") if isinstance(info, dict) else None
     return count if isinstance(count, int) else 1
-
-
-def _number(x) -> bool:
-    """A finite JSON number (``NaN`` / ``Infinity`` in a damaged file are not times)."""
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and -math.inf < x < math.inf
 
 
 def _windows(ev: _Events) -> tuple[list[tuple[int, float, float]], str]:

@@ -24,9 +24,17 @@ def number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
+def finite(x) -> bool:
+    """A number a float holds finitely: not NaN, not infinite, not a JSON integer past a float's range."""
+    try:
+        return number(x) and math.isfinite(x)
+    except OverflowError:  # an integer of hundreds of digits (a damaged file)
+        return False
+
+
 def count(x) -> bool:
     """A finite number >= 0 (bytes, tokens, nanoseconds)."""
-    return number(x) and 0 <= x < math.inf
+    return finite(x) and x >= 0
 
 
 def whole(x) -> bool:
@@ -47,8 +55,8 @@ def _problem(rec) -> str | None:
         if not isinstance(rec.get(key), kind) or isinstance(rec.get(key), bool):
             return f"field {key!r} missing or of the wrong type"
     for key in ("t_enter", "t_exit", "cpu_s"):
-        if key in rec and number(rec[key]) and not math.isfinite(rec[key]):
-            return f"{key} is {rec[key]} (not finite)"
+        if key in rec and number(rec[key]) and not finite(rec[key]):
+            return f"{key} is {rec[key]!r:.40} (not finite)"
     step = rec.get("step")
     if not (step is None or whole(step)):
         return "step is not an integer"

@@ -28,7 +28,8 @@ from tests.tools.synth import make_records
 from tools.report import analyse
 
 FIXTURES = Path(__file__).parent / "fixtures"
-WRONG = [None, -1, 0, 1e30, float("nan"), float("inf"), "x", "", [], [0, 1], [-3], {}, {"a": 1}, True, 2**70]
+WRONG = [None, -1, 0, 1e30, float("nan"), float("inf"), "x", "", [], [0, 1], [-3], {}, {"a": 1}, True, 2**70, 10**400]
+"""``10**400``: a JSON integer no float holds (``float()`` and ``math.isfinite`` raise OverflowError on it)."""
 
 
 def _nodes(obj, path=()):
@@ -134,3 +135,32 @@ def test_a_gap_in_the_sequence_numbers_still_names_the_hanging_rank(tmp_path):
     hangs = [f for f in json.loads(out.read_text())["findings"] if f["kind"] == "hang"]
     assert code == 1 and [(f["ranks"], f["evidence"]["seq"]) for f in hangs] == [([1], top)], hangs
     os.remove(out)
+
+
+def _overflow(path: Path) -> None:
+    """One time of the file set to ``10**400``: the last record's ``t_enter``, the first complete profiler event's
+    ``ts``, the last dump entry's ``time_created_ns``."""
+    if path.suffix == ".jsonl":
+        lines = path.read_text().splitlines()
+        lines[-1] = json.dumps({**json.loads(lines[-1]), "t_enter": 10**400})
+        path.write_text("\n".join(lines) + "\n")
+        return
+    doc = json.loads(path.read_text())
+    if "traceEvents" in doc:
+        next(e for e in doc["traceEvents"] if isinstance(e, dict) and e.get("ph") == "X")["ts"] = 10**400
+    else:
+        doc["entries"][-1]["time_created_ns"] = 10**400
+    path.write_text(json.dumps(doc))
+
+
+def test_an_integer_past_a_floats_range_is_a_damaged_value_in_every_format(tmp_path):
+    """A time of 400 digits: once an OverflowError traceback in each reader (``math.isfinite`` on a JSON line,
+    ``float(ts)`` on a profiler event, ``/ 1e9`` on a dump entry); now that line, event or entry is dropped."""
+    for fmt, (write, _) in WRITERS.items():
+        folder = tmp_path / fmt
+        folder.mkdir()
+        write(folder, random.Random(0), 0)
+        for path in folder.iterdir():
+            _overflow(path)
+        code, err = _diagnose(folder, partial=True)
+        assert code in (0, 1, 2) and "Traceback" not in err, (fmt, err)
