@@ -8,8 +8,16 @@ import sys
 
 from collectives import launch
 from collectives.base import Communicator
-from collectives.bench import FULL_SIZES, QUICK_SIZES, bench_collectives, format_round_trip, format_table, round_trip
-from moonep_base import write_json
+from collectives.bench import (
+    FULL_SIZES,
+    QUICK_SIZES,
+    bench_collectives,
+    format_round_trip,
+    format_table,
+    round_trip,
+    round_trip_bytes,
+)
+from moonep_base import memory_bytes, seconds_problem, write_json
 
 
 def register(commands, bench) -> None:
@@ -54,10 +62,16 @@ def _job_problem(args) -> str:
     """One line naming a bad job argument ('' when fine): checked before any rank starts."""
     if args.world_size < 1:
         return f"--world-size: must be >= 1, got {args.world_size}"
-    if not args.timeout > 0:  # also refuses nan
-        return f"--timeout: must be > 0 seconds, got {args.timeout}"
+    if seconds_problem(args.timeout):
+        return f"--timeout: {seconds_problem(args.timeout)}"
     if getattr(args, "hidden", 1) < 1:
         return f"--hidden: must be >= 1, got {args.hidden}"
+    need = round_trip_bytes(args.world_size, args.hidden) if hasattr(args, "hidden") else 0
+    if need > memory_bytes():  # --hidden 10**20 was an OverflowError on every rank, 10**9 the OOM killer
+        return (
+            f"--hidden {args.hidden}: {args.world_size} ranks' rows need {need / 2**30:.1f} GiB, more than this "
+            f"machine's {memory_bytes() / 2**30:.1f} GiB"
+        )
     return ""
 
 

@@ -17,6 +17,7 @@ import torch
 
 from collectives.faults import link_delays_from_env
 from collectives.trace import Tracer, tracer_from_env
+from moonep_base import seconds_problem
 
 
 class CommunicatorCore(abc.ABC):
@@ -48,8 +49,8 @@ class CommunicatorCore(abc.ABC):
         tracer: Tracer | None = None,
         global_rank: int | None = None,
     ):
-        if timeout <= 0:
-            raise ValueError(f"timeout must be positive seconds, got {timeout}")
+        if seconds_problem(timeout):
+            raise ValueError(f"timeout {seconds_problem(timeout)}")
         self.rank = rank
         self.world_size = world_size
         self.group_ranks = tuple(int(r) for r in group_ranks)

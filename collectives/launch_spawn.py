@@ -38,7 +38,7 @@ from collectives.launch_reports import (
 from collectives.nvshmem_backend import NVSHMEMCommunicator
 from collectives.torch_backend import init_torch
 from collectives.warm_start import adopt_launcher_state, launcher_state, preload_modules, start_context
-from moonep_base import UsageError
+from moonep_base import UsageError, seconds_problem
 
 BACKENDS = ("torch", "mpi", "nvshmem")
 
@@ -61,8 +61,8 @@ class LaunchOptions:
     def __post_init__(self):
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
-        if self.timeout <= 0:
-            raise ValueError(f"timeout must be positive seconds, got {self.timeout}")
+        if seconds_problem(self.timeout):
+            raise ValueError(f"timeout {seconds_problem(self.timeout)}")
         if self.threads_per_rank < 1:
             raise ValueError(f"threads_per_rank must be >= 1, got {self.threads_per_rank}")
 

@@ -11,6 +11,9 @@ It holds what every package shares:
   (``run_package``); the ``moonep`` console script (``moonep.console``) gathers every package's.
 - ``UsageError``: a user mistake that only a library call below the command line can see (``collectives.launch``
   asked for more local ranks than this machine's limits hold). ``run`` prints it as one line, exit 2.
+- ``memory_bytes``: the memory a new job can have here, which benchmarks check their sizes against before any work.
+- ``seconds_problem``: the one rule for a wait a user gives in seconds (a collective timeout, a sampling or polling
+  period): a number in (0, a year]. Past a year a thread's wait and gloo's timers overflow.
 - ``lazy_exports`` (``moonep_base.lazy``): the PEP 562 ``__getattr__`` / ``__dir__`` pair that lets a package's
   public names resolve on first use, so ``import <package>.cli`` stays light.
 
@@ -29,7 +32,42 @@ from typing import Any
 
 from moonep_base.lazy import lazy_exports
 
-__all__ = ["UsageError", "build_parser", "check_folder", "lazy_exports", "run", "run_package", "write_json"]
+__all__ = [
+    "MAX_SECONDS",
+    "UsageError",
+    "build_parser",
+    "check_folder",
+    "lazy_exports",
+    "memory_bytes",
+    "run",
+    "run_package",
+    "seconds_problem",
+    "write_json",
+]
+
+MAX_SECONDS = 365 * 86400
+"""Longest wait in seconds a flag or a call takes, a year: ``threading``'s waits and gloo's clock overflow before
+infinity (``--timeout inf`` and ``--interval 1e300`` were tracebacks)."""
+
+
+def memory_bytes() -> int:
+    """Memory a new job can have on this machine now (Linux ``MemAvailable``; elsewhere the physical memory): what
+    a benchmark's size flags are checked against before any work (past it, an allocator's traceback or the OOM
+    killer)."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            kib = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
+        return kib * 1024
+    except (OSError, StopIteration, ValueError, IndexError):
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def seconds_problem(value: Any) -> str | None:
+    """Why ``value`` is not a wait in seconds (a number in (0, ``MAX_SECONDS``]); None when it is. Callers prefix
+    the name: ``f"--timeout: {problem}"``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= MAX_SECONDS:
+        return f"must be a number of seconds in (0, {MAX_SECONDS}] (a year), got {value!r}"
+    return None
 
 
 class UsageError(ValueError):

@@ -22,12 +22,18 @@ def test_parser_has_collectives_commands():
     assert callable(parser.parse_args(["roundtrip"]).func)
 
 
+_SECONDS = "must be a number of seconds in (0, 31536000] (a year)"
+
+
 @pytest.mark.parametrize(
     "argv,named",
     [
         (["roundtrip", "--world-size", "0"], "--world-size: must be >= 1, got 0"),
         (["roundtrip", "--world-size", "2", "--hidden", "0"], "--hidden: must be >= 1, got 0"),
-        (["roundtrip", "--world-size", "2", "--timeout", "-1"], "--timeout: must be > 0 seconds, got -1.0"),
+        (["roundtrip", "--world-size", "2", "--timeout", "-1"], f"--timeout: {_SECONDS}, got -1.0"),
+        (["roundtrip", "--world-size", "2", "--timeout", "nan"], f"--timeout: {_SECONDS}, got nan"),
+        (["bench", "collectives", "--timeout", "inf"], f"--timeout: {_SECONDS}, got inf"),  # was a traceback
+        (["bench", "collectives", "--timeout", "1e300"], f"--timeout: {_SECONDS}, got 1e+300"),
         (["bench", "collectives", "--world-size", "-2"], "--world-size: must be >= 1, got -2"),
     ],
 )
@@ -95,3 +101,13 @@ def test_roundtrip_demo_via_python_m(tmp_path):
     assert [r["bytes_per_rank"] for r in report["results"]] == [max(3, n // 2048) * 2048 for n in sizes]
     for r in report["results"]:
         assert r["dispatch_gbps"] == pytest.approx(r["bytes_per_rank"] / r["dispatch_s"] / 1e9)
+
+
+@pytest.mark.parametrize("hidden", [10**20, 10**12])
+def test_a_row_width_this_machine_cannot_hold_is_one_line_before_any_rank_starts(capsys, hidden):
+    """Catches: --hidden 10**20, an OverflowError traceback on every rank; 10**9 at 2 ranks, the OOM killer."""
+    assert main(["roundtrip", "--world-size", "2", "--hidden", str(hidden)]) == 2
+    err = capsys.readouterr().err
+    need = 2 * 12 * hidden * 2 / 2**30  # 2 ranks x 12 bytes x [2 rows, hidden]
+    assert err.startswith(f"error: --hidden {hidden}: 2 ranks' rows need {need:.1f} GiB, more than this machine's ")
+    assert err.count("\n") == 1, err

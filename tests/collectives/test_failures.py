@@ -83,8 +83,9 @@ def test_launch_rejects_bad_arguments():
         launch(raise_on_rank_1, 0)
     with pytest.raises(ValueError, match="backend"):
         launch(raise_on_rank_1, 2, backend="carrier-pigeon")
-    with pytest.raises(ValueError, match="timeout"):
-        launch(raise_on_rank_1, 2, timeout=0)
+    for timeout in (0, float("nan"), float("inf"), 1e300, True):  # inf and 1e300 were gloo tracebacks on each rank
+        with pytest.raises(ValueError, match=r"timeout must be a number of seconds in \(0, 31536000\]"):
+            launch(raise_on_rank_1, 2, timeout=timeout)
 
 
 def stalled_rank_1(comm):
