@@ -136,13 +136,23 @@ def bench_cp(world_sizes, strategies, T, H, K, V, chunk_size=64, repeats=1):
     return entries
 
 
+def bench_sizes(quick: bool) -> tuple[list[int], int, list[int]]:
+    """(chunk-vs-recurrent sequence lengths, the CP runs' T, their world sizes)."""
+    return ([256, 1024], 512, [1, 2]) if quick else ([1024, 8192, 32768], 32768, [1, 2, 4])
+
+
+def input_bytes(quick: bool, H: int, K: int, V: int) -> int:
+    """Bytes of the inputs alone (fp32 q, k, g [T, H, K], v [T, H, V], beta [T, H]) at the benchmark's largest
+    moment: the widest CP run, where every rank builds the whole sequence's inputs before taking its slice."""
+    _, cp_T, world_sizes = bench_sizes(quick)
+    return 4 * cp_T * H * (3 * K + V + 1) * max(world_sizes)
+
+
 def run_bench(quick=False, H=2, K=128, V=128, chunk_size=64):
     """The whole benchmark; ``quick`` shrinks every size so it runs in seconds (schema check)."""
     if quick:
         H, K, V = 1, 16, 16
-    seq_lens = [256, 1024] if quick else [1024, 8192, 32768]
-    cp_T = 512 if quick else 32768
-    world_sizes = [1, 2] if quick else [1, 2, 4]
+    seq_lens, cp_T, world_sizes = bench_sizes(quick)
     cvr = bench_chunk_vs_recurrent(seq_lens, H, K, V, chunk_size, repeats=1 if quick else 3)
     cp = bench_cp(world_sizes, ["scan", "ring"], cp_T, H, K, V, chunk_size)
     mid, top = str(seq_lens[-2]), str(seq_lens[-1])

@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import torch  # noqa: F401  (torch's first import starts ldconfig: at collection, not in a no-process test)
 
 from moonep.console import main
 
@@ -36,7 +37,31 @@ def test_cli_module_is_light():
 
 
 @pytest.mark.parametrize("flag", ["--heads", "--head-dim", "--chunk-size"])
-def test_bad_sizes_are_one_line(capsys, flag):
-    """Catches: --heads 0 ending in a ZeroDivisionError, --chunk-size 0 in the kernel's ValueError traceback."""
-    assert main(["bench", "kda", "--quick", flag, "0"]) == 2
-    assert capsys.readouterr().err == f"error: {flag}: must be >= 1, got 0\n"
+@pytest.mark.parametrize("value", [0, 10**20])
+def test_bad_sizes_are_one_line(capsys, flag, value):
+    """Catches: --heads 0 ending in a ZeroDivisionError, --chunk-size 0 in the kernel's ValueError traceback, 10**20
+    in an OverflowError traceback."""
+    assert main(["bench", "kda", "--quick", flag, str(value)]) == 2
+    assert capsys.readouterr().err == f"error: {flag}: must be in [1, 2147483647], got {value}\n"
+
+
+@pytest.mark.parametrize(
+    "flags,said",
+    [
+        # an allocator's traceback after seconds of work: the chunk's work grows as its cube (125 GB at 5000)
+        (
+            ["--quick", "--chunk-size", "5000"],
+            "--chunk-size 5000: must be at most the shortest sequence benchmarked, 256",
+        ),
+        (["--chunk-size", "2000"], "--chunk-size 2000: must be at most the shortest sequence benchmarked, 1024 tokens"),
+        # 4 CP ranks x [32768, 10**5] x (3 x 128 + 128 + 1) fp32: 25,049 GiB before any kernel runs
+        (
+            ["--heads", "100000"],
+            "--heads 100000 --head-dim 128 --chunk-size 64: the benchmark's inputs alone need 25048.8 GiB",
+        ),
+    ],
+)
+def test_sizes_this_machine_cannot_run_are_one_line_before_any_work(capsys, flags, said):
+    assert main(["bench", "kda", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {said}") and err.count("\n") == 1, err
