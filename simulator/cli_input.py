@@ -10,6 +10,7 @@ import warnings
 from dataclasses import replace
 
 from simulator.hardware import load_hardware
+from simulator.modelspec import MAX_SIZE, MAX_TOKENS
 from simulator.network import ClusterSpec
 from simulator.parallel import ParallelConfig, infeasible_reason
 from simulator.specs import load_model
@@ -27,16 +28,17 @@ _NUMBERS = {"maxvio": 0, "oversubscription": 1, "offload_fraction": 0, "moe_capa
 
 
 def check_sizes(args) -> None:
-    """Every size flag is in range, named as on the command line (argparse takes ``--tp -2`` as an int)."""
-    for name in _POSITIVE + ("nodes_per_leaf", "event_top", "inference_batch", "inference_context", "world_size"):
+    """Every size flag is in range, named as on the command line (argparse takes ``--tp -2`` as an int, and
+    ``--gpus 10**20`` too, which would be priced as such)."""
+    sizes = _POSITIVE + ("nodes_per_leaf", "event_top", "inference_batch", "inference_context", "world_size")
+    for name in sizes + _NON_NEGATIVE:
         v = getattr(args, name, None)
-        floor = 0 if name == "event_top" else 1
+        floor = 0 if name == "event_top" or name in _NON_NEGATIVE else 1
         if v is not None and v < floor:
             raise UsageError(f"--{name.replace('_', '-')} must be >= {floor}, got {v}")
-    for name in _NON_NEGATIVE:
-        v = getattr(args, name, None)
-        if v is not None and not v >= 0:
-            raise UsageError(f"--{name.replace('_', '-')} must be >= 0, got {v}")
+        top = MAX_TOKENS if name == "global_batch_tokens" else MAX_SIZE
+        if v is not None and v > top:
+            raise UsageError(f"--{name.replace('_', '-')} must be <= {top}, got {v}")
     for name, floor in _NUMBERS.items():
         v = getattr(args, name, None)
         if v is not None and not (math.isfinite(v) and v >= floor):
@@ -62,10 +64,10 @@ def _load(args):
     try:
         spec = load_saying_warnings(load_model, args.model)
         hw = load_saying_warnings(load_hardware, args.hardware)
+        if getattr(args, "mtp_layers", None) is not None:
+            spec = replace(spec, mtp_layers=args.mtp_layers)
     except (ValueError, OSError, TypeError) as exc:
         raise UsageError(str(exc)) from None
-    if getattr(args, "mtp_layers", None) is not None:  # in range: check_sizes
-        spec = replace(spec, mtp_layers=args.mtp_layers)
     return spec, hw
 
 

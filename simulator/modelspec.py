@@ -16,6 +16,8 @@ from simulator.field_checks import frozen_config
 ATTENTION_KINDS = ("mha", "mla")
 MAX_SIZE = 2**31 - 1
 """Largest size a spec field takes (widths, counts, lengths): far above any model, far below float overflow."""
+MAX_TOKENS = 2**53
+"""Largest token count a job takes (its global batch): every count up to it is exact as a float."""
 
 
 @frozen_config
@@ -290,6 +292,12 @@ class ModelSpec:
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
+
+    def max_maxvio(self, ep: int) -> float:
+        """The largest routing skew (busiest EP rank / mean - 1) at EP ``ep``: a token sends one copy to each of
+        its ``top_k`` experts, at most ``min(top_k, E / EP)`` of them on one rank, so that rank holds at most
+        ``EP min(k, E/EP) / k`` x the mean."""
+        return ep * min(self.top_k, self.num_experts // ep) / self.top_k - 1
 
     def layer_kinds(self) -> tuple[tuple[str, str], ...]:
         """``(mixer kind, ffn kind)`` per layer, kinds in {mha, mla, kda, mamba, none} x {dense, moe, none}

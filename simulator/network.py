@@ -24,6 +24,7 @@ from functools import lru_cache
 import networkx as nx
 
 from simulator.hardware import HardwareSpec
+from simulator.modelspec import MAX_SIZE
 
 TOPOLOGIES = ("rail", "fat-tree")
 
@@ -46,8 +47,9 @@ class ClusterSpec:
             raise ValueError(
                 f"ClusterSpec.oversubscription must be a finite number >= 1, got {self.oversubscription!r}"
             )
-        if not isinstance(self.nodes_per_leaf, int) or self.nodes_per_leaf < 1:
-            raise ValueError(f"ClusterSpec.nodes_per_leaf must be a positive integer, got {self.nodes_per_leaf!r}")
+        n = self.nodes_per_leaf
+        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_SIZE:
+            raise ValueError(f"ClusterSpec.nodes_per_leaf must be an integer in [1, {MAX_SIZE}], got {n!r}")
 
 
 def build_graph(num_gpus: int, hw: HardwareSpec, cluster: ClusterSpec) -> nx.Graph:

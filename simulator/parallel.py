@@ -13,7 +13,7 @@ from functools import lru_cache
 from simulator.field_checks import frozen_config
 from simulator.hardware import HardwareSpec
 from simulator.layers import RECOMPUTE_MODES
-from simulator.modelspec import ModelSpec
+from simulator.modelspec import MAX_SIZE, MAX_TOKENS, ModelSpec
 
 SCHEDULES = ("1f1b", "interleaved", "dualpipe")
 RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp", "mlp_act", "moe_act", "mla_up_proj", "shared_experts")
@@ -128,21 +128,13 @@ class ParallelConfig:
 
     def __post_init__(self):
         for f in ("tp", "pp", "ep", "cp", "dp", "vpp", "micro_batch", "global_batch_tokens", "seq_len"):
-            v = getattr(self, f)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"ParallelConfig.{f} must be a positive integer, got {v!r}")
-        if self.recompute not in RECOMPUTE_MODES:
-            raise ValueError(f"ParallelConfig.recompute must be one of {RECOMPUTE_MODES}, got {self.recompute!r}")
+            v, top = getattr(self, f), MAX_TOKENS if f == "global_batch_tokens" else MAX_SIZE
+            if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= top:
+                raise ValueError(f"ParallelConfig.{f} must be an integer in [1, {top}], got {v!r}")
         if self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"ParallelConfig.zero_stage must be 0..3, got {self.zero_stage!r}")
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"ParallelConfig.schedule must be one of {SCHEDULES}, got {self.schedule!r}")
-        if self.dispatcher not in DISPATCHERS:
-            raise ValueError(f"ParallelConfig.dispatcher must be one of {DISPATCHERS}, got {self.dispatcher!r}")
         if not (isinstance(self.maxvio, (int, float)) and math.isfinite(self.maxvio) and self.maxvio >= 0):
             raise ValueError(f"ParallelConfig.maxvio must be a finite number >= 0, got {self.maxvio!r}")
-        if self.precision not in PRECISIONS:
-            raise ValueError(f"ParallelConfig.precision must be one of {PRECISIONS}, got {self.precision!r}")
         self._check_recipe()
 
     def _check_recipe(self) -> None:
@@ -150,8 +142,8 @@ class ParallelConfig:
             v = getattr(self, f)
             if v is None and f.startswith("pp_"):
                 continue
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                raise ValueError(f"ParallelConfig.{f} must be an integer >= 0, got {v!r}")
+            if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= MAX_SIZE:
+                raise ValueError(f"ParallelConfig.{f} must be an integer in [0, {MAX_SIZE}], got {v!r}")
         cf = self.capacity_factor
         if isinstance(cf, bool) or not isinstance(cf, (int, float)) or not math.isfinite(cf) or cf < 0:
             raise ValueError(
@@ -168,6 +160,10 @@ class ParallelConfig:
                 f"known: {', '.join(RECOMPUTE_MODULES)}"
             )
         for f, allowed in (
+            ("recompute", RECOMPUTE_MODES),
+            ("schedule", SCHEDULES),
+            ("dispatcher", DISPATCHERS),
+            ("precision", PRECISIONS),
             ("activation_dtype", ("auto", "bf16", "fp8")),
             ("moment_dtype", ("fp32", "bf16")),
             ("main_grads_dtype", ("fp32", "bf16")),
@@ -295,6 +291,8 @@ def infeasible_reason(spec: ModelSpec, hw: HardwareSpec, par: ParallelConfig, gp
         return f"--activation-fp8-input-store needs SwiGLU FFNs, as Megatron's does; {spec.name}'s are {why}"
     if spec.is_moe and spec.num_experts % par.ep:
         return f"{spec.num_experts} experts are not divisible by EP {par.ep}"
+    if spec.is_moe and par.ep > 1 and par.maxvio > spec.max_maxvio(par.ep):  # --maxvio 100 at EP 8 was priced
+        return f"maxvio {par.maxvio:g} > {spec.max_maxvio(par.ep):g}, the most routing can make at EP {par.ep}"
     if par.global_batch_tokens % par.seq_len:
         return f"global batch {par.global_batch_tokens} tokens is not a whole number of {par.seq_len}-token sequences"
     if par.sequences % (par.dp * par.micro_batch):

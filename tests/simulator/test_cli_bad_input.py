@@ -15,6 +15,11 @@ from moonep.console import main
         (["--gpus", "8", "--tp", "16"], "TP x CP x PP = 16"),
         (["--gpus", "8", "--tp", "-2"], "--tp must be >= 1"),
         (["--gpus", "-8"], "--gpus must be >= 1"),
+        (["--gpus", str(10**20)], "--gpus must be <= 2147483647, got 100000000000000000000"),  # was priced
+        (["--gpus", "8", "--seq-len", str(2**31)], "--seq-len must be <= 2147483647"),
+        (["--gpus", "8", "--mtp-layers", str(10**20)], "--mtp-layers must be <= 2147483647"),  # was a traceback
+        (["--gpus", "8", "--global-batch-tokens", str(2**53 + 1)], "--global-batch-tokens must be <= 9007199254740992"),
+        (["--gpus", "8", "--nodes-per-leaf", str(2**31)], "--nodes-per-leaf must be <= 2147483647"),
         (["--gpus", "8", "--seq-len", "0"], "--seq-len"),
         (["--gpus", "8", "--etp", "-1"], "--etp"),
         (["--gpus", "8", "--recompute-modules", "attn"], "recompute_modules"),
@@ -48,6 +53,7 @@ _MOE_JOB = ["--model", "qwen3-30b-a3b", "--gpus", "16", "--pp", "2", "--ep", "8"
         (["--gpus", "48", "--tp", "3"], "TP 3 does not divide the 8 GPUs of a node"),
         (["--gpus", "64", "--pp", "64", "--ep", "1"], "48 layers cannot fill 64 pipeline stages"),
         (["--vpp", "2"], "vpp 2 > 1 needs the interleaved schedule"),
+        (["--maxvio", "100"], "maxvio 100 > 7, the most routing can make at EP 8"),  # was priced as 101x the mean
         (["--hardware", "a100", "--precision", "fp8"], "has no FP8 tensor cores"),
     ],
 )

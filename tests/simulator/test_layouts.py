@@ -105,6 +105,10 @@ def test_capacity_factor_sizes_experts_and_drops_dropless_bookkeeping():
         ({"capacity_factor": float("nan")}, "--moe-capacity-factor"),
         ({"pad_to_capacity": True}, "--moe-pad-expert-input-to-capacity"),
         ({"pp_first_layers": -1}, "pp_first_layers"),
+        ({"seq_len": 2**31}, r"seq_len must be an integer in \[1, 2147483647\]"),  # was priced: 10**20 GPUs ran
+        ({"dp": 10**20}, r"dp must be an integer in \[1, 2147483647\]"),
+        ({"global_batch_tokens": 2**53 + 1}, r"global_batch_tokens must be an integer in \[1, 9007199254740992\]"),
+        ({"etp": 2**31}, r"etp must be an integer in \[0, 2147483647\]"),
     ],
 )
 def test_bad_values_name_the_field(kwargs, needle):

@@ -65,3 +65,9 @@ def test_a_ring_across_nodes_shares_its_members_nics(nbytes, nodes, stride):
     busy = net.all_gather(nbytes, g, t) - net.ring_latency(g, t)
     assert busy == pytest.approx((g.n - 1) / g.n * nbytes / (expect * 1e9), rel=1e-9)
     assert expect >= one_nic and (k == 1) == (expect == one_nic)
+
+
+@pytest.mark.parametrize("nodes", [0, True, 2**31, 1.5])
+def test_cluster_spec_refuses_a_leaf_size_outside_its_range(nodes):
+    with pytest.raises(ValueError, match=r"ClusterSpec.nodes_per_leaf must be an integer in \[1, 2147483647\]"):
+        net.ClusterSpec(nodes_per_leaf=nodes)

@@ -1,9 +1,13 @@
 """Model specs and counting: the K3 arithmetic of k3_architecture.md section 3.2 must come out exactly."""
 
 import json
+from dataclasses import replace
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from simulator.layers import layer_stats, model_flops_per_token, param_counts
 from simulator.specs import PRESETS, ModelSpec, from_config_object, from_hf_config, load_model
@@ -135,3 +139,26 @@ def test_unknown_model_is_a_value_error():
         ).ffn_hidden
         == 128
     )
+
+
+@settings(max_examples=120, deadline=None)
+@given(st.data())
+def test_max_maxvio_is_the_skew_of_the_worst_routing_and_no_routing_exceeds_it(data):
+    """The bound ``infeasible_reason`` holds ``--maxvio`` to: the routing that sends each token's copies to rank 0's
+    experts first reaches it, and random routings of any shape stay at or under it."""
+    ep = data.draw(st.sampled_from([2, 4, 8]))
+    experts = ep * data.draw(st.integers(1, 6))
+    k = data.draw(st.integers(1, experts))
+    spec = replace(load_model("qwen3-30b-a3b"), num_experts=experts, top_k=k)
+    per_rank = experts // ep
+
+    def skew(choices) -> float:
+        load = np.bincount(np.asarray(choices).ravel() // per_rank, minlength=ep)
+        return float(load.max() / load.mean() - 1)
+
+    worst = [list(range(k))] * 5  # experts 0.. k-1: rank 0 first, then the next ranks
+    assert skew(worst) == pytest.approx(spec.max_maxvio(ep), abs=1e-12)
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    for _ in range(20):
+        routing = [rng.choice(experts, size=k, replace=False) for _ in range(data.draw(st.integers(1, 6)))]
+        assert skew(routing) <= spec.max_maxvio(ep) + 1e-12
