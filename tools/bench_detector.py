@@ -16,6 +16,7 @@ import time
 
 import torch
 
+from moonep_base import MAX_SECONDS, seconds_problem
 from tools.detector import StragglerDetector
 
 
@@ -51,10 +52,10 @@ def _step(det: StragglerDetector | None, n: int, a: torch.Tensor) -> float:
 
 def bench_detector(steps: int = 400, blocks: int = 10, step_ms: float = 50.0, every: int = 50) -> dict:
     """The benchmark JSON (module docstring); ``steps`` split into ``blocks`` alternating off / on blocks."""
-    if blocks < 2 or blocks % 2 or steps < 2 * blocks or not step_ms > 0 or every < 1:
-        raise ValueError(
-            f"need an even blocks >= 2, steps >= 2 * blocks, step_ms > 0 and every >= 1; got steps={steps}, "
-            f"blocks={blocks}, step_ms={step_ms}, every={every}"
+    if blocks < 2 or blocks % 2 or steps < 2 * blocks or seconds_problem(step_ms / 1e3) or every < 1:
+        raise ValueError(  # step_ms inf was an OverflowError in the calibration's round()
+            f"need an even blocks >= 2, steps >= 2 * blocks, step_ms in (0, {MAX_SECONDS * 1000}] and every >= 1; "
+            f"got steps={steps}, blocks={blocks}, step_ms={step_ms}, every={every}"
         )
     n = _calibrate(step_ms)
     a = torch.randn(128, 128)

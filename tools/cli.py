@@ -24,7 +24,7 @@ import tempfile
 import warnings
 
 from collectives.faults import parse_data_delays, parse_link_delay_specs, parse_slowdowns
-from moonep_base import check_folder, write_json
+from moonep_base import check_folder, seconds_problem, write_json
 from tools.bench import bench_telemetry
 from tools.bench_detector import bench_detector
 from tools.detect import Thresholds
@@ -32,6 +32,7 @@ from tools.follow import follow
 from tools.plots import plot
 from tools.probe import ProbeConfig, run_probe
 from tools.report import analyse, format_report, too_short
+from tools.trace_lines import MAX_RANKS
 from tools.traces import TraceFormatError
 from tools.workload import WorkloadConfig, run_local
 
@@ -181,10 +182,10 @@ def _diagnose(args) -> int:
     if args.trace_dir == "probe" and args.world_size is not None:
         return _probe(args)
     if args.follow:  # the job may not have created the folder yet: Tail waits for it
-        if not args.interval > 0:  # also refuses nan
-            return _err(f"--interval: must be > 0 seconds, got {args.interval}")
-        if args.max_seconds is not None and not args.max_seconds > 0:
-            return _err(f"--max-seconds: must be > 0 seconds, got {args.max_seconds}")
+        if seconds_problem(args.interval):
+            return _err(f"--interval: {seconds_problem(args.interval)}")
+        if args.max_seconds is not None and seconds_problem(args.max_seconds):
+            return _err(f"--max-seconds: {seconds_problem(args.max_seconds)}")
         try:
             found = follow(args.trace_dir, interval_s=args.interval, max_seconds=args.max_seconds)
         except KeyboardInterrupt:
@@ -197,8 +198,8 @@ def _diagnose(args) -> int:
         probe, problem = load_probe(args.probe_json)
         if problem:
             return _err(f"--probe-json {args.probe_json}: {problem}")
-    if args.world_size is not None and args.world_size < 1:
-        return _err(f"--world-size: must be >= 1, got {args.world_size}")
+    if args.world_size is not None and not 1 <= args.world_size <= MAX_RANKS:
+        return _err(f"--world-size: must be in [1, {MAX_RANKS}], got {args.world_size}")
     return _finish(
         args.trace_dir,
         probe,
@@ -327,6 +328,8 @@ def _demo(args) -> int:
 
 
 def _bench(args) -> int:
+    if seconds_problem(args.interval):  # inf killed each rank's sampling thread; the bench then timed no sampler
+        return _err(f"--interval: {seconds_problem(args.interval)}")
     try:
         result = bench_telemetry(args.world_size, args.steps, args.blocks, args.interval)
     except ValueError as exc:

@@ -14,6 +14,7 @@ import time
 import warnings
 from typing import TextIO
 
+from moonep_base import seconds_problem
 from tools.analysis import build_tables
 from tools.detect import Thresholds
 from tools.findings import diagnose
@@ -73,8 +74,8 @@ def follow(
     out: TextIO | None = None,
 ) -> list:
     """Poll until ``max_seconds`` / ``max_polls`` (forever when both are None); return the alerted findings."""
-    if interval_s <= 0:
-        raise ValueError(f"interval_s must be > 0, got {interval_s}")
+    if seconds_problem(interval_s):
+        raise ValueError(f"interval_s {seconds_problem(interval_s)}")
     out = out or sys.stdout
     tail, alerted, seen = Tail(trace_dir), [], set()
     start, polls = time.monotonic(), 0

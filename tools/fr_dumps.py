@@ -22,7 +22,7 @@ import pickle
 import re
 from dataclasses import dataclass, field
 
-from tools.trace_lines import count, whole
+from tools.trace_lines import count, rank_id, whole
 from tools.traces import TraceFormatError
 
 _TRAILING_DIGITS = re.compile(r"(\d+)$")
@@ -155,7 +155,7 @@ def _group(entry: dict, pg_config: dict, fallback: tuple[int, ...]) -> tuple[str
             ranks = json.loads(ranks)
         except ValueError:
             ranks = None
-    good = isinstance(ranks, list) and ranks and all(whole(r) and r >= 0 for r in ranks)
+    good = isinstance(ranks, list) and ranks and all(rank_id(r) for r in ranks)
     return desc or name, tuple(ranks) if good else fallback
 
 

@@ -29,7 +29,7 @@ import zlib
 
 from tools.intervals import merge, subtract
 from tools.steps import anchor, once_per_period
-from tools.trace_lines import finite
+from tools.trace_lines import MAX_RANKS, finite, rank_id, whole
 from tools.traces import Collective, RankTrace, TraceFormatError
 
 COLLECTIVE_NAME = re.compile(r"^(?:gloo|nccl|mpi|ucc|xccl|c10d):([A-Za-z_]+)")
@@ -80,21 +80,29 @@ def rank_and_world(doc: dict, path: str, rank_from: str | None) -> tuple[int, in
     """``(rank, world size or None)`` of one trace file (module docstring: where each comes from)."""
     info = doc.get("distributedInfo")
     world = info.get("world_size") if isinstance(info, dict) else None
-    world = world if isinstance(world, int) and world >= 1 else None
-    if rank_from:
-        match = re.search(rank_from, os.path.basename(path))
-        if not match or not match.groups() or not (match.group(1) or "").isdigit():
-            raise TraceFormatError(f"{path}: --rank-from {rank_from!r} does not capture a rank number in its name")
-        return int(match.group(1)), world
-    if isinstance(info, dict) and isinstance(info.get("rank"), int):
-        return info["rank"], world
-    match = RANK_IN_NAME.search(os.path.basename(path))
-    if match:
-        return int(match.group(1)), world
+    world = world if whole(world) and 1 <= world <= MAX_RANKS else None
+    rank = _rank(info, path, rank_from)
+    if rank is not None and not rank_id(rank):  # a damaged name or header: the diagnosis would walk every rank below
+        raise TraceFormatError(f"{path}: rank {rank} is past the {MAX_RANKS} ranks a trace may name")
+    if rank is not None:
+        return rank, world
     raise TraceFormatError(
         f"{path}: no rank information (no distributedInfo: the job did not initialise torch.distributed before "
         f"profiling, and no rank<N> in the file name); pass --rank-from REGEX to read the rank from the name"
     )
+
+
+def _rank(info, path: str, rank_from: str | None) -> int | None:
+    """The file's rank from ``--rank-from`` on its name, else ``distributedInfo``, else ``rank<N>`` in its name."""
+    if rank_from:
+        match = re.search(rank_from, os.path.basename(path))
+        if not match or not match.groups() or not (match.group(1) or "").isdigit():
+            raise TraceFormatError(f"{path}: --rank-from {rank_from!r} does not capture a rank number in its name")
+        return int(match.group(1))
+    if isinstance(info, dict) and whole(info.get("rank")) and info["rank"] >= 0:
+        return info["rank"]
+    match = RANK_IN_NAME.search(os.path.basename(path))
+    return int(match.group(1)) if match else None
 
 
 def _seconds(doc: dict, ts: float) -> float:
@@ -112,7 +120,7 @@ def _group_of(args: dict) -> tuple[int, ...] | None:
             ranks = json.loads(ranks)
         except ValueError:
             ranks = None
-    good = isinstance(ranks, list) and ranks and all(finite(r) and r == int(r) >= 0 for r in ranks)
+    good = isinstance(ranks, list) and ranks and all(finite(r) and r == int(r) and rank_id(int(r)) for r in ranks)
     return tuple(int(r) for r in ranks) if good else None
 
 

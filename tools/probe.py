@@ -23,6 +23,9 @@ from collectives.faults import parse_link_delay_specs
 
 MAX_NBYTES = 1 << 30
 """Largest probe payload (1 GiB)."""
+MAX_ROUNDS = 10_000
+"""Most timed sends per ordered pair: the probe keeps the minimum, which a few rounds find, and every rank holds
+``[R, R, rounds]`` times (``--rounds 10**20`` was an overflow traceback on every rank)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -39,8 +42,10 @@ class ProbeConfig:
     """...and at least this many seconds over it (loopback jitter on busy shared cores reaches a few ms)."""
 
     def __post_init__(self):
-        if self.rounds < 1 or not 4 <= self.nbytes <= MAX_NBYTES:
-            raise ValueError(f"rounds must be >= 1 and nbytes in [4, {MAX_NBYTES}], got {self.rounds}, {self.nbytes}")
+        if not 1 <= self.rounds <= MAX_ROUNDS or not 4 <= self.nbytes <= MAX_NBYTES:
+            raise ValueError(
+                f"rounds must be in [1, {MAX_ROUNDS}] and nbytes in [4, {MAX_NBYTES}], got {self.rounds}, {self.nbytes}"
+            )
         if not self.factor > 1 or self.min_extra_s < 0:
             raise ValueError(f"factor must be > 1 and min_extra_s >= 0, got {self.factor}, {self.min_extra_s}")
 

@@ -28,6 +28,8 @@ import os
 import threading
 import time
 
+from moonep_base import seconds_problem
+
 # NVML clock-event reason bits (nvmlClocksEventReason*): the ones that mean "slowed down" are the point
 THROTTLE_BITS = {
     0x1: "gpu_idle",
@@ -189,8 +191,8 @@ class Sampler:
         device_index: int | None = None,
         prefer: str = "auto",
     ):
-        if interval_s <= 0:
-            raise ValueError(f"interval_s must be > 0, got {interval_s}")
+        if seconds_problem(interval_s):  # inf killed the sampling thread, leaving no telemetry and no error
+            raise ValueError(f"interval_s {seconds_problem(interval_s)}")
         if prefer not in ("auto", "nvml", "cpu"):
             raise ValueError(f"prefer must be auto, nvml or cpu, got {prefer!r}")
         self.rank, self.interval_s = rank, interval_s

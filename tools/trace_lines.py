@@ -14,6 +14,9 @@ import warnings
 WARN_LINES = 5
 """Dropped lines of one file warned about one by one; the rest are counted in one more warning."""
 _REQUIRED = {"op": str, "rank": int, "t_enter": (int, float), "t_exit": (int, float)}
+MAX_RANKS = 2**20
+"""Most ranks a trace may name, a million (far past any job): a rank or world size past it is damage, and
+would have the diagnosis walk every rank up to it (``world_size: 10**20`` in a header hung ``diagnose``)."""
 
 
 class TraceWarning(UserWarning):
@@ -42,18 +45,25 @@ def whole(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+def rank_id(x) -> bool:
+    """A rank a trace may name: an integer in [0, ``MAX_RANKS``)."""
+    return whole(x) and 0 <= x < MAX_RANKS
+
+
 def _problem(rec) -> str | None:
     """Why ``rec`` is not a valid trace record (None when it is)."""
     if not isinstance(rec, dict):
         return "not a JSON object"
     if rec.get("kind") == "header":
         ws, run, rank = rec.get("world_size"), rec.get("run_id"), rec.get("rank")
-        good = (ws is None or (whole(ws) and ws >= 1)) and (run is None or isinstance(run, str))
-        good = good and (rank is None or (whole(rank) and rank >= 0))
+        good = (ws is None or (whole(ws) and 1 <= ws <= MAX_RANKS)) and (run is None or isinstance(run, str))
+        good = good and (rank is None or rank_id(rank))
         return None if good else "bad header"
     for key, kind in _REQUIRED.items():
         if not isinstance(rec.get(key), kind) or isinstance(rec.get(key), bool):
             return f"field {key!r} missing or of the wrong type"
+    if not rank_id(rec["rank"]):
+        return f"rank {rec['rank']!r:.40} is not in [0, {MAX_RANKS})"
     for key in ("t_enter", "t_exit", "cpu_s"):
         if key in rec and number(rec[key]) and not finite(rec[key]):
             return f"{key} is {rec[key]!r:.40} (not finite)"
@@ -61,7 +71,7 @@ def _problem(rec) -> str | None:
     if not (step is None or whole(step)):
         return "step is not an integer"
     group = rec.get("group")
-    if group is not None and not (isinstance(group, list) and all(whole(g) and g >= 0 for g in group)):
+    if group is not None and not (isinstance(group, list) and all(rank_id(g) for g in group)):
         return "group is not a list of ranks"
     for key in ("bytes", "tokens"):  # counts a writer may leave out, never of another type
         if rec.get(key) is not None and not count(rec[key]):

@@ -22,7 +22,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from tools.intervals import clip, length
-from tools.trace_lines import number, parse_lines, warn_dropped
+from tools.trace_lines import MAX_RANKS, number, parse_lines, warn_dropped
 
 COLLECTIVE_OPS = frozenset(
     ("all_to_all_single", "all_gather", "all_reduce", "reduce_scatter", "broadcast", "barrier", "send", "recv")
@@ -251,6 +251,11 @@ def load_dir_coverage(
         if not match:
             continue
         path = os.path.join(os.fspath(trace_dir), name)
+        if int(match.group(1)) >= MAX_RANKS:
+            warn_dropped(
+                f"{path}: rank {match.group(1)} is past the {MAX_RANKS} ranks a trace may name; file skipped", dropped
+            )
+            continue
         try:
             with open(path, encoding="utf-8") as f:
                 text = f.read()
@@ -308,6 +313,8 @@ def coverage_for(out: dict[int, RankTrace], dropped, world_size, headers: set[in
     """What ``out`` covers against the expected ranks: ``world_size``, else the writers' headers, else the largest
     rank named in a group (``top``) + 1."""
     if world_size is not None:
+        if not 1 <= world_size <= MAX_RANKS:
+            raise ValueError(f"world_size must be in [1, {MAX_RANKS}], got {world_size}")
         expected, source = world_size, "world_size"
     elif headers:
         expected, source = max(headers), "header"
@@ -315,6 +322,8 @@ def coverage_for(out: dict[int, RankTrace], dropped, world_size, headers: set[in
         expected, source = max(top, *out) + 1, "groups"
     else:
         expected, source = None, "none"
+    if expected is not None and expected > MAX_RANKS:  # a reader let a damaged rank through: refuse, never walk it
+        raise TraceFormatError(f"the traces name {expected} ranks ({source}), past the {MAX_RANKS} a trace may name")
     ranks = sorted(out)
     everyone = set(range(expected or 0)) | set(ranks)
     steps = set().union(*(t.span for t in out.values())) if out else set()

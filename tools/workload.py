@@ -23,6 +23,7 @@ import torch
 
 from collectives import launch
 from collectives.faults import DataDelay, LinkDelay, Slowdown, check_fault_ranks, faults_at
+from moonep_base import seconds_problem
 from tools.telemetry import Sampler
 
 
@@ -65,8 +66,10 @@ class WorkloadConfig:
             raise ValueError("compute_iters and expert_iters must be >= 0")
         if not 0.0 <= self.skew <= 1.0:
             raise ValueError(f"skew must be in [0, 1], got {self.skew}")
-        if self.hot_rank < 0 or self.telemetry_interval_s < 0 or self.telemetry_blocks < 0:
-            raise ValueError("hot_rank, telemetry_interval_s and telemetry_blocks must be >= 0")
+        if self.hot_rank < 0 or self.telemetry_blocks < 0:
+            raise ValueError("hot_rank and telemetry_blocks must be >= 0")
+        if self.telemetry_interval_s != 0 and seconds_problem(self.telemetry_interval_s):  # 0: no sampling
+            raise ValueError(f"telemetry_interval_s {seconds_problem(self.telemetry_interval_s)} (or 0: off)")
 
 
 def _matmuls(x, w, n: int):

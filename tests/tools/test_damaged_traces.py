@@ -19,6 +19,7 @@ import shutil
 import warnings
 from pathlib import Path
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -164,3 +165,43 @@ def test_an_integer_past_a_floats_range_is_a_damaged_value_in_every_format(tmp_p
             _overflow(path)
         code, err = _diagnose(folder, partial=True)
         assert code in (0, 1, 2) and "Traceback" not in err, (fmt, err)
+
+
+def _far_rank(folder: Path, fmt: str, how: str) -> None:
+    """A rank or world size far past any job in one place of a format's files (see the test below)."""
+    if fmt == "jsonl":
+        path = folder / "rank0.jsonl"
+        lines = [json.loads(line) for line in path.read_text().splitlines()]
+        if how == "world":
+            lines[0]["world_size"] = 10**20
+        else:
+            lines[1]["group"] = [0, 10**12]
+            lines = lines[1:]  # no header: the ranks expected come from the groups
+        path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    elif fmt == "kineto":
+        path = next(folder.iterdir())
+        doc = json.loads(path.read_text())
+        doc["distributedInfo"]["world_size" if how == "world" else "rank"] = 10**20 if how == "world" else 10**12
+        path.write_text(json.dumps(doc))
+    else:
+        os.rename(folder / "fr1.json", folder / ("fr99999999999.json" if how == "rank" else "fr1.json"))
+        doc = json.loads((folder / "fr0.json").read_text())
+        if how == "world":
+            for cfg in doc["pg_config"].values():
+                cfg["ranks"] = json.dumps([0, 10**12])
+        (folder / "fr0.json").write_text(json.dumps(doc))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("how", ["world", "rank"])
+@pytest.mark.parametrize("fmt", sorted(WRITERS))
+def test_a_rank_past_any_job_is_damage_not_a_walk_over_every_rank_below_it(tmp_path, fmt, how):
+    """``world_size: 10**20`` in a header once hung ``diagnose`` (it listed the ranks missing below it), and so
+    did a group naming rank 10**12 with no header, a profiler trace's ``distributedInfo`` and a dump's name."""
+    write, _ = WRITERS[fmt]
+    write(tmp_path, random.Random(0), 0)
+    _far_rank(tmp_path, fmt, how)
+    for partial in (False, True):
+        code, err = _diagnose(tmp_path, partial=partial)
+        assert code in (0, 1, 2) and "Traceback" not in err and err.count("\n") <= 1, err
+        assert code != 2 or err.startswith("error: "), err

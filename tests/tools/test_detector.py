@@ -156,6 +156,14 @@ def test_bench_detector_runs_and_reports_the_ratio(tmp_path, capsys):
     assert main(["bench", "detector", "--blocks", "3"], packages=["tools"]) == 2
 
 
+@pytest.mark.parametrize("step_ms", ["inf", "nan", "0", "1e300"])
+def test_bench_detector_refuses_a_step_it_cannot_time_in_one_line(capsys, step_ms):
+    """Catches: --step-ms inf, an OverflowError traceback from the calibration's round()."""
+    assert main(["bench", "detector", "--step-ms", step_ms], packages=["tools"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: need an even blocks") and f"step_ms={float(step_ms)}" in err and err.count("\n") == 1
+
+
 def _batches(recs: dict[int, list[dict]], lo: int, hi: int) -> list[tuple[int, list[dict], None]]:
     """What rank 0 receives from one gather: each rank's records of steps ``lo`` .. ``hi - 1``."""
     return [(r, [x for x in rs if lo <= x["step"] < hi], None) for r, rs in recs.items()]

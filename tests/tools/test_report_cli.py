@@ -149,13 +149,32 @@ def test_cli_follow_is_bounded(tmp_path, capsys):
     assert "data_loader ranks [0]" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("flag,value", [("--interval", "0"), ("--interval", "nan"), ("--max-seconds", "-1")])
+@pytest.mark.parametrize(
+    "flag,value",
+    [
+        ("--interval", "0"),
+        ("--interval", "nan"),
+        ("--interval", "inf"),
+        ("--max-seconds", "-1"),
+        ("--max-seconds", "nan"),
+    ],
+)
 def test_cli_follow_refuses_bad_timing_in_one_line(tmp_path, capsys, flag, value):
-    """Catches: --interval 0 ending in a ValueError traceback, --max-seconds -1 returning 0 without a poll."""
+    """Catches: --interval 0 ending in a ValueError traceback, --max-seconds -1 returning 0 without a poll, --interval
+    inf an OverflowError in the poll's sleep."""
     args = ["diagnose", str(tmp_path), "--follow", "--interval", "0.05", "--max-seconds", "0.1", flag, value]
     assert main(args, packages=["tools"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"error: {flag}: must be > 0 seconds") and "Traceback" not in err, err
+    assert err.startswith(f"error: {flag}: must be a number of seconds in (0, 31536000]") and "\n" not in err.strip()
+
+
+@pytest.mark.parametrize("value", ["0", "inf", "1e300"])
+def test_bench_telemetry_refuses_a_bad_interval_before_any_rank_starts(capsys, value):
+    """Catches: --interval inf running the bench while every rank's sampling thread died with an OverflowError
+    traceback (the bench then compared two runs without a sampler and printed a ratio)."""
+    assert main(["bench", "telemetry", "--interval", value], packages=["tools"]) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: --interval: must be a number of seconds in (0, 31536000] (a year), got {float(value)!r}\n"
 
 
 def test_demo_refuses_a_hot_rank_outside_the_job(capsys):

@@ -116,8 +116,9 @@ def test_sampler_runs_off_thread_and_writes_jsonl(tmp_path, monkeypatch):
 
 
 def test_sampler_checks_arguments():
-    with pytest.raises(ValueError, match="interval_s"):
-        Sampler(0, None, interval_s=0)
+    for interval in (0, float("nan"), float("inf"), 1e300):  # inf killed the sampling thread with a traceback
+        with pytest.raises(ValueError, match=r"interval_s must be a number of seconds in \(0, 31536000\]"):
+            Sampler(0, None, interval_s=interval)
     with pytest.raises(ValueError, match="prefer"):
         Sampler(0, None, prefer="gpu")
 
