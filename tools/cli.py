@@ -7,6 +7,8 @@
     moonep bench telemetry --json telemetry.json
     moonep bench detector --json detector.json
 
+Each way of running ``diagnose`` refuses the flags it would ignore (``DIAGNOSE_MODES``).
+
 Exit status: 0 no finding, 1 findings (scripts can alert on it), 2 usage or input errors, and for an empty
 trace or (without ``--partial``) an incomplete one: an expected rank missing, a rank short of steps, a dropped line,
 or fewer steps than a finding needs (``steps.needed`` in the JSON).
@@ -68,7 +70,7 @@ def register(commands, bench) -> None:
     d.add_argument("--plot", metavar="DIR", help="write the timeline, heatmap and wait-matrix PNGs here")
     d.add_argument("--probe-json", metavar="FILE", help="a `moonep probe --json` result to name slow-link pairs")
     d.add_argument("--follow", action="store_true", help="tail a running job's rank<N>.jsonl files, print alerts")
-    d.add_argument("--interval", type=float, default=1.0, help="--follow: seconds between polls")
+    d.add_argument("--interval", type=float, help="--follow: seconds between polls (default 1)")
     d.add_argument("--max-seconds", type=float, help="--follow: stop after this long (default: until Ctrl-C)")
     d.add_argument(
         "--world-size",
@@ -135,8 +137,8 @@ def _probe_args(p, with_world: bool) -> None:
     if with_world:
         p.add_argument("--world-size", type=int, required=True, help="local ranks to launch")
         p.add_argument("--json", metavar="FILE", help="write the probe JSON here")
-    p.add_argument("--rounds", type=int, default=5, help="probe: timed sends per ordered pair")
-    p.add_argument("--nbytes", type=int, default=4096, help="probe: bytes per send")
+    p.add_argument("--rounds", type=int, help="probe: timed sends per ordered pair (default 5)")
+    p.add_argument("--nbytes", type=int, help="probe: bytes per send (default 4096)")
     if with_world:
         p.add_argument(
             "--inject-link-delay", default="", metavar="src=A,dst=B,ms=M", help="fault injection for demos and tests"
@@ -151,9 +153,8 @@ def _err(message: str) -> int:
 
 
 def _run_probe(args) -> dict:
-    return run_probe(
-        args.world_size, ProbeConfig(rounds=args.rounds, nbytes=args.nbytes), link_delay=args.inject_link_delay
-    )
+    given = {k: getattr(args, k) for k in ("rounds", "nbytes") if getattr(args, k, None) is not None}
+    return run_probe(args.world_size, ProbeConfig(**given), link_delay=args.inject_link_delay)
 
 
 def _print_probe(result: dict) -> None:
@@ -178,16 +179,46 @@ def _probe(args) -> int:
     return 1 if result["slow_pairs"] else 0
 
 
+DIAGNOSE_MODES = {
+    "diagnose probe --world-size N": ("world_size", "rounds", "nbytes", "inject_link_delay", "json"),
+    "diagnose --follow": ("follow", "interval", "max_seconds"),
+    "diagnose of a trace folder": ("json", "plot", "probe_json", "world_size", "partial", "rank_from"),
+}
+"""The flags each way of running ``diagnose`` reads; any other flag given is an error, not silently dropped
+(``--follow --json f`` wrote nothing, ``--interval`` without ``--follow`` did nothing)."""
+
+
+def _unused_flags(args, mode: str) -> str | None:
+    """One line naming the flags given that ``mode`` (a key of ``DIAGNOSE_MODES``) would ignore; None if none."""
+    every = {f for flags in DIAGNOSE_MODES.values() for f in flags}
+    extra = [f for f in sorted(every - set(DIAGNOSE_MODES[mode])) if getattr(args, f) not in (None, False, "")]
+    if not extra:
+        return None
+    names = ", ".join("--" + f.replace("_", "-") for f in extra)
+    return f"{names}: not used by {mode}; leave {'it' if len(extra) == 1 else 'them'} out"
+
+
 def _diagnose(args) -> int:
-    if args.trace_dir == "probe" and args.world_size is not None:
+    probe_mode = args.trace_dir == "probe" and args.world_size is not None
+    mode = (
+        next(iter(DIAGNOSE_MODES))
+        if probe_mode
+        else "diagnose --follow"
+        if args.follow
+        else "diagnose of a trace folder"
+    )
+    if problem := _unused_flags(args, mode):
+        return _err(problem)
+    if probe_mode:
         return _probe(args)
     if args.follow:  # the job may not have created the folder yet: Tail waits for it
-        if seconds_problem(args.interval):
-            return _err(f"--interval: {seconds_problem(args.interval)}")
+        interval = 1.0 if args.interval is None else args.interval
+        if seconds_problem(interval):
+            return _err(f"--interval: {seconds_problem(interval)}")
         if args.max_seconds is not None and seconds_problem(args.max_seconds):
             return _err(f"--max-seconds: {seconds_problem(args.max_seconds)}")
         try:
-            found = follow(args.trace_dir, interval_s=args.interval, max_seconds=args.max_seconds)
+            found = follow(args.trace_dir, interval_s=interval, max_seconds=args.max_seconds)
         except KeyboardInterrupt:
             return 0
         return 1 if found else 0
@@ -321,7 +352,7 @@ def _demo(args) -> int:
     print(f"trace written to {trace_dir}")
     probe = None
     if args.probe:
-        args.rounds, args.nbytes = 5, 4096
+        args.rounds, args.nbytes = None, None  # the probe's defaults
         probe = _run_probe(args)
         _print_probe(probe)
     return _finish(trace_dir, probe, args.json, args.plot)

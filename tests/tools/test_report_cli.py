@@ -168,6 +168,32 @@ def test_cli_follow_refuses_bad_timing_in_one_line(tmp_path, capsys, flag, value
     assert err.startswith(f"error: {flag}: must be a number of seconds in (0, 31536000]") and "\n" not in err.strip()
 
 
+@pytest.mark.parametrize(
+    "folder,extra,named,mode",
+    [
+        ("trace", ["--follow", "--json", "f.json"], "--json", "diagnose --follow"),
+        ("trace", ["--follow", "--max-seconds", "1", "--partial", "--world-size", "2"], "--partial, --world-size", ""),
+        ("trace", ["--interval", "1"], "--interval", "diagnose of a trace folder"),
+        ("trace", ["--max-seconds", "1", "--rounds", "3"], "--max-seconds, --rounds", "diagnose of a trace folder"),
+        ("trace", ["--nbytes", "64"], "--nbytes", "diagnose of a trace folder"),
+        ("trace", ["--inject-link-delay", "src=0,dst=1,ms=5"], "--inject-link-delay", "diagnose of a trace folder"),
+        ("probe", ["--world-size", "2", "--plot", "p"], "--plot", "diagnose probe --world-size N"),
+        ("probe", ["--world-size", "2", "--follow", "--interval", "1"], "--follow, --interval", "diagnose probe"),
+    ],
+)
+def test_diagnose_names_flags_its_mode_would_ignore(tmp_path, monkeypatch, capsys, folder, extra, named, mode):
+    """Catches: ``--follow --json f`` writing nothing, ``--interval`` or ``--rounds`` without ``--follow`` or the
+    probe doing nothing, ``diagnose probe --plot`` drawing nothing: each ran with the flag silently dropped. The
+    check comes first: no poll, and no rank started (the probe cases would launch two)."""
+    if folder == "trace":
+        folder = write_dir(tmp_path / "t", make_records())
+    monkeypatch.chdir(tmp_path)
+    assert main(["diagnose", folder, *extra], packages=["tools"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {named}: not used by ") and mode in err and err.count("\n") == 1, err
+    assert not (tmp_path / "f.json").exists() and not (tmp_path / "p").exists()
+
+
 @pytest.mark.parametrize("value", ["0", "inf", "1e300"])
 def test_bench_telemetry_refuses_a_bad_interval_before_any_rank_starts(capsys, value):
     """Catches: --interval inf running the bench while every rank's sampling thread died with an OverflowError
