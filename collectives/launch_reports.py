@@ -19,9 +19,10 @@ import traceback
 from typing import Any
 
 from collectives.base import CollectiveError, Communicator
+from moonep_base import JobFailed
 
 
-class LaunchError(RuntimeError):
+class LaunchError(JobFailed):
     """A rank of a launched job failed; ``rank`` is the global rank, ``details`` its traceback or exit status."""
 
     def __init__(self, rank: int | None, details: str):
@@ -87,7 +88,8 @@ def failure(tmp: str, first_rank: int, exitcode: int | None) -> LaunchError:
         return LaunchError(rank, reports[".err"][rank])
     if first_rank not in reports[".peer"] and exitcode is not None and exitcode != 0 and first_rank >= 0:
         if exitcode < 0:
-            return LaunchError(first_rank, f"killed by signal {signal.Signals(-exitcode).name}")
+            name = signal.Signals(-exitcode).name
+            return LaunchError(first_rank, f"killed by signal {name}{_OOM_HINT if name == 'SIGKILL' else ''}")
         if _started(tmp, first_rank):
             return LaunchError(
                 first_rank,
@@ -106,6 +108,11 @@ def failure(tmp: str, first_rank: int, exitcode: int | None) -> LaunchError:
         rank = min(reports[".peer"])
         return LaunchError(rank, reports[".peer"][rank])
     return LaunchError(None, f"exited with status {exitcode} without a Python traceback")
+
+
+_OOM_HINT = (
+    " (usually the kernel's out-of-memory killer, which `dmesg` names: fewer ranks or smaller sizes need less memory)"
+)
 
 
 def _fn_name(tmp: str) -> str:

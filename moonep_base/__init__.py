@@ -11,6 +11,7 @@ It holds what every package shares:
   (``run_package``); the ``moonep`` console script (``moonep.console``) gathers every package's.
 - ``UsageError``: a user mistake that only a library call below the command line can see (``collectives.launch``
   asked for more local ranks than this machine's limits hold). ``run`` prints it as one line, exit 2.
+- ``JobFailed``: a rank of a job a command launched failed; ``run`` prints the rank's own report, exit 1.
 - ``memory_bytes``: the memory a new job can have here, which benchmarks check their sizes against before any work.
 - ``seconds_problem``: the one rule for a wait a user gives in seconds (a collective timeout, a sampling or polling
   period): a number in (0, a year]. Past a year a thread's wait and gloo's timers overflow.
@@ -34,6 +35,7 @@ from moonep_base.lazy import lazy_exports
 
 __all__ = [
     "MAX_SECONDS",
+    "JobFailed",
     "UsageError",
     "build_parser",
     "check_folder",
@@ -74,6 +76,12 @@ class UsageError(ValueError):
     """Bad input from the user, found by library code under a command: ``run`` prints it as one line, exit 2."""
 
 
+class JobFailed(RuntimeError):
+    """A process of a job that a command started failed (``collectives.launch``'s ``LaunchError``). Its message
+    names the rank and holds the rank's own traceback or exit status, so ``run`` prints that, exit 1, without the
+    launcher's traceback, which only says where the command launched."""
+
+
 Register = Callable[[Any, Any], None]
 """``register(commands, bench)`` of a package's ``cli.py``."""
 
@@ -93,7 +101,8 @@ def build_parser(registers: Sequence[Register], prog: str, description: str | No
 def run(parser: argparse.ArgumentParser, argv: Sequence[str] | None = None) -> int:
     """Parse ``argv`` (default ``sys.argv[1:]``) and call the chosen handler; help and exit 2 without one. A
     ``UsageError`` is one line and exit 2, as is an ``OSError`` on a path the user gave (``--json`` naming a
-    folder, an unwritable ``--plot``); any other ``OSError`` propagates."""
+    folder, an unwritable ``--plot``); any other ``OSError`` propagates. A ``JobFailed`` prints the failed rank's
+    report without the launcher's traceback, exit 1."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     func = getattr(args, "func", None)
@@ -104,6 +113,9 @@ def run(parser: argparse.ArgumentParser, argv: Sequence[str] | None = None) -> i
     except UsageError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except JobFailed as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     except OSError as exc:
         given = _path_given(argv, exc)
         if given is None:

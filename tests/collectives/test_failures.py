@@ -10,6 +10,7 @@ import torch
 from collectives import CollectiveError, LaunchError, launch
 from collectives.launch_reports import failure
 from collectives.warm_start import PRELOAD_ENV
+from moonep_base import build_parser, run
 from tests.collectives.conftest import needs_mpi
 
 
@@ -69,6 +70,29 @@ def test_killed_rank_is_named(backend):
     if backend == "torch":
         assert "SIGKILL" in info.value.details
     assert time.monotonic() - t0 < 20
+
+
+def _launch_command(commands, bench) -> None:
+    """A command line whose handler launches a job: rank 1 raises (``raise``) or is killed (``kill``)."""
+    p = commands.add_parser("job")
+    p.add_argument("how", choices=["raise", "kill"])
+    fn = {"raise": raise_on_rank_1, "kill": killed_rank_1}
+    p.set_defaults(func=lambda args: launch(fn[args.how], 2, timeout=20, job_timeout=60) and 0)
+
+
+@pytest.mark.spawns
+@pytest.mark.parametrize("how", ["raise", "kill"])
+def test_a_command_whose_rank_fails_prints_the_rank_report_not_the_launcher(capsys, how):
+    """Catches: a rank OOM-killed under a command line (``moonep bench ...``) ending in the launcher's own
+    traceback, with no word on why a process gets SIGKILL. The rank's report is what is printed, exit 1."""
+    parser = build_parser([_launch_command], prog="t")
+    assert run(parser, ["job", how]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: rank 1 failed:\n") and "launch(" not in err, err
+    if how == "raise":  # the rank's own traceback is the useful part: it stays
+        assert "KeyError: 'boom from rank one'" in err and "raise_on_rank_1" in err, err
+    else:
+        assert "killed by signal SIGKILL (usually the kernel's out-of-memory killer" in err, err
 
 
 @pytest.mark.spawns
