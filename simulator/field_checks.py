@@ -25,15 +25,23 @@ def check_types(obj: Any) -> None:
             raise ValueError(f"{type(obj).__name__}.{f.name} must be of type {f.type}, got {v!r}")
 
 
+MAX_MAGNITUDE = 1e12
+"""No number of a profile exceeds this in its own unit, and a positive one is at least its inverse: past that the
+products the simulator forms overflow or underflow (``bf16_tflops`` 1e-300 was a ZeroDivisionError traceback,
+``layer_overhead_s`` 1e300 an infinite step time written to the JSON)."""
+
+
 def check_finite(obj: Any, names: tuple[str, ...], *, positive: bool = False) -> None:
-    """Each named field of ``obj`` is a finite number ``>= 0`` (``> 0`` with ``positive``): ``ValueError`` naming
-    the field otherwise (NaN and infinity from a hand-written JSON profile included)."""
+    """Each named field of ``obj`` is a finite number ``>= 0`` (``> 0`` with ``positive``, then at least
+    ``1 / MAX_MAGNITUDE``), at most ``MAX_MAGNITUDE``: ``ValueError`` naming the field otherwise (NaN and infinity
+    from a hand-written JSON profile included)."""
+    low = 1 / MAX_MAGNITUDE if positive else 0
     for name in names:
         v = getattr(obj, name)
         bad = isinstance(v, bool) or not isinstance(v, (int, float))
-        if bad or not math.isfinite(v) or v < 0 or (positive and v == 0):
+        if bad or not math.isfinite(v) or not low <= v <= MAX_MAGNITUDE or (positive and v == 0):
             raise ValueError(
-                f"{type(obj).__name__}.{name} must be a finite number {'>' if positive else '>='} 0, got {v!r}"
+                f"{type(obj).__name__}.{name} must be a finite number in [{low:g}, {MAX_MAGNITUDE:g}], got {v!r}"
             )
 
 

@@ -82,13 +82,18 @@ class Efficiency:
         for f in ("gemm", "grouped_gemm", "attention", "kda", "hbm", "nvlink", "network"):
             if not 0 < getattr(self, f) <= 1:
                 raise ValueError(f"Efficiency.{f} must be in (0, 1], got {getattr(self, f)!r}")
-        if not 0 <= self.gemm_fp8 <= 1:
-            raise ValueError(f"Efficiency.gemm_fp8 must be in [0, 1], got {self.gemm_fp8!r}")
-        for f in ("tp_overlap", "dp_overlap", "ep_overlap"):
+        for f in ("gemm_fp8", "tp_overlap", "dp_overlap", "ep_overlap"):
             if not 0 <= getattr(self, f) <= 1:
                 raise ValueError(f"Efficiency.{f} must be in [0, 1], got {getattr(self, f)!r}")
-        # every other number (the fractions above are in range already) is finite and >= 0
+        # every other number (the fractions above are in range already) is finite and >= 0; a rate is not ~0
         check_finite(self, tuple(f.name for f in fields(self) if f.type == "float"))
+        check_finite(self, ("gemm", "grouped_gemm", "attention", "kda", "hbm", "nvlink", "network"), positive=True)
+
+
+MAX_SMS = 4096
+"""Most SMs a profile may give (a B300 has 148; 10**20 priced every GEMM's waves at almost nothing)."""
+MAX_DOMAIN = 2**16
+"""Most GPUs a profile may put in one NVLink domain (GB300 NVL72 has 72)."""
 
 
 @frozen_config
@@ -139,10 +144,12 @@ class HardwareSpec:
         check_finite(self, ("fp8_tflops", "nvlink_latency_us", "nic_latency_us", "reserved_gib", "price_per_gpu_hour"))
         if self.arch not in ("", "ampere", "hopper", "blackwell"):
             raise ValueError(f"HardwareSpec.arch must be '', 'ampere', 'hopper' or 'blackwell', got {self.arch!r}")
-        if not isinstance(self.sms, int) or self.sms < 0 or (self.arch and self.sms < 1):
-            raise ValueError(f"HardwareSpec.sms must be a positive integer when arch is set, got {self.sms!r}")
-        if not isinstance(self.gpus_per_node, int) or self.gpus_per_node < 1:
-            raise ValueError(f"HardwareSpec.gpus_per_node must be a positive integer, got {self.gpus_per_node!r}")
+        for f, low, top in (("sms", 1 if self.arch else 0, MAX_SMS), ("gpus_per_node", 1, MAX_DOMAIN)):
+            v = getattr(self, f)
+            if not isinstance(v, int) or isinstance(v, bool) or not low <= v <= top:
+                raise ValueError(f"HardwareSpec.{f} must be an integer in [{low}, {top}], got {v!r}")
+        if self.reserved_gib >= self.hbm_gib:  # every plan came out "out of memory", with no word on why
+            raise ValueError(f"HardwareSpec.reserved_gib {self.reserved_gib:g} must be below hbm_gib {self.hbm_gib:g}")
 
     def peak_tflops(self, precision: str) -> float:
         return self.fp8_tflops if precision == "fp8" else self.bf16_tflops
@@ -167,13 +174,7 @@ class HardwareSpec:
         data = dict(data)
         eff = data.pop("efficiency", None)
         if isinstance(data.get("host"), dict):
-            known_h = {f.name for f in fields(HostSpec)}
-            if set(data["host"]) - known_h:
-                raise ValueError(f"unknown HostSpec field(s) {sorted(set(data['host']) - known_h)}")
-            missing_h = sorted(f.name for f in fields(HostSpec) if f.name not in data["host"])
-            if missing_h:
-                raise ValueError(f"HostSpec is missing field(s) {missing_h}")
-            data["host"] = HostSpec(**data["host"])
+            data["host"] = HostSpec.from_dict(data["host"])
         spec = replace(base, **data) if base is not None else cls(**data)
         if eff is not None:
             known_e = {f.name for f in fields(Efficiency)}

@@ -82,6 +82,17 @@ class HostSpec:
         ):
             raise ValueError("HostSpec: ref_elements, kda_*elements must be >= 1 and kda_elements > kda_tiny_elements")
 
+    @classmethod
+    def from_dict(cls, data: dict) -> HostSpec:
+        """The ``host`` object of a hardware profile: every field, no unknown one (``ValueError`` naming them)."""
+        unknown = sorted(set(data) - {f.name for f in fields(cls)})
+        if unknown:
+            raise ValueError(f"unknown HostSpec field(s) {unknown}")
+        missing = sorted(f.name for f in fields(cls) if f.name not in data)
+        if missing:
+            raise ValueError(f"HostSpec is missing field(s) {missing}")
+        return cls(**data)
+
     def stretch(self, local_ranks: int) -> float:
         """Wall seconds per second of one rank's busy work (measured alone) when ``local_ranks`` ranks share this
         machine: applied to FLOPs at the solo GEMM rate; the host times go through ``share_factor``."""
