@@ -77,8 +77,9 @@ def test_resume_equals_uninterrupted(tmp_path):
 
 
 def test_loss_falls_on_real_text(tmp_path):
-    """25 steps on stdlib bytes: the loss drops well below ln(256) = 5.55 and validation is measured."""
-    out = train(_cfg(tmp_path, "learn", world_size=1, steps=25, val_every=25))
+    """12 steps on stdlib bytes: the loss drops well below ln(256) = 5.55 (by 2.2 here, the bar is 1.0) and
+    validation is measured."""
+    out = train(_cfg(tmp_path, "learn", world_size=1, steps=12, val_every=12))
     first, last = sum(out["losses"][:3]) / 3, sum(out["losses"][-3:]) / 3
     assert last < first - 1.0, out["losses"]
     assert out["val_loss"] is not None and out["val_loss"] < first
