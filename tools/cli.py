@@ -198,18 +198,18 @@ def _unused_flags(args, mode: str) -> str | None:
     return f"{names}: not used by {mode}; leave {'it' if len(extra) == 1 else 'them'} out"
 
 
+def _diagnose_mode(args) -> str:
+    """Which way of running ``diagnose`` the flags ask for (a key of ``DIAGNOSE_MODES``)."""
+    if args.trace_dir == "probe" and args.world_size is not None:
+        return "diagnose probe --world-size N"
+    return "diagnose --follow" if args.follow else "diagnose of a trace folder"
+
+
 def _diagnose(args) -> int:
-    probe_mode = args.trace_dir == "probe" and args.world_size is not None
-    mode = (
-        next(iter(DIAGNOSE_MODES))
-        if probe_mode
-        else "diagnose --follow"
-        if args.follow
-        else "diagnose of a trace folder"
-    )
+    mode = _diagnose_mode(args)
     if problem := _unused_flags(args, mode):
         return _err(problem)
-    if probe_mode:
+    if mode == "diagnose probe --world-size N":
         return _probe(args)
     if args.follow:  # the job may not have created the folder yet: Tail waits for it
         interval = 1.0 if args.interval is None else args.interval
