@@ -62,15 +62,15 @@ def _job_problem(args) -> str:
     """One line naming a bad job argument ('' when fine): checked before any rank starts."""
     if args.world_size < 1:
         return f"--world-size: must be >= 1, got {args.world_size}"
-    if seconds_problem(args.timeout):
-        return f"--timeout: {seconds_problem(args.timeout)}"
+    if problem := seconds_problem(args.timeout):
+        return f"--timeout: {problem}"
     if getattr(args, "hidden", 1) < 1:
         return f"--hidden: must be >= 1, got {args.hidden}"
     need = round_trip_bytes(args.world_size, args.hidden) if hasattr(args, "hidden") else 0
-    if need > memory_bytes():  # --hidden 10**20 was an OverflowError on every rank, 10**9 the OOM killer
+    if need > (have := memory_bytes()):  # --hidden 10**20 was an OverflowError on every rank, 10**9 the OOM killer
         return (
             f"--hidden {args.hidden}: {args.world_size} ranks' rows need {need / 2**30:.1f} GiB, more than this "
-            f"machine's {memory_bytes() / 2**30:.1f} GiB"
+            f"machine's {have / 2**30:.1f} GiB"
         )
     return ""
 

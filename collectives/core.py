@@ -49,8 +49,8 @@ class CommunicatorCore(abc.ABC):
         tracer: Tracer | None = None,
         global_rank: int | None = None,
     ):
-        if seconds_problem(timeout):
-            raise ValueError(f"timeout {seconds_problem(timeout)}")
+        if problem := seconds_problem(timeout):
+            raise ValueError(f"timeout {problem}")
         self.rank = rank
         self.world_size = world_size
         self.group_ranks = tuple(int(r) for r in group_ranks)

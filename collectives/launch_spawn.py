@@ -61,8 +61,8 @@ class LaunchOptions:
     def __post_init__(self):
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
-        if seconds_problem(self.timeout):
-            raise ValueError(f"timeout {seconds_problem(self.timeout)}")
+        if problem := seconds_problem(self.timeout):
+            raise ValueError(f"timeout {problem}")
         if self.threads_per_rank < 1:
             raise ValueError(f"threads_per_rank must be >= 1, got {self.threads_per_rank}")
 

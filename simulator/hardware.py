@@ -15,7 +15,7 @@ import os
 from dataclasses import MISSING, asdict, field, fields, replace
 from typing import Any
 
-from simulator.field_checks import check_finite, check_types, frozen_config
+from simulator.field_checks import MAX_MAGNITUDE, check_finite, check_types, frozen_config
 from simulator.host_spec import HostSpec
 
 
@@ -79,15 +79,14 @@ class Efficiency:
 
     def __post_init__(self):
         check_types(self)
-        for f in ("gemm", "grouped_gemm", "attention", "kda", "hbm", "nvlink", "network"):
-            if not 0 < getattr(self, f) <= 1:
-                raise ValueError(f"Efficiency.{f} must be in (0, 1], got {getattr(self, f)!r}")
+        for f in ("gemm", "grouped_gemm", "attention", "kda", "hbm", "nvlink", "network"):  # a rate is not ~0
+            if not 1 / MAX_MAGNITUDE <= getattr(self, f) <= 1:
+                raise ValueError(f"Efficiency.{f} must be in [{1 / MAX_MAGNITUDE:g}, 1], got {getattr(self, f)!r}")
         for f in ("gemm_fp8", "tp_overlap", "dp_overlap", "ep_overlap"):
             if not 0 <= getattr(self, f) <= 1:
                 raise ValueError(f"Efficiency.{f} must be in [0, 1], got {getattr(self, f)!r}")
-        # every other number (the fractions above are in range already) is finite and >= 0; a rate is not ~0
+        # every other number (the fractions above are in range already) is finite and >= 0
         check_finite(self, tuple(f.name for f in fields(self) if f.type == "float"))
-        check_finite(self, ("gemm", "grouped_gemm", "attention", "kda", "hbm", "nvlink", "network"), positive=True)
 
 
 MAX_SMS = 4096

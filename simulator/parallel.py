@@ -291,8 +291,8 @@ def infeasible_reason(spec: ModelSpec, hw: HardwareSpec, par: ParallelConfig, gp
         return f"--activation-fp8-input-store needs SwiGLU FFNs, as Megatron's does; {spec.name}'s are {why}"
     if spec.is_moe and spec.num_experts % par.ep:
         return f"{spec.num_experts} experts are not divisible by EP {par.ep}"
-    if spec.is_moe and par.ep > 1 and par.maxvio > spec.max_maxvio(par.ep):  # --maxvio 100 at EP 8 was priced
-        return f"maxvio {par.maxvio:g} > {spec.max_maxvio(par.ep):g}, the most routing can make at EP {par.ep}"
+    if spec.is_moe and par.ep > 1 and par.maxvio > (most := spec.max_maxvio(par.ep)):  # --maxvio 100 at EP 8 was priced
+        return f"maxvio {par.maxvio:g} > {most:g}, the most routing can make at EP {par.ep}"
     if par.global_batch_tokens % par.seq_len:
         return f"global batch {par.global_batch_tokens} tokens is not a whole number of {par.seq_len}-token sequences"
     if par.sequences % (par.dp * par.micro_batch):

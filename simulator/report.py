@@ -161,7 +161,8 @@ def maxvio_sweep(
     model, hardware, par: ParallelConfig, gpus: int, values=(0.0, 0.1, 0.2, 0.4, 0.8, 1.6), cluster=None
 ) -> dict:
     """Step time of both dispatchers over routing skew ``maxvio`` (JSON next to the plot)."""
-    values = [v for v in values if v <= load_model(model).max_maxvio(par.ep)]  # past it no routing exists
+    most = load_model(model).max_maxvio(par.ep)
+    values = [v for v in values if v <= most]  # past it no routing exists
     out = {"maxvio": list(values)}
     for disp in ("moonep", "classic"):
         out[disp] = [

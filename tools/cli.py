@@ -213,10 +213,10 @@ def _diagnose(args) -> int:
         return _probe(args)
     if args.follow:  # the job may not have created the folder yet: Tail waits for it
         interval = 1.0 if args.interval is None else args.interval
-        if seconds_problem(interval):
-            return _err(f"--interval: {seconds_problem(interval)}")
-        if args.max_seconds is not None and seconds_problem(args.max_seconds):
-            return _err(f"--max-seconds: {seconds_problem(args.max_seconds)}")
+        if problem := seconds_problem(interval):
+            return _err(f"--interval: {problem}")
+        if args.max_seconds is not None and (problem := seconds_problem(args.max_seconds)):
+            return _err(f"--max-seconds: {problem}")
         try:
             found = follow(args.trace_dir, interval_s=interval, max_seconds=args.max_seconds)
         except KeyboardInterrupt:
@@ -359,8 +359,9 @@ def _demo(args) -> int:
 
 
 def _bench(args) -> int:
-    if seconds_problem(args.interval):  # inf killed each rank's sampling thread; the bench then timed no sampler
-        return _err(f"--interval: {seconds_problem(args.interval)}")
+    # inf killed each rank's sampling thread; the bench then timed no sampler
+    if problem := seconds_problem(args.interval):
+        return _err(f"--interval: {problem}")
     try:
         result = bench_telemetry(args.world_size, args.steps, args.blocks, args.interval)
     except ValueError as exc:

@@ -74,8 +74,8 @@ def follow(
     out: TextIO | None = None,
 ) -> list:
     """Poll until ``max_seconds`` / ``max_polls`` (forever when both are None); return the alerted findings."""
-    if seconds_problem(interval_s):
-        raise ValueError(f"interval_s {seconds_problem(interval_s)}")
+    if problem := seconds_problem(interval_s):
+        raise ValueError(f"interval_s {problem}")
     out = out or sys.stdout
     tail, alerted, seen = Tail(trace_dir), [], set()
     start, polls = time.monotonic(), 0

@@ -30,7 +30,7 @@ import zlib
 from tools.intervals import merge, subtract
 from tools.steps import anchor, once_per_period
 from tools.trace_lines import MAX_RANKS, finite, rank_id, whole
-from tools.traces import Collective, RankTrace, TraceFormatError
+from tools.traces import Collective, RankTrace, TraceFormatError, check_file_rank
 
 COLLECTIVE_NAME = re.compile(r"^(?:gloo|nccl|mpi|ucc|xccl|c10d):([A-Za-z_]+)")
 NCCL_KERNEL = re.compile(r"^nccl(?:Dev)?Kernel_([A-Za-z]+)")
@@ -82,9 +82,8 @@ def rank_and_world(doc: dict, path: str, rank_from: str | None) -> tuple[int, in
     world = info.get("world_size") if isinstance(info, dict) else None
     world = world if whole(world) and 1 <= world <= MAX_RANKS else None
     rank = _rank(info, path, rank_from)
-    if rank is not None and not rank_id(rank):  # a damaged name or header: the diagnosis would walk every rank below
-        raise TraceFormatError(f"{path}: rank {rank} is past the {MAX_RANKS} ranks a trace may name")
     if rank is not None:
+        check_file_rank(path, rank)
         return rank, world
     raise TraceFormatError(
         f"{path}: no rank information (no distributedInfo: the job did not initialise torch.distributed before "

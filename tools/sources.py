@@ -23,8 +23,7 @@ from dataclasses import dataclass, field
 
 from tools import clocks, flight_recorder, fr_dumps, kineto
 from tools.detect import Finding
-from tools.trace_lines import MAX_RANKS, rank_id
-from tools.traces import Coverage, RankTrace, TraceFormatError, coverage_for, load_dir_coverage
+from tools.traces import Coverage, RankTrace, TraceFormatError, check_file_rank, coverage_for, load_dir_coverage
 
 FORMATS = ("jsonl", "kineto", "flight_recorder")
 _OURS = re.compile(r"^rank\d+\.jsonl$")
@@ -180,8 +179,7 @@ def _flight_recorder(paths: list[str], rank_from: str | None):
                 f"{path}: a Flight Recorder dump without a rank in its name (dumps are named <prefix><rank>); "
                 f"pass --rank-from REGEX"
             )
-        if not rank_id(rank):
-            raise TraceFormatError(f"{path}: rank {rank} is past the {MAX_RANKS} ranks a trace may name")
+        check_file_rank(path, rank)
         if rank in by_rank:
             raise TraceFormatError(f"{path}: a second Flight Recorder dump of rank {rank} (first: {by_rank[rank]})")
         by_rank[rank] = path

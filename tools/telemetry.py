@@ -191,8 +191,8 @@ class Sampler:
         device_index: int | None = None,
         prefer: str = "auto",
     ):
-        if seconds_problem(interval_s):  # inf killed the sampling thread, leaving no telemetry and no error
-            raise ValueError(f"interval_s {seconds_problem(interval_s)}")
+        if problem := seconds_problem(interval_s):  # inf killed the sampling thread, leaving no telemetry and no error
+            raise ValueError(f"interval_s {problem}")
         if prefer not in ("auto", "nvml", "cpu"):
             raise ValueError(f"prefer must be auto, nvml or cpu, got {prefer!r}")
         self.rank, self.interval_s = rank, interval_s

@@ -22,7 +22,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from tools.intervals import clip, length
-from tools.trace_lines import MAX_RANKS, number, parse_lines, warn_dropped
+from tools.trace_lines import MAX_RANKS, number, parse_lines, rank_id, warn_dropped
 
 COLLECTIVE_OPS = frozenset(
     ("all_to_all_single", "all_gather", "all_reduce", "reduce_scatter", "broadcast", "barrier", "send", "recv")
@@ -35,6 +35,13 @@ class TraceFormatError(ValueError):
     """A trace folder or file that cannot back a diagnosis (no rank information, a damaged archive, a pickle
     holding objects, traces of two runs or world sizes). The message is one line naming the file and the
     problem; ``moonep diagnose`` prints it and exits 2."""
+
+
+def check_file_rank(path: str, rank: int) -> None:
+    """The rank a file's name or header gives is one a trace may name (``trace_lines.rank_id``), else
+    ``TraceFormatError``: a damaged one would have the diagnosis walk every rank below it."""
+    if not rank_id(rank):
+        raise TraceFormatError(f"{path}: rank {rank} is past the {MAX_RANKS} ranks a trace may name")
 
 
 @dataclass(slots=True)

@@ -68,8 +68,8 @@ class WorkloadConfig:
             raise ValueError(f"skew must be in [0, 1], got {self.skew}")
         if self.hot_rank < 0 or self.telemetry_blocks < 0:
             raise ValueError("hot_rank and telemetry_blocks must be >= 0")
-        if self.telemetry_interval_s != 0 and seconds_problem(self.telemetry_interval_s):  # 0: no sampling
-            raise ValueError(f"telemetry_interval_s {seconds_problem(self.telemetry_interval_s)} (or 0: off)")
+        if self.telemetry_interval_s != 0 and (problem := seconds_problem(self.telemetry_interval_s)):  # 0: no sampling
+            raise ValueError(f"telemetry_interval_s {problem} (or 0: off)")
 
 
 def _matmuls(x, w, n: int):
