@@ -45,19 +45,19 @@ demo: $(VENV)/.core
 roundtrip: $(VENV)/.core
 	$(VENV)/bin/moonep roundtrip --world-size 4 --json out/roundtrip.json
 
-# Every test in three runs: the ones that start no process (test-fast's) on two pytest-xdist workers, one per core,
-# each test file whole on one worker (its module fixtures stay shared); then the ones marked spawns, also two at a
-# time (their ranks leave the cores idle part of the time: start-up, waits on timeouts); last, one at a time, those
-# also marked solo, whose verdicts rest on the times their ranks measure (tests/conftest.py).
-FAST_PYTEST = MOONEP_TEST_FAST=1 TQDM_DISABLE=1 MPLBACKEND=Agg $(PY) -m pytest -q -n 2 --dist loadfile
-SPAWN_PYTEST = TQDM_DISABLE=1 MPLBACKEND=Agg $(PY) -m pytest -q
+# Every test in two runs: all but the solo ones on two pytest-xdist workers, one per core, each test file whole on
+# one worker (its module fixtures stay shared), the longest files first (tests/conftest.py; --no-loadscope-reorder
+# keeps that order). Spawning tests run two at a time this way too: their ranks leave the cores idle part of the
+# time (start-up, waits on timeouts). Then, one at a time, those marked solo, whose verdicts rest on the times their
+# ranks measure. In both runs a test that starts a process without the spawns mark fails (tests/conftest.py).
+PYTEST = TQDM_DISABLE=1 MPLBACKEND=Agg $(PY) -m pytest -q
+FAST_PYTEST = MOONEP_TEST_FAST=1 $(PYTEST) -n 2 --dist loadfile --no-loadscope-reorder
 test: $(VENV)/.dev
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/pyright
-	$(FAST_PYTEST)
-	$(SPAWN_PYTEST) -m "spawns and not solo" -n 2 --dist loadfile
-	$(SPAWN_PYTEST) -m "spawns and solo"
+	$(PYTEST) -m "not solo" -n 2 --dist loadfile --no-loadscope-reorder
+	$(PYTEST) -m "spawns and solo"
 
 # The edit loop: lint, then every test that starts no process (tests/conftest.py: @pytest.mark.spawns is left out,
 # and a test that starts a process unmarked fails). make test runs everything, these included.

@@ -8,14 +8,18 @@ trust. Their measured pass rates are in tools/README.md and simulator/README.md.
 
 Without a GPU, numba-cuda kernels run under numba's CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``, set below).
 
-``MOONEP_TEST_FAST=1`` (set by ``make test-fast``): the edit-loop tier. Tests marked ``@pytest.mark.spawns`` (they
-start processes: local ranks, torchrun, a command line in a subprocess) are deselected, and any other test that
-starts a process fails, naming itself, so the tier stays fast and the marks stay true. ``make test`` runs both.
+``@pytest.mark.spawns``: the test starts processes (local ranks, torchrun, a command line in a subprocess). A test
+not marked so that starts one fails, naming itself, in every run, so the marks stay true. ``MOONEP_TEST_FAST=1``
+(set by ``make test-fast``, the edit loop) deselects the marked ones.
 
 ``@pytest.mark.solo`` (with ``spawns``): the test's verdict rests on times its ranks measure (a slow rank or link
 found, a clean probe, a calibrated prediction, a timeout's bound), so another test's ranks on the same cores would
-move it. ``make test`` runs the other ``spawns`` tests two at a time (their ranks leave the cores idle part of the
-time: start-up, waits on timeouts), then these one at a time.
+move it. ``make test`` runs every other test on two workers, a file per worker at a time (spawning tests leave the
+cores idle part of the time: start-up, waits on timeouts), then these one at a time.
+
+Test files are handed out longest first (``file_cost``: a ``slow`` test, a spawning one, any other), so that the
+last files two workers run are short ones and neither waits long on the other at the end (``make test`` passes
+xdist ``--no-loadscope-reorder``, which keeps this order instead of xdist's, by number of tests).
 
 ``MOONEP_GPU_CHECK=1`` (set by ``make gpu-check``): every skip is turned into a failure carrying the skip reason.
 The GPU checks skip wherever their GPU, library or driver is missing, so on the machine meant to run them a skip
@@ -44,14 +48,36 @@ os.environ.setdefault("MOONEP_LAUNCH_PRELOAD", "torch,numpy,collectives,planner,
 os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
 
 
+SLOW_COST, SPAWNS_COST, TEST_COST = 15.0, 1.5, 0.2
+"""Rough seconds a test takes on two busy cores, by its marks: ``slow`` (10-40 s), ``spawns`` (about 1 s on
+average), any other (0.2 s on average). Only the order of test files rests on these."""
+
+
+def item_cost(item) -> float:
+    if "slow" in item.keywords:
+        return SLOW_COST
+    return SPAWNS_COST if "spawns" in item.keywords else TEST_COST
+
+
+def file_cost(items) -> dict:
+    """Estimated seconds per test file (``item.path``), from its tests' marks."""
+    cost: dict = {}
+    for item in items:
+        cost[item.path] = cost.get(item.path, 0.0) + item_cost(item)
+    return cost
+
+
+@pytest.hookimpl(trylast=True)  # after -m has deselected: order what will run
 def pytest_collection_modifyitems(config, items):
     loose = [item.nodeid for item in items if "solo" in item.keywords and "spawns" not in item.keywords]
-    if loose:  # a solo test without spawns would run in the no-process tier, beside another test
+    if loose:  # a solo test without spawns would run beside another test
         raise pytest.UsageError(f"marked solo but not spawns: {', '.join(loose)}")
     if os.environ.get(FAST_ENV) == "1":
         spawning = [item for item in items if "spawns" in item.keywords]
         items[:] = [item for item in items if "spawns" not in item.keywords]
         config.hook.pytest_deselected(items=spawning)
+    cost = file_cost(items)
+    items.sort(key=lambda item: -cost[item.path])  # stable: a file's tests keep their order, and stay together
     if os.environ.get(HOST_NOISE_ENV) == "1":
         return
     skip = pytest.mark.skip(reason=f"depends on a quiet host; set {HOST_NOISE_ENV}=1 to run")
@@ -60,14 +86,12 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-_RUNNING: list[str | None] = [None]  # the test being set up, run or torn down (fixtures of any scope included)
+_RUNNING: list[str | None] = [None]  # the unmarked test being set up, run or torn down (fixtures of any scope too)
 
 
 def pytest_configure(config):
-    """Under ``MOONEP_TEST_FAST=1``, starting a process fails the test that does it (mark it ``spawns``): from the
-    set-up of its fixtures, whatever their scope, to its teardown. Collection may (an import that asks ldconfig)."""
-    if os.environ.get(FAST_ENV) != "1":
-        return
+    """Starting a process fails a test not marked ``spawns`` that does it: from the set-up of its fixtures, whatever
+    their scope, to its teardown. Collection may (an import that asks ldconfig)."""
     # matplotlib's first import on a machine asks fc-list for the system fonts (a process) and caches the answer
     # under ~/.cache/matplotlib: ask before the guard, or a fresh machine's first plotting test reads as spawning
     import matplotlib.font_manager  # noqa: F401
@@ -91,7 +115,7 @@ def pytest_configure(config):
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    _RUNNING[0] = item.nodeid
+    _RUNNING[0] = None if "spawns" in item.keywords else item.nodeid
     try:
         yield
     finally:

@@ -26,6 +26,7 @@ def _torchrun():
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
 
 
+@pytest.mark.slow
 def test_wrapped_groups_work_and_every_exit_is_clean():
     for run in range(RUNS):
         proc = _torchrun()

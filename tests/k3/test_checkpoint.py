@@ -372,6 +372,7 @@ def test_identity_problem_names_exactly_the_differing_fields(recorded, current):
 
 
 @pytest.mark.spawns
+@pytest.mark.slow
 def test_training_killed_mid_checkpoint_resumes_the_last_complete_step(two_ranks, tmp_path, monkeypatch):
     """`moonep train --resume` of a 1-step run to 2 steps, killed on rank 0 after the step-2 folder was renamed
     but before the pointer moved: the user gets one line naming the exit; the next resume starts from step 1

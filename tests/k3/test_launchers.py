@@ -31,12 +31,14 @@ def reference(tmp_path_factory):
     return _losses([sys.executable] + TRAIN, tmp_path_factory.mktemp("local"))
 
 
+@pytest.mark.slow
 def test_under_torchrun_same_losses(reference, tmp_path):
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     got = _losses([torchrun, "--standalone", "--nproc_per_node=2", "-m", "k3.train"] + TRAIN[2:], tmp_path)
     assert len(got) == 2 and got == reference
 
 
+@pytest.mark.slow
 def test_under_mpiexec_same_losses(reference, tmp_path):
     needs_mpi()
     got = _losses([mpiexec_path(), "-n", "2", sys.executable] + TRAIN, tmp_path)

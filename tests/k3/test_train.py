@@ -10,7 +10,7 @@ import pytest
 from k3.optim import lr_at
 from k3.train import TrainConfig, train
 
-pytestmark = pytest.mark.spawns  # every test here starts processes: make test-fast leaves them out
+pytestmark = [pytest.mark.spawns, pytest.mark.slow]  # every test here starts processes and takes 10-40 s
 
 SMALL_DATA = 1 << 20  # 1 MB of stdlib text is plenty for a few steps and loads fast
 

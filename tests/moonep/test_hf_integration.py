@@ -174,6 +174,7 @@ def _hf_rank(comm) -> dict:
 
 
 @pytest.mark.spawns
+@pytest.mark.slow
 @pytest.mark.parametrize("R", [2, 4])
 def test_hf_models_expert_parallel_equal_the_unmodified_model(R):
     worst = launch(_hf_rank, R, timeout=60, job_timeout=400)

@@ -13,13 +13,18 @@ from collectives import launch
 
 if sys.version_info < (3, 11):  # torchtitan 0.3 needs Python >= 3.11; make test installs it there, and only there
     pytest.skip("torchtitan 0.3 requires Python >= 3.11 (make test installs it on 3.11+)", allow_module_level=True)
-import torchtitan.models.qwen3  # noqa: F401 - on 3.11+ a missing install fails instead of skipping
-
-from moonep.integrations import torchtitan as tt
 
 pytestmark = pytest.mark.spawns  # every test here starts processes: make test-fast leaves them out
 
 E, LAYERS, SEED = 64, 2, 0
+
+
+def _tt():
+    """``moonep.integrations.torchtitan``, imported by the test that runs it, not by pytest collecting every file
+    (torchtitan takes 3.5 s to import). On 3.11+ a missing install fails the test: no skip."""
+    from moonep.integrations import torchtitan  # heavy: torchtitan imports its attention kernels (triton)
+
+    return torchtitan
 
 
 def _config():
@@ -46,7 +51,7 @@ def _config():
 def _initialised(comm):
     """The model ``use_moonep`` builds for ``comm`` (None: EP = 1), initialised as torchtitan's trainer does."""
     cfg = _config()
-    assert tt.use_moonep(cfg, comm) == LAYERS
+    assert _tt().use_moonep(cfg, comm) == LAYERS
     torch.manual_seed(SEED)  # the same seed on every rank
     model = cfg.build()
     model.init_states()
@@ -54,14 +59,14 @@ def _initialised(comm):
 
 
 def _is_expert(name: str) -> bool:
-    return name.rsplit(".", 1)[-1] in tt.WEIGHTS
+    return name.rsplit(".", 1)[-1] in _tt().WEIGHTS
 
 
 def _seed_rank(comm) -> dict:
     """Gather every expert weight over the ranks; compare with EP = 1 and count duplicated experts."""
     mine = dict(_initialised(comm).named_parameters())
     ep1 = dict(_initialised(None).named_parameters())
-    mismatched, rows = [], {w: [] for w in tt.WEIGHTS}
+    mismatched, rows = [], {w: [] for w in _tt().WEIGHTS}
     for name, p in mine.items():
         full = p.detach()
         if _is_expert(name):
@@ -87,6 +92,6 @@ def _seed_rank(comm) -> dict:
 def test_use_moonep_initialises_ep1_experts_on_2_ranks():
     out = launch(_seed_rank, 2, timeout=60, job_timeout=240)
     assert out["local_shape"][0] == E // 2, out  # each rank really holds its own half
-    assert out["experts_checked"] == LAYERS * len(tt.WEIGHTS) * E, out
+    assert out["experts_checked"] == LAYERS * len(_tt().WEIGHTS) * E, out
     assert out["duplicates_max"] == 0, out  # the bug: 32 duplicated pairs per weight and layer
     assert out["mismatched_max"] == 0, out  # every parameter, gathered experts included, equals EP = 1's bit for bit

@@ -82,6 +82,7 @@ def test_topology_plan_cuts_inter_node_bytes_where_weights_dominate():
     assert len(rows) == 7 and all(r["bytes_ratio"] <= 0.7 and r["balance"] == 1.0 for r in rows), rows
 
 
+@pytest.mark.slow
 def test_topology_plan_meets_the_goal_wherever_a_plan_can_at_s_1024():
     """S = 1024, every row of the bench (zipf counts and router top-k counts on 2, 4 and 8 nodes, K3's shape):
     where ``internode_bound`` leaves room under x0.70 the planner meets the goal (router 2 x 8 at x0.689, the

@@ -19,6 +19,7 @@ from simulator.specs import load_model
 search_module = importlib.import_module("simulator.search")  # ``simulator.search`` is the function of that name
 
 
+@pytest.mark.slow
 @settings(max_examples=4, deadline=None)
 @given(
     model=st.sampled_from(["deepseek-v3", "kimi-k2", "gpt-175b"]),
