@@ -31,13 +31,15 @@ $(VENV)/.core: pyproject.toml $(VENV)/.torch
 # torchtitan needs Python >= 3.11: on 3.10 it is left out and its test skips, saying so.
 FRAMEWORKS_PIP = megatron-core==0.16.1
 TITAN_PIP = torchtitan==0.3.0 spmd_types==0.2.3 tyro==1.0.17 docstring-parser==0.18.0 einops==0.8.2 triton==3.9.0
-$(VENV)/.dev: pyproject.toml $(VENV)/.core
+# The dev environment holds the core one: built straight from .torch, it installs the project once and byte-compiles
+# once, and stamps .core too (a new .venv/.dev in 102 and 108 s against 126 and 117 s through .core, both orders).
+$(VENV)/.dev: pyproject.toml $(VENV)/.torch
 	$(PY) -m pip install --quiet --no-compile -e ".[dev,mpi]"
 	$(PY) -m pip install --quiet --no-compile --no-deps $(FRAMEWORKS_PIP)
 	if $(PY) -c "import sys; sys.exit(sys.version_info < (3, 11))"; then $(PY) -m pip install --quiet --no-compile --no-deps \
 	  $(TITAN_PIP); else echo "make: torchtitan 0.3 needs Python >= 3.11: test_torchtitan_integration.py will skip"; fi
 	$(BYTE_COMPILE)
-	touch $@
+	touch $(VENV)/.core $@
 
 demo: $(VENV)/.core
 	$(VENV)/bin/moonep train --preset tiny --world-size 4 --steps 300 --run-dir out/k3-tiny
