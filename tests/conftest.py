@@ -9,8 +9,9 @@ trust. Their measured pass rates are in tools/README.md and simulator/README.md.
 Without a GPU, numba-cuda kernels run under numba's CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``, set below).
 
 ``@pytest.mark.spawns``: the test starts processes (local ranks, torchrun, a command line in a subprocess). A test
-not marked so that starts one fails, naming itself, in every run, so the marks stay true. ``MOONEP_TEST_FAST=1``
-(set by ``make test-fast``, the edit loop) deselects the marked ones.
+not marked so that starts one fails, naming itself, in every run, so the marks stay true (a ``gpu`` test on a CUDA
+machine is left free: its compilers are processes). ``MOONEP_TEST_FAST=1`` (``make test-fast``, the edit loop)
+deselects the marked ones.
 
 ``@pytest.mark.solo`` (with ``spawns``): the test's verdict rests on times its ranks measure (a slow rank or link
 found, a clean probe, a calibrated prediction, a timeout's bound), so another test's ranks on the same cores would
@@ -26,6 +27,7 @@ The GPU checks skip wherever their GPU, library or driver is missing, so on the 
 means a check silently did not happen.
 """
 
+import functools
 import multiprocessing.process
 import os
 import subprocess
@@ -113,9 +115,24 @@ def pytest_configure(config):
     multiprocessing.process.BaseProcess.start = refuse(process_start)  # type: ignore[method-assign]
 
 
+def _guarded(item) -> bool:
+    """Whether starting a process fails this test: it is not marked ``spawns``, nor is it a GPU check running where
+    CUDA is (there Triton and numba-cuda start their toolchains: ptxas, ldconfig; without CUDA it is guarded)."""
+    if "spawns" in item.keywords:
+        return False
+    return "gpu" not in item.keywords or not _cuda_available()
+
+
+@functools.cache
+def _cuda_available() -> bool:
+    import torch  # heavy: torch (asked once, by the first GPU check; every such test imports torch anyway)
+
+    return torch.cuda.is_available()
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    _RUNNING[0] = None if "spawns" in item.keywords else item.nodeid
+    _RUNNING[0] = item.nodeid if _guarded(item) else None
     try:
         yield
     finally:

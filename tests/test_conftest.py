@@ -1,5 +1,6 @@
 """The suite's own rules (tests/conftest.py), run on a small suite in a fresh pytest: a test that starts a process
-without the ``spawns`` mark fails in every run, the marked one passes, and test files are handed out longest first."""
+without the ``spawns`` mark fails in every run (a GPU check on a CUDA machine aside), the marked one passes, and
+test files are handed out longest first."""
 
 import os
 import shutil
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.spawns  # each test runs pytest in a subprocess
+from tests import conftest
 
 SUITE = {
     "test_c_slow.py": """
@@ -49,6 +50,7 @@ def _run(tmp_path: Path, *args: str, env: dict | None = None) -> subprocess.Comp
     return subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120, env=env)
 
 
+@pytest.mark.spawns  # runs pytest in a subprocess
 def test_an_unmarked_test_that_starts_a_process_fails_in_a_full_run(tmp_path):
     out = _run(tmp_path, "-q", "-rf")
     assert out.returncode == 1, out.stdout + out.stderr
@@ -56,6 +58,7 @@ def test_an_unmarked_test_that_starts_a_process_fails_in_a_full_run(tmp_path):
     assert "1 failed, 23 passed" in out.stdout, out.stdout
 
 
+@pytest.mark.spawns  # runs pytest in a subprocess
 def test_files_run_longest_first_by_their_marks(tmp_path):
     out = _run(tmp_path, "--collect-only", "-q")
     files = list(dict.fromkeys(line.split("::")[0] for line in out.stdout.splitlines() if "::" in line))
@@ -63,6 +66,20 @@ def test_files_run_longest_first_by_their_marks(tmp_path):
     assert files == ["test_c_slow.py", "test_a_quick.py", "test_b_processes.py"], out.stdout
 
 
+@pytest.mark.spawns  # runs pytest in a subprocess
 def test_the_edit_loop_leaves_the_marked_test_out(tmp_path):
     out = _run(tmp_path, "-q", "-rf", env={**os.environ, "MOONEP_TEST_FAST": "1"})
     assert "1 failed, 22 passed, 1 deselected" in out.stdout, out.stdout
+
+
+class _Item:
+    def __init__(self, *marks: str) -> None:
+        self.keywords = dict.fromkeys(marks, True)
+
+
+def test_a_gpu_check_may_start_its_compilers_only_where_cuda_is(monkeypatch):
+    monkeypatch.setattr(conftest, "_cuda_available", lambda: False)
+    assert conftest._guarded(_Item("gpu")) and conftest._guarded(_Item())
+    monkeypatch.setattr(conftest, "_cuda_available", lambda: True)  # Triton runs ptxas, ldconfig
+    assert not conftest._guarded(_Item("gpu")) and conftest._guarded(_Item())
+    assert not conftest._guarded(_Item("spawns")) and not conftest._guarded(_Item("spawns", "gpu"))
