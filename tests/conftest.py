@@ -117,7 +117,8 @@ def pytest_configure(config):
 
 def _guarded(item) -> bool:
     """Whether starting a process fails this test: it is not marked ``spawns``, nor is it a GPU check running where
-    CUDA is (there Triton and numba-cuda start their toolchains: ptxas, ldconfig; without CUDA it is guarded)."""
+    CUDA is (there the GPU toolchains start processes: Triton runs ptxas, and ldconfig to find libcuda; without CUDA
+    a GPU check is guarded like any other test)."""
     if "spawns" in item.keywords:
         return False
     return "gpu" not in item.keywords or not _cuda_available()
