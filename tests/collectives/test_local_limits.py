@@ -39,7 +39,7 @@ def test_more_ranks_than_open_files_are_refused_naming_the_limit():
 
 
 def test_the_command_line_says_it_in_one_line_and_starts_nothing(capsys):
-    """The refusal comes before the first rank is started (the no-process tier fails any test that starts one)."""
+    """The refusal comes before the first rank is started (an unmarked test that starts one fails: conftest)."""
     with open_files_limit(256):
         rc = run(build_parser([cli.register], "collectives"), ["bench", "collectives", "--world-size", "300"])
     err = capsys.readouterr().err

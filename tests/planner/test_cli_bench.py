@@ -7,7 +7,7 @@ import json
 
 import numpy as np
 import pytest
-import torch  # at collection: torch's first import asks ldconfig, a process the no-process tier refuses in a test
+import torch  # at collection: torch's first import asks ldconfig, a process conftest refuses in an unmarked test
 
 from planner import cli
 
