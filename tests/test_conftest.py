@@ -62,7 +62,7 @@ def test_an_unmarked_test_that_starts_a_process_fails_in_a_full_run(tmp_path):
 def test_files_run_longest_first_by_their_marks(tmp_path):
     out = _run(tmp_path, "--collect-only", "-q")
     files = list(dict.fromkeys(line.split("::")[0] for line in out.stdout.splitlines() if "::" in line))
-    # test_few_slow: one slow test (15); test_many_quick: 20 x 0.2 = 4; test_processes: 1.5 + 2 x 0.2 = 1.9
+    # c: one slow test (15), a: 20 x 0.2 = 4, b: 1.5 + 2 x 0.2 = 1.9 (pytest alone would go a, b, c)
     assert files == ["test_c_slow.py", "test_a_quick.py", "test_b_processes.py"], out.stdout
 
 
