@@ -179,10 +179,12 @@ def _probe(args) -> int:
     return 1 if result["slow_pairs"] else 0
 
 
+PROBE_MODE, FOLLOW_MODE = "diagnose probe --world-size N", "diagnose --follow"
+FOLDER_MODE = "diagnose of a trace folder"
 DIAGNOSE_MODES = {
-    "diagnose probe --world-size N": ("world_size", "rounds", "nbytes", "inject_link_delay", "json"),
-    "diagnose --follow": ("follow", "interval", "max_seconds"),
-    "diagnose of a trace folder": ("json", "plot", "probe_json", "world_size", "partial", "rank_from"),
+    PROBE_MODE: ("world_size", "rounds", "nbytes", "inject_link_delay", "json"),
+    FOLLOW_MODE: ("follow", "interval", "max_seconds"),
+    FOLDER_MODE: ("json", "plot", "probe_json", "world_size", "partial", "rank_from"),
 }
 """The flags each way of running ``diagnose`` reads; any other flag given is an error, not silently dropped
 (``--follow --json f`` wrote nothing, ``--interval`` without ``--follow`` did nothing)."""
@@ -201,17 +203,17 @@ def _unused_flags(args, mode: str) -> str | None:
 def _diagnose_mode(args) -> str:
     """Which way of running ``diagnose`` the flags ask for (a key of ``DIAGNOSE_MODES``)."""
     if args.trace_dir == "probe" and args.world_size is not None:
-        return "diagnose probe --world-size N"
-    return "diagnose --follow" if args.follow else "diagnose of a trace folder"
+        return PROBE_MODE
+    return FOLLOW_MODE if args.follow else FOLDER_MODE
 
 
 def _diagnose(args) -> int:
     mode = _diagnose_mode(args)
     if problem := _unused_flags(args, mode):
         return _err(problem)
-    if mode == "diagnose probe --world-size N":
+    if mode == PROBE_MODE:
         return _probe(args)
-    if args.follow:  # the job may not have created the folder yet: Tail waits for it
+    if mode == FOLLOW_MODE:  # the job may not have created the folder yet: Tail waits for it
         interval = 1.0 if args.interval is None else args.interval
         if problem := seconds_problem(interval):
             return _err(f"--interval: {problem}")
