@@ -10,7 +10,7 @@ import argparse
 import re
 import sys
 
-from moonep_base import memory_bytes, write_json
+from moonep_base import MAX_SIZE, memory_bytes, write_json
 
 
 def register(commands: argparse._SubParsersAction, bench: argparse._SubParsersAction) -> None:
@@ -62,7 +62,6 @@ def bench_kda(args: argparse.Namespace) -> int:
 
 _NO_MEMORY = "can't allocate memory"
 """torch's CPU allocator's words for a failed allocation (a RuntimeError; ``--chunk-size 5000`` asks 125 GB)."""
-MAX_SIZE = 2**31 - 1
 
 
 def _no_memory(exc: BaseException) -> str:

@@ -35,6 +35,7 @@ from moonep_base.lazy import lazy_exports
 
 __all__ = [
     "MAX_SECONDS",
+    "MAX_SIZE",
     "JobFailed",
     "UsageError",
     "build_parser",
@@ -50,6 +51,9 @@ __all__ = [
 MAX_SECONDS = 365 * 86400
 """Longest wait in seconds a flag or a call takes, a year: ``threading``'s waits and gloo's clock overflow before
 infinity (``--timeout inf`` and ``--interval 1e300`` were tracebacks)."""
+MAX_SIZE = 2**31 - 1
+"""Largest size a flag or a config field takes (widths, counts, lengths, chunk sizes): far above any model, far
+below float overflow and within the int32 indexing of the kernels that receive it."""
 
 
 def memory_bytes() -> int:

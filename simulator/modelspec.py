@@ -11,11 +11,10 @@ from __future__ import annotations
 from dataclasses import MISSING, asdict, fields
 from functools import lru_cache
 
+from moonep_base import MAX_SIZE
 from simulator.field_checks import frozen_config
 
 ATTENTION_KINDS = ("mha", "mla")
-MAX_SIZE = 2**31 - 1
-"""Largest size a spec field takes (widths, counts, lengths): far above any model, far below float overflow."""
 MAX_TOKENS = 2**53
 """Largest token count a job takes (its global batch): every count up to it is exact as a float."""
 
