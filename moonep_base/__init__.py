@@ -15,6 +15,8 @@ It holds what every package shares:
 - ``memory_bytes``: the memory a new job can have here, which benchmarks check their sizes against before any work.
 - ``seconds_problem``: the one rule for a wait a user gives in seconds (a collective timeout, a sampling or polling
   period): a number in (0, a year]. Past a year a thread's wait and gloo's timers overflow.
+- ``MAX_SIZE``: the largest size a flag or a config field takes (``2**31 - 1``), for the simulator's specs and the
+  benchmarks' size flags alike.
 - ``lazy_exports`` (``moonep_base.lazy``): the PEP 562 ``__getattr__`` / ``__dir__`` pair that lets a package's
   public names resolve on first use, so ``import <package>.cli`` stays light.
 
