@@ -55,7 +55,7 @@ MAX_SECONDS = 365 * 86400
 infinity (``--timeout inf`` and ``--interval 1e300`` were tracebacks)."""
 MAX_SIZE = 2**31 - 1
 """Largest size a flag or a config field takes (widths, counts, lengths, chunk sizes): far above any model, far
-below float overflow and within the int32 indexing of the kernels that receive it."""
+below float overflow."""
 
 
 def memory_bytes() -> int:
