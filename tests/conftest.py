@@ -42,7 +42,12 @@ FAST_ENV = "MOONEP_TEST_FAST"
 # subprocesses) fork from one forkserver that imported these once, instead of each importing torch anew (about 1 s
 # per rank per job; collectives/warm_start.py). Still a fresh process per rank per job. The launcher's own tests
 # (tests/collectives/test_launchers.py, test_failures.py) also run the default, spawn. Set it empty to spawn all.
-os.environ.setdefault("MOONEP_LAUNCH_PRELOAD", "torch,numpy,collectives,planner,moonep,cp_kda,k3")
+# torch._dynamo: a rank that builds a torch.optim optimizer imports it (Optimizer.__init__ is wrapped by
+# torch._disable_dynamo), about 1 s per rank; matplotlib.pyplot: a training job's rank 0 draws its plots. With both,
+# tests/k3's spawning tests ran in 91 and 95 s against 131 and 123 s (2 workers, alternating order).
+os.environ.setdefault(
+    "MOONEP_LAUNCH_PRELOAD", "torch,torch._dynamo,numpy,matplotlib.pyplot,collectives,planner,moonep,cp_kda,k3"
+)
 
 # The device planner's numba-cuda kernel runs under numba's CUDA simulator unless a run asks for the real GPU
 # (`make gpu-check` sets NUMBA_ENABLE_CUDASIM=0). numba reads this once, at import: set it before any test
