@@ -21,7 +21,7 @@ norm output (the router's bf16 GEMM keeps it; the shared expert's fp8 copy comes
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from simulator.modelspec import ModelSpec, blocks
 
@@ -135,7 +135,9 @@ def moe_terms(spec: ModelSpec) -> list[ActTerm]:
         ]
     if spec.shared_expert_gate:  # sigmoid(x w) [1] and the shared output it scales (not measured)
         out.append(_t("shared_gate", 2 * h + 4))
-    return out
+    # Megatron's "moe" recompute checkpoints the whole MoE layer: it keeps the layer's input (the norm output, a
+    # common term) and none of these
+    return [replace(t, removed_by=(*t.removed_by, "moe")) for t in out]
 
 
 def dense_ffn_terms(spec: ModelSpec) -> list[ActTerm]:

@@ -21,6 +21,7 @@ from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 from simulator.layers import KDA_CHUNK
 from simulator.modelspec import ModelSpec
@@ -323,23 +324,33 @@ def _ffn(spec: ModelSpec, kind: str, p: dict, x: torch.Tensor, moe_probs: str) -
     return out
 
 
-def layer_forward(spec: ModelSpec, kind: tuple[str, str], p: dict, x: torch.Tensor, moe_probs: str = "swiglu"):
-    """One pre-norm layer on tokens ``x`` [n, H]: x + attn(norm(x)), then + ffn(norm(.))."""
+CHECKPOINTED_FFN = {"dense": "mlp", "moe": "moe"}
+"""Megatron's recompute module that checkpoints a whole FFN block of each kind (normal checkpointing: the block
+keeps only its input and runs again in the backward)."""
+
+
+def layer_forward(spec: ModelSpec, kind: tuple, p: dict, x: torch.Tensor, moe_probs="swiglu", checkpoint_ffn=False):
+    """One pre-norm layer on tokens ``x`` [n, H]: x + attn(norm(x)), then + ffn(norm(.)); ``checkpoint_ffn`` runs
+    the FFN block as Megatron's ``tensor_parallel.checkpoint`` does (a reentrant checkpoint: inputs saved, the
+    forward without autograd)."""
     with term("norm_in"):
         h = _RMSNorm.apply(x, p["n1"])
     x = x + _attention(spec, kind[0], p, label(h, "attn_norm_out"))
     with term("norm_in"):
         h = _RMSNorm.apply(x, p["n2"])
-    return x + _ffn(spec, kind[1], p, label(h, "ffn_norm_out"), moe_probs)
+    args = (spec, kind[1], p, label(h, "ffn_norm_out"), moe_probs)
+    return x + (torch.utils.checkpoint.checkpoint(_ffn, *args, use_reentrant=True) if checkpoint_ffn else _ffn(*args))
 
 
-def measure_layer(spec: ModelSpec, kind: tuple[str, str], tokens: int = 16, moe_probs: str = "swiglu") -> dict:
-    """Saved bytes per token by term of one stand-in layer of ``spec`` over ``tokens`` tokens."""
+def measure_layer(spec: ModelSpec, kind: tuple[str, str], tokens=16, moe_probs="swiglu", recompute_modules=()) -> dict:
+    """Saved bytes per token by term of one stand-in layer of ``spec`` over ``tokens`` tokens; of the
+    ``recompute_modules``, the FFN block's checkpoint (``CHECKPOINTED_FFN``) is run, the others ignored."""
     torch.manual_seed(0)
     p = build_params(spec, kind)
     x = torch.randn(tokens, spec.hidden, dtype=torch.bfloat16, requires_grad=True)
+    checkpoint_ffn = CHECKPOINTED_FFN.get(kind[1]) in recompute_modules
     with SavedCounter(p.values()) as saved:
-        out = layer_forward(spec, kind, p, x, moe_probs)
+        out = layer_forward(spec, kind, p, x, moe_probs, checkpoint_ffn)
     del out
     return {name: b / tokens for name, b in saved.bytes.items()}
 
@@ -370,10 +381,11 @@ def scaled(spec: ModelSpec, m: int, base: int = 64) -> ModelSpec:
     )
 
 
-def fit(spec: ModelSpec, kind: tuple[str, str], widths=(1, 2, 3), base: int = 64, moe_probs: str = "swiglu"):
+def fit(spec: ModelSpec, kind: tuple[str, str], widths=(1, 2, 3), base: int = 64, **options):
     """Per term: bytes per token at ``spec``'s own widths, linear from the first two ``widths`` (each ``m / base``
-    of the real widths), and the worst relative miss of that line at the third width."""
-    runs = [measure_layer(scaled(spec, m, base), kind, moe_probs=moe_probs) for m in widths]
+    of the real widths), and the worst relative miss of that line at the third width; ``options`` go to
+    ``measure_layer`` (``moe_probs``, ``recompute_modules``)."""
+    runs = [measure_layer(scaled(spec, m, base), kind, **options) for m in widths]
     out, worst = {}, 0.0
     for name in set().union(*runs):
         y = [r.get(name, 0.0) for r in runs]
@@ -385,4 +397,4 @@ def fit(spec: ModelSpec, kind: tuple[str, str], widths=(1, 2, 3), base: int = 64
     return out, worst
 
 
-__all__ = ["SavedCounter", "fit", "label", "layer_forward", "measure_layer", "scaled", "term"]
+__all__ = ["CHECKPOINTED_FFN", "SavedCounter", "fit", "label", "layer_forward", "measure_layer", "scaled", "term"]

@@ -223,10 +223,15 @@ def _recipe_terms(spec, hw, par, kind, t, f, b, s2, scale, roof, dense_f) -> Non
     # recomputed GEMMs run at the layer's own dense GEMM rate (``dense_f``: its forward GEMM seconds, from shapes)
     gemm_rate = t * st.gemm_flops / par.tp / dense_f if dense_f > 0 else roof.peak * roof.ceiling
     b["recompute"] = _recompute(par, f, s2) + _module_recompute(par, st, t, gemm_rate)
+    rerun_moe = kind[1] == "moe" and par.recompute != "full" and par.recomputes("moe")
+    if rerun_moe:  # the whole MoE layer again (its dense GEMMs are above): routed experts, bookkeeping, dispatch and
+        # combine, and its activation function (a tenth of the elementwise bytes, as ``moe_act``)
+        redo_act = 0.1 * (f["elementwise"] - s2)
+        b["recompute"] += f["grouped_gemm"] + f["imbalance"] + f["moe_fixed"] + f["ep"] + redo_act
     if kind[1] == "moe" and hw.host is None and not par.fused_expert_mlp:  # Megatron's eager expert epilogue
         fwd, bwd, redo = eager_expert_bytes(spec)
         per_byte = t / par.tp * spec.top_k * _capacity(par)[0] / hbm  # seconds per byte of each routed copy
-        redo = fwd if par.recompute == "full" else redo if par.recomputes("moe_act") else 0.0
+        redo = fwd if par.recompute == "full" else fwd * rerun_moe + redo * par.recomputes("moe_act")
         f["elementwise"] += per_byte * fwd
         b["elementwise"] += per_byte * bwd
         b["recompute"] += per_byte * redo

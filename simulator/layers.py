@@ -216,6 +216,11 @@ def _modules(spec: ModelSpec, kind: tuple[str, str], terms: tuple[ActTerm, ...])
         out.append(("moe_act", dropped("moe_act"), 0.0))
         if fs:
             out.append(("shared_experts", dropped("shared_experts"), 2.0 * (spec.expert_fc1 + 1) * h * fs))
+        # Megatron's "moe": the whole layer re-run from its saved input; these are its dense GEMMs (router, shared
+        # experts, LatentMoE projections), the routed experts' grouped GEMMs are priced with them in ``costs``
+        lat = spec.moe_latent_dim
+        dense = spec.num_experts * h + (spec.expert_fc1 + 1) * h * fs + 2 * h * lat
+        out.append(("moe", dropped("moe"), 2.0 * dense))
     return tuple(out)
 
 

@@ -16,8 +16,9 @@ from simulator.layers import RECOMPUTE_MODES
 from simulator.modelspec import MAX_SIZE, MAX_TOKENS, ModelSpec
 
 SCHEDULES = ("1f1b", "interleaved", "dualpipe")
-RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp", "mlp_act", "moe_act", "mla_up_proj", "shared_experts")
-"""Megatron ``--recompute-modules`` names priced here (``mlp_act``: the dense FFN activation function)."""
+RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp", "mlp_act", "moe", "moe_act", "mla_up_proj", "shared_experts")
+"""Megatron ``--recompute-modules`` names priced here (``mlp`` / ``moe``: the whole dense MLP / MoE layer re-run from
+its input; ``mlp_act``, not a Megatron name: the dense FFN activation function)."""
 DISPATCHERS = ("moonep", "classic", "deepep")
 PRECISIONS = ("bf16", "fp8")
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from k3.attnres import attn_res_mix
-from simulator.calibrate_activations import SavedCounter, fit, measure_layer, scaled
+from simulator.calibrate_activations import CHECKPOINTED_FFN, SavedCounter, fit, measure_layer, scaled
 from simulator.hardware import load_hardware
 from simulator.layers import layer_stats
 from simulator.memory import mtp_act_bytes, rank_memory, saved_bytes_per_token
@@ -96,6 +96,30 @@ def test_fp8_and_recompute_remove_each_term_once(modules):
     terms = {t.name: t for t in st.act_terms}
     assert terms["ffn_norm_out"].fp8 == terms["ffn_norm_out"].nbytes  # the router's bf16 GEMM keeps it
     assert terms["expert_act_in"].fp8 == terms["expert_act_in"].nbytes  # SwiGLU runs in bf16
+
+
+@pytest.mark.parametrize(
+    "model,kind,base",
+    [("deepseek-v3", ("mla", "moe"), 32), ("llama3-405b", ("mha", "dense"), 8), ("k3", ("kda", "moe"), 32)],
+)
+def test_a_checkpointed_ffn_block_keeps_only_its_input(model, kind, base):
+    """Megatron's ``moe`` / ``mlp`` recompute modules checkpoint the whole FFN block (``tensor_parallel.checkpoint``:
+    its input saved, its forward run without autograd): measured that way, the terms that disappear are exactly
+    the ones the simulator drops for the module, the rest keep their bytes, and the layer's total is the measured
+    one."""
+    module = CHECKPOINTED_FFN[kind[1]]
+    spec = load_model(model)
+    plain, _ = fit(spec, kind, base=base)
+    kept, worst = fit(spec, kind, base=base, recompute_modules=(module,))
+    assert worst < 0.01
+    st = layer_stats(spec, kind)
+    dropped = {t.name for t in st.act_terms if module in t.removed_by and t.when in ("", "flash") and t.nbytes}
+    assert {n for n, b in plain.items() if b} - {n for n, b in kept.items() if b} == dropped
+    assert all(kept[n] == pytest.approx(plain[n]) for n in kept if kept[n])
+    par = replace(PAR, recompute_modules=(module,))
+    total = saved_bytes_per_token(spec, par, st, flash=True) - st.act_attn_res + st.mla_kv
+    assert total == pytest.approx(sum(kept.values()), rel=0.01)
+    assert total < saved_bytes_per_token(spec, PAR, st, flash=True) - st.act_attn_res + st.mla_kv
 
 
 @pytest.mark.parametrize("cache,per_elem", [("e5m6", 1.5), ("fp8", 1.0)])

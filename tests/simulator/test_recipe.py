@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from simulator import ParallelConfig, simulate
-from simulator.costs import chunk_cost, node_dedup, steady_fraction
+from simulator.costs import _layer, chunk_cost, node_dedup, steady_fraction
 from simulator.gemm_shapes import roof_for, shared_expert_seconds
 from simulator.hardware import load_hardware
 from simulator.inflight import inflight_chunks
@@ -83,11 +83,34 @@ def test_recompute_modules_and_offload_cost_time():
     assert abs(sum(off.breakdown.values()) - off.step_time_s) < 1e-6 * off.step_time_s
 
 
+def test_moe_recompute_reruns_the_whole_moe_layer_forward():
+    """Megatron's ``moe`` recompute module re-runs the MoE layer in the backward: at least its routed experts,
+    bookkeeping and exposed dispatch/combine forward, at most the layer's whole forward (what full recompute adds);
+    a dense layer does not change, and the rank keeps fewer activations."""
+    tiers = cluster_tiers(1024, H100, ClusterSpec())
+    moe = replace(BASE, recompute_modules=("moe",))
+    t = BASE.micro_batch * BASE.seq_len
+    f, b, _, _ = _layer(DSV3, H100, BASE, ("mla", "moe"), t, tiers, 1.0, (1.0, 1.0, 1.0))
+    _, b_moe, _, _ = _layer(DSV3, H100, moe, ("mla", "moe"), t, tiers, 1.0, (1.0, 1.0, 1.0))
+    _, b_full, _, _ = _layer(
+        DSV3, H100, replace(BASE, recompute="full"), ("mla", "moe"), t, tiers, 1.0, (1.0, 1.0, 1.0)
+    )
+    extra = b_moe["recompute"] - b["recompute"]
+    assert f["grouped_gemm"] + f["moe_fixed"] + f["ep"] < extra < b_full["recompute"] - f["attention"]
+    dense = [_layer(DSV3, H100, p, ("mla", "dense"), t, tiers, 1.0, (1.0, 1.0, 1.0))[1] for p in (BASE, moe)]
+    assert dense[0] == dense[1]
+    assert rank_memory(DSV3, H100, moe, 1)["activations"] < rank_memory(DSV3, H100, BASE, 1)["activations"]
+    res, more = simulate(DSV3, H100, BASE, 1024), simulate(DSV3, H100, moe, 1024)
+    assert more.breakdown["recompute"] > res.breakdown["recompute"] and more.step_time_s > res.step_time_s
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     model=st.sampled_from(["deepseek-v3", "llama3-70b", "k3"]),
     recompute=st.sampled_from(["none", "selective", "selective+act", "full"]),
-    modules=st.sampled_from([(), ("layernorm",), ("mla_up_proj", "moe_act"), ("layernorm", "mlp_act", "moe_act")]),
+    modules=st.sampled_from(
+        [(), ("layernorm",), ("mla_up_proj", "moe_act"), ("layernorm", "mlp_act", "moe_act"), ("moe", "mlp")]
+    ),
     fp8=st.booleans(),
     store=st.booleans(),
     fraction=st.sampled_from([0.25, 0.5, 1.0]),
