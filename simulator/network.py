@@ -18,12 +18,12 @@ group of ``n`` ranks with rank stride ``st`` has ``k`` members per node and ``l`
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 import networkx as nx
 
-from simulator.hardware import HardwareSpec
+from simulator.hardware import Efficiency, HardwareSpec
 from simulator.modelspec import MAX_SIZE
 
 TOPOLOGIES = ("rail", "fat-tree")
@@ -95,11 +95,17 @@ def tiers_from_graph(g: nx.Graph, hw: HardwareSpec, gpu: int = 0) -> tuple[float
 
 
 @lru_cache(maxsize=64)
+def _graph_tiers(num_gpus: int, hw: HardwareSpec, cluster: ClusterSpec) -> tuple[float, float, float]:
+    """``tiers_from_graph`` of a healthy cluster (the tiers repeat: 2 leaves are built)."""
+    small = min(num_gpus, hw.gpus_per_node * cluster.nodes_per_leaf * 2)
+    return tiers_from_graph(build_graph(small, hw, cluster), hw)
+
+
+@lru_cache(maxsize=64)
 def cluster_tiers(num_gpus: int, hw: HardwareSpec, cluster: ClusterSpec) -> Tiers:
-    """Achieved tier bandwidths for a healthy cluster (cached: the search calls it per config)."""
-    small = min(num_gpus, hw.gpus_per_node * cluster.nodes_per_leaf * 2)  # the tiers repeat: build 2 leaves
-    g = build_graph(small, hw, cluster)
-    bw0, bw1, bw2 = tiers_from_graph(g, hw)
+    """Achieved tier bandwidths for a healthy cluster (cached: the search calls it per config; the graph is cached
+    on the hardware without its efficiencies, which it does not read, so a fit's trials share one)."""
+    bw0, bw1, bw2 = _graph_tiers(num_gpus, replace(hw, efficiency=Efficiency(), host=None), cluster)
     eff = hw.efficiency
     return Tiers(
         bw=(bw0 * eff.nvlink, bw1 * eff.network, bw2 * eff.network),

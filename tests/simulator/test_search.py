@@ -70,6 +70,7 @@ def test_search_simulates_only_what_the_cheap_checks_pass(monkeypatch):
         and sum(peak_memory(spec, hw, p)[1].values()) <= hw.hbm_gib * GIB
     ]
     network.cluster_tiers.cache_clear()
+    network._graph_tiers.cache_clear()
     _replicas.cache_clear()
     simulated = _counting(monkeypatch, search_module, "simulate")
     graphs = _counting(monkeypatch, network, "build_graph")
