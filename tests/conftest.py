@@ -103,6 +103,10 @@ def pytest_configure(config):
     # under ~/.cache/matplotlib: ask before the guard, or a fresh machine's first plotting test reads as spawning
     import matplotlib.font_manager  # noqa: F401
 
+    # torch's first import runs ldconfig (cuda.pathfinder looks for libdl): a test whose code imports torch lazily
+    # (the console's subcommands do) read as spawning when its file ran alone, before any module had imported it
+    import torch  # noqa: F401
+
     popen_init, process_start = subprocess.Popen.__init__, multiprocessing.process.BaseProcess.start
 
     def refuse(original):
