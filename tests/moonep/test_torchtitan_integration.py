@@ -20,19 +20,12 @@ import torch
 import torch.nn.functional as Fn
 
 from collectives import launch
+from tests.moonep.titan import integration as _tt
 
 if sys.version_info < (3, 11):  # torchtitan 0.3 needs Python >= 3.11; make test installs it there, and only there
     pytest.skip("torchtitan 0.3 requires Python >= 3.11 (make test installs it on 3.11+)", allow_module_level=True)
 
 V, D, HD, E, K, L, B, LR, TOL = 64, 16, 8, 8, 2, 5, 2, 0.5, 1e-5
-
-
-def _tt():
-    """``moonep.integrations.torchtitan``, imported by the test that runs it, not by pytest collecting every file
-    (torchtitan takes 3.5 s to import). On 3.11+ a missing install fails the test: no skip."""
-    from moonep.integrations import torchtitan  # heavy: torchtitan imports its attention kernels (triton)
-
-    return torchtitan
 
 
 def _config():

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from collectives import launch
+from tests.moonep.titan import integration as _tt
 
 if sys.version_info < (3, 11):  # torchtitan 0.3 needs Python >= 3.11; make test installs it there, and only there
     pytest.skip("torchtitan 0.3 requires Python >= 3.11 (make test installs it on 3.11+)", allow_module_level=True)
@@ -17,14 +18,6 @@ if sys.version_info < (3, 11):  # torchtitan 0.3 needs Python >= 3.11; make test
 pytestmark = pytest.mark.spawns  # every test here starts processes: make test-fast leaves them out
 
 E, LAYERS, SEED = 64, 2, 0
-
-
-def _tt():
-    """``moonep.integrations.torchtitan``, imported by the test that runs it, not by pytest collecting every file
-    (torchtitan takes 3.5 s to import). On 3.11+ a missing install fails the test: no skip."""
-    from moonep.integrations import torchtitan  # heavy: torchtitan imports its attention kernels (triton)
-
-    return torchtitan
 
 
 def _config():
