@@ -6,6 +6,7 @@ of the wrong sign, size or type for each."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import json
 import warnings
@@ -24,7 +25,10 @@ NOT_READ = ("model_type", "architectures", "transformers_version", "dtype", "tor
 BROKEN = st.sampled_from([0, -1, 1, 3, 10**15, 1.5, float("nan"), float("inf"), "x", "8", None, True, [], [1, 2], {}])
 
 
-def _read_defaults() -> dict[str, dict]:
+@functools.cache
+def defaults() -> dict[str, dict]:
+    """transformers' default config of each family, built by the first test that needs them (about 3 s: not at
+    collection, where every worker would pay it)."""
     out = {}
     for kind in FAMILIES:
         with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
@@ -33,12 +37,9 @@ def _read_defaults() -> dict[str, dict]:
     return out
 
 
-DEFAULTS = _read_defaults()  # at collection: transformers' first config import asks ldconfig (a process)
-
-
 @st.composite
 def broken_configs(draw) -> dict:
-    cfg = dict(DEFAULTS[draw(st.sampled_from(FAMILIES))])
+    cfg = dict(defaults()[draw(st.sampled_from(FAMILIES))])
     fields = sorted(k for k, v in cfg.items() if k not in NOT_READ and not isinstance(v, (dict, bool, str)))
     for key in draw(st.lists(st.sampled_from(fields), min_size=1, max_size=3, unique=True)):
         cfg[key] = draw(BROKEN)
@@ -70,7 +71,7 @@ def test_a_broken_config_loads_or_is_a_value_error(cfg: dict):
 def test_fields_that_once_escaped_as_tracebacks_are_named_exit_2(tmp_path, capsys, family, change, named):
     """A zero head count divided the hidden size, a non-numeric ``mamba_dt_rank`` was compared with 1."""
     path = tmp_path / "config.json"
-    path.write_text(json.dumps(DEFAULTS[family] | change))
+    path.write_text(json.dumps(defaults()[family] | change))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         rc = main(["simulate", "run", "--model", str(path), "--gpus", "8"])
