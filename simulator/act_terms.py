@@ -173,9 +173,24 @@ def kda_terms(spec: ModelSpec, chunk: int) -> list[ActTerm]:
     ]
 
 
+def mamba2_terms(spec: ModelSpec) -> list[ActTerm]:
+    """A Mamba-2 mixer as Megatron trains it (``MambaMixer._ssm_training``): mamba_ssm's fused
+    ``mamba_split_conv1d_scan_combined`` keeps the in-projection's output ``zxbcdt`` and the scan's ungated output
+    (its backward recomputes the convolution); the grouped RMSNorm after it keeps its input (the gated output) and an
+    fp32 rstd per group; the out-projection its input. ``Di`` inner width, ``G`` groups of state ``N``, ``nh``
+    heads. The in-projection's own input is the layer's norm output (a common term)."""
+    di, g, n, nh = spec.mamba_inner, spec.mamba_groups, spec.mamba_d_state, spec.mamba_heads
+    return [
+        _t("mamba_in_proj_out", 2 * (2 * di + 2 * g * n + nh)),
+        _t("mamba_scan_out", 2 * di),
+        _t("mamba_norm_in", 2 * di + 4 * g),
+        _t("mamba_out_proj_in", 2 * di, fp8=di),
+    ]
+
+
 def recurrent_terms(par_bytes: float, fn_bytes: float, name: str) -> list[ActTerm]:
-    """Mamba mixers (not measured: no fused-kernel stand-in yet): projections and state inputs, and the
-    convolution / activation outputs ``selective+act`` recomputes."""
+    """Mamba-1 mixers (HF ``JambaMambaMixer``; not measured: no fused-kernel stand-in): projections and state
+    inputs, and the convolution / activation outputs ``selective+act`` recomputes."""
     return [_t(name, par_bytes - fn_bytes), _t(f"{name}_act", fn_bytes, removed_by=("selective+act",))]
 
 
@@ -186,6 +201,7 @@ __all__ = [
     "common_terms",
     "dense_ffn_terms",
     "kda_terms",
+    "mamba2_terms",
     "moe_terms",
     "recurrent_terms",
 ]

@@ -1,213 +1,52 @@
 """Measure what a layer keeps for its backward, term by term, on CPU (the check behind ``simulator.act_terms``).
 
-Stand-in layers (a Llama-style GQA + SwiGLU layer, a DeepSeek-V3-style MLA + MoE layer, any ``ModelSpec`` softmax
-layer kind) are written with custom autograd Functions that keep exactly what the fused GPU kernels Megatron / TE
-run keep (``act_terms``' module docstring): ``_FlashAttn`` q, k, v, o and the fp32 lse; ``_RMSNorm`` its input and
-an fp32 rstd per row; ``_SwiGLU`` its input ``[n, 2F]`` (and the probability when it multiplies inside);
-``_Rope`` nothing; ``_Permute`` an int32 row map. GEMMs are ``F.linear`` (autograd keeps the input and the weight).
-
-``SavedCounter`` runs a forward under ``torch.autograd.graph.saved_tensors_hooks``: every storage autograd keeps is
-counted once (``untyped_storage().data_ptr()``, whole ``nbytes()``), parameters and views of them not at all, and
-charged to a term: the label a stand-in put on the tensor (``label``), else the innermost ``term`` block running.
-Forward only: the Functions' backwards are not needed to count what they keep.
+Stand-in layers (a Llama-style GQA + SwiGLU layer, a DeepSeek-V3-style MLA + MoE layer, a Megatron Mamba-2
+mixer, any ``ModelSpec`` softmax layer kind) are built from ``simulator.fused_standins``' autograd Functions, which
+keep exactly what the fused GPU kernels keep: ``FlashAttn`` q, k, v, o and the fp32 lse; ``RMSNorm`` its input and
+an fp32 rstd per row; ``SwiGLU`` its input ``[n, 2F]`` (and the probability when it multiplies inside); ``Rope``
+nothing; ``Permute`` an int32 row map. GEMMs are ``F.linear`` (autograd keeps the input and the weight).
 
 This module imports torch: only tests and a CLI load it; the planner never does.
 """
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
+from simulator.fused_standins import (
+    ChunkKDA,
+    FlashAttn,
+    GroupRMSNorm,
+    MambaSplitConv1dScan,
+    Permute,
+    RMSNorm,
+    RMSNormGated,
+    Rope,
+    SavedCounter,
+    ShortConv,
+    SwiGLU,
+    Unpermute,
+    label,
+    term,
+)
 from simulator.layers import KDA_CHUNK
 from simulator.modelspec import ModelSpec
-
-_ACTIVE: list[SavedCounter] = []
-
-
-class SavedCounter:
-    """Context manager: ``bytes[term]`` every storage saved for backward during the block, each once."""
-
-    def __init__(self, params) -> None:
-        self.bytes: dict[str, int] = {}
-        self._params = {p.untyped_storage().data_ptr() for p in params}
-        self._seen: set[int] = set()
-        self._labels: dict[int, str] = {}
-        self._stack: list[str] = ["other"]
-        self._keep: list[torch.Tensor] = []  # saved tensors stay alive: no address is reused while counting
-
-    def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        ptr = storage.data_ptr()
-        if ptr in self._params or ptr in self._seen or storage.nbytes() == 0:
-            return t
-        self._seen.add(ptr)
-        self._keep.append(t)
-        name = self._labels.get(ptr, self._stack[-1])
-        self.bytes[name] = self.bytes.get(name, 0) + storage.nbytes()
-        return t
-
-    def __enter__(self) -> SavedCounter:
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
-        self._hooks.__enter__()
-        _ACTIVE.append(self)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        _ACTIVE.pop()
-        self._hooks.__exit__(*exc)
-
-
-def label(t: torch.Tensor, name: str) -> torch.Tensor:
-    """Charge ``t``'s storage to term ``name`` when it is saved (whoever saves it)."""
-    if _ACTIVE:
-        _ACTIVE[-1]._labels.setdefault(t.untyped_storage().data_ptr(), name)
-    return t
-
-
-@contextlib.contextmanager
-def term(name: str):
-    """Storages first saved inside the block (and not labelled) are charged to ``name``."""
-    if not _ACTIVE:
-        yield
-        return
-    _ACTIVE[-1]._stack.append(name)
-    try:
-        yield
-    finally:
-        _ACTIVE[-1]._stack.pop()
-
-
-class _RMSNorm(torch.autograd.Function):
-    """Fused RMSNorm: keeps its input and an fp32 rstd per row."""
-
-    @staticmethod
-    def forward(ctx, x, w):
-        xf = x.float()
-        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)
-        ctx.save_for_backward(x, w, rstd)
-        return (xf * rstd).to(x.dtype) * w
-
-
-class _FlashAttn(torch.autograd.Function):
-    """Flash attention (causal): keeps q, k, v [n, heads, d], its output o and the fp32 lse [heads, n]."""
-
-    @staticmethod
-    def forward(ctx, q, k, v):
-        n, nh = q.shape[0], q.shape[1]
-        rep = nh // k.shape[1]
-        qh, kh, vh = q.transpose(0, 1).float(), k.transpose(0, 1).float(), v.transpose(0, 1).float()
-        kh, vh = kh.repeat_interleave(rep, 0), vh.repeat_interleave(rep, 0)
-        s = qh @ kh.transpose(1, 2) / q.shape[-1] ** 0.5
-        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
-        lse = torch.logsumexp(s, -1)  # [heads, n] fp32
-        o = (torch.exp(s - lse.unsqueeze(-1)) @ vh).transpose(0, 1).contiguous().to(q.dtype)
-        label(o, "attn_out")
-        label(lse, "lse")
-        ctx.save_for_backward(q, k, v, o, lse)
-        return o
-
-
-class _Rope(torch.autograd.Function):
-    """Fused RoPE (+ split): writes each output as its own contiguous tensor, keeps nothing (cos/sin are fixed)."""
-
-    @staticmethod
-    def forward(ctx, *parts):
-        return tuple(p.contiguous().clone() for p in parts)
-
-
-class _SwiGLU(torch.autograd.Function):
-    """SwiGLU over ``[n, 2F]`` (gate half first), optionally times a per-row probability (``weighted_bias_swiglu``):
-    keeps its input and the probability."""
-
-    @staticmethod
-    def forward(ctx, x, probs=None):
-        g, u = x.float().chunk(2, -1)
-        y = F.silu(g) * u
-        if probs is not None:
-            y = y * probs.unsqueeze(-1)
-        ctx.save_for_backward(x, probs)
-        return y.to(x.dtype)
-
-
-class _Permute(torch.autograd.Function):
-    """Fused permutation of tokens [n, d] and probabilities [n, K] into expert order [n K, ...]: keeps an int32
-    row map (the un-permutation reuses it)."""
-
-    @staticmethod
-    def forward(ctx, x, probs, order):
-        row_map = order.to(torch.int32)
-        ctx.save_for_backward(row_map)
-        return x[order // probs.shape[1]], probs.reshape(-1)[order], row_map
-
-
-class _Unpermute(torch.autograd.Function):
-    """Sum of each token's routed copies back in token order; with ``probs`` (applied at the combine) keeps the
-    expert output and the probabilities."""
-
-    @staticmethod
-    def forward(ctx, y, row_map, k, probs=None):
-        ctx.save_for_backward(row_map, *(() if probs is None else (y, probs)))
-        w = y.float() if probs is None else y.float() * probs.unsqueeze(-1)
-        out = torch.zeros(y.shape[0] // k, y.shape[1], dtype=torch.float32)
-        out.index_add_(0, row_map.long() // k, w)
-        return out.to(y.dtype)
-
-
-class _ShortConv(torch.autograd.Function):
-    """FLA's fused causal short convolution with SiLU: keeps its input (the taps are a parameter)."""
-
-    @staticmethod
-    def forward(ctx, x, w):
-        ctx.save_for_backward(x, w)
-        n, taps = x.shape[0], w.shape[1]
-        pad = torch.cat([x.new_zeros(taps - 1, x.shape[1]), x]).float()
-        return F.silu(sum(pad[i : i + n] * w[:, i].float() for i in range(taps))).to(x.dtype)
-
-
-class _ChunkKDA(torch.autograd.Function):
-    """FLA ``chunk_kda`` with the l2norm, gate and beta sigmoid in-kernel, q, k, v, g [n, h, d], beta [n, h]:
-    keeps the normalised q, k and their fp32 rstd, v, the raw gate, beta and its fp32 sigmoid, and the bf16
-    ``Aqk``, ``Akk`` [n, h, chunk]."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, g, beta, chunk):
-        q_rstd, k_rstd = (torch.rsqrt(t.float().pow(2).sum(-1) + 1e-6) for t in (q, k))
-        qn, kn = (q.float() * q_rstd[..., None]).to(q.dtype), (k.float() * k_rstd[..., None]).to(k.dtype)
-        b = torch.sigmoid(beta.float())
-        aqk, akk = (q.new_zeros(q.shape[0], q.shape[1], chunk) for _ in range(2))
-        for t in (qn, kn, q_rstd, k_rstd, v):
-            label(t, "kda_qkv")
-        label(aqk, "kda_intra"), label(akk, "kda_intra"), label(b, "kda_beta")
-        ctx.save_for_backward(qn, q_rstd, kn, k_rstd, v, g, beta, b, aqk, akk)
-        return (v.float() * b[..., None]).to(v.dtype)
-
-
-class _RMSNormGated(torch.autograd.Function):
-    """FLA's ``FusedRMSNormGated`` per head (sigmoid gate): keeps its input, the gate and an fp32 rstd per head."""
-
-    @staticmethod
-    def forward(ctx, o, gate, w):
-        rstd = torch.rsqrt(o.float().pow(2).mean(-1) + 1e-6)
-        label(rstd, "kda_out")
-        ctx.save_for_backward(o, gate, w, rstd)
-        return (o.float() * rstd[..., None] * w.float() * torch.sigmoid(gate.float())).to(o.dtype)
 
 
 def _kda(spec: ModelSpec, p: dict, x: torch.Tensor, chunk: int) -> torch.Tensor:
     """FLA's KDA layer (``fla/layers/kda.py``) with K3's full-rank output gate, on norm output ``x`` [n, H]."""
     n, nh, d = x.shape[0], spec.kda_heads, spec.kda_head_dim
-    q, k, v = (_ShortConv.apply(label(F.linear(x, p[w]), "kda_conv_in"), p["c" + w]) for w in ("kq", "kk", "kv"))
+    q, k, v = (ShortConv.apply(label(F.linear(x, p[w]), "kda_conv_in"), p["c" + w]) for w in ("kq", "kk", "kv"))
     g = label(F.linear(label(F.linear(x, p["fa"]), "kda_gate"), p["fb"]), "kda_gate")
     beta = label(F.linear(x, p["b"]), "kda_beta")
     heads = (n, nh, d)
-    o = _ChunkKDA.apply(q.view(heads), k.view(heads), v.view(heads), g.view(heads), beta, chunk)
+    o = ChunkKDA.apply(q.view(heads), k.view(heads), v.view(heads), g.view(heads), beta, chunk)
     gate = label(F.linear(x, p["g"]), "kda_out").view(heads)
-    y = _RMSNormGated.apply(label(o, "kda_out"), gate, p["on"]).reshape(n, nh * d)
+    y = RMSNormGated.apply(label(o, "kda_out"), gate, p["on"]).reshape(n, nh * d)
     return F.linear(label(y, "kda_out_proj_in"), p["o"])
 
 
@@ -221,6 +60,10 @@ def build_params(spec: ModelSpec, kind: tuple[str, str]) -> dict[str, torch.nn.P
     """Weights of one stand-in layer of ``spec`` (bf16; experts as ``[E, out, in]`` stacks)."""
     h, nh = spec.hidden, spec.num_heads
     p = {"n1": _w(h), "n2": _w(h)}
+    if kind[0] == "mamba":
+        di, gn, nh = spec.mamba_inner, spec.mamba_groups * spec.mamba_d_state, spec.mamba_heads
+        p.update(mi=_w(2 * di + 2 * gn + nh, h), mc=_w(di + 2 * gn, spec.mamba_d_conv), mn=_w(di), mo=_w(h, di))
+        return _ffn_params(spec, kind, p)
     if kind[0] == "kda":
         dd, d = spec.kda_heads * spec.kda_head_dim, spec.kda_head_dim
         p.update({w: _w(dd, h) for w in ("kq", "kk", "kv", "g")}, o=_w(h, dd), fa=_w(d, h), fb=_w(dd, d))
@@ -242,6 +85,8 @@ def build_params(spec: ModelSpec, kind: tuple[str, str]) -> dict[str, torch.nn.P
 
 def _ffn_params(spec: ModelSpec, kind: tuple[str, str], p: dict) -> dict[str, torch.nn.Parameter]:
     h = spec.hidden
+    if kind[1] == "none":
+        return p
     if kind[1] == "dense":
         p.update(fc1=_w(2 * spec.ffn_hidden, h), fc2=_w(h, spec.ffn_hidden))
         return p
@@ -259,30 +104,36 @@ def _attention(spec: ModelSpec, kind: str, p: dict, x: torch.Tensor) -> torch.Te
     n, nh = x.shape[0], spec.num_heads
     if kind == "kda":
         return _kda(spec, p, x, KDA_CHUNK)
+    if kind == "mamba":  # Megatron's MambaMixer: in_proj, the fused conv + scan + gate, the grouped norm, out_proj
+        zxbcdt = label(F.linear(x, p["mi"]), "mamba_in_proj_out")
+        y = label(MambaSplitConv1dScan.apply(zxbcdt, p["mc"], spec.mamba_inner), "mamba_norm_in")
+        with term("mamba_norm_in"):
+            y = GroupRMSNorm.apply(y, p["mn"], spec.mamba_groups)
+        return F.linear(label(y, "mamba_out_proj_in"), p["mo"])
     if kind == "mla":
         dn, dr, dv, kvl = spec.qk_nope_dim, spec.qk_rope_dim, spec.v_head_dim, spec.kv_lora_rank
         if spec.q_lora_rank:
             with term("q_lora"):
-                qn = _RMSNorm.apply(F.linear(x, p["qa"]), p["qn"])
+                qn = RMSNorm.apply(F.linear(x, p["qa"]), p["qn"])
             q = F.linear(label(qn, "q_lora_norm_out"), p["qb"])
         else:
             q = F.linear(x, p["q"])
         ckv = F.linear(x, p["kva"])  # [n, kvl + dr]: compressed KV and the shared rope key
         with term("kv_lora"):
-            kvn = _RMSNorm.apply(ckv[:, :kvl], p["kvn"])
+            kvn = RMSNorm.apply(ckv[:, :kvl], p["kvn"])
         kv = F.linear(label(kvn, "kv_lora_norm_out"), p["kvb"]).view(n, nh, dn + dv)
         k = torch.cat([kv[..., :dn], ckv[:, None, kvl:].expand(n, nh, dr)], -1)
         with term("qkv"):
-            q, k, v = _Rope.apply(q.view(n, nh, dn + dr), k, kv[..., dn:])
+            q, k, v = Rope.apply(q.view(n, nh, dn + dr), k, kv[..., dn:])
     else:
         d, kvh = spec.dhead, spec.kv_heads
         qkv = F.linear(x, p["qkv"])
         with term("qkv"):
-            q, k, v = _Rope.apply(*qkv.split([nh * d, kvh * d, kvh * d], -1))
+            q, k, v = Rope.apply(*qkv.split([nh * d, kvh * d, kvh * d], -1))
         q, k, v = q.view(n, nh, d), k.view(n, kvh, d), v.view(n, kvh, d)
     for t in (q, k, v):
         label(t, "qkv")
-    o = _FlashAttn.apply(q, k, v).view(n, -1)
+    o = FlashAttn.apply(q, k, v).view(n, -1)
     if spec.attn_output_gate:
         with term("attn_gate"):
             gated = label(o * torch.sigmoid(F.linear(x, p["g"])), "attn_gated")
@@ -293,7 +144,7 @@ def _attention(spec: ModelSpec, kind: str, p: dict, x: torch.Tensor) -> torch.Te
 def _ffn(spec: ModelSpec, kind: str, p: dict, x: torch.Tensor, moe_probs: str) -> torch.Tensor:
     if kind == "dense":
         with term("ffn_act_in"):
-            a = _SwiGLU.apply(F.linear(x, p["fc1"]))
+            a = SwiGLU.apply(F.linear(x, p["fc1"]))
         return F.linear(label(a, "ffn_act_out"), p["fc2"])
     k = spec.top_k
     with term("router"):  # fp32 sigmoid scores, top-k, normalised gathered scores (DeepSeek-V3's router)
@@ -304,22 +155,22 @@ def _ffn(spec: ModelSpec, kind: str, p: dict, x: torch.Tensor, moe_probs: str) -
     order = idx.reshape(-1).argsort(stable=True)
     xin = F.linear(x, p["down"]) if spec.moe_latent_dim else x
     with term("perm_map"):
-        xp, pp, row_map = _Permute.apply(xin, probs, order)
+        xp, pp, row_map = Permute.apply(xin, probs, order)
     label(pp, "probs")
     counts = torch.bincount(idx.reshape(-1)[order], minlength=spec.num_experts).tolist()
     label(xp, "expert_in")
     with term("expert_act_in"):
         h1 = torch.cat([F.linear(r, p["e1"][e]) for e, r in enumerate(xp.split(counts))])
-        a = _SwiGLU.apply(h1, pp if moe_probs == "swiglu" else None)
+        a = SwiGLU.apply(h1, pp if moe_probs == "swiglu" else None)
     label(a, "expert_act_out")
     y = torch.cat([F.linear(r, p["e2"][e]) for e, r in enumerate(a.split(counts))])
     label(y, "expert_out")
-    out = _Unpermute.apply(y, row_map, k, pp if moe_probs == "combine" else None)
+    out = Unpermute.apply(y, row_map, k, pp if moe_probs == "combine" else None)
     if spec.moe_latent_dim:
         out = F.linear(label(out, "latent_up_in"), p["up"])
     if spec.shared_width:
         with term("shared_act_in"):
-            sa = _SwiGLU.apply(F.linear(x, p["s1"]))
+            sa = SwiGLU.apply(F.linear(x, p["s1"]))
         out = out + F.linear(label(sa, "shared_act_out"), p["s2"])
     return out
 
@@ -333,11 +184,14 @@ def layer_forward(spec: ModelSpec, kind: tuple, p: dict, x: torch.Tensor, moe_pr
     """One pre-norm layer on tokens ``x`` [n, H]: x + attn(norm(x)), then + ffn(norm(.)); ``checkpoint_ffn`` runs
     the FFN block as Megatron's ``tensor_parallel.checkpoint`` does (a reentrant checkpoint: inputs saved, the
     forward without autograd)."""
+    if kind[0] != "none":  # a single-block hybrid layer holds one of the two blocks
+        with term("norm_in"):
+            h = RMSNorm.apply(x, p["n1"])
+        x = x + _attention(spec, kind[0], p, label(h, "attn_norm_out"))
+    if kind[1] == "none":
+        return x
     with term("norm_in"):
-        h = _RMSNorm.apply(x, p["n1"])
-    x = x + _attention(spec, kind[0], p, label(h, "attn_norm_out"))
-    with term("norm_in"):
-        h = _RMSNorm.apply(x, p["n2"])
+        h = RMSNorm.apply(x, p["n2"])
     args = (spec, kind[1], p, label(h, "ffn_norm_out"), moe_probs)
     return x + (torch.utils.checkpoint.checkpoint(_ffn, *args, use_reentrant=True) if checkpoint_ffn else _ffn(*args))
 
@@ -376,6 +230,7 @@ def scaled(spec: ModelSpec, m: int, base: int = 64) -> ModelSpec:
         moe_latent_dim=w(spec.moe_latent_dim),
         head_dim=spec.dhead,
         kda_heads=w(spec.kda_heads),
+        mamba_inner_dim=w(spec.mamba_inner) if spec.mamba_layers else spec.mamba_inner_dim,  # heads, groups kept
         expert_groups=0,
         groups_per_token=0,
     )
@@ -397,4 +252,4 @@ def fit(spec: ModelSpec, kind: tuple[str, str], widths=(1, 2, 3), base: int = 64
     return out, worst
 
 
-__all__ = ["CHECKPOINTED_FFN", "SavedCounter", "fit", "label", "layer_forward", "measure_layer", "scaled", "term"]
+__all__ = ["CHECKPOINTED_FFN", "SavedCounter", "fit", "layer_forward", "measure_layer", "scaled"]

@@ -26,6 +26,7 @@ from simulator.act_terms import (
     common_terms,
     dense_ffn_terms,
     kda_terms,
+    mamba2_terms,
     moe_terms,
     recurrent_terms,
 )
@@ -235,7 +236,7 @@ def act_terms(spec: ModelSpec, kind: tuple[str, str], a: dict, f: dict) -> tuple
     if kind[0] == "kda":
         terms += kda_terms(spec, KDA_CHUNK)
     elif kind[0] == "mamba":
-        terms += recurrent_terms(a["par"], a["fn"], kind[0])
+        terms += mamba2_terms(spec) if spec.mamba_heads else recurrent_terms(a["par"], a["fn"], kind[0])
     elif kind[0] != "none":
         terms += attention_terms(spec, kind[0])
     if kind[1] != "none":

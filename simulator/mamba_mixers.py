@@ -3,6 +3,7 @@ Jamba builds it, Mamba-2 (SSD) as Bamba and Granite-4 build it."""
 
 from __future__ import annotations
 
+from simulator.act_terms import mamba2_terms
 from simulator.modelspec import ModelSpec
 
 
@@ -43,8 +44,8 @@ def _mamba2(spec: ModelSpec) -> dict:
     nh] (z, x, B, C, dt), depthwise conv1d over x, B and C (+ bias), dt_bias, A_log and D per head, the gated
     RMSNorm gain [Di], out_proj [Di -> H]. The SSD scan (per token: B x into the state and C h out, 4 Di N FLOPs,
     plus the intra-chunk C B^T and its product with x, (Di + G N) x chunk) goes through the recurrent-kernel
-    (``kda``) channel, as for Mamba-1: rough. Saved bytes (rough, bf16): in_proj's output, the conv output, the
-    scan output and the gated norm's input."""
+    (``kda``) channel, as for Mamba-1: rough. Saved bytes: what Megatron's fused path keeps
+    (``act_terms.mamba2_terms``, measured in ``tests/simulator/test_act_measured.py``)."""
     h, di, n, g, nh = spec.hidden, spec.mamba_inner, spec.mamba_d_state, spec.mamba_groups, spec.mamba_heads
     conv = di + 2 * g * n
     mat = h * (2 * di + 2 * g * n + nh) + di * h
@@ -55,8 +56,8 @@ def _mamba2(spec: ModelSpec) -> dict:
         "vec": vec,
         "core": 0.0,
         "kda": 4.0 * di * n + (di + g * n) * MAMBA2_CHUNK,
-        "par": 2 * ((2 * di + 2 * g * n + nh) + conv + 2 * di),
-        "fn": 2 * conv,
+        "par": sum(t.nbytes for t in mamba2_terms(spec)),
+        "fn": 0.0,  # the fused kernel recomputes the convolution whatever the recompute mode
         "s2": 0.0,
         "kv": 0.0,
         "cp_kv": 0.0,

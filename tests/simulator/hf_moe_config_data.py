@@ -326,3 +326,30 @@ PUBLISHED = {
     "llama4-scout": (LLAMA4_SCOUT, 109e9, 17e9, "emb+head", "hf.co/meta-llama/Llama-4-Scout-17B-16E card: 109B, 17B"),
     "llama4-maverick": (LLAMA4_MAVERICK, 400e9, 17e9, "emb+head", "hf.co/meta-llama/Llama-4-Maverick-17B-128E: 400B"),
 }
+
+NEMOTRON_3_NANO = {
+    "model_type": "nemotron_h",
+    "architectures": ["NemotronHForCausalLM"],
+    "hybrid_override_pattern": "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME",
+    "num_hidden_layers": 52,
+    "hidden_size": 2688,
+    "vocab_size": 131072,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 2,
+    "head_dim": 128,
+    "mamba_num_heads": 64,
+    "mamba_head_dim": 64,
+    "n_groups": 8,
+    "ssm_state_size": 128,
+    "conv_kernel": 4,
+    "n_routed_experts": 128,
+    "num_experts_per_tok": 6,
+    "moe_intermediate_size": 1856,
+    "moe_shared_expert_intermediate_size": 3712,
+    "n_shared_experts": 1,
+    "intermediate_size": 1856,
+    "mlp_hidden_act": "relu2",
+    "max_position_embeddings": 262144,
+}
+"""NVIDIA-Nemotron-3-Nano-30B-A3B's published ``config.json`` (the fields that size it; Megatron-Bridge's
+``recipes/nemotronh/h100/nemotron_3_nano.py`` states the same architecture)."""

@@ -17,7 +17,8 @@ from simulator.layers import layer_stats
 from simulator.memory import mtp_act_bytes, rank_memory, saved_bytes_per_token
 from simulator.parallel import ParallelConfig
 from simulator.saved_bytes import format_terms
-from simulator.specs import load_model
+from simulator.specs import from_hf_config, load_model
+from tests.simulator.hf_moe_config_data import NEMOTRON_3_NANO
 
 # (model, layer kind, base): widths m / base of the real ones (base keeps every scaled width an integer)
 CASES = [
@@ -120,6 +121,26 @@ def test_a_checkpointed_ffn_block_keeps_only_its_input(model, kind, base):
     total = saved_bytes_per_token(spec, par, st, flash=True) - st.act_attn_res + st.mla_kv
     assert total == pytest.approx(sum(kept.values()), rel=0.01)
     assert total < saved_bytes_per_token(spec, PAR, st, flash=True) - st.act_attn_res + st.mla_kv
+
+
+def test_mamba2_mixer_is_what_megatrons_fused_path_keeps():
+    """Nemotron 3 Nano's Mamba-2 block as Megatron trains it (in-projection, mamba_ssm's fused conv + scan + gate,
+    the grouped RMSNorm, out-projection): the terms, each within 5%, and the layer's total at TP 1 and bf16; in fp8
+    only the out-projection's input halves; no recompute mode removes a term (the fused kernel already recomputes
+    the convolution)."""
+    spec, kind = from_hf_config(NEMOTRON_3_NANO), ("mamba", "none")
+    measured, worst = fit(spec, kind, base=64)
+    assert worst < 0.01
+    sim = simulated_terms(spec, kind)
+    assert set(measured) == set(sim)
+    assert all(measured[n] == pytest.approx(b, rel=0.05) for n, b in sim.items())
+    st = layer_stats(spec, kind)
+    assert saved_bytes_per_token(spec, PAR, st, flash=True) == pytest.approx(sum(measured.values()), rel=0.01)
+    fp8 = saved_bytes_per_token(spec, replace(PAR, precision="fp8"), st, flash=True)
+    assert sum(measured.values()) - fp8 == pytest.approx(spec.hidden + spec.mamba_inner)  # norm output, out_proj in
+    for mode in ("selective", "selective+act"):
+        kept = saved_bytes_per_token(spec, replace(PAR, recompute=mode), st, flash=True)
+        assert kept == saved_bytes_per_token(spec, PAR, st, flash=True)
 
 
 @pytest.mark.parametrize("cache,per_elem", [("e5m6", 1.5), ("fp8", 1.0)])

@@ -16,6 +16,7 @@ from simulator.hf_layer_kinds import PATTERN
 from simulator.layers import layer_stats, param_counts
 from simulator.modelspec import ModelSpec
 from simulator.specs import from_hf_config
+from tests.simulator.hf_moe_config_data import NEMOTRON_3_NANO as NANO
 
 H100 = load_hardware("h100")
 BASE = {"name": "hybrid", "hidden": 2048, "vocab": 32000, "num_heads": 16, "num_kv_heads": 4, "seq_len": 4096}
@@ -85,34 +86,6 @@ def test_squared_relu_experts_have_two_matrices():
 def test_impossible_single_block_layouts_are_refused(change, named):
     with pytest.raises(ValueError, match=named):
         ModelSpec(**BASE, **MOE, **MAMBA2, ffn_hidden=1536, num_layers=4, **change)
-
-
-NANO = {
-    "model_type": "nemotron_h",
-    "architectures": ["NemotronHForCausalLM"],
-    "hybrid_override_pattern": "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME",
-    "num_hidden_layers": 52,
-    "hidden_size": 2688,
-    "vocab_size": 131072,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 2,
-    "head_dim": 128,
-    "mamba_num_heads": 64,
-    "mamba_head_dim": 64,
-    "n_groups": 8,
-    "ssm_state_size": 128,
-    "conv_kernel": 4,
-    "n_routed_experts": 128,
-    "num_experts_per_tok": 6,
-    "moe_intermediate_size": 1856,
-    "moe_shared_expert_intermediate_size": 3712,
-    "n_shared_experts": 1,
-    "intermediate_size": 1856,
-    "mlp_hidden_act": "relu2",
-    "max_position_embeddings": 262144,
-}
-"""NVIDIA-Nemotron-3-Nano-30B-A3B's published ``config.json`` (the fields that size it; Megatron-Bridge's
-``recipes/nemotronh/h100/nemotron_3_nano.py`` states the same architecture)."""
 
 
 def test_nemotron_3_nano_reads_as_published():
