@@ -147,9 +147,7 @@ class ParallelConfig:
                 raise ValueError(f"ParallelConfig.{f} must be an integer in [0, {MAX_SIZE}], got {v!r}")
         cf = self.capacity_factor
         if isinstance(cf, bool) or not isinstance(cf, (int, float)) or not math.isfinite(cf) or cf < 0:
-            raise ValueError(
-                f"ParallelConfig.capacity_factor (--moe-capacity-factor) must be a finite number >= 0, got {cf!r}"
-            )
+            raise ValueError(f"ParallelConfig.capacity_factor (--moe-capacity-factor) must be finite, >= 0: {cf!r}")
         if self.pad_to_capacity and not cf:
             raise ValueError(
                 "ParallelConfig.pad_to_capacity (--moe-pad-expert-input-to-capacity) needs --moe-capacity-factor > 0"
@@ -185,6 +183,9 @@ class ParallelConfig:
         bad = next((name for name, on in clash.items() if on), None)
         if self.shared_expert_overlap and bad:
             raise ValueError(f"ParallelConfig.shared_expert_overlap cannot run with {bad}")
+        if self.cuda_graph == "modules" and (self.recompute == "full" or "moe" in self.recompute_modules):
+            what = "full recompute" if self.recompute == "full" else "recompute module moe"  # Megatron refuses both
+            raise ValueError(f"ParallelConfig.cuda_graph modules (the MoE router graphed) cannot run with {what}")
 
     @property
     def gpus(self) -> int:

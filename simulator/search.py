@@ -82,8 +82,8 @@ def candidates(spec, gpus: int, base: ParallelConfig, space: SearchSpace):
         for ep, mb, rc, sched, zs in itertools.product(
             eps, space.micro_batch, space.recompute, space.schedules, space.zero_stage
         ):
-            if sched != "1f1b" and pp == 1:
-                continue
+            if (sched != "1f1b" and pp == 1) or (rc == "full" and base.cuda_graph == "modules"):
+                continue  # (Megatron refuses full recompute under graphs with the MoE router in scope)
             yield replace(
                 base,
                 tp=tp,

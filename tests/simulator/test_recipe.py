@@ -104,6 +104,17 @@ def test_moe_recompute_reruns_the_whole_moe_layer_forward():
     assert more.breakdown["recompute"] > res.breakdown["recompute"] and more.step_time_s > res.step_time_s
 
 
+@pytest.mark.parametrize(
+    "change, named", [({"recompute": "full"}, "full recompute"), ({"recompute_modules": ("moe",)}, "module moe")]
+)
+def test_module_graphs_refuse_what_megatron_refuses(change, named):
+    """TE per-module graphs with the MoE router in scope take neither full recompute nor the ``moe`` module
+    (Megatron's ``TransformerConfig`` asserts both); a full-iteration graph or none takes either."""
+    with pytest.raises(ValueError, match=named):
+        replace(BASE, cuda_graph="modules", **change)
+    assert replace(BASE, cuda_graph="full", **change) and replace(BASE, cuda_graph="none", **change)
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     model=st.sampled_from(["deepseek-v3", "llama3-70b", "k3"]),

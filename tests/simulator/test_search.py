@@ -97,3 +97,12 @@ def test_k3_search_rate():
 def test_no_feasible_layout_is_reported_not_raised():
     rep = search("k3", "a100", 8, event_top=0)  # 2.8T parameters on one node
     assert rep["feasible"] == 0 and rep["results"] == [] and "out of memory" in rep["infeasible_reasons"]
+
+
+def test_a_search_under_module_graphs_leaves_out_full_recompute():
+    """Megatron refuses full recompute under TE graphs with the MoE router in scope (``ParallelConfig`` too): a
+    search from such a base leaves those layouts out instead of failing on them; a full-iteration graph keeps them."""
+    spec, space = load_model("qwen3-30b-a3b"), SearchSpace(recompute=("full", "selective"), micro_batch=(1,))
+    for graph, modes in (("modules", {"selective"}), ("full", {"full", "selective"})):
+        base = ParallelConfig(seq_len=4096, global_batch_tokens=2**22, cuda_graph=graph)
+        assert {p.recompute for p in candidates(spec, 16, base, space)} == modes
