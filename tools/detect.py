@@ -180,6 +180,25 @@ def _rolling_loop(a: np.ndarray, w: int, fn=np.nanmedian) -> np.ndarray:
     return out
 
 
+def _walk_back(ratio: np.ndarray, raw: np.ndarray, start: int, th: Thresholds) -> int:
+    """The onset of an episode whose rolling windows pass from ``start``: walk back through the run of raw-flagged
+    steps, across holes of one step (a step in which the peers were slow too: the hog that starts on one core
+    delays both) but not two (an isolated noisy step a few steps earlier is not the start of the fault), and only
+    through steps at least halfway up to the episode's level (the median ratio of its flagged steps from
+    ``start``): a step that host noise pushed just past the threshold before a stronger fault is not its start."""
+    lo = max(0, start - th.window + 1)
+    ahead = ratio[start : start + th.persist_steps][raw[start : start + th.persist_steps]]
+    ahead = ahead[np.isfinite(ahead)]
+    half = 1.0 + (float(np.median(ahead)) - 1.0) / 2 if ahead.size else 1.0
+    part = raw & (np.nan_to_num(ratio) >= half)
+    onset = start
+    while onset > lo and not part[onset]:
+        onset -= 1
+    while onset > lo and (part[onset - 1] or (onset - 2 >= lo and part[onset - 2])):
+        onset -= 1 if part[onset - 1] else 2
+    return onset if part[onset] else start
+
+
 def episode(ratio: np.ndarray, raw: np.ndarray, rolled_ok: np.ndarray, th: Thresholds) -> Episode | None:
     """First persistent episode of one rank's ``[S]`` flags, or None."""
     run = 0
@@ -187,17 +206,7 @@ def episode(ratio: np.ndarray, raw: np.ndarray, rolled_ok: np.ndarray, th: Thres
         run = run + 1 if ok else 0
         if run >= th.min_windows:
             start = s - run + 1
-            # the onset: walk back from the tripping window through the run of raw-flagged steps, across holes
-            # of one step (a step in which the peers were slow too: the hog that starts on one core delays both)
-            # but not two (an isolated noisy step a few steps earlier is not the start of the fault)
-            lo = max(0, start - th.window + 1)
-            onset = start
-            while onset > lo and not raw[onset]:
-                onset -= 1
-            while onset > lo and (raw[onset - 1] or (onset - 2 >= lo and raw[onset - 2])):
-                onset -= 1 if raw[onset - 1] else 2
-            if not raw[onset]:
-                onset = start
+            onset = _walk_back(ratio, raw, start, th)
             after = raw[onset : onset + th.persist_steps]
             if after.size < th.min_evidence_steps:
                 return None  # too recent to tell from a blip; --follow will see it again next poll

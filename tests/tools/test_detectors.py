@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from tests.tools.synth import make_records, write_dir
 from tools.analysis import build_tables, load_tables
-from tools.detect import Finding, Thresholds, _rolling, _rolling_loop, level_shift
+from tools.detect import Finding, Thresholds, _rolling, _rolling_loop, episode, level_shift
 from tools.findings import diagnose, rank_scores
 from tools.trace_lines import TraceWarning, parse_lines
 from tools.traces import load_dir, load_dir_coverage
@@ -229,3 +229,30 @@ def test_a_rise_splits_an_episode_only_when_it_is_large(low, factor, rise, befor
         assert got == before_onset + rise, (got, rise, factor)
     elif rise < th.min_before:
         assert got is None
+
+
+def _episode_of(ratio: list[float], th: Thresholds):
+    r = np.array(ratio)
+    raw = r >= th.compute_ratio
+    return episode(r, raw, np.nan_to_num(_rolling(r, th.window)) >= th.compute_ratio, th)
+
+
+@pytest.mark.parametrize("noise_at, dip_at", [(2, None), (3, None), (2, 6), (None, 5)])
+def test_onset_walks_back_through_the_fault_not_through_noise_before_it(noise_at, dip_at):
+    """A 1.5x slowdown from step 4: a step host noise pushed just past ``compute_ratio`` (1.13x) shortly before it
+    is not its start (a clean-clone CI run reported onset 2 that way), while a one-step dip inside the fault (the
+    peers slowed by the same hog) is still crossed."""
+    th = Thresholds()
+    ratio = [1.0] * 4 + [1.5] * 26
+    if noise_at is not None:
+        ratio[noise_at] = 1.13
+    if dip_at is not None:
+        ratio[dip_at] = 1.0
+    ep = _episode_of(ratio, th)
+    assert ep is not None and ep.onset == 4, ep
+
+
+def test_a_mild_fault_keeps_its_own_first_step():
+    """At 1.15x the halfway mark is below ``compute_ratio``: every flagged step of the fault counts, as before."""
+    ep = _episode_of([1.0] * 10 + [1.15] * 20, Thresholds())
+    assert ep is not None and ep.onset == 10
