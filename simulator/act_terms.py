@@ -179,9 +179,9 @@ def mamba2_terms(spec: ModelSpec) -> list[ActTerm]:
     (its backward recomputes the convolution); the grouped RMSNorm after it keeps its input (the gated output) and an
     fp32 rstd per group; the out-projection its input. ``Di`` inner width, ``G`` groups of state ``N``, ``nh``
     heads. The in-projection's own input is the layer's norm output (a common term)."""
-    di, g, n, nh = spec.mamba_inner, spec.mamba_groups, spec.mamba_d_state, spec.mamba_heads
+    di, g = spec.mamba_inner, spec.mamba_groups
     return [
-        _t("mamba_in_proj_out", 2 * (2 * di + 2 * g * n + nh)),
+        _t("mamba_in_proj_out", 2 * spec.mamba2_in_proj),
         _t("mamba_scan_out", 2 * di),
         _t("mamba_norm_in", 2 * di + 4 * g),
         _t("mamba_out_proj_in", 2 * di, fp8=di),

@@ -61,8 +61,8 @@ def build_params(spec: ModelSpec, kind: tuple[str, str]) -> dict[str, torch.nn.P
     h, nh = spec.hidden, spec.num_heads
     p = {"n1": _w(h), "n2": _w(h)}
     if kind[0] == "mamba":
-        di, gn, nh = spec.mamba_inner, spec.mamba_groups * spec.mamba_d_state, spec.mamba_heads
-        p.update(mi=_w(2 * di + 2 * gn + nh, h), mc=_w(di + 2 * gn, spec.mamba_d_conv), mn=_w(di), mo=_w(h, di))
+        di, gn = spec.mamba_inner, spec.mamba_groups * spec.mamba_d_state
+        p.update(mi=_w(spec.mamba2_in_proj, h), mc=_w(di + 2 * gn, spec.mamba_d_conv), mn=_w(di), mo=_w(h, di))
         return _ffn_params(spec, kind, p)
     if kind[0] == "kda":
         dd, d = spec.kda_heads * spec.kda_head_dim, spec.kda_head_dim

@@ -28,8 +28,7 @@ def _mixer(spec: ModelSpec, kind: str) -> list[tuple[int, int, str]]:
         p, d = spec.kda_heads * spec.kda_head_dim, spec.kda_head_dim
         return [(4 * p, h, "n"), (h, p, "k"), (d, h, "n"), (p, d, "n"), (spec.kda_heads, h, "n")]
     if kind == "mamba" and spec.mamba_heads:
-        di, gn = spec.mamba_inner, spec.mamba_groups * spec.mamba_d_state
-        return [(2 * di + 2 * gn + spec.mamba_heads, h, "n"), (h, di, "k")]
+        return [(spec.mamba2_in_proj, h, "n"), (h, spec.mamba_inner, "k")]
     if kind == "mamba":
         di, n, r = spec.mamba_inner, spec.mamba_d_state, spec.mamba_rank
         return [(2 * di, h, "n"), (r + 2 * n, di, "k"), (di, r, "n"), (h, di, "k")]

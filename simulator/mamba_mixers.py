@@ -48,9 +48,9 @@ def _mamba2(spec: ModelSpec) -> dict:
     (``act_terms.mamba2_terms``, measured in ``tests/simulator/test_act_measured.py``)."""
     h, di, n, g, nh = spec.hidden, spec.mamba_inner, spec.mamba_d_state, spec.mamba_groups, spec.mamba_heads
     conv = di + 2 * g * n
-    mat = h * (2 * di + 2 * g * n + nh) + di * h
+    mat = h * spec.mamba2_in_proj + di * h
     vec = conv * spec.mamba_d_conv + conv * int(spec.mamba_conv_bias) + 3 * nh + di
-    vec += (2 * di + 2 * g * n + nh + h) if spec.mamba_proj_bias else 0
+    vec += (spec.mamba2_in_proj + h) if spec.mamba_proj_bias else 0
     return {
         "mat": mat,
         "vec": vec,

@@ -276,6 +276,11 @@ class ModelSpec:
         return self.mamba_inner_dim or self.mamba_expand * self.hidden
 
     @property
+    def mamba2_in_proj(self) -> int:
+        """Mamba-2 in-projection width: z and x (``mamba_inner`` each), B and C (groups x state each), dt (heads)."""
+        return 2 * self.mamba_inner + 2 * self.mamba_groups * self.mamba_d_state + self.mamba_heads
+
+    @property
     def mamba_rank(self) -> int:
         """Mamba time-step rank (``ceil(hidden / 16)`` when ``mamba_dt_rank`` is 0, as HF's "auto")."""
         return self.mamba_dt_rank or -(-self.hidden // 16)

@@ -190,13 +190,14 @@ def _walk_back(ratio: np.ndarray, raw: np.ndarray, start: int, th: Thresholds) -
     ahead = ratio[start : start + th.persist_steps][raw[start : start + th.persist_steps]]
     ahead = ahead[np.isfinite(ahead)]
     half = 1.0 + (float(np.median(ahead)) - 1.0) / 2 if ahead.size else 1.0
-    part = raw & (np.nan_to_num(ratio) >= half)
-    onset = start
-    while onset > lo and not part[onset]:
+    # only the steps the walk can reach (``lo`` to ``start``): the in-loop detector runs this on a growing window
+    part = raw[lo : start + 1] & (np.nan_to_num(ratio[lo : start + 1]) >= half)
+    onset = start - lo
+    while onset > 0 and not part[onset]:
         onset -= 1
-    while onset > lo and (part[onset - 1] or (onset - 2 >= lo and part[onset - 2])):
+    while onset > 0 and (part[onset - 1] or (onset >= 2 and part[onset - 2])):
         onset -= 1 if part[onset - 1] else 2
-    return onset if part[onset] else start
+    return lo + onset if part[onset] else start
 
 
 def episode(ratio: np.ndarray, raw: np.ndarray, rolled_ok: np.ndarray, th: Thresholds) -> Episode | None:
