@@ -82,21 +82,25 @@ def candidates(spec, gpus: int, base: ParallelConfig, space: SearchSpace):
         for ep, mb, rc, sched, zs in itertools.product(
             eps, space.micro_batch, space.recompute, space.schedules, space.zero_stage
         ):
-            if (sched != "1f1b" and pp == 1) or (rc == "full" and base.cuda_graph == "modules"):
-                continue  # (Megatron refuses full recompute under graphs with the MoE router in scope)
-            yield replace(
-                base,
-                tp=tp,
-                cp=cp,
-                pp=pp,
-                dp=dp,
-                ep=ep,
-                micro_batch=mb,
-                recompute=rc,
-                schedule=sched,
-                vpp=space.vpp if sched == "interleaved" else 1,
-                zero_stage=zs,
-            )
+            if sched != "1f1b" and pp == 1:
+                continue
+            try:
+                cand = replace(
+                    base,
+                    tp=tp,
+                    cp=cp,
+                    pp=pp,
+                    dp=dp,
+                    ep=ep,
+                    micro_batch=mb,
+                    recompute=rc,
+                    schedule=sched,
+                    vpp=space.vpp if sched == "interleaved" else 1,
+                    zero_stage=zs,
+                )
+            except ValueError:  # a combination ParallelConfig refuses (full recompute under module graphs)
+                continue
+            yield cand
 
 
 def _progress(total: int):
