@@ -4,7 +4,8 @@ A spawned rank is a fresh interpreter that imports torch before it can run a lin
 rank per job on a laptop-class core, and most of a short job's wall time. A process that launches many short
 jobs (a test suite, a benchmark sweep) can name modules in ``MOONEP_LAUNCH_PRELOAD`` (comma-separated, e.g.
 ``torch,collectives,moonep``): ranks are then forked from one forkserver that imported those modules once, and
-start in tens of milliseconds.
+start in tens of milliseconds. A module whose import compiles what the ranks run belongs there too: ``moonep.warm``
+puts the planner's and the send layout's numba kernels into the forkserver, so that no rank loads them itself.
 
 A warm rank is still a new process per rank per job (nothing of a previous job survives in it), and it gets what
 a spawned rank gets: the launcher's environment as it is at launch, its working directory (both sent with the

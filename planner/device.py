@@ -143,6 +143,12 @@ def host_plan(T, caps_in, slots, pad, prev_donor, prev_copy, node, num_nodes, we
         ``_kernel.plan_arrays``'s tuple (T copy, caps, alloc, donor, experts_to_copy, cu_seqlens, send_counts,
         flows, err) of the plan chosen.
     """
+    # numba compiles the kernel once per argument type, and a read-only array (a numpy Plan's tables, a user's
+    # counts) is a type of its own: 3 s more compiling and one more cache entry to load per variant (a previous
+    # numpy Plan, slack with one). Writable C int64 everywhere keeps one.
+    T, caps_in, prev_donor, prev_copy, node = (
+        np.require(a, np.int64, ("C", "W")) for a in (T, caps_in, prev_donor, prev_copy, node)
+    )
     args = (T, caps_in, slots, pad, prev_donor, prev_copy, node, num_nodes, weight_rows)
     if cost is None:
         return _plan_arrays(*args, (num, 1, 2) if num else None)

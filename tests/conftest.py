@@ -44,9 +44,12 @@ FAST_ENV = "MOONEP_TEST_FAST"
 # (tests/collectives/test_launchers.py, test_failures.py) also run the default, spawn. Set it empty to spawn all.
 # torch._dynamo: a rank that builds a torch.optim optimizer imports it (Optimizer.__init__ is wrapped by
 # torch._disable_dynamo), about 1 s per rank; matplotlib.pyplot: a training job's rank 0 draws its plots. With both,
-# tests/k3's spawning tests ran in 91 and 95 s against 131 and 123 s (2 workers, alternating order).
+# tests/k3's spawning tests ran in 91 and 95 s against 131 and 123 s (2 workers, alternating order). moonep.warm:
+# the planner's and the send layout's numba kernels, compiled or loaded from numba's cache once in the forkserver
+# instead of in every rank (four spawning files of tests/moonep and tests/k3: 51.9 and 50.0 s against 56.2 and 55.4).
 os.environ.setdefault(
-    "MOONEP_LAUNCH_PRELOAD", "torch,torch._dynamo,numpy,matplotlib.pyplot,collectives,planner,moonep,cp_kda,k3"
+    "MOONEP_LAUNCH_PRELOAD",
+    "torch,torch._dynamo,numpy,matplotlib.pyplot,collectives,planner,moonep,cp_kda,k3,moonep.warm",
 )
 
 # The device planner's numba-cuda kernel runs under numba's CUDA simulator unless a run asks for the real GPU
