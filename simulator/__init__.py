@@ -10,6 +10,7 @@ pipeline's schedule op by op). ``moonep simulate run | search | whatif | calibra
 """
 
 from simulator.analytic import Perturbation, SimResult, simulate
+from simulator.feasibility import infeasible_reason
 from simulator.hardware import PRESETS as HARDWARE_PRESETS
 from simulator.hardware import Efficiency, HardwareSpec, HostSpec, load_hardware
 from simulator.hf_config import from_config_object, from_hf_config
@@ -17,7 +18,7 @@ from simulator.layers import ParamCounts, model_flops_per_token, param_counts
 from simulator.memory import inference_memory, peak_memory, rank_memory
 from simulator.modelspec import ModelSpec
 from simulator.network import ClusterSpec, build_graph
-from simulator.parallel import ParallelConfig, infeasible_reason
+from simulator.parallel import ParallelConfig
 from simulator.search import SearchSpace, search
 from simulator.specs import PRESETS as MODEL_PRESETS
 from simulator.specs import load_model

@@ -23,12 +23,13 @@ from simulator import dp_comm
 from simulator import network as net
 from simulator.costs import COMM_CLASSES, COMPUTE_CLASSES, ChunkCost, chunk_cost
 from simulator.events import dualpipe_order, simulate_pipeline
+from simulator.feasibility import infeasible_reason
 from simulator.hardware import HardwareSpec, load_hardware
 from simulator.host import step_host
 from simulator.layers import model_flops_per_token
 from simulator.memory import GIB, chunk_end_params, chunk_params, kept_rank_memory, peak_memory
 from simulator.network import ClusterSpec
-from simulator.parallel import ParallelConfig, infeasible_reason, rank_chunks, stage_layers
+from simulator.parallel import ParallelConfig, rank_chunks, stage_layers
 from simulator.replicas import replica_model, replicas_per_rank
 from simulator.specs import ModelSpec, load_model
 

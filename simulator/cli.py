@@ -4,7 +4,7 @@ The cost model is imported at module level (``import simulator`` loads it anyway
 calibration, which imports torch, only in its handler, so ``--help`` loads no torch.
 
 Exit status: 0 feasible, 1 infeasible for memory (the reason is printed and in the JSON), 2 bad input: a flag or
-file, or a layout whose sizes do not factor (``parallel.infeasible_reason``: divisibility, a schedule the layout
+file, or a layout whose sizes do not factor (``feasibility.infeasible_reason``: divisibility, a schedule the layout
 cannot run, FP8 on hardware without it).
 """
 

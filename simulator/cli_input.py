@@ -9,10 +9,11 @@ import sys
 import warnings
 from dataclasses import replace
 
+from simulator.feasibility import infeasible_reason
 from simulator.hardware import load_hardware
 from simulator.modelspec import MAX_SIZE, MAX_TOKENS
 from simulator.network import ClusterSpec
-from simulator.parallel import ParallelConfig, infeasible_reason
+from simulator.parallel import ParallelConfig
 from simulator.specs import load_model
 from simulator.whatif import TIERS, check_link, check_slowdown
 

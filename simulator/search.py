@@ -19,11 +19,12 @@ from collections import Counter
 from dataclasses import dataclass, replace
 
 from simulator.analytic import simulate
+from simulator.feasibility import infeasible_reason
 from simulator.hardware import load_hardware
 from simulator.layers import RECOMPUTE_MODES
 from simulator.memory import GIB, exceeds_memory
 from simulator.network import ClusterSpec
-from simulator.parallel import SCHEDULES, ParallelConfig, infeasible_reason
+from simulator.parallel import SCHEDULES, ParallelConfig
 from simulator.specs import load_model
 
 

@@ -17,9 +17,9 @@ import transformers  # the dev extra: make test installs it, so a missing instal
 
 from moonep.console import main
 from simulator import ParallelConfig, simulate
+from simulator.feasibility import infeasible_reason
 from simulator.hardware import load_hardware
 from simulator.layers import param_counts
-from simulator.parallel import infeasible_reason
 from simulator.specs import from_hf_config
 from tests.simulator.hf_moe_config_data import JAMBA_V01, QWEN2_57B_A14B
 

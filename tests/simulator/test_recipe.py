@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from simulator import ParallelConfig, simulate
 from simulator.costs import _layer, chunk_cost, node_dedup, steady_fraction
+from simulator.feasibility import _split_reason, infeasible_reason
 from simulator.gemm_shapes import roof_for, shared_expert_seconds
 from simulator.hardware import load_hardware
 from simulator.inflight import inflight_chunks
@@ -16,7 +17,7 @@ from simulator.kept_bytes import offload_seconds
 from simulator.layers import layer_stats
 from simulator.memory import _layer_act, peak_memory, rank_memory
 from simulator.network import ClusterSpec, cluster_tiers, group
-from simulator.parallel import _split, _split_reason, infeasible_reason
+from simulator.parallel import _split
 from simulator.published import ROWS as PUBLISHED
 from simulator.specs import load_model
 from simulator.validation import cli_args, published_config, published_model

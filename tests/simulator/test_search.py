@@ -9,9 +9,10 @@ from hypothesis import strategies as st
 
 import planner
 from simulator import network
+from simulator.feasibility import infeasible_reason
 from simulator.hardware import load_hardware
 from simulator.memory import GIB, peak_memory
-from simulator.parallel import ParallelConfig, infeasible_reason
+from simulator.parallel import ParallelConfig
 from simulator.replicas import _replicas
 from simulator.search import SearchSpace, candidates, search
 from simulator.specs import load_model
