@@ -46,7 +46,7 @@ FAST_ENV = "MOONEP_TEST_FAST"
 # torch._disable_dynamo), about 1 s per rank; matplotlib.pyplot: a training job's rank 0 draws its plots. With both,
 # tests/k3's spawning tests ran in 91 and 95 s against 131 and 123 s (2 workers, alternating order). moonep.warm:
 # the planner's and the send layout's numba kernels, compiled or loaded from numba's cache once in the forkserver
-# instead of in every rank (four spawning files of tests/moonep and tests/k3: 51.9 and 50.0 s against 56.2 and 55.4).
+# instead of in every rank (four spawning files of tests/moonep and tests/k3: 54.9 and 52.9 s against 56.2 and 59.4).
 os.environ.setdefault(
     "MOONEP_LAUNCH_PRELOAD",
     "torch,torch._dynamo,numpy,matplotlib.pyplot,collectives,planner,moonep,cp_kda,k3,moonep.warm",
