@@ -3,6 +3,7 @@ the EP battery and every form of plan without compiling or loading a kernel of t
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import subprocess
@@ -23,7 +24,7 @@ REPO = Path(__file__).resolve().parents[2]
 JITTED = ("planner._kernel", "planner._stages", "planner._topology", "planner.slack", "moonep.layout_cpu")
 
 SCRIPT = """
-import json, sys
+import json
 from collectives import launch
 from tests.moonep.test_warm import rank_job
 if __name__ == "__main__":
@@ -33,8 +34,6 @@ if __name__ == "__main__":
 
 def compiled_signatures() -> dict[str, int]:
     """Signatures each jitted function of ``JITTED`` holds in this process (compiled or loaded from the cache)."""
-    import importlib
-
     out = {}
     for name in JITTED:
         for attr, f in vars(importlib.import_module(name)).items():
