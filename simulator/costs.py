@@ -218,7 +218,7 @@ def _recipe_terms(spec, hw, par, kind, t, f, b, s2, scale, roof, dense_f) -> Non
     st, eff = layer_stats(spec, kind), hw.efficiency
     hbm = hw.hbm_tbps * 1e12 * eff.hbm / scale
     if kind[1] == "moe" and hw.host is None:
-        f["moe_fixed"] = _moe_fixed(spec, par, t, hbm) + _dropless_bookkeeping(spec, par, t, eff, scale)
+        f["moe_fixed"] = _moe_fixed(spec, par, t, hbm) + _dispatcher_overhead(spec, par, t, eff, scale)
         b["moe_fixed"] = 2 * f["moe_fixed"]
     # recomputed GEMMs run at the layer's own dense GEMM rate (``dense_f``: its forward GEMM seconds, from shapes)
     gemm_rate = t * st.gemm_flops / par.tp / dense_f if dense_f > 0 else roof.peak * roof.ceiling
@@ -266,14 +266,13 @@ def _overlapped_ep(par, f, b, ep_f, ep_b, sms: int) -> tuple[float, float]:
     return ep_f * scale, ep_b * scale
 
 
-def _dropless_bookkeeping(spec, par, t, eff, scale) -> float:
-    """Forward seconds of the dropless dispatcher's per-copy work and per-layer device-to-host sync (the token
-    counts decide the buffer sizes): ``moe_copy_ns`` per routed copy and ``moe_layer_fixed_s``, a third of each
-    (the backward pays twice the forward). A token-dropping run (capacity factor) has fixed-size buffers and no
-    host sync, so neither applies; per-module CUDA graphs keep the sync and fewer launches
-    (``moe_layer_module_graph_s``); a full-iteration graph has neither and pays ``moe_layer_graphed_s``."""
-    if par.capacity_factor:
-        return 0.0
+def _dispatcher_overhead(spec, par, t, eff, scale) -> float:
+    """Forward seconds of the MoE dispatcher's per-copy work and per-layer fixed cost (host sync and launches), a
+    third of each (the backward pays twice the forward). The fixed cost follows how the step is launched: eager
+    ``moe_layer_fixed_s``, per-module CUDA graphs ``moe_layer_module_graph_s`` (the sync and the expert part's
+    launches stay), a full-iteration graph ``moe_layer_graphed_s`` (neither). A token-dropping run (capacity
+    factor) pays the same: its fixed-size buffers remove the sync but not the launches, and the fit cannot tell
+    the two apart (an eager capacity-factor run, Nemotron 3 Super on H100, is +35% too fast without it)."""
     copies = t / par.tp * spec.top_k * eff.moe_copy_ns * 1e-9 * scale
     fixed = {
         "none": eff.moe_layer_fixed_s,
@@ -381,15 +380,16 @@ def _head_seconds(spec, hw, par, t, scale) -> tuple[float, float]:
 
 
 def _add_mtp(c: ChunkCost, spec, hw, par, t, tiers, scale, comm_scale) -> None:
-    """In place: the multi-token-prediction modules on the last stage (DeepSeek-V3 section 2.2), each one layer of
-    the model's last kind plus the ``[2H -> H]`` projection of the concatenated norm outputs (its LM head pass
+    """In place: the multi-token-prediction modules on the last stage (DeepSeek-V3 section 2.2), each its layers
+    (``ModelSpec.mtp_kinds``) plus the ``[2H -> H]`` projection of the concatenated norm outputs (its LM head pass
     and loss are added with the main head)."""
     n, h = spec.mtp_layers, spec.hidden
-    f, b, ef, eb = _layer(spec, hw, par, spec.layer_kinds()[-1], t, tiers, scale, comm_scale)
-    for k in c.fwd:
-        c.fwd[k] += n * f[k]
-        c.bwd[k] += n * b[k]
-    c.ep_raw_fwd, c.ep_raw_bwd = c.ep_raw_fwd + n * ef, c.ep_raw_bwd + n * eb
+    for kind in spec.mtp_kinds():
+        f, b, ef, eb = _layer(spec, hw, par, kind, t, tiers, scale, comm_scale)
+        for k in c.fwd:
+            c.fwd[k] += n * f[k]
+            c.bwd[k] += n * b[k]
+        c.ep_raw_fwd, c.ep_raw_bwd = c.ep_raw_fwd + n * ef, c.ep_raw_bwd + n * eb
     head = _head_seconds(spec, hw, par, t, scale)[0]
     proj = head * (2.0 * h) / spec.vocab  # [t, 2H] x [2H, H] at the head's rate: 2 t 2H H FLOPs / TP
     c.fwd["gemm"] += n * proj

@@ -68,8 +68,8 @@ class Efficiency:
     """Time per routed token copy (token x top-k) per MoE layer, forward+backward, in nanoseconds, beyond the
     modelled bytes: index bookkeeping, per-expert scaling and the un-fused gathers of the dispatcher."""
     moe_layer_fixed_s: float = 0.0
-    """Fixed time per MoE layer per micro-batch, forward+backward: the dropless dispatcher's device-to-host sync
-    of the token counts (it drains the launch queue), router top-k and permutation kernel launches."""
+    """Fixed time per MoE layer per micro-batch, forward+backward: the dispatcher's device-to-host sync of the
+    token counts (dropless runs; it drains the launch queue), router top-k and permutation kernel launches."""
     moe_layer_graphed_s: float = 0.0
     """What stays of ``moe_layer_fixed_s`` under a full-iteration CUDA graph (``ParallelConfig.cuda_graph``): no
     host sync and no launches, but the layer's many short kernels still fill and drain the GPU one after another."""

@@ -223,6 +223,22 @@ def with_layer_count(c: dict, blocks: list[str] | None) -> dict:
     return {**c, "num_hidden_layers": len(blocks)}
 
 
+def mtp_blocks(c: dict) -> str:
+    """Each MTP module's blocks as ``PATTERN`` letters (Nemotron 3 Super: ``*E``, an attention and an MoE block)
+    from ``mtp_hybrid_override_pattern`` or transformers 5.x's ``mtp_layers_block_type``; empty: none given."""
+    pattern, listed = c.get("mtp_hybrid_override_pattern"), c.get("mtp_layers_block_type")
+    if pattern is not None and (not isinstance(pattern, str) or set(pattern) - set(PATTERN)):
+        raise ValueError(f"HF config: field 'mtp_hybrid_override_pattern' must be a string of {''.join(PATTERN)}")
+    if pattern is None and listed is not None:
+        if not isinstance(listed, list) or any(BLOCK_TYPES.get(str(k)) is None for k in listed):
+            raise ValueError(
+                f"HF config: field 'mtp_layers_block_type' lists blocks this reader does not know: {listed!r}"
+            )
+        letter = {name: ch for ch, name in PATTERN.items()}
+        pattern = "".join(letter[BLOCK_TYPES[str(k)]] for k in listed)
+    return pattern or ""
+
+
 def single_block_fields(c: dict, get: Callable[..., Any], blocks: list[str]) -> dict:
     """``ModelSpec`` fields of a single-block hybrid: which layers hold which block, the Mamba-2 mixer's sizes,
     2-matrix MLPs and experts."""
@@ -234,6 +250,7 @@ def single_block_fields(c: dict, get: Callable[..., Any], blocks: list[str]) -> 
         "gated_ffn": False,
         "gated_experts": False,
     }
+    out["mtp_blocks"] = mtp_blocks(c)
     if where["moe"]:
         out |= {"moe_layers": where["moe"], "first_k_dense": 0, "router_bias": True}
     else:  # no MoE block: expert fields a dense file carries (transformers' defaults) build nothing

@@ -49,19 +49,20 @@ def saved_bytes_per_token(spec: ModelSpec, par: ParallelConfig, st, flash: bool)
 
 
 def mtp_act_bytes(spec: ModelSpec, par: ParallelConfig, flash: bool) -> float:
-    """Saved bytes per token of the multi-token-prediction modules (on the last pipeline stage): per module one
-    layer of the model's last kind, the ``[2H]`` concatenation the projection reads (an fp8 copy in fp8 runs)
+    """Saved bytes per token of the multi-token-prediction modules (on the last pipeline stage): per module its
+    layers (``ModelSpec.mtp_kinds``), the ``[2H]`` concatenation the projection reads (an fp8 copy in fp8 runs)
     and the two norms' inputs and stats (embedding and the previous depth's hidden state)."""
     n = getattr(spec, "mtp_layers", 0)
     if not n:
         return 0.0
-    st = layer_stats(spec, spec.layer_kinds()[-1])
+    stats = [layer_stats(spec, kind) for kind in spec.mtp_kinds()]
     split = par.tp if (par.sequence_parallel or par.tp == 1) else 1
     h = spec.hidden
     extra = 2 * (2 * h + 4) + (2 * h if par.fp8_activations else 4 * h)
     if par.recompute == "full":
-        return n * (2.0 * h + extra) / split * (1.0 - par.offload_fraction)
-    return n * (saved_bytes_per_token(spec, par, st, flash) + st.mla_kv + extra / split * (1.0 - par.offload_fraction))
+        return n * (2.0 * h * len(stats) + extra) / split * (1.0 - par.offload_fraction)
+    layers = sum(saved_bytes_per_token(spec, par, st, flash) + st.mla_kv for st in stats)
+    return n * (layers + extra / split * (1.0 - par.offload_fraction))
 
 
 @lru_cache(maxsize=1024)
@@ -168,14 +169,15 @@ def rank_memory(spec: ModelSpec, hw: HardwareSpec, par: ParallelConfig, rank: in
 
 
 def mtp_params(spec: ModelSpec) -> tuple[float, float]:
-    """(dense, expert) parameters of the multi-token-prediction modules (DeepSeek-V3 section 2.2): per module one
-    layer of the model's last kind, the ``[2H -> H]`` projection and its two input RMSNorms; embedding and LM head
-    are shared with the main model."""
+    """(dense, expert) parameters of the multi-token-prediction modules (DeepSeek-V3 section 2.2): per module its
+    layers (``ModelSpec.mtp_kinds``), the ``[2H -> H]`` projection and its two input RMSNorms; embedding and LM
+    head are shared with the main model."""
     n = getattr(spec, "mtp_layers", 0)
     if not n:
         return 0.0, 0.0
-    st = layer_stats(spec, spec.layer_kinds()[-1])
-    return n * (st.dense_params + 2.0 * spec.hidden * spec.hidden + 2.0 * spec.hidden), n * st.expert_params
+    stats = [layer_stats(spec, kind) for kind in spec.mtp_kinds()]
+    dense = sum(st.dense_params for st in stats) + 2.0 * spec.hidden * spec.hidden + 2.0 * spec.hidden
+    return n * dense, n * sum(st.expert_params for st in stats)
 
 
 def chunk_end_params(spec: ModelSpec, chunk: int, n_chunks: int) -> tuple[float, float]:

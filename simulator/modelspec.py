@@ -154,6 +154,9 @@ class ModelSpec:
     """Multi-token-prediction modules (DeepSeek-V3 ``num_nextn_predict_layers``): each is one more transformer layer
     plus a projection [2H -> H] and norms, sharing the embedding and LM head. Not in ``param_counts``' total/active
     (the published counts exclude it: DeepSeek-V3's 671B leaves out its 14B MTP module)."""
+    mtp_blocks: str = ""
+    """Blocks of each MTP module in ``hybrid_override_pattern`` letters (Nemotron-H's ``mtp_hybrid_override_pattern``:
+    ``*E`` is an attention block, then an MoE block); empty: one layer of the model's last kind."""
 
     def __post_init__(self):
         _check_field_types(self)
@@ -191,6 +194,7 @@ class ModelSpec:
             raise ValueError(f"ModelSpec.seq_len must be >= 1, got {self.seq_len}")
         if self.mtp_layers < 0:
             raise ValueError(f"ModelSpec.mtp_layers must be >= 0, got {self.mtp_layers}")
+        self._check_mtp_blocks()
         if not 0 <= self.glu_clamp < float("inf"):
             raise ValueError(f"ModelSpec.glu_clamp must be a finite number >= 0, got {self.glu_clamp!r}")
         if self.attn_res_block_size < 0:
@@ -303,6 +307,19 @@ class ModelSpec:
         ``EP min(k, E/EP) / k`` x the mean."""
         return ep * min(self.top_k, self.num_experts // ep) / self.top_k - 1
 
+    def _check_mtp_blocks(self) -> None:
+        odd = sorted(set(self.mtp_blocks) - set(MTP_BLOCK_KINDS))
+        if odd:
+            raise ValueError(f"ModelSpec.mtp_blocks must be letters of {''.join(MTP_BLOCK_KINDS)}, got {odd}")
+        if "E" in self.mtp_blocks and not self.is_moe or "-" in self.mtp_blocks and self.ffn_hidden < 1:
+            raise ValueError(f"ModelSpec.mtp_blocks {self.mtp_blocks!r} names a block the model has no size for")
+
+    def mtp_kinds(self) -> tuple[tuple[str, str], ...]:
+        """``(mixer kind, ffn kind)`` of each layer of one MTP module (``layer_kinds``' kinds)."""
+        if not self.mtp_blocks:
+            return self.layer_kinds()[-1:]
+        return tuple(MTP_BLOCK_KINDS[b] if b != "*" else (self.attention, "none") for b in self.mtp_blocks)
+
     def layer_kinds(self) -> tuple[tuple[str, str], ...]:
         """``(mixer kind, ffn kind)`` per layer, kinds in {mha, mla, kda, mamba, none} x {dense, moe, none}
         (cached)."""
@@ -334,6 +351,8 @@ class ModelSpec:
         return cls(**data)
 
 
+MTP_BLOCK_KINDS = {"M": ("mamba", "none"), "*": ("attention", "none"), "E": ("none", "moe"), "-": ("none", "dense")}
+"""``mtp_blocks`` letters and the layer kind each is (``*``: the model's own attention kind)."""
 _TUPLE_FIELDS = (
     "kda_layers",
     "sliding_window_layers",

@@ -353,3 +353,33 @@ NEMOTRON_3_NANO = {
 }
 """NVIDIA-Nemotron-3-Nano-30B-A3B's published ``config.json`` (the fields that size it; Megatron-Bridge's
 ``recipes/nemotronh/h100/nemotron_3_nano.py`` states the same architecture)."""
+
+NEMOTRON_3_SUPER = NEMOTRON_3_NANO | {
+    "hybrid_override_pattern": "MEMEMEM*EMEMEMEM*EMEMEMEM*EMEMEMEMEM*EMEMEMEMEM*EMEMEMEMEM*EMEMEMEMEM*EMEMEMEM*"
+    "EMEMEMEME",
+    "num_hidden_layers": 88,
+    "hidden_size": 4096,
+    "mamba_num_heads": 128,
+    "n_routed_experts": 512,
+    "num_experts_per_tok": 22,
+    "moe_intermediate_size": 2688,
+    "moe_latent_size": 1024,
+    "moe_shared_expert_intermediate_size": 5376,
+    "intermediate_size": 2688,
+    "num_nextn_predict_layers": 1,
+    "mtp_hybrid_override_pattern": "*E",
+}
+"""NVIDIA-Nemotron-3-Super-120B-A12B-BF16's published ``config.json`` (the fields that size it; the rest are
+Nano's values): LatentMoE (512 experts of width 2688 behind a 1024-wide projection, 22 per token) and one MTP
+module of an attention and an MoE block."""
+SUPER_ELEMENTS = 123_611_033_088
+"""Elements of the Super checkpoint, MTP module included: Megatron-Bridge's verification card
+(``examples/model_verification_cards/nemotron-3-super-120b-a12b/card.yaml``, ``megatron_to_hf_gpu``: "all 42,683
+source tensors and 123,611,033,088 elements")."""
+PUBLISHED["nemotron-3-super-120b-a12b"] = (
+    NEMOTRON_3_SUPER,
+    (120e9, 121e9),
+    (12e9, 13e9),
+    "emb+head",
+    "hf.co/nvidia/NVIDIA-Nemotron-3-Super-120B-A12B-BF16: 120B total, 12B active (truncated)",
+)

@@ -83,7 +83,10 @@ def test_mtp_module_costs_time_and_weights_on_the_last_stage():
     assert rank_memory(with_mtp, H100, par, 0)["params"] == rank_memory(spec, H100, par, 0)["params"]
 
 
-def test_capacity_factor_sizes_experts_and_drops_dropless_bookkeeping():
+def test_capacity_factor_sizes_experts_and_keeps_the_layer_overhead():
+    """Dropping sizes the expert GEMMs and the copies moved; the per-layer overhead (launches; the fit cannot
+    separate the host sync the fixed-size buffers remove) stays, so at c = 1 the MoE fixed term is the dropless
+    one."""
     spec = load_model("deepseek-v3")
     par = ParallelConfig(pp=8, ep=32, dp=32, seq_len=4096, global_batch_tokens=4096 * 512, recompute="full")
     drop = simulate(spec, H100, par)
@@ -91,7 +94,7 @@ def test_capacity_factor_sizes_experts_and_drops_dropless_bookkeeping():
     one = simulate(spec, H100, replace(par, capacity_factor=1.0))
     pad = simulate(spec, H100, replace(par, capacity_factor=2.0, pad_to_capacity=True))
     assert low.breakdown["grouped_gemm"] < one.breakdown["grouped_gemm"] < pad.breakdown["grouped_gemm"]
-    assert one.breakdown["moe_fixed"] <= drop.breakdown["moe_fixed"]
+    assert low.breakdown["moe_fixed"] < one.breakdown["moe_fixed"] == pytest.approx(drop.breakdown["moe_fixed"])
     skew = replace(par, dispatcher="classic", maxvio=0.5)
     capped = simulate(spec, H100, replace(skew, capacity_factor=1.2))
     assert 0 < capped.breakdown["imbalance"] < simulate(spec, H100, skew).breakdown["imbalance"]
