@@ -5,7 +5,8 @@
 
 Presets (``PRESETS``): ``k3`` (released config, see ``k3_architecture.md`` section 3), ``k3-tiny`` and
 ``k3-small`` (the CPU presets ``moonep train`` runs), ``kimi-k2``,
-``deepseek-v3``, ``llama3-405b``, ``gpt3-175b`` and the dense GPT models of Korthikanti et al. 2022
+``deepseek-v3``, ``llama3-405b``, ``gpt3-175b``, ``nemotron-3-nano`` and ``nemotron-3-super`` (their published
+``config.json`` fields, ``simulator.hf_presets``) and the dense GPT models of Korthikanti et al. 2022
 (``gpt-22b``, ``gpt-175b``, ``gpt-530b``, ``gpt-1t``; Megatron conventions: vocab 51200, learned positions,
 LayerNorm, biases, dropout, tied embeddings).
 """
@@ -20,6 +21,7 @@ from typing import Any
 
 from k3.config import K3Config
 from simulator.hf_config import from_config_object, from_hf_config
+from simulator.hf_presets import nemotron_3_nano, nemotron_3_super
 from simulator.modelspec import ModelSpec
 
 __all__ = [
@@ -228,6 +230,8 @@ PRESETS: dict[str, Callable[[], ModelSpec]] = {
     "qwen3-235b-a22b": lambda: qwen3_moe("qwen3-235b-a22b", 94, 4096, 64, 1536),
     "gpt-oss-120b": gpt_oss_120b,
     "nemotron4-15b": nemotron4_15b,
+    "nemotron-3-nano": nemotron_3_nano,
+    "nemotron-3-super": nemotron_3_super,
     "gpt3-175b": gpt3_175b,
     "gpt-22b": lambda: _megatron_gpt("gpt-22b", 48, 6144, 64),
     "gpt-175b": lambda: _megatron_gpt("gpt-175b", 96, 12288, 96),

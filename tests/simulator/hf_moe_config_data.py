@@ -11,6 +11,10 @@ count the card truncates (ERNIE's 21.8B is "21B"; DeepSeek-V2-Lite's 2.45B activ
 
 from __future__ import annotations
 
+# the Nemotron 3 files are presets too (simulator.hf_presets); the tests take them from here with the others
+from simulator.hf_presets import NEMOTRON_3_NANO as NEMOTRON_3_NANO
+from simulator.hf_presets import NEMOTRON_3_SUPER as NEMOTRON_3_SUPER
+
 MIXTRAL_8X7B = {
     "_name_or_path": "mistralai/Mixtral-8x7B-v0.1",
     "architectures": ["MixtralForCausalLM"],
@@ -327,51 +331,6 @@ PUBLISHED = {
     "llama4-maverick": (LLAMA4_MAVERICK, 400e9, 17e9, "emb+head", "hf.co/meta-llama/Llama-4-Maverick-17B-128E: 400B"),
 }
 
-NEMOTRON_3_NANO = {
-    "model_type": "nemotron_h",
-    "architectures": ["NemotronHForCausalLM"],
-    "hybrid_override_pattern": "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME",
-    "num_hidden_layers": 52,
-    "hidden_size": 2688,
-    "vocab_size": 131072,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 2,
-    "head_dim": 128,
-    "mamba_num_heads": 64,
-    "mamba_head_dim": 64,
-    "n_groups": 8,
-    "ssm_state_size": 128,
-    "conv_kernel": 4,
-    "n_routed_experts": 128,
-    "num_experts_per_tok": 6,
-    "moe_intermediate_size": 1856,
-    "moe_shared_expert_intermediate_size": 3712,
-    "n_shared_experts": 1,
-    "intermediate_size": 1856,
-    "mlp_hidden_act": "relu2",
-    "max_position_embeddings": 262144,
-}
-"""NVIDIA-Nemotron-3-Nano-30B-A3B's published ``config.json`` (the fields that size it; Megatron-Bridge's
-``recipes/nemotronh/h100/nemotron_3_nano.py`` states the same architecture)."""
-
-NEMOTRON_3_SUPER = NEMOTRON_3_NANO | {
-    "hybrid_override_pattern": "MEMEMEM*EMEMEMEM*EMEMEMEM*EMEMEMEMEM*EMEMEMEMEM*EMEMEMEMEM*EMEMEMEMEM*EMEMEMEM*"
-    "EMEMEMEME",
-    "num_hidden_layers": 88,
-    "hidden_size": 4096,
-    "mamba_num_heads": 128,
-    "n_routed_experts": 512,
-    "num_experts_per_tok": 22,
-    "moe_intermediate_size": 2688,
-    "moe_latent_size": 1024,
-    "moe_shared_expert_intermediate_size": 5376,
-    "intermediate_size": 2688,
-    "num_nextn_predict_layers": 1,
-    "mtp_hybrid_override_pattern": "*E",
-}
-"""NVIDIA-Nemotron-3-Super-120B-A12B-BF16's published ``config.json`` (the fields that size it; the rest are
-Nano's values): LatentMoE (512 experts of width 2688 behind a 1024-wide projection, 22 per token) and one MTP
-module of an attention and an MoE block."""
 SUPER_ELEMENTS = 123_611_033_088
 """Elements of the Super checkpoint, MTP module included: Megatron-Bridge's verification card
 (``examples/model_verification_cards/nemotron-3-super-120b-a12b/card.yaml``, ``megatron_to_hf_gpu``: "all 42,683
