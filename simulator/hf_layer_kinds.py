@@ -250,7 +250,8 @@ def single_block_fields(c: dict, get: Callable[..., Any], blocks: list[str]) -> 
         "gated_ffn": False,
         "gated_experts": False,
     }
-    out["mtp_blocks"] = mtp_blocks(c)
+    if get("num_nextn_predict_layers"):  # transformers 5.x writes its default MTP blocks into files without MTP
+        out["mtp_blocks"] = mtp_blocks(c)
     if where["moe"]:
         out |= {"moe_layers": where["moe"], "first_k_dense": 0, "router_bias": True}
     else:  # no MoE block: expert fields a dense file carries (transformers' defaults) build nothing

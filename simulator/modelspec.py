@@ -311,7 +311,8 @@ class ModelSpec:
         odd = sorted(set(self.mtp_blocks) - set(MTP_BLOCK_KINDS))
         if odd:
             raise ValueError(f"ModelSpec.mtp_blocks must be letters of {''.join(MTP_BLOCK_KINDS)}, got {odd}")
-        if "E" in self.mtp_blocks and not self.is_moe or "-" in self.mtp_blocks and self.ffn_hidden < 1:
+        sized = {"E": self.is_moe, "-": self.ffn_hidden > 0, "M": bool(self.mamba_layers), "*": True}
+        if self.mtp_layers and not all(sized[b] for b in self.mtp_blocks):
             raise ValueError(f"ModelSpec.mtp_blocks {self.mtp_blocks!r} names a block the model has no size for")
 
     def mtp_kinds(self) -> tuple[tuple[str, str], ...]:

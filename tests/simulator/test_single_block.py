@@ -188,7 +188,17 @@ def test_a_bad_mtp_pattern_names_the_field(field, value):
         from_hf_config({k: v for k, v in SUPER.items() if k != "mtp_hybrid_override_pattern"} | {field: value})
 
 
-def test_mtp_blocks_the_model_cannot_size_are_refused():
+def test_a_dense_hybrid_without_mtp_ignores_transformers_default_mtp_blocks():
+    """transformers 5.x writes ``mtp_layers_block_type = ["full_attention", "moe"]`` into every ``NemotronHConfig``,
+    a dense one with no MTP module too: not a block to size."""
     dense = NANO | {"hybrid_override_pattern": "M-M*-", "num_hidden_layers": 5, "intermediate_size": 8192}
+    spec = from_hf_config(dense | {"mtp_layers_block_type": ["full_attention", "moe"], "num_nextn_predict_layers": 0})
+    assert not spec.is_moe and spec.mtp_layers == 0 and spec.mtp_blocks == ""
+
+
+@pytest.mark.parametrize("blocks", ["*E", "M*", "*X"])
+def test_mtp_blocks_the_model_cannot_size_are_refused(blocks):
+    """A dense attention-only model has no expert or Mamba sizes for an MTP block of those."""
+    assert ModelSpec(**BASE, num_layers=4, ffn_hidden=1536, mtp_layers=1, mtp_blocks="*-").mtp_kinds()
     with pytest.raises(ValueError, match="mtp_blocks"):
-        replace(from_hf_config(dense), mtp_layers=1, mtp_blocks="*E")
+        ModelSpec(**BASE, num_layers=4, ffn_hidden=1536, mtp_layers=1, mtp_blocks=blocks)
