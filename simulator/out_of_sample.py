@@ -87,9 +87,8 @@ CHECKS = (
         ("--model", "deepseek-v3", "--hardware", "h100", "--gpus", "1024", "--tp", "2", "--pp", "8", "--vpp", "4")
         + ("--schedule", "interleaved", "--ep", "64", "--etp", "1", "--precision", "bf16", "--seq-len", "4096")
         + ("--global-batch-tokens", str(16384 * 4096), "--micro-batch", "1", "--recompute", "selective")
-        + ("--recompute-modules", "mla_up_proj,mlp", "--dispatcher", "classic", "--main-grads-dtype", "bf16")
-        + ("--moment-dtype", "bf16", "--mtp-layers", "1", "--pp-first-layers", "1", "--pp-last-layers", "0")
-        + ("--moe-shared-expert-overlap",),
+        + ("--recompute-modules", "mla_up_proj,mlp", "--dispatcher", "deepep", "--main-grads-dtype", "bf16")
+        + ("--moment-dtype", "bf16", "--mtp-layers", "1", "--pp-first-layers", "1", "--pp-last-layers", "0"),
         1061.206,
         f"{CARD} deepseek-v3, 2026-08-15",
     ),
