@@ -23,10 +23,6 @@ TABLE = "table"
 """Megatron-Bridge's performance summary (``docs/performance-summary*.md``), the release's section."""
 
 
-HOPPER = ("h100", "h200", "h800")
-BLACKWELL = ("b200", "gb200", "b300", "gb300")
-
-
 @dataclass(frozen=True)
 class Check:
     """One published run and the flags that describe it."""
@@ -95,10 +91,6 @@ CHECKS = (
 )
 
 
-def _flag(flags: tuple[str, ...], name: str) -> str:
-    return flags[flags.index(name) + 1]
-
-
 def predict(check: Check) -> dict:
     """The simulator's answer for ``check``: predicted tokens/s/GPU, its error against the published number,
     peak memory and feasibility."""
@@ -106,8 +98,9 @@ def predict(check: Check) -> dict:
     spec, hw, cluster, par = setup(args)
     res = simulate(spec, hw, par, args.gpus, cluster)
     return {
-        "model": _flag(check.flags, "--model"),
-        "hardware": _flag(check.flags, "--hardware"),
+        "model": args.model,
+        "hardware": args.hardware,
+        "arch": hw.arch,
         "gpus": args.gpus,
         "precision": args.precision,
         "source": check.source,
@@ -130,11 +123,11 @@ def format_table(rows: list[dict]) -> str:
             f"| {r['model']} | {r['hardware']} | {r['gpus']} | {r['precision']} | {r['source']} | "
             f"{r['measured']:.0f} | {r['predicted']:.0f} | {r['error']:+.1%} | {r['memory_gib']:.1f} |"
         )
-    for arch, names in (("Hopper", HOPPER), ("Blackwell", BLACKWELL)):
-        errors = [r["error"] for r in rows if r["hardware"] in names]
+    for arch in ("hopper", "blackwell"):
+        errors = [r["error"] for r in rows if r["arch"] == arch]
         if errors:
             lines.append(
-                f"\n{arch}: {len(errors)} runs, MAE {sum(map(abs, errors)) / len(errors):.1%}, "
+                f"\n{arch.capitalize()}: {len(errors)} runs, MAE {sum(map(abs, errors)) / len(errors):.1%}, "
                 f"errors {min(errors):+.1%} to {max(errors):+.1%}"
             )
     return "\n".join(lines)
