@@ -1,6 +1,6 @@
 """The job assumptions ``moonep simulate run`` and ``search`` used, and where each came from (a flag or a default):
 printed above the result and written into its JSON as ``assumptions``, so a plan never hides its sequence length,
-batch, precision or FLOP convention."""
+batch, precision, gradient reduction or FLOP convention."""
 
 from __future__ import annotations
 
@@ -59,6 +59,13 @@ def assumptions(args, spec: ModelSpec, par: ParallelConfig) -> dict:
             "value": str(precision),
             "from": f"default ({precision})" if isinstance(precision, Default) else "flag --precision",
         },
+        "gradient_reduction": {
+            "value": "every micro-batch" if par.reduces_every_microbatch else "once a step",
+            "from": f"flag --grad-reduce {par.grad_reduce}"
+            if par.grad_reduce != "auto"
+            else f"default: with --zero {par.zero_stage}, {'sharded' if par.zero_stage >= 2 else 'unsharded'} "
+            "gradients",
+        },
         "flop_convention": FLOPS,
     }
 
@@ -69,6 +76,7 @@ def format_assumptions(a: dict) -> str:
     return (
         f"assumptions: model {a['model']['value']} ({a['model']['from']}); seq_len {a['seq_len']['value']} "
         f"({a['seq_len']['from']}); global batch {b['tokens']:,} tokens = {b['sequences']} sequences "
-        f"({b['from']}); precision {a['precision']['value']} ({a['precision']['from']})\n"
+        f"({b['from']}); precision {a['precision']['value']} ({a['precision']['from']}); gradients reduced "
+        f"{a['gradient_reduction']['value']} ({a['gradient_reduction']['from']})\n"
         f"FLOP convention: {a['flop_convention']}"
     )

@@ -186,6 +186,13 @@ def _job_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--maxvio", type=float, default=0.0, help="routing skew (busiest EP rank / mean - 1)")
     p.add_argument("--zero", type=int, default=1, choices=(0, 1, 2, 3), help="ZeRO stage")
+    p.add_argument(
+        "--grad-reduce",
+        choices=("auto", "step", "microbatch"),
+        default="auto",
+        help="DP gradient reduction: once a step (Megatron DDP, FSDP no_sync) or after every micro-batch (FSDP, "
+        "Megatron-FSDP, DeepSpeed ZeRO-2/3); auto: every micro-batch when --zero >= 2",
+    )
 
 
 def _parallel_args(p: argparse.ArgumentParser) -> None:

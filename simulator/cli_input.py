@@ -110,6 +110,7 @@ def _build(args, spec, hw):
                 dispatcher=args.dispatcher,
                 maxvio=args.maxvio,
                 zero_stage=args.zero,
+                grad_reduce=args.grad_reduce,
                 **_speed_knobs(args),
             ),
         )
@@ -157,6 +158,7 @@ def _parallel(args, dp: int, seq: int, gbt: int) -> ParallelConfig:
         seq_len=seq,
         recompute=args.recompute,
         zero_stage=args.zero,
+        grad_reduce=args.grad_reduce,
         schedule=args.schedule,
         dispatcher=args.dispatcher,
         maxvio=args.maxvio,

@@ -10,7 +10,9 @@ warm-up with N contiguous micro-batches, default p, which gives the paper's ``1 
 0); DualPipe holds ``p + 1`` micro-batches (``p - h`` of its first-direction stage, ``h + 1`` of the other,
 ``h = min(r, p-1-r)``) and two weight copies. Unlike chunks of one rank (an uneven first or last stage, the MTP
 module and the logits on the last) are weighted by what each holds at the rank's peak (``simulator.inflight``
-walks the op order). ZeRO 2/3 price the unsharded gradients where activations + gradients peak (``_zero_peak``).
+walks the op order). ZeRO 2/3 keep one layer's gradients unsharded when each micro-batch reduces its own, and
+price the accumulated unsharded gradients where activations + gradients peak when the step reduces them once
+(``_zero_peak``).
 Full recompute keeps each layer's ``[t, H]`` input plus one layer's working set.
 """
 
@@ -142,7 +144,7 @@ def rank_memory(spec: ModelSpec, hw: HardwareSpec, par: ParallelConfig, rank: in
     if par.recompute == "full":
         act += _full_working_set(spec, par, t, flash)
     params, grads, optim = _state_bytes(spec, par, dense, expert, mine, chunks)
-    if par.zero_stage == 2:  # unsharded gradients where activations + gradients peak; at most ZeRO-1's buffer
+    if par.zero_stage >= 2 and not par.reduces_every_microbatch:  # accumulated unsharded where the sum peaks
         full = _state_bytes(spec, replace(par, zero_stage=1), dense, expert, mine, chunks)[1]
         if par.schedule == "dualpipe" and not has_dualpipe_order(par):  # no order to walk: the upper bound
             fresh = full
@@ -198,9 +200,10 @@ def chunk_end_params(spec: ModelSpec, chunk: int, n_chunks: int) -> tuple[float,
 
 def _state_bytes(spec, par: ParallelConfig, dense: float, expert: float, mine, chunks) -> tuple[float, float, float]:
     """(weights, gradients, optimizer) bytes of the rank's ``dense`` / ``expert`` parameters. ZeRO shards over
-    DP x CP (experts over their expert-data ranks): 1 the optimizer, 2 also the gradient accumulators (their
-    unsharded peak: ``_zero_peak``), 3 also the weights, with two layers gathered (the one computing and the one
-    prefetched, FSDP's default) alive, and each micro-batch's gradients reduce-scattered layer by layer."""
+    DP x CP (experts over their expert-data ranks): 1 the optimizer, 2 also the gradient accumulators, 3 also the
+    weights, with two layers gathered (the one computing and the one prefetched, FSDP's default) alive. Gradients
+    reduced after every micro-batch (``ParallelConfig.reduces_every_microbatch``) are unsharded one layer at a
+    time; accumulated over the step, their unsharded peak is ``_zero_peak``'s (``rank_memory``)."""
     dense_g, expert_g = dense / par.tp, expert / (par.ep * par.expert_tp)
     dpg, edpg, zs = par.dp * par.cp, par.expert_dp, par.zero_stage
     w_bytes = 3.0 if par.precision == "fp8" else 2.0
@@ -209,10 +212,10 @@ def _state_bytes(spec, par: ParallelConfig, dense: float, expert: float, mine, c
     params = dense_g * w_bytes / (dpg if zs >= 3 else 1) + expert_g * w_bytes / (edpg if zs >= 3 else 1)
     grads = dense_g * g_bytes / (dpg if zs >= 2 else 1) + expert_g * g_bytes / (edpg if zs >= 2 else 1)
     optim = dense_g * o_bytes / (dpg if zs >= 1 else 1) + expert_g * o_bytes / (edpg if zs >= 1 else 1)
-    if zs >= 3:  # two layers gathered; each micro-batch's gradients reduce-scattered layer by layer (one unsharded)
-        biggest = _biggest_layer(spec, par, mine, chunks)
-        params += 2 * biggest * w_bytes * (1.0 - 1.0 / dpg)
-        grads += biggest * g_bytes
+    if zs >= 2 and par.reduces_every_microbatch:  # each backward's gradients reduce-scattered: one layer unsharded
+        grads += _biggest_layer(spec, par, mine, chunks) * g_bytes
+    if zs >= 3:  # two layers gathered: the one computing and the one prefetched
+        params += 2 * _biggest_layer(spec, par, mine, chunks) * w_bytes * (1.0 - 1.0 / dpg)
     return params, grads, optim
 
 
@@ -227,9 +230,10 @@ def _zero_peak(spec: ModelSpec, par: ParallelConfig, rank: int, flash: bool) -> 
     """(activations, unsharded gradient bytes) at the rank's peak of their sum under ZeRO 2/3, walking its op
     order (``events.static_order``; DualPipe's ``inflight.dualpipe_ops``): a forward adds its chunk's
     activations; the first backward of a chunk makes the chunk's unsharded gradients while its activations are
-    still alive, and they stay until the step's reduce-scatter (gradient accumulation over micro-batches, as FSDP
-    ``no_sync`` / Megatron keep them); each backward then frees its activations. So the activation peak, at the
-    end of the warm-up, has no gradients yet, and the gradients' peak, at the end, almost no activations."""
+    still alive, and they stay until the step's reduce-scatter (``grad_reduce = step``: accumulated over the
+    micro-batches, as FSDP ``no_sync`` keeps them); each backward then frees its activations. So the activation
+    peak, at the end of the warm-up, has no gradients yet, and the gradients' peak, at the end, almost no
+    activations."""
     chunks, mine = stage_layers(spec, par), rank_chunks(par)[rank]
     g_bytes = par.grad_bytes
     acts, grads = [], []

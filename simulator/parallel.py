@@ -50,6 +50,11 @@ class ParallelConfig:
     functions and KDA convolutions), full (whole layer; only layer inputs kept)."""
     zero_stage: int = 1
     """0: replicated Adam; 1: optimizer sharded over DP; 2: + gradients; 3: + weights."""
+    grad_reduce: str = "auto"
+    """When gradients are reduced over DP: ``step`` (accumulated over the step's micro-batches, reduced once after
+    the last backward: Megatron's DDP and distributed optimizer, FSDP inside ``no_sync``), ``microbatch`` (after
+    every micro-batch's backward: Megatron-FSDP ``optim_grads[_params]``, DeepSpeed ZeRO-2/3, PyTorch FSDP and
+    torchtitan by default) or ``auto`` (``microbatch`` when ZeRO >= 2 shards the gradients, else ``step``)."""
     schedule: str = "1f1b"
     """Pipeline schedule: 1f1b, interleaved (needs vpp > 1) or dualpipe (bidirectional, two weight copies)."""
     dispatcher: str = "moonep"
@@ -166,6 +171,7 @@ class ParallelConfig:
             ("activation_dtype", ("auto", "bf16", "fp8")),
             ("moment_dtype", ("fp32", "bf16")),
             ("main_grads_dtype", ("fp32", "bf16")),
+            ("grad_reduce", ("auto", "step", "microbatch")),
             ("attn_res_impl", ("moonep", "release")),
             ("moe_probs", ("swiglu", "combine")),
             ("attn_out_cache", ("bf16", "e5m6", "fp8")),
@@ -200,6 +206,13 @@ class ParallelConfig:
     def expert_dp(self) -> int:
         """Expert data-parallel size: TP x CP x DP / (EP x ETP) ranks hold the same expert shard."""
         return self.tp * self.cp * self.dp // (self.ep * self.expert_tp)
+
+    @property
+    def reduces_every_microbatch(self) -> bool:
+        """Gradients reduced after every micro-batch's backward (``grad_reduce``), not once per step."""
+        if self.grad_reduce == "auto":
+            return self.zero_stage >= 2
+        return self.grad_reduce == "microbatch"
 
     @property
     def grad_bytes(self) -> float:

@@ -57,9 +57,28 @@ def test_run_names_the_flags_it_was_given(tmp_path, capsys):
     said = capsys.readouterr().out
     assert "seq_len 4096 (flag --seq-len)" in said and "= 512 sequences (flag --global-batch-tokens)" in said
     assert "precision fp8 (flag --precision)" in said
+    assert "gradients reduced once a step (default: with --zero 1, unsharded gradients)" in said
     a = json.loads(out.read_text())["assumptions"]
     assert (a["seq_len"]["value"], a["global_batch"]["sequences"], a["precision"]["value"]) == (4096, 512, "fp8")
     assert a["model"]["value"] == "llama3-8b"
+
+
+@pytest.mark.parametrize(
+    "flags, said_as",
+    [
+        (["--zero", "2"], "every micro-batch (default: with --zero 2, sharded gradients)"),
+        (["--zero", "3", "--grad-reduce", "step"], "once a step (flag --grad-reduce step)"),
+        (["--grad-reduce", "microbatch"], "every micro-batch (flag --grad-reduce microbatch)"),
+    ],
+)
+def test_run_says_when_the_gradients_are_reduced(flags, said_as, tmp_path, capsys):
+    """ZeRO >= 2 changes the default (sharded gradients are reduced after every backward), so the plan says it."""
+    out = tmp_path / "r.json"
+    argv = ["simulate", "run", "--model", "llama3-8b", "--gpus", "16", "--hardware", "h100", "--json", str(out)]
+    assert main([*argv, *flags]) in (0, 1)
+    assert f"gradients reduced {said_as}" in capsys.readouterr().out
+    a = json.loads(out.read_text())["assumptions"]["gradient_reduction"]
+    assert f"{a['value']} ({a['from']})" == said_as
 
 
 @pytest.mark.parametrize(

@@ -32,6 +32,31 @@ def test_exposure_between_last_bucket_and_all(each, w1, w2):
         assert dp_comm.exposed(parts, 1e9) == pytest.approx(min(total, live[0].each_s))
 
 
+@settings(max_examples=80, deadline=None)
+@given(
+    each=st.lists(st.tuples(st.integers(0, 50), st.floats(0.0, 0.05)), min_size=1, max_size=3),
+    window=st.floats(0.0, 5.0),
+    between=st.floats(0.0, 5.0),
+    rounds=st.integers(1, 64),
+    busy=st.floats(0.0, 1.0),
+)
+def test_rounds_hide_behind_each_micro_batch_or_queue_up(each, window, between, rounds, busy):
+    """Reducing after every micro-batch: one round is the step's single reduction; each earlier round costs only
+    what exceeds its micro-batch's compute (backward + the forward after it); nothing hidden costs every round."""
+    parts = [dp_comm.Buckets(n, c) for n, c in each]
+    total = sum(p.total_s for p in parts)
+    once = dp_comm.exposed(parts, window)
+    many = dp_comm.exposed(parts, window, rounds=rounds, between=between)
+    assert dp_comm.exposed(parts, window, rounds=1, between=between) == once
+    assert once - 1e-12 <= many <= rounds * total + 1e-12
+    assert many == pytest.approx(once + (rounds - 1) * max(0.0, total - window - between), abs=1e-12)
+    assert dp_comm.exposed(parts, 0.0, rounds=rounds) == pytest.approx(rounds * total)
+    if total <= window + between:
+        assert many == once
+    shared = dp_comm.exposed(parts, window, rounds=rounds, between=between, busy=busy)
+    assert many - 1e-12 <= shared <= many + (rounds - 1) * busy + 1e-12  # the stream's other sends queue too
+
+
 def test_ring_latency_grows_with_the_ring_and_tree_caps_all_reduce():
     t = net.cluster_tiers(4096, load_hardware("h100"), net.ClusterSpec())
     lat = [net.ring_latency(net.group(n, 8, t), t) for n in (16, 64, 256)]

@@ -114,9 +114,10 @@ def test_dualpipe_rank_zero_keeps_its_last_stage_once():
 @settings(max_examples=30, deadline=None)
 @given(half_pp=st.integers(1, 6), extra=st.integers(0, 8), model=st.sampled_from(["deepseek-v3", "llama3-70b"]))
 def test_dualpipe_zero2_walk_finds_both_gradients_at_the_activation_peak(half_pp, extra, model):
-    """ZeRO-2 under DualPipe walks its order: each chunk's first backward runs before (or in the pair that makes)
-    the rank's activation peak, so the unsharded gradients of both chunks sit on top of it and ZeRO-2 keeps what
-    ZeRO-1 keeps there (the bound this used to assume, now derived)."""
+    """ZeRO-2 accumulating over the step (``grad_reduce = step``) under DualPipe walks its order: each chunk's
+    first backward runs before (or in the pair that makes) the rank's activation peak, so the unsharded gradients
+    of both chunks sit on top of it and ZeRO-2 keeps what ZeRO-1 keeps there (the bound this used to assume, now
+    derived)."""
     spec, hw, pp = load_model(model), load_hardware("h100"), 2 * half_pp
     par = ParallelConfig(
         pp=pp,
@@ -126,6 +127,7 @@ def test_dualpipe_zero2_walk_finds_both_gradients_at_the_activation_peak(half_pp
         global_batch_tokens=4096 * 8 * (2 * pp + 2 * extra),
         schedule="dualpipe",
         recompute="selective",
+        grad_reduce="step",
     )
     for rank in range(pp):
         one, two = (rank_memory(spec, hw, replace(par, zero_stage=z), rank) for z in (1, 2))

@@ -73,6 +73,28 @@ def test_zero_peak_grads_and_params():
     )
 
 
+def test_gradients_reduced_every_micro_batch_stay_sharded_and_cost_dp_time():
+    """``grad_reduce``: sharded gradients reduced after every micro-batch's backward (FSDP, Megatron-FSDP,
+    DeepSpeed; ``auto`` with ZeRO >= 2) keep one layer unsharded instead of the accumulated ones, and send the
+    buckets once per micro-batch; ZeRO-1 keeps its full buffer either way."""
+    par = replace(PAPER, dp=64)
+    step, every = (replace(par, grad_reduce=g) for g in ("step", "microbatch"))
+    assert par.reduces_every_microbatch and not replace(par, zero_stage=1).reduces_every_microbatch
+    mem = {g: rank_memory(LLAMA, H100, replace(par, grad_reduce=g), 1) for g in ("auto", "step", "microbatch")}
+    assert mem["auto"] == mem["microbatch"] and mem["microbatch"]["activations"] == mem["step"]["activations"]
+    h, kv = LLAMA.hidden, LLAMA.num_kv_heads * LLAMA.hidden // LLAMA.num_heads
+    layer = h * (2 * h + 2 * kv + 3 * LLAMA.ffn_hidden) / 8  # q, o, GQA k, v and SwiGLU at TP 8 (norms aside)
+    full = rank_memory(LLAMA, H100, replace(par, zero_stage=1), 1)["grads"]
+    assert mem["microbatch"]["grads"] == pytest.approx(full / 64 + layer * par.grad_bytes, rel=1e-3)
+    assert mem["step"]["grads"] > 5 * mem["microbatch"]["grads"]
+    for z in (1, 3):  # ZeRO-1 has no sharded gradients; ZeRO-3 accumulating once walks like ZeRO-2
+        a, b = (rank_memory(LLAMA, H100, replace(par, zero_stage=z, grad_reduce=g), 1) for g in ("step", "microbatch"))
+        assert (a["grads"] == b["grads"]) if z == 1 else (a["grads"] > 5 * b["grads"])
+    assert simulate(LLAMA, H100, every, 8192).breakdown["dp"] > 4 * simulate(LLAMA, H100, step, 8192).breakdown["dp"]
+    ddp = [simulate(LLAMA, H100, replace(par, zero_stage=1, grad_reduce=g), 8192) for g in ("step", "microbatch")]
+    assert ddp[1].breakdown["dp"] > ddp[0].breakdown["dp"]
+
+
 def test_mtp_module_costs_time_and_weights_on_the_last_stage():
     spec = load_model("deepseek-v3")
     par = ParallelConfig(pp=8, ep=32, dp=32, seq_len=4096, global_batch_tokens=4096 * 512, recompute="full")
@@ -112,6 +134,7 @@ def test_capacity_factor_sizes_experts_and_keeps_the_layer_overhead():
         ({"dp": 10**20}, r"dp must be an integer in \[1, 2147483647\]"),
         ({"global_batch_tokens": 2**53 + 1}, r"global_batch_tokens must be an integer in \[1, 9007199254740992\]"),
         ({"etp": 2**31}, r"etp must be an integer in \[0, 2147483647\]"),
+        ({"grad_reduce": "never"}, "grad_reduce must be one of"),
     ],
 )
 def test_bad_values_name_the_field(kwargs, needle):
