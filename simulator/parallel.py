@@ -52,9 +52,10 @@ class ParallelConfig:
     """0: replicated Adam; 1: optimizer sharded over DP; 2: + gradients; 3: + weights."""
     grad_reduce: str = "auto"
     """When gradients are reduced over DP: ``step`` (accumulated over the step's micro-batches, reduced once after
-    the last backward: Megatron's DDP and distributed optimizer, FSDP inside ``no_sync``), ``microbatch`` (after
-    every micro-batch's backward: Megatron-FSDP ``optim_grads[_params]``, DeepSpeed ZeRO-2/3, PyTorch FSDP and
-    torchtitan by default) or ``auto`` (``microbatch`` when ZeRO >= 2 shards the gradients, else ``step``)."""
+    the last backward: Megatron's DDP and distributed optimizer, FSDP inside ``no_sync``, ``torch.distributed.
+    pipelining`` stages), ``microbatch`` (after every micro-batch's backward: Megatron-FSDP
+    ``optim_grads[_params]``, DeepSpeed ZeRO-2/3, PyTorch FSDP's default, torchtitan's gradient accumulation
+    without PP) or ``auto`` (``microbatch`` when ZeRO >= 2 shards the gradients, else ``step``)."""
     schedule: str = "1f1b"
     """Pipeline schedule: 1f1b, interleaved (needs vpp > 1) or dualpipe (bidirectional, two weight copies)."""
     dispatcher: str = "moonep"
