@@ -212,10 +212,11 @@ def _state_bytes(spec, par: ParallelConfig, dense: float, expert: float, mine, c
     params = dense_g * w_bytes / (dpg if zs >= 3 else 1) + expert_g * w_bytes / (edpg if zs >= 3 else 1)
     grads = dense_g * g_bytes / (dpg if zs >= 2 else 1) + expert_g * g_bytes / (edpg if zs >= 2 else 1)
     optim = dense_g * o_bytes / (dpg if zs >= 1 else 1) + expert_g * o_bytes / (edpg if zs >= 1 else 1)
+    biggest = _biggest_layer(spec, par, mine, chunks) if zs >= 2 else 0.0
     if zs >= 2 and par.reduces_every_microbatch:  # each backward's gradients reduce-scattered: one layer unsharded
-        grads += _biggest_layer(spec, par, mine, chunks) * g_bytes
+        grads += biggest * g_bytes
     if zs >= 3:  # two layers gathered: the one computing and the one prefetched
-        params += 2 * _biggest_layer(spec, par, mine, chunks) * w_bytes * (1.0 - 1.0 / dpg)
+        params += 2 * biggest * w_bytes * (1.0 - 1.0 / dpg)
     return params, grads, optim
 
 
