@@ -168,6 +168,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--mtp-layers", type=int, help="multi-token-prediction modules trained (default: the model's, e.g. HF config)"
     )
+    mtp_help = "the MTP depths share one module's weights (Megatron's mtp_use_repeated_layer; default: the model's)"
+    p.add_argument("--mtp-repeated-layer", action=argparse.BooleanOptionalAction, help=mtp_help)
     p.add_argument("--gpus", type=int, required=True, help="GPUs in the job")
     p.add_argument("--topology", choices=("rail", "fat-tree"), default="rail", help="scale-out network")
     p.add_argument("--oversubscription", type=float, default=1.0, help="leaf-to-spine oversubscription")

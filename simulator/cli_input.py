@@ -67,6 +67,10 @@ def _load(args):
         hw = load_saying_warnings(load_hardware, args.hardware)
         if getattr(args, "mtp_layers", None) is not None:
             spec = replace(spec, mtp_layers=args.mtp_layers)
+        if getattr(args, "mtp_repeated_layer", None) is not None:
+            if args.mtp_repeated_layer and not spec.mtp_layers:
+                raise ValueError(f"--mtp-repeated-layer: {spec.name} trains no MTP module (give --mtp-layers N)")
+            spec = replace(spec, mtp_repeated=args.mtp_repeated_layer)
     except (ValueError, OSError, TypeError) as exc:
         raise UsageError(str(exc)) from None
     return spec, hw

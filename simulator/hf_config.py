@@ -267,6 +267,7 @@ _SPEC_TO_HF = {
     "groups_per_token": "topk_group",
     "seq_len": "max_position_embeddings",
     "mtp_layers": "num_nextn_predict_layers",
+    "mtp_repeated": "mtp_use_repeated_layer",
     "kda_layers": "linear_attn_config.kda_layers/layer_types/full_attention_interval",
     "kda_heads": "linear_attn_config.num_heads/linear_num_value_heads/linear_num_heads",
     "kda_head_dim": "linear_attn_config.head_dim/linear_value_head_dim/linear_head_dim",

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from simulator.hf_layer_kinds import MOE_MLP_KINDS, RECURRENT, mlp_kinds
+from simulator.hf_layer_kinds import MOE_MLP_KINDS, RECURRENT, bool_field, mlp_kinds
 
 DBRX_TOP = {"d_model": "hidden_size", "n_heads": "num_attention_heads", "n_layers": "num_hidden_layers"}
 DBRX_TOP |= {"max_seq_len": "max_position_embeddings"}
@@ -124,8 +124,8 @@ def mamba_fields(c: dict, get: Callable[..., Any]) -> dict:
             "mamba_d_state": _int(get, "mamba_d_state", 128, low=1),
             "mamba_d_conv": _int(get, "mamba_d_conv", 4, low=1),
             "mamba_expand": _int(get, "mamba_expand", 2, low=1),
-            "mamba_conv_bias": _flag(c, "mamba_conv_bias", True),
-            "mamba_proj_bias": _flag(c, "mamba_proj_bias", False),
+            "mamba_conv_bias": bool_field(c, "mamba_conv_bias", True),
+            "mamba_proj_bias": bool_field(c, "mamba_proj_bias", False),
         }
     rank = c.get("mamba_dt_rank", "auto")
     return {
@@ -133,8 +133,8 @@ def mamba_fields(c: dict, get: Callable[..., Any]) -> dict:
         "mamba_d_conv": _int(get, "mamba_d_conv", 4, low=1),
         "mamba_expand": _int(get, "mamba_expand", 2, low=1),
         "mamba_dt_rank": 0 if rank == "auto" else _int(get, "mamba_dt_rank", 0, low=1),
-        "mamba_conv_bias": _flag(c, "mamba_conv_bias", True),
-        "mamba_proj_bias": _flag(c, "mamba_proj_bias", False),
+        "mamba_conv_bias": bool_field(c, "mamba_conv_bias", True),
+        "mamba_proj_bias": bool_field(c, "mamba_proj_bias", False),
     }
 
 
@@ -236,13 +236,6 @@ def _int(get: Callable[..., Any], key: str, default: int, low: int = 0) -> int:
     if v < low:
         raise ValueError(f"HF config: field {key!r} must be >= {low}, got {v!r}")
     return int(v)
-
-
-def _flag(c: dict, key: str, default: bool) -> bool:
-    v = c.get(key, default)
-    if not isinstance(v, bool):
-        raise ValueError(f"HF config: field {key!r} must be true or false, got {v!r}")
-    return v
 
 
 def _period(get: Callable[..., Any], period_key: str, offset_key: str) -> tuple[int, int]:

@@ -251,7 +251,8 @@ def single_block_fields(c: dict, get: Callable[..., Any], blocks: list[str]) -> 
         "gated_experts": False,
     }
     if get("num_nextn_predict_layers"):  # transformers 5.x writes its default MTP blocks into files without MTP
-        out["mtp_blocks"] = mtp_blocks(c)
+        # Megatron-Bridge's Nemotron-H bridge repeats one module over the depths unless the file says otherwise
+        out |= {"mtp_blocks": mtp_blocks(c), "mtp_repeated": bool_field(c, "mtp_use_repeated_layer", True)}
     if where["moe"]:
         out |= {"moe_layers": where["moe"], "first_k_dense": 0, "router_bias": True}
     else:  # no MoE block: expert fields a dense file carries (transformers' defaults) build nothing
@@ -270,3 +271,11 @@ def single_block_fields(c: dict, get: Callable[..., Any], blocks: list[str]) -> 
             "mamba_proj_bias": bool(c.get("use_bias", False)),
         }
     return out
+
+
+def bool_field(c: dict, key: str, default: bool) -> bool:
+    """HF field ``key`` of ``c`` (``default`` when absent); anything but true or false is a ValueError naming it."""
+    v = c.get(key, default)
+    if not isinstance(v, bool):
+        raise ValueError(f"HF config: field {key!r} must be true or false, got {v!r}")
+    return v

@@ -173,10 +173,11 @@ def rank_memory(spec: ModelSpec, hw: HardwareSpec, par: ParallelConfig, rank: in
 def mtp_params(spec: ModelSpec) -> tuple[float, float]:
     """(dense, expert) parameters of the multi-token-prediction modules (DeepSeek-V3 section 2.2): per module its
     layers (``ModelSpec.mtp_kinds``), the ``[2H -> H]`` projection and its two input RMSNorms; embedding and LM
-    head are shared with the main model."""
+    head are shared with the main model, and repeated depths (``ModelSpec.mtp_repeated``) share one module."""
     n = getattr(spec, "mtp_layers", 0)
     if not n:
         return 0.0, 0.0
+    n = 1 if spec.mtp_repeated else n
     stats = [layer_stats(spec, kind) for kind in spec.mtp_kinds()]
     dense = sum(st.dense_params for st in stats) + 2.0 * spec.hidden * spec.hidden + 2.0 * spec.hidden
     return n * dense, n * sum(st.expert_params for st in stats)

@@ -157,6 +157,9 @@ class ModelSpec:
     mtp_blocks: str = ""
     """Blocks of each MTP module in ``hybrid_override_pattern`` letters (Nemotron-H's ``mtp_hybrid_override_pattern``:
     ``*E`` is an attention block, then an MoE block); empty: one layer of the model's last kind."""
+    mtp_repeated: bool = False
+    """One MTP module's weights serve every depth (Megatron's ``mtp_use_repeated_layer``): time and activations
+    per depth, parameters, gradients and optimizer state once."""
 
     def __post_init__(self):
         _check_field_types(self)
@@ -192,18 +195,15 @@ class ModelSpec:
             raise ValueError(f"ModelSpec.norm must be rmsnorm or layernorm, got {self.norm!r}")
         if self.seq_len < 1:
             raise ValueError(f"ModelSpec.seq_len must be >= 1, got {self.seq_len}")
-        if self.mtp_layers < 0:
-            raise ValueError(f"ModelSpec.mtp_layers must be >= 0, got {self.mtp_layers}")
-        self._check_mtp_blocks()
+        self._check_mtp()
         if not 0 <= self.glu_clamp < float("inf"):
             raise ValueError(f"ModelSpec.glu_clamp must be a finite number >= 0, got {self.glu_clamp!r}")
         if self.attn_res_block_size < 0:
             raise ValueError(f"ModelSpec.attn_res_block_size must be >= 0, got {self.attn_res_block_size}")
         if any(not 0 <= i < self.num_layers for i in self.sliding_window_layers):
             raise ValueError("ModelSpec.sliding_window_layers must be 0-based indices below num_layers")
-        if any(not 0 <= i < self.num_layers for i in self.mamba_layers) or set(self.mamba_layers) & set(
-            self.kda_layers
-        ):
+        mamba = set(self.mamba_layers)
+        if any(not 0 <= i < self.num_layers for i in mamba) or mamba & set(self.kda_layers):
             raise ValueError("ModelSpec.mamba_layers must be 0-based indices below num_layers, none of them KDA")
         if self.mamba_layers and min(self.mamba_d_state, self.mamba_d_conv, self.mamba_expand) < 1:
             raise ValueError("ModelSpec.mamba_d_state, mamba_d_conv and mamba_expand must be > 0 for Mamba layers")
@@ -253,9 +253,8 @@ class ModelSpec:
             raise ValueError("ModelSpec.moe_layers is set but num_experts is 0")
         if self.first_k_dense:
             raise ValueError("ModelSpec.moe_layers and first_k_dense are both set: give the MoE layers one way")
-        if any(not 0 <= i < self.num_layers for i in self.moe_layers) or len(set(self.moe_layers)) < len(
-            self.moe_layers
-        ):
+        ids = self.moe_layers
+        if any(not 0 <= i < self.num_layers for i in ids) or len(set(ids)) < len(ids):
             raise ValueError("ModelSpec.moe_layers must be distinct 0-based indices below num_layers")
 
     @property
@@ -307,7 +306,9 @@ class ModelSpec:
         ``EP min(k, E/EP) / k`` x the mean."""
         return ep * min(self.top_k, self.num_experts // ep) / self.top_k - 1
 
-    def _check_mtp_blocks(self) -> None:
+    def _check_mtp(self) -> None:
+        if self.mtp_layers < 0:
+            raise ValueError(f"ModelSpec.mtp_layers must be >= 0, got {self.mtp_layers}")
         odd = sorted(set(self.mtp_blocks) - set(MTP_BLOCK_KINDS))
         if odd:
             raise ValueError(f"ModelSpec.mtp_blocks must be letters of {''.join(MTP_BLOCK_KINDS)}, got {odd}")

@@ -18,6 +18,7 @@ from moonep.console import main
         (["--gpus", str(10**20)], "--gpus must be <= 2147483647, got 100000000000000000000"),  # was priced
         (["--gpus", "8", "--seq-len", str(2**31)], "--seq-len must be <= 2147483647"),
         (["--gpus", "8", "--mtp-layers", str(10**20)], "--mtp-layers must be <= 2147483647"),  # was a traceback
+        (["--gpus", "8", "--model", "llama3-8b", "--mtp-repeated-layer"], "llama3-8b trains no MTP module"),
         (["--gpus", "8", "--global-batch-tokens", str(2**53 + 1)], "--global-batch-tokens must be <= 9007199254740992"),
         (["--gpus", "8", "--nodes-per-leaf", str(2**31)], "--nodes-per-leaf must be <= 2147483647"),
         (["--gpus", "8", "--seq-len", "0"], "--seq-len"),

@@ -14,7 +14,7 @@ from simulator import ParallelConfig, simulate
 from simulator.hardware import load_hardware
 from simulator.hf_layer_kinds import PATTERN
 from simulator.layers import layer_stats, param_counts
-from simulator.memory import mtp_params
+from simulator.memory import mtp_params, rank_memory
 from simulator.modelspec import ModelSpec
 from simulator.specs import from_hf_config
 from tests.simulator.hf_moe_config_data import NEMOTRON_3_NANO as NANO
@@ -171,6 +171,44 @@ def test_mtp_module_is_built_from_the_mtp_pattern():
     assert abs((param_counts(spec).total + sum(mtp_params(last_kind))) / SUPER_ELEMENTS - 1) > 1e-4
     par = ParallelConfig(pp=2, ep=32, dp=32, seq_len=4096, global_batch_tokens=4096 * 1280, recompute="selective")
     assert simulate(spec, H100, par).step_time_s > simulate(last_kind, H100, par).step_time_s
+
+
+def test_repeated_mtp_depths_hold_one_module_of_weights():
+    """Super's recipes train two depths of its one MTP module (``mtp_use_repeated_layer``, the Nemotron-H bridge's
+    default): the second depth costs its time and activations, not a second module's weights, gradients and
+    optimizer state; ``mtp_use_repeated_layer: false`` in the file gives two modules."""
+    spec = from_hf_config(SUPER)
+    assert spec.mtp_repeated and not from_hf_config(SUPER | {"mtp_use_repeated_layer": False}).mtp_repeated
+    assert not from_hf_config(SUPER | {"num_nextn_predict_layers": 0}).mtp_repeated  # no module to repeat
+    with pytest.raises(ValueError, match="mtp_use_repeated_layer"):
+        from_hf_config(SUPER | {"mtp_use_repeated_layer": "yes"})
+    shared, own = replace(spec, mtp_layers=2), replace(spec, mtp_layers=2, mtp_repeated=False)
+    assert mtp_params(shared) == mtp_params(spec) and sum(mtp_params(own)) == 2 * sum(mtp_params(spec))
+    par = ParallelConfig(pp=2, ep=32, dp=32, seq_len=4096, global_batch_tokens=4096 * 1280, recompute="selective")
+    last = {s: rank_memory(s, H100, par, 1) for s in (spec, shared, own)}
+    assert last[shared]["activations"] == last[own]["activations"] > last[spec]["activations"]
+    for item in ("params", "grads", "optimizer"):
+        assert last[spec][item] == last[shared][item] < last[own][item], item
+    assert rank_memory(shared, H100, par, 0) == rank_memory(own, H100, par, 0)  # the first stage holds no MTP
+    assert simulate(shared, H100, par).step_time_s > simulate(spec, H100, par).step_time_s
+
+
+def test_the_cli_flag_overrides_the_file(tmp_path):
+    """``--no-mtp-repeated-layer`` prices the card's two depths as two modules: more memory on the last stage,
+    the same work (only the data-parallel reduction of the second module's gradients)."""
+    job = ["simulate", "run", "--model", "nemotron-3-super", "--gpus", "64", "--hardware", "h100", "--pp", "2"]
+    job += ["--ep", "32", "--etp", "1", "--seq-len", "4096", "--global-batch-tokens", "5242880", "--mtp-layers", "2"]
+    job += ["--recompute", "selective", "--recompute-modules", "layernorm,moe_act,moe,core_attn"]
+    out = {}
+    for flag in ("--mtp-repeated-layer", "--no-mtp-repeated-layer", None):
+        path = tmp_path / f"{flag}.json"
+        assert main([*job, *([flag] if flag else []), "--json", str(path)]) == 0
+        out[flag] = json.loads(path.read_text())
+    shared, own = out["--mtp-repeated-layer"], out["--no-mtp-repeated-layer"]
+    assert out[None]["memory_gib_per_gpu"] == shared["memory_gib_per_gpu"]  # the file's default: repeated
+    assert shared["peak_memory_rank"] == own["peak_memory_rank"] == 1
+    assert shared["memory_gib_per_gpu"] + 1 < own["memory_gib_per_gpu"]
+    assert shared["tokens_per_s_per_gpu"] == pytest.approx(own["tokens_per_s_per_gpu"], rel=1e-3)  # less DP traffic
 
 
 def test_mtp_blocks_read_from_the_transformers_5_list_too():
