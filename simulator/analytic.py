@@ -79,8 +79,9 @@ def dp_seconds(
 ) -> float:
     """Exposed data-parallel seconds of one pipeline rank per step: gradient reduce-scatter (all-reduce without
     ZeRO) and bf16 parameter all-gather in Megatron's buckets (``simulator.dp_comm``), ``overlap`` x the (backward,
-    forward) ``windows`` of one micro-batch hiding them (0: none hidden); ZeRO-3 gathers again per pass, and the
-    gradients are reduced once per step or after every micro-batch (``ParallelConfig.reduces_every_microbatch``)."""
+    forward) ``windows`` of one micro-batch hiding them (0: none hidden; ``ParallelConfig.overlap_grad_reduce`` /
+    ``overlap_param_gather`` off: none for that half); ZeRO-3 gathers again per pass, and the gradients are
+    reduced once per step or after every micro-batch (``ParallelConfig.reduces_every_microbatch``)."""
     chunks = stage_layers(spec, par)
     dense = expert = 0.0
     for c in rank_chunks(par)[rank]:
@@ -98,9 +99,11 @@ def dp_seconds(
         if par.zero_stage:
             gathers.append(dp_comm.buckets(params, 2.0, g, tiers, "all_gather", comm_scale))
     back, fwd = (overlap * w for w in windows)
-    gather = dp_comm.exposed(gathers, fwd)
+    gather = dp_comm.exposed(gathers, fwd if par.overlap_param_gather else 0.0)
     rounds = par.micro_batches if par.reduces_every_microbatch else 1
     regather = 2 * sum(p.total_s for p in gathers) if par.zero_stage == 3 else 0.0  # the stream's other sends
+    if not par.overlap_grad_reduce:
+        back = fwd = 0.0
     reduce = dp_comm.exposed(grads, back, rounds=rounds, between=fwd, busy=regather)
     return reduce + gather * (1 + (2 * par.micro_batches if par.zero_stage == 3 else 0))
 

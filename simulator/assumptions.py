@@ -1,11 +1,12 @@
 """The job assumptions ``moonep simulate run`` and ``search`` used, and where each came from (a flag or a default):
 printed above the result and written into its JSON as ``assumptions``, so a plan never hides its sequence length,
-batch, precision, gradient reduction or FLOP convention."""
+batch, precision, gradient reduction, DP overlap or FLOP convention."""
 
 from __future__ import annotations
 
 import os
 
+from simulator.hardware import HardwareSpec
 from simulator.modelspec import ModelSpec
 from simulator.parallel import ParallelConfig
 from simulator.specs import PRESETS
@@ -34,7 +35,7 @@ def _model_source(arg: str) -> str:
     return f"file {os.path.basename(str(arg))} ({os.path.dirname(os.path.abspath(str(arg)))})"
 
 
-def assumptions(args, spec: ModelSpec, par: ParallelConfig) -> dict:
+def assumptions(args, spec: ModelSpec, par: ParallelConfig, hw: HardwareSpec) -> dict:
     """What the job assumed, each ``{"value": ..., "from": "flag --x" | "default: ..."}`` (JSON-ready)."""
     seq, tokens = par.seq_len, par.global_batch_tokens
     seqs = tokens / seq
@@ -66,7 +67,21 @@ def assumptions(args, spec: ModelSpec, par: ParallelConfig) -> dict:
             else f"default: with --zero {par.zero_stage}, {'sharded' if par.zero_stage >= 2 else 'unsharded'} "
             "gradients",
         },
+        "dp_overlap": _dp_overlap(par, hw),
         "flop_convention": FLOPS,
+    }
+
+
+def _dp_overlap(par: ParallelConfig, hw: HardwareSpec) -> dict:
+    """Which DP collectives the compute may hide (Megatron's two overlap switches, where the hardware's efficiency
+    set overlaps DP at all)."""
+    if not hw.efficiency.dp_overlap:
+        return {"value": "none", "from": f"hardware {hw.name}: its efficiency set (dp_overlap 0) hides no DP traffic"}
+    on = [n for n, f in (("grad reduce", par.overlap_grad_reduce), ("param gather", par.overlap_param_gather)) if f]
+    off = [f"--no-overlap-{n.replace(' ', '-')}" for n in ("grad reduce", "param gather") if n not in on]
+    return {
+        "value": " + ".join(on) or "none",
+        "from": "flag " + " ".join(off) if off else "default: both, as Megatron-Bridge's recipes set them",
     }
 
 
@@ -77,6 +92,7 @@ def format_assumptions(a: dict) -> str:
         f"assumptions: model {a['model']['value']} ({a['model']['from']}); seq_len {a['seq_len']['value']} "
         f"({a['seq_len']['from']}); global batch {b['tokens']:,} tokens = {b['sequences']} sequences "
         f"({b['from']}); precision {a['precision']['value']} ({a['precision']['from']}); gradients reduced "
-        f"{a['gradient_reduction']['value']} ({a['gradient_reduction']['from']})\n"
+        f"{a['gradient_reduction']['value']} ({a['gradient_reduction']['from']}); DP overlap "
+        f"{a['dp_overlap']['value']} ({a['dp_overlap']['from']})\n"
         f"FLOP convention: {a['flop_convention']}"
     )

@@ -27,6 +27,7 @@ from simulator.cli_input import (
     parse_links,
     parse_slow,
     setup,
+    speed_args,
 )
 from simulator.layers import RECOMPUTE_MODES
 from simulator.memory import GIB, inference_memory
@@ -81,7 +82,7 @@ def _register_search(sub) -> None:
     se.add_argument("--event-top", type=int, default=3, help="re-run this many best on the event engine")
     se.add_argument("--max-seconds", type=float, help="stop enumerating after this long")
     se.add_argument("--json", metavar="FILE", help="write the ranked results as JSON")
-    _speed_args(se)
+    speed_args(se)
     se.set_defaults(func=_search)
 
 
@@ -257,39 +258,7 @@ def _parallel_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="keep SwiGLU inputs in fp8 for the backward (Megatron activation_func_fp8_input_store; DeepSeek-V3)",
     )
-    _speed_args(p)
-
-
-def _speed_args(p: argparse.ArgumentParser) -> None:
-    """Recipe knobs that change time only: EP overlap (and the SMs its kernels hold), CUDA graphs, FP8 attention."""
-    p.add_argument(
-        "--moe-a2a-overlap", action="store_true", help="overlap EP all-to-all with another micro-batch's compute"
-    )
-    p.add_argument(
-        "--moe-shared-expert-overlap",
-        action="store_true",
-        help="run the shared experts beside the EP all-to-all (Megatron moe_shared_expert_overlap)",
-    )
-    p.add_argument(
-        "--ep-comm-sms",
-        type=int,
-        default=20,
-        help="SMs the EP dispatch/combine kernels hold, lost to the overlapped compute (DeepEP 20, HybridEP 32)",
-    )
-    p.add_argument(
-        "--cuda-graph",
-        choices=("none", "modules", "full"),
-        default="none",
-        help="modules: TE graphs of attention, router and MoE preprocessing (the dropless host sync stays); "
-        "full: one CUDA graph per step (Megatron full_iteration; no host sync or launch gaps)",
-    )
-    p.add_argument("--fp8-attention", action="store_true", help="core attention in FP8 (fp8_dot_product_attention)")
-    p.add_argument(
-        "--fused-expert-mlp",
-        action="store_true",
-        help="experts as TE op-fuser grouped ops (use_transformer_engine_op_fuser): expert biases and the "
-        "activation clamp cost nothing extra (default: Megatron's eager path, which pays for them)",
-    )
+    speed_args(p)
 
 
 def _usage_error(exc: Exception) -> int:
@@ -305,7 +274,7 @@ def _run(args) -> int:
         return _usage_error(exc)
     res = simulate(spec, hw, par, args.gpus, cluster, engine=args.engine)
     out = _clean(res.to_dict())
-    out["assumptions"] = assumptions(args, spec, par)
+    out["assumptions"] = assumptions(args, spec, par, hw)
     print(format_assumptions(out["assumptions"]))
     if args.inference_context is not None:
         inf = inference_memory(spec, batch=args.inference_batch, context=args.inference_context, tp=par.tp, ep=par.ep)
@@ -341,7 +310,7 @@ def _search(args) -> int:
         spec, hw, args.gpus, base, cluster, space, top=args.top, event_top=args.event_top, max_seconds=args.max_seconds
     )
     report["results"] = [_clean(r) for r in report["results"]]
-    report["assumptions"] = assumptions(args, spec, base)
+    report["assumptions"] = assumptions(args, spec, base, hw)
     print(format_assumptions(report["assumptions"]))
     print(format_search(report))
     if args.json:

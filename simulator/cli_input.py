@@ -4,6 +4,7 @@ checked the same way. ``simulator.cli`` prints a ``UsageError`` as one line with
 
 from __future__ import annotations
 
+import argparse
 import math
 import sys
 import warnings
@@ -137,9 +138,53 @@ def _build(args, spec, hw):
     return spec, hw, cluster, par
 
 
+def speed_args(p: argparse.ArgumentParser) -> None:
+    """Recipe knobs that change time only: EP and DP overlap (and the SMs the EP kernels hold), CUDA graphs, FP8
+    attention (``run``, ``whatif`` and ``search`` share them; ``_speed_knobs`` maps them to fields)."""
+    p.add_argument(
+        "--moe-a2a-overlap", action="store_true", help="overlap EP all-to-all with another micro-batch's compute"
+    )
+    p.add_argument(
+        "--moe-shared-expert-overlap",
+        action="store_true",
+        help="run the shared experts beside the EP all-to-all (Megatron moe_shared_expert_overlap)",
+    )
+    p.add_argument(
+        "--ep-comm-sms",
+        type=int,
+        default=20,
+        help="SMs the EP dispatch/combine kernels hold, lost to the overlapped compute (DeepEP 20, HybridEP 32)",
+    )
+    p.add_argument(
+        "--cuda-graph",
+        choices=("none", "modules", "full"),
+        default="none",
+        help="modules: TE graphs of attention, router and MoE preprocessing (the dropless host sync stays); "
+        "full: one CUDA graph per step (Megatron full_iteration; no host sync or launch gaps)",
+    )
+    p.add_argument("--fp8-attention", action="store_true", help="core attention in FP8 (fp8_dot_product_attention)")
+    p.add_argument(
+        "--fused-expert-mlp",
+        action="store_true",
+        help="experts as TE op-fuser grouped ops (use_transformer_engine_op_fuser): expert biases and the "
+        "activation clamp cost nothing extra (default: Megatron's eager path, which pays for them)",
+    )
+    on = {"action": argparse.BooleanOptionalAction, "default": True}  # Megatron-LM's command line leaves both off
+    p.add_argument(
+        "--overlap-grad-reduce", **on, help="hide DP gradient buckets behind the backward (overlap_grad_reduce; on)"
+    )
+    p.add_argument(
+        "--overlap-param-gather",
+        **on,
+        help="hide the DP parameter all-gather behind the forward (overlap_param_gather; on)",
+    )
+
+
 def _speed_knobs(args) -> dict:
-    """``ParallelConfig`` fields of the ``cli._speed_args`` flags (``run``, ``whatif`` and ``search`` share them)."""
+    """``ParallelConfig`` fields of the ``speed_args`` flags."""
     return {
+        "overlap_grad_reduce": args.overlap_grad_reduce,
+        "overlap_param_gather": args.overlap_param_gather,
         "moe_a2a_overlap": args.moe_a2a_overlap,
         "shared_expert_overlap": args.moe_shared_expert_overlap,
         "ep_comm_sms": args.ep_comm_sms,

@@ -56,6 +56,13 @@ class ParallelConfig:
     pipelining`` stages), ``microbatch`` (after every micro-batch's backward: Megatron-FSDP
     ``optim_grads[_params]``, DeepSpeed ZeRO-2/3, PyTorch FSDP's default, torchtitan's gradient accumulation
     without PP) or ``auto`` (``microbatch`` when ZeRO >= 2 shards the gradients, else ``step``)."""
+    overlap_grad_reduce: bool = True
+    """DP gradient buckets are reduced while the backward still runs (Megatron ``overlap_grad_reduce``, which
+    Megatron-Bridge's recipes set and Megatron-LM's command line leaves off; FSDP always overlaps). Off: after the
+    backward, all of it exposed. Only where the hardware's ``Efficiency.dp_overlap`` lets buckets overlap."""
+    overlap_param_gather: bool = True
+    """The distributed optimizer's (ZeRO >= 1) parameter all-gather runs behind the next step's forward (Megatron
+    ``overlap_param_gather``; ZeRO-3's per-pass gathers behind each pass). Off: before it, all of it exposed."""
     schedule: str = "1f1b"
     """Pipeline schedule: 1f1b, interleaved (needs vpp > 1) or dualpipe (bidirectional, two weight copies)."""
     dispatcher: str = "moonep"

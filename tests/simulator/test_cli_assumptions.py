@@ -82,6 +82,32 @@ def test_run_says_when_the_gradients_are_reduced(flags, said_as, tmp_path, capsy
 
 
 @pytest.mark.parametrize(
+    "hardware, flags, said_as",
+    [
+        ("h100", [], "grad reduce + param gather (default: both, as Megatron-Bridge's recipes set them)"),
+        ("h100", ["--no-overlap-grad-reduce"], "param gather (flag --no-overlap-grad-reduce)"),
+        ("h100", ["--no-overlap-grad-reduce", "--no-overlap-param-gather"], "none (flag --no-overlap-grad-reduce "
+         "--no-overlap-param-gather)"),
+        ("a100", [], "none (hardware a100-80g: its efficiency set (dp_overlap 0) hides no DP traffic)"),
+    ],
+)  # fmt: skip
+def test_run_and_search_say_which_dp_collectives_overlap(hardware, flags, said_as, tmp_path, capsys):
+    """Whether the DP collectives hide behind compute moves the step; the plan says what it assumed, and search
+    keeps the flags in every layout it ranks."""
+    out = tmp_path / "r.json"
+    job = ["--model", "llama3-8b", "--gpus", "16", "--hardware", hardware, "--json", str(out), *flags]
+    assert main(["simulate", "run", *job]) in (0, 1)
+    assert f"DP overlap {said_as}" in capsys.readouterr().out
+    a = json.loads(out.read_text())["assumptions"]["dp_overlap"]
+    assert f"{a['value']} ({a['from']})" == said_as
+    assert main(["simulate", "search", *job, "--top", "2"]) == 0
+    report = json.loads(out.read_text())
+    assert report["assumptions"]["dp_overlap"] == a
+    for r in report["results"]:
+        assert r["parallel"]["overlap_grad_reduce"] == ("--no-overlap-grad-reduce" not in flags)
+
+
+@pytest.mark.parametrize(
     "change, named",
     [
         ({"num_experts_per_tok": 70}, "num_experts_per_tok=70"),

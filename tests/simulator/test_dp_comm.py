@@ -1,14 +1,17 @@
 """DP gradient / parameter collectives in Megatron's buckets, and their exposure (simulator.dp_comm)."""
 
+from dataclasses import replace
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from simulator import dp_comm
 from simulator import network as net
-from simulator.analytic import simulate
+from simulator.analytic import dp_seconds, simulate
 from simulator.hardware import load_hardware
 from simulator.parallel import ParallelConfig
+from simulator.specs import load_model
 
 
 def test_bucket_size_is_megatrons_default():
@@ -94,3 +97,25 @@ def test_fsdp_across_two_nvl72_racks_fits_and_is_not_network_bound():
     res = simulate("llama3-405b", "gb200", par, 128)
     assert res.feasible, res.reason
     assert res.tokens_per_s_per_gpu >= 0.85 * 729 and res.breakdown["dp"] < 0.05 * res.step_time_s
+
+
+@pytest.mark.parametrize("zero, reduce", [(1, "step"), (2, "microbatch"), (3, "microbatch")])
+def test_overlap_switches_off_expose_what_no_window_hides(zero, reduce):
+    """Megatron's ``overlap_grad_reduce`` / ``overlap_param_gather`` off (Megatron-LM's command-line default)
+    price the DP collectives as if no compute window hid them: both off is exactly the zero-window price, one off
+    lies between it and both on."""
+    spec, h100 = load_model("llama3-70b"), load_hardware("h100")
+    base = ParallelConfig(tp=8, pp=2, dp=8, zero_stage=zero, grad_reduce=reduce, seq_len=4096,
+                          global_batch_tokens=4096 * 64, recompute="selective")  # fmt: skip
+    tiers = net.cluster_tiers(base.gpus, h100, net.ClusterSpec())
+    windows = (2.0, 1.0)
+    on, off = (
+        dp_seconds(spec, replace(base, **flags), tiers, 0, overlap=1.0, windows=windows)
+        for flags in ({}, {"overlap_grad_reduce": False, "overlap_param_gather": False})
+    )
+    assert off == pytest.approx(dp_seconds(spec, base, tiers, 0, overlap=0.0, windows=windows)) and on < off
+    for flag in ("overlap_grad_reduce", "overlap_param_gather"):
+        one = dp_seconds(spec, replace(base, **{flag: False}), tiers, 0, overlap=1.0, windows=windows)
+        assert on < one < off, flag
+    slow, fast = (simulate(spec, h100, replace(base, overlap_grad_reduce=g), 128) for g in (False, True))
+    assert slow.breakdown["dp"] > fast.breakdown["dp"] and slow.step_time_s > fast.step_time_s
