@@ -43,7 +43,6 @@ def from_hf_config(cfg: dict, name: str | None = None) -> ModelSpec:
     are 1-based in the release and are converted to 0-based indices. A check that fails names the HF field.
     """
     c, get = _hf_text(cfg)
-    check_family(c)
     fields = _fields(cfg, c, get, name or model_name(cfg))
     try:
         return ModelSpec(**fields)
@@ -301,11 +300,13 @@ def _hf_message(msg: str, c: dict) -> str:
 
 
 def _hf_text(cfg: Any) -> tuple[dict, Callable[..., Any]]:
-    """The text model's fields (``text_config`` when present) and their checked getter; required fields present."""
+    """The text model's fields (``text_config`` when present) and their checked getter: an expressible family,
+    required fields present."""
     if not isinstance(cfg, dict) or not isinstance(cfg.get("text_config", cfg), dict):
         raise ValueError("an HF config.json holds one JSON object (its text_config too)")
     c = flatten(cfg.get("text_config", cfg))
     c = with_layer_count(c, single_blocks(c))
+    check_family(c)  # before the required fields: a family that names them otherwise is refused for what it is
     for key in ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size"):
         if c.get(key) is None:
             raise ValueError(f"HF config: required field {key!r} is missing")

@@ -144,6 +144,8 @@ NOT_EXPRESSIBLE = {
     "doge": "its experts are single-neuron embeddings looked up by product keys",
     "jetmoe": "its attention is a mixture of routed attention experts",
     "falcon_h1": "each layer runs attention and a Mamba-2 mixer side by side",
+    "longcat_flash": "each layer runs two MLA attentions and two dense MLPs beside a shortcut-connected MoE whose "
+    "zero-computation experts (zero_expert_num) make the work per token depend on the routing",
 }
 """Families whose experts or layers the simulator cannot stand for: refused, not mispriced."""
 
