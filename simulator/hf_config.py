@@ -64,7 +64,7 @@ def _fields(cfg: dict, c: dict, get: Callable[..., Any], name: str) -> dict:
     moe = _moe_fields(c, get, hidden, layers)
     mamba = single["mamba_layers"] if blocks else mamba_layer_ids(c, get, layers, types)
     check_mixers(c, types, kda, mamba)
-    dense_width = "intermediate_size_mlp" if c.get("intermediate_size_mlp") is not None else "intermediate_size"
+    dense_width = _dense_width_name(c)
     read = dict(
         name=name,
         hidden=hidden,
@@ -196,7 +196,7 @@ def _moe_fields(c: dict, get: Callable[..., Any], hidden: int, layers: int) -> d
     latent = _one_of(get, LATENT, "routed experts' hidden width")[1]
     ids, _ = moe_layer_ids(c, get, layers)
     first = ids[0] if ids == tuple(range(ids[0], layers)) else 0
-    dense = "intermediate_size_mlp" if c.get("intermediate_size_mlp") is not None else "intermediate_size"
+    dense = _dense_width_name(c)
     if len(ids) < layers and not get(dense):
         raise ValueError(f"HF config: {layers - len(ids)} dense (non-MoE) layers need their width {dense} > 0")
     return {
@@ -212,6 +212,16 @@ def _moe_fields(c: dict, get: Callable[..., Any], hidden: int, layers: int) -> d
         **fixed,
         **_expert_groups(get),
     }
+
+
+DENSE_WIDTH = ("intermediate_size_mlp", "first_dense_intermediate_size", "mlp_only_intermediate_size")
+"""Names of the dense MLP's width in MoE families where ``intermediate_size`` is absent or the experts' (Llama-4,
+and the families whose dense layers come first or are listed in ``mlp_only_layers``)."""
+
+
+def _dense_width_name(c: dict) -> str:
+    """The field holding the dense MLP's width: the first ``DENSE_WIDTH`` name present, else ``intermediate_size``."""
+    return next((k for k in DENSE_WIDTH if c.get(k) is not None), "intermediate_size")
 
 
 def _glu_clamp(get: Callable[..., Any]) -> float:

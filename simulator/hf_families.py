@@ -201,12 +201,15 @@ the same way, with a warning that says so."""
 
 def family_fixed(c: dict) -> dict:
     """Parts a family always has that no field states: Llama-4's one shared expert (``Llama4TextMoe``),
-    gpt-oss' per-head sinks, router and expert biases, Qwen2-MoE's sigmoid gate on its shared expert."""
+    gpt-oss' per-head sinks, router and expert biases, Ergo's 2-matrix squared-ReLU MLPs and experts, Qwen2-MoE's
+    sigmoid gate on its shared expert."""
     kind = str(c.get("model_type", ""))
     if kind.startswith("llama4"):
         return {"num_shared_experts": 1}
     if kind == "gpt_oss":
         return {"attn_sinks": True, "router_bias": True, "expert_bias": True}
+    if kind == "ergo":  # ErgoMLP, ErgoSharedExpert and the experts: up, squared ReLU, down
+        return {"gated_ffn": False, "gated_experts": False}
     if kind == "qwen2_moe" or c.get("shared_expert_intermediate_size"):
         return {"shared_expert_gate": True}
     return {}

@@ -140,6 +140,18 @@ def test_qwen_sparse_step_and_mlp_only_layers_price_dense_layers():
     assert every.total - param_counts(spec).total == 15 * (moe_layer - dense_width)
 
 
+@pytest.mark.parametrize("name", ["mlp_only_intermediate_size", "first_dense_intermediate_size"])
+def test_the_dense_width_under_its_other_names_sizes_the_dense_layers(name: str):
+    """Families that name the dense layers' width apart from ``intermediate_size`` (kolibri, Ergo): read, not
+    refused as dense layers without a width and not priced at another field's width."""
+    spec = from_hf_config(QWEN2_57B_A14B | {"mlp_only_layers": [0, 1], name: 4096})
+    assert spec.ffn_hidden == 4096 and [k[1] for k in spec.layer_kinds()][:3] == ["dense", "dense", "moe"]
+    without = {k: v for k, v in QWEN2_57B_A14B.items() if k != "intermediate_size"}
+    assert from_hf_config(without | {"mlp_only_layers": [0], name: 4096}).ffn_hidden == 4096
+    with pytest.raises(ValueError, match="intermediate_size > 0"):
+        from_hf_config(without | {"mlp_only_layers": [0]})
+
+
 def _tolerance(published: float) -> float:
     """2%, or half a unit of the card's last digit when it gives fewer digits (``2.4B``: 2.1%)."""
     digits = len(f"{published / 1e9:g}".replace(".", "").lstrip("0"))
