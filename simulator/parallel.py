@@ -8,7 +8,7 @@ tokens in ``micro_batches = global_batch_tokens / seq_len / (DP x micro_batch)``
 from __future__ import annotations
 
 import math
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from functools import lru_cache
 
 from simulator.field_checks import frozen_config
@@ -152,6 +152,9 @@ class ParallelConfig:
         self._check_recipe()
 
     def _check_recipe(self) -> None:
+        for f in fields(self):  # a string such as "no" would read as on
+            if isinstance(f.default, bool) and not isinstance(getattr(self, f.name), bool):
+                raise ValueError(f"ParallelConfig.{f.name} must be True or False, got {getattr(self, f.name)!r}")
         for f in ("etp", "pp_first_layers", "pp_last_layers", "microbatch_group", "ep_comm_sms"):
             v = getattr(self, f)
             if v is None and f.startswith("pp_"):

@@ -135,6 +135,8 @@ def test_capacity_factor_sizes_experts_and_keeps_the_layer_overhead():
         ({"global_batch_tokens": 2**53 + 1}, r"global_batch_tokens must be an integer in \[1, 9007199254740992\]"),
         ({"etp": 2**31}, r"etp must be an integer in \[0, 2147483647\]"),
         ({"grad_reduce": "never"}, "grad_reduce must be one of"),
+        ({"overlap_grad_reduce": "no"}, "overlap_grad_reduce must be True or False, got 'no'"),  # was read as on
+        ({"fp8_attention": 1}, "fp8_attention must be True or False"),
     ],
 )
 def test_bad_values_name_the_field(kwargs, needle):
