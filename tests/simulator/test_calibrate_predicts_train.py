@@ -154,6 +154,8 @@ def test_calibrated_profile_prices_tiny_k3_train_step(rounds):
     assert min(abs(r - 1.0) for r in ratios) <= SANITY, f"predicted/measured by round = {ratios}"
 
 
+@pytest.mark.spawns
+@pytest.mark.solo
 @pytest.mark.slow
 @pytest.mark.host_noise
 def test_calibrated_profile_predicts_tiny_k3_train_step(rounds):

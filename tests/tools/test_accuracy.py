@@ -30,6 +30,8 @@ def kinds(report):
     return [(f["kind"], f["ranks"]) for f in report["findings"]]
 
 
+@pytest.mark.spawns
+@pytest.mark.solo
 @pytest.mark.host_noise
 def test_slowdown_1_2x_found_on_right_rank_within_10_steps(tmp_path):
     report, tables = diagnose_run(
@@ -60,6 +62,8 @@ def test_link_delay_attributed_to_its_pair(tmp_path):
     assert kinds(report) == [("slow_link", [1, 3])]
 
 
+@pytest.mark.spawns
+@pytest.mark.solo
 @pytest.mark.host_noise
 def test_100_clean_steps_raise_no_alarm(tmp_path):
     report = diagnose_run(tmp_path, steps=100)
