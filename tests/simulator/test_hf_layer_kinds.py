@@ -89,6 +89,7 @@ read by ``simulator.hf_layer_kinds``)."""
         ("bailing_hybrid", {}, "linear_attention"),  # linear attention without Gated DeltaNet's key / value heads
         ("falcon_h1", {}, "'falcon_h1' is not expressible"),  # attention and Mamba-2 side by side
         ("longcat_flash", {}, "'longcat_flash' is not expressible"),  # was "'num_hidden_layers' is missing"
+        ("recurrent_gemma", {}, "block_types kinds ['recurrent']"),  # was priced as all softmax attention
         ("deepseek_v32", {}, "indexed_attention"),
         ("deepseek_v32", {"layer_types": None}, "index_topk"),  # a published file: no layer_types
         ("lara_mini", {"layer_types": None}, "linear_num_key_heads"),  # linear fields, no placement

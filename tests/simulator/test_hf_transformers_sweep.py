@@ -21,7 +21,7 @@ from simulator.layers import param_counts
 from simulator.specs import from_hf_config
 
 pytestmark = pytest.mark.filterwarnings("ignore:HF config. expert fields not read")
-WORDS = ("expert", "moe", "mamba", "layer_types", "hybrid_override")
+WORDS = ("expert", "moe", "mamba", "layer_types", "hybrid_override", "block_type")
 
 
 @functools.cache
@@ -53,6 +53,7 @@ def _loads_as_priced(cfg: dict) -> bool:
         return False
     types = cfg.get("layer_types") or []
     assert set(types) <= set(ATTENTION) | set(RECURRENT), types
+    assert set(cfg.get("block_types") or []) <= {"attention"}, cfg["block_types"]  # RecurrentGemma's cycle
     recurrent = tuple(sorted(spec.kda_layers + spec.mamba_layers))
     assert not types or tuple(i for i, t in enumerate(types) if t in RECURRENT) == recurrent
     kinds = cfg.get("mlp_layer_types")
