@@ -152,9 +152,9 @@ class ParallelConfig:
         self._check_recipe()
 
     def _check_recipe(self) -> None:
-        for f in fields(self):  # a string such as "no" would read as on
-            if isinstance(f.default, bool) and not isinstance(getattr(self, f.name), bool):
-                raise ValueError(f"ParallelConfig.{f.name} must be True or False, got {getattr(self, f.name)!r}")
+        for name in _SWITCHES:  # a string such as "no" would read as on
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"ParallelConfig.{name} must be True or False, got {getattr(self, name)!r}")
         for f in ("etp", "pp_first_layers", "pp_last_layers", "microbatch_group", "ep_comm_sms"):
             v = getattr(self, f)
             if v is None and f.startswith("pp_"):
@@ -315,3 +315,7 @@ def rank_chunks(par: ParallelConfig) -> list[list[int]]:
     if par.schedule == "dualpipe":
         return [[r, p - 1 - r] for r in range(p)]
     return [[r] for r in range(p)]
+
+
+_SWITCHES = tuple(f.name for f in fields(ParallelConfig) if isinstance(f.default, bool))
+"""The on/off ``ParallelConfig`` fields."""
