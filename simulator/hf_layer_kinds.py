@@ -60,17 +60,9 @@ def _kind_list(key: str, kinds: Any, layers: int) -> list[str]:
 
 
 def _derived_kinds(c: dict, layers: int) -> list[str] | None:
-    """Layer kinds a file states another way (RecurrentGemma's ``block_types`` cycle is refused when it holds
-    recurrent blocks): Granite-4's ``layers_block_type`` (``mamba`` / ``attention``),
+    """Layer kinds a file states another way: Granite-4's ``layers_block_type`` (``mamba`` / ``attention``),
     LFM2's ``full_attn_idxs`` (convolutions elsewhere), Qwen3-Next / Qwen3.5's ``full_attention_interval``, and
     the alternating default of MiniMax; None when the family has no such rule."""
-    cycle = c.get("block_types")  # RecurrentGemma: a cycle of block kinds over the layers
-    unknown = sorted({str(k) for k in cycle} - {"attention"}) if isinstance(cycle, list) else []
-    if unknown:
-        raise ValueError(
-            f"HF config: block_types kinds {unknown} have no cost model (RecurrentGemma's RG-LRU blocks): refusing "
-            "to price those layers as attention"
-        )
     block = c.get("layers_block_type")
     if isinstance(block, list):  # mixers only here: one with MLP / MoE blocks is a single-block hybrid
         return [{"attention": "full_attention"}.get(str(k), str(k)) for k in block]
@@ -134,6 +126,13 @@ def check_mixers(c: dict, types: list[str] | None, kda: tuple[int, ...], mamba: 
                 f"HF config: field {key!r} ({_brief(v)}) gives layers their own shape or mixer, which is not "
                 "expressible: every layer of a kind has one shape here"
             )
+    cycle = c.get("block_types")  # RecurrentGemma: a cycle of block kinds over the layers
+    unknown = sorted({str(k) for k in cycle} - {"attention"}) if isinstance(cycle, list) else []
+    if unknown:
+        raise ValueError(
+            f"HF config: block_types kinds {unknown} have no cost model (RecurrentGemma's RG-LRU blocks): refusing "
+            "to price those layers as attention"
+        )
     if types is not None:
         unknown = sorted(set(types) - set(ATTENTION) - set(RECURRENT))
         if unknown:
