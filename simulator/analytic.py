@@ -102,9 +102,9 @@ def dp_seconds(
     gather = dp_comm.exposed(gathers, fwd if par.overlap_param_gather else 0.0)
     rounds = par.micro_batches if par.reduces_every_microbatch else 1
     regather = 2 * sum(p.total_s for p in gathers) if par.zero_stage == 3 else 0.0  # the stream's other sends
-    if not par.overlap_grad_reduce:
-        back = fwd = 0.0
-    reduce = dp_comm.exposed(grads, back, rounds=rounds, between=fwd, busy=regather)
+    # off: no compute hides the reduction, nor an earlier round behind the next forward
+    grad_back, grad_fwd = (back, fwd) if par.overlap_grad_reduce else (0.0, 0.0)
+    reduce = dp_comm.exposed(grads, grad_back, rounds=rounds, between=grad_fwd, busy=regather)
     return reduce + gather * (1 + (2 * par.micro_batches if par.zero_stage == 3 else 0))
 
 

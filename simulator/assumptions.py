@@ -77,8 +77,9 @@ def _dp_overlap(par: ParallelConfig, hw: HardwareSpec) -> dict:
     set overlaps DP at all)."""
     if not hw.efficiency.dp_overlap:
         return {"value": "none", "from": f"hardware {hw.name}: its efficiency set (dp_overlap 0) hides no DP traffic"}
-    on = [n for n, f in (("grad reduce", par.overlap_grad_reduce), ("param gather", par.overlap_param_gather)) if f]
-    off = [f"--no-overlap-{n.replace(' ', '-')}" for n in ("grad reduce", "param gather") if n not in on]
+    switches = {"grad reduce": par.overlap_grad_reduce, "param gather": par.overlap_param_gather}
+    on = [name for name, hidden in switches.items() if hidden]
+    off = [f"--no-overlap-{name.replace(' ', '-')}" for name, hidden in switches.items() if not hidden]
     return {
         "value": " + ".join(on) or "none",
         "from": "flag " + " ".join(off) if off else "default: both, as Megatron-Bridge's recipes set them",
